@@ -1,0 +1,114 @@
+"""Models by name, for the CLI, tests and benchmarks.
+
+``build_workload("gpt-tiny", batch=2, seq=32)`` returns the model, one example
+batch and the loss function — exactly what ``fxpipe.capture`` and
+``fxpipe.parallelize`` take. Names:
+
+- fxpipe's own GPT (``fxpipe/models/gpt.py``) at several sizes: ``gpt-tiny``,
+  ``gpt-small``, ``gpt2-small``, ``gpt2-medium``, ``gpt3-175b``;
+- tiny Hugging Face families built from configs in code: ``hf:gpt2``,
+  ``hf:llama``, ``hf:gpt_neox``, ``hf:opt``;
+- ``package.module:function`` — a user function returning ``(model, batch)`` or
+  ``(model, batch, loss_fn)``.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from fxpipe.losses import causal_lm_loss
+from fxpipe.models.gpt import GPT, GPTConfig
+from fxpipe.models.hf import HF_FAMILIES
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What capture needs: the model, one batch as ``train_step`` will see it, the loss."""
+    model: nn.Module
+    example_inputs: tuple[Any, ...]
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    config: GPTConfig | None = None
+    """The GPT shape when known (FLOPs formulas, planner); None for HF or user models."""
+
+
+GPT_CONFIGS: dict[str, GPTConfig] = {
+    "gpt-tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64),
+    "gpt-small": GPTConfig(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=256),
+    "gpt2-small": GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": GPTConfig(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+    "gpt3-175b": GPTConfig(vocab_size=51200, block_size=2048, n_layer=96, n_head=96, n_embd=12288),
+}
+
+HF_TINY = dict(layers=2, hidden=64, heads=4, vocab=128, seq=64)
+
+
+def model_names() -> list[str]:
+    return [*GPT_CONFIGS, *(f"hf:{k}" for k in HF_FAMILIES)]
+
+
+def _token_batch(batch: int, seq: int, vocab: int, device: torch.device | str,
+                 seed: int) -> torch.Tensor:
+    if torch.device(device).type == "meta":
+        return torch.empty(batch, seq, dtype=torch.long, device="meta")
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+
+
+def build_workload(name: str, *, batch: int = 2, seq: int | None = None,
+                   device: torch.device | str = "cpu", seed: int = 0,
+                   layers: int | None = None) -> Workload:
+    """Build a named model and an example batch of ``batch`` sequences of ``seq`` tokens.
+
+    ``device="meta"`` builds without allocating weights (paper-scale shapes).
+    ``layers`` overrides the layer count of a named GPT/HF shape.
+    """
+    if name in GPT_CONFIGS:
+        cfg = GPT_CONFIGS[name]
+        if layers is not None or (seq is not None and seq > cfg.block_size):
+            cfg = GPTConfig(**{**cfg.__dict__, "n_layer": layers or cfg.n_layer,
+                               "block_size": max(cfg.block_size, seq or 0)})
+        seq = seq or cfg.block_size
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = GPT(cfg)
+        x = _token_batch(batch, seq + 1, cfg.vocab_size, device, seed)
+        # nanoGPT convention: the targets are the inputs shifted by one token.
+        return Workload(model, (x[:, :-1].contiguous(), x[:, 1:].contiguous()), None, cfg)
+    if name.startswith("hf:"):
+        family = name[3:]
+        if family not in HF_FAMILIES:
+            raise ValueError(f"unknown Hugging Face family {family!r}; valid: "
+                             + ", ".join(f"hf:{k}" for k in HF_FAMILIES))
+        dims = dict(HF_TINY)
+        if layers is not None:
+            dims["layers"] = layers
+        seq = seq or 16
+        dims["seq"] = max(dims["seq"], seq)
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = HF_FAMILIES[family](**dims)
+        ids = _token_batch(batch, seq, dims["vocab"], device, seed)
+        return Workload(model, (ids, ids.clone()), causal_lm_loss, None)
+    if ":" in name:
+        return _user_workload(name)
+    raise ValueError(f"unknown model {name!r}; valid names: {', '.join(model_names())}, "
+                     f"or 'package.module:function' returning (model, batch[, loss_fn])")
+
+
+def _user_workload(spec: str) -> Workload:
+    module_name, _, fn_name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load model function {spec!r}: {exc}") from exc
+    result = fn()
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise TypeError(f"{spec} must return (model, batch) or (model, batch, loss_fn), "
+                        f"got {type(result).__name__}")
+    model, batch, *rest = result
+    batch = batch if isinstance(batch, tuple) else (batch,)
+    return Workload(model, batch, rest[0] if rest else None, None)

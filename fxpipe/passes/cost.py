@@ -1,0 +1,136 @@
+"""Cost annotation: FLOPs and bytes per node, from shapes alone.
+
+Every number comes from the FakeTensor shapes export records in ``node.meta["val"]``,
+so the pass runs on meta-device captures of paper-scale models.
+
+Conventions (they are the ones of the model-FLOPs formula in REFERENCE.md,
+72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)), Narayanan et al. SC21 §5.1):
+- a matrix multiply of (M×K)·(K×N) costs 2·M·N·K forward; its backward computes
+  the input and the weight gradient, 2× the forward;
+- fused attention counts its two matmuls, Q·Kᵀ and P·V, over the full s×s score
+  matrix (the formula does not halve for causal masking);
+- element-wise and reduction ops count one FLOP per output element in
+  ``other_flops``; they are memory bound and enter the time model through bytes.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from fxpipe.program import NodeCost, ParamKind, Program, itemsize
+
+aten = torch.ops.aten
+
+
+def _tensors(val: Any) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [t for v in val for t in _tensors(v)]
+    return []
+
+
+def _nbytes(val: Any) -> int:
+    return sum(t.numel() * itemsize(t.dtype) for t in _tensors(val))
+
+
+def _val(arg: Any) -> Any:
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else None
+
+
+def _numel(t: torch.Tensor) -> int:
+    return int(t.numel())
+
+
+def _matmul_flops(node: fx.Node) -> int:
+    """2·(output elements)·K for linear/mm/bmm/matmul-like ops; K from the weight/right operand."""
+    out = node.meta["val"]
+    target = node.target
+    if target in (aten.addmm.default, aten.baddbmm.default):
+        left = _val(node.args[1])
+    else:
+        left = _val(node.args[0])
+    k = int(left.shape[-1])
+    return 2 * _numel(out) * k
+
+
+def _sdpa_flops(node: fx.Node) -> int:
+    q, k, v = (_val(a) for a in node.args[:3])
+    batch = _numel(q) // (int(q.shape[-2]) * int(q.shape[-1]))
+    lq, e = int(q.shape[-2]), int(q.shape[-1])
+    lk, ev = int(k.shape[-2]), int(v.shape[-1])
+    return 2 * batch * lq * lk * e + 2 * batch * lq * lk * ev
+
+
+_MATMUL: dict[Any, Callable[[fx.Node], int]] = {
+    aten.linear.default: _matmul_flops,
+    aten.mm.default: _matmul_flops,
+    aten.addmm.default: _matmul_flops,
+    aten.bmm.default: _matmul_flops,
+    aten.baddbmm.default: _matmul_flops,
+    aten.matmul.default: _matmul_flops,
+    aten.scaled_dot_product_attention.default: _sdpa_flops,
+    aten._scaled_dot_product_flash_attention.default: _sdpa_flops,
+    aten._scaled_dot_product_efficient_attention.default: _sdpa_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_flops,
+}
+
+# Ops that only re-describe memory: no FLOPs, no traffic (a cut still sends their output).
+VIEW_OPS = frozenset({
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
+    aten.permute.default, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.squeeze.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
+    aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.alias.default,
+    aten.detach.default, aten.unflatten.int, aten.flatten.using_ints, aten.unbind.int,
+    aten.view_as.default, aten.as_strided.default, aten.to.dtype_layout, aten.to.dtype,
+    aten._assert_tensor_metadata.default, aten.lift_fresh_copy.default,
+})
+
+
+def node_cost(node: fx.Node) -> tuple[int, int, int, int, int]:
+    """(fwd matmul FLOPs, bwd matmul FLOPs, other FLOPs, out bytes, memory traffic bytes)."""
+    val = node.meta.get("val")
+    out_bytes = _nbytes(val)
+    if node.op != "call_function":
+        return 0, 0, 0, out_bytes, 0
+    if node.target in _MATMUL:
+        fwd = _MATMUL[node.target](node)
+        traffic = out_bytes + sum(_nbytes(_val(a)) for a in node.args[:3])
+        return fwd, 2 * fwd, 0, out_bytes, traffic
+    if node.target in VIEW_OPS or node.target.__name__ == "getitem" or not _tensors(val):
+        return 0, 0, 0, out_bytes, 0
+    traffic = out_bytes + sum(_nbytes(_val(a)) for a in node.args if isinstance(a, fx.Node))
+    other = sum(_numel(t) for t in _tensors(val))
+    return 0, 0, other, out_bytes, traffic
+
+
+def cost_pass(program: Program, config: object = None) -> Program:
+    """Annotate every node with a :class:`NodeCost`; parameters' bytes go to their first reader."""
+    param_bytes = {p.node: p.nbytes for p in program.params if p.kind is ParamKind.PARAMETER}
+    seen: set[str] = set()
+    costs: dict[str, NodeCost] = {}
+    for node in program.graph.nodes:
+        fwd, bwd, other, out_b, traffic = node_cost(node)
+        owned = 0
+        for arg in node.all_input_nodes:
+            if arg.name in param_bytes and arg.name not in seen:
+                seen.add(arg.name)
+                owned += param_bytes[arg.name]
+        costs[node.name] = NodeCost(fwd_flops=fwd, bwd_flops=bwd, other_flops=other,
+                                    out_bytes=out_b, mem_bytes=traffic, param_bytes=owned)
+    return program.replace(costs=costs)
+
+
+def total_cost(program: Program) -> NodeCost:
+    """Sum over all nodes (fields add)."""
+    cs = program.costs.values()
+    return NodeCost(*(sum(getattr(c, f) for c in cs) for f in NodeCost.__dataclass_fields__))
+
+
+def model_flops_formula(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """Megatron's model FLOPs per iteration, no recomputation (REFERENCE.md):
+    72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))."""
+    B, s, l, h, V = batch, seq, layers, hidden, vocab
+    return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))

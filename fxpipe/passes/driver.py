@@ -1,0 +1,70 @@
+"""The pass driver: one ordered list of passes, each with the reason it is there.
+
+A pass is a plain function ``name_pass(program, config) -> program``. The driver
+runs them in order, can skip one by name, times each, and in debug mode lints
+the graph and checks the Program's invariants after every pass, naming the pass
+that broke them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from fxpipe.passes.canonicalize import canonicalize_pass
+from fxpipe.passes.cost import cost_pass
+from fxpipe.passes.lint import lint_program
+from fxpipe.program import Program
+
+PassFn = Callable[[Program, object], Program]
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    name: str
+    fn: PassFn
+    why: str
+
+
+@dataclass(frozen=True)
+class PassTiming:
+    name: str
+    seconds: float
+    nodes_after: int
+
+
+# The order matters; each line says why the pass is where it is.
+DEFAULT_PASSES: tuple[PassSpec, ...] = (
+    PassSpec("canonicalize", canonicalize_pass,
+             "drop export's runtime asserts and dead values so later passes see computation only"),
+    PassSpec("cost", cost_pass,
+             "FLOPs and bytes per node from shapes; last, so it prices the graph as rewritten"),
+)
+
+
+def pass_names(passes: Sequence[PassSpec] = DEFAULT_PASSES) -> list[str]:
+    return [p.name for p in passes]
+
+
+def run_passes(program: Program, config: object = None, *,
+               passes: Sequence[PassSpec] = DEFAULT_PASSES, skip: Iterable[str] = (),
+               debug: bool = False) -> tuple[Program, list[PassTiming]]:
+    """Run ``passes`` in order, except those named in ``skip``; return the result and timings."""
+    skip = set(skip)
+    unknown = skip - set(pass_names(passes))
+    if unknown:
+        raise ValueError(f"cannot skip unknown pass(es) {sorted(unknown)}; "
+                         f"passes are: {', '.join(pass_names(passes))}")
+    if debug:
+        lint_program(program, after="capture")
+    timings = []
+    for spec in passes:
+        if spec.name in skip:
+            continue
+        start = time.perf_counter()
+        program = spec.fn(program, config)
+        elapsed = time.perf_counter() - start
+        if debug:
+            lint_program(program, after=spec.name)
+        timings.append(PassTiming(spec.name, elapsed, len(program.graph.nodes)))
+    return program, timings

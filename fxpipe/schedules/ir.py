@@ -1,0 +1,317 @@
+"""The schedule IR: per pipeline rank, an ordered list of actions.
+
+An action is (stage index, kind, microbatch). Its text form is
+``{stage}{kind}{microbatch}`` -- ``3F0``, ``1SEND_B2``, ``0W5`` -- the form
+torch.distributed.pipelining prints and parses (``_Action.__repr__`` /
+``_Action.from_str``), so a schedule written here as CSV loads there unchanged.
+
+Conventions shared with torch.distributed.pipelining:
+- ``SEND_F`` carries the *sender's* stage, ``RECV_F`` the *receiver's*:
+  ``2SEND_F0`` on the rank of stage 2 matches ``3RECV_F0`` on the rank of stage 3.
+  Backward goes the other way: ``3SEND_B0`` matches ``2RECV_B0``.
+- The loss is computed inside the last stage's ``F``; its ``B`` (or ``I``)
+  starts the backward chain.
+- ``B`` is the full backward. Zero-bubble schedules split it into ``I`` (input
+  gradient, on the critical path) and ``W`` (weight gradient, deferrable),
+  Qi et al. 2024 §2.
+"""
+from __future__ import annotations
+
+import csv
+import enum
+import io
+import os
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterable, NamedTuple, Sequence
+
+import numpy as np
+
+
+class ActionKind(enum.Enum):
+    """What an action does; the value is its spelling in the text form."""
+
+    F = "F"  # forward (the last stage's forward includes the loss)
+    B = "B"  # full backward
+    I = "I"  # backward for inputs (zero bubble)  # noqa: E741
+    W = "W"  # backward for weights (zero bubble)
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in _COMPUTE_KINDS
+
+    @property
+    def is_comm(self) -> bool:
+        return not self.is_compute
+
+
+_COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
+
+# Integer codes of the kinds in the flat arrays the numba kernels read.
+KIND_CODE = {kind: code for code, kind in enumerate(ActionKind)}
+KIND_OF_CODE = tuple(ActionKind)
+
+# Longest spellings first so that e.g. "SEND_F" is never read as "S" + ... .
+_ACTION_RE = re.compile(
+    r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)\s*$"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of one rank: run ``kind`` for ``microbatch`` on ``stage``."""
+
+    stage: int
+    kind: ActionKind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @staticmethod
+    def parse(text: str) -> "Action":
+        """Inverse of ``str``: ``Action.parse("1SEND_B2") == Action(1, SEND_B, 2)``."""
+        match = _ACTION_RE.match(text)
+        if match is None:
+            raise ValueError(
+                f"cannot parse action {text!r}: expected {{stage}}{{kind}}{{microbatch}} "
+                f"with kind one of {[k.value for k in ActionKind]}, e.g. '3F0' or '1SEND_B2'"
+            )
+        stage, kind, microbatch = match.groups()
+        return Action(int(stage), ActionKind(kind), int(microbatch))
+
+
+def loop_stage_ranks(num_ranks: int, num_chunks: int) -> tuple[int, ...]:
+    """Looped placement (Megatron SC21 §2.2): stage c lives on rank c mod p."""
+    return tuple(stage % num_ranks for stage in range(num_ranks * num_chunks))
+
+
+def v_stage_ranks(num_ranks: int) -> tuple[int, ...]:
+    """V placement (ZB-V, DualPipeV): rank r holds stages r and 2p-1-r, so the
+    first and the last stage share rank 0 and the turn at stage p-1 -> p is local."""
+    return tuple(range(num_ranks)) + tuple(reversed(range(num_ranks)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """A pipeline schedule: for every pp rank, the ordered actions it runs.
+
+    ``actions[r]`` is rank r's list. A *compute-only* schedule holds F/B/I/W;
+    ``lower()`` returns one with SEND/RECV inserted.
+    """
+
+    name: str
+    """Generator name (``"1f1b"``, ...) or ``"csv"`` for a loaded file."""
+    num_microbatches: int
+    """Microbatches per step (m)."""
+    stage_ranks: tuple[int, ...]
+    """stage index -> pp rank; its length is the number of stages (p * v)."""
+    actions: tuple[tuple[Action, ...], ...]
+    """Per pp rank, the actions in execution order."""
+
+    def __post_init__(self) -> None:
+        assert self.num_microbatches >= 1, self.num_microbatches
+        assert len(self.actions) >= 1
+        assert all(0 <= r < len(self.actions) for r in self.stage_ranks), self.stage_ranks
+        assert len(self.stage_ranks) % len(self.actions) == 0, (
+            "every rank must hold the same number of stages",
+            self.stage_ranks,
+        )
+
+    @property
+    def num_ranks(self) -> int:
+        """Pipeline-parallel size (p)."""
+        return len(self.actions)
+
+    @property
+    def num_stages(self) -> int:
+        """Total number of model chunks (p * v)."""
+        return len(self.stage_ranks)
+
+    @property
+    def num_chunks(self) -> int:
+        """Stages per rank (v)."""
+        return self.num_stages // self.num_ranks
+
+    def stage_to_rank(self, stage: int) -> int:
+        return self.stage_ranks[stage]
+
+    def stages_of_rank(self, rank: int) -> tuple[int, ...]:
+        """The stages rank ``rank`` holds, in stage order."""
+        return tuple(s for s, r in enumerate(self.stage_ranks) if r == rank)
+
+    @cached_property
+    def is_lowered(self) -> bool:
+        """True if SEND/RECV actions are present."""
+        return any(a.kind.is_comm for rank in self.actions for a in rank)
+
+    @cached_property
+    def splits_backward(self) -> bool:
+        """True if the backward is split into I and W (zero-bubble family)."""
+        return any(a.kind in (ActionKind.I, ActionKind.W) for rank in self.actions for a in rank)
+
+    def compute_only(self) -> "Schedule":
+        """The same schedule with SEND/RECV removed."""
+        return self.with_actions(
+            tuple(a for a in rank if a.kind.is_compute) for rank in self.actions
+        )
+
+    def with_actions(self, actions: Iterable[Iterable[Action]]) -> "Schedule":
+        return Schedule(
+            name=self.name,
+            num_microbatches=self.num_microbatches,
+            stage_ranks=self.stage_ranks,
+            actions=tuple(tuple(rank) for rank in actions),
+        )
+
+    @cached_property
+    def arrays(self) -> "ScheduleArrays":
+        """The actions as flat integer arrays (rank r's actions are
+        ``[offsets[r], offsets[r+1])``), built once per schedule: the numba
+        simulator reads these, so a planner re-simulating one schedule with
+        other durations pays the Python-object walk only once."""
+        codes = KIND_CODE
+        flat = [a for rank in self.actions for a in rank]
+        offsets = np.zeros(self.num_ranks + 1, dtype=np.int64)
+        np.cumsum([len(rank) for rank in self.actions], out=offsets[1:])
+        return ScheduleArrays(
+            kind=np.fromiter((codes[a.kind] for a in flat), dtype=np.int8, count=len(flat)),
+            stage=np.fromiter((a.stage for a in flat), dtype=np.int32, count=len(flat)),
+            microbatch=np.fromiter((a.microbatch for a in flat), dtype=np.int32, count=len(flat)),
+            offsets=offsets,
+            stage_ranks=np.asarray(self.stage_ranks, dtype=np.int32),
+        )
+
+    # ---- text forms -------------------------------------------------------
+
+    def to_csv(self) -> str:
+        """One row per rank, one cell per action: the format of torch's
+        ``_dump_csv``, which its ``_load_csv`` reads back."""
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        for rank in self.actions:
+            writer.writerow([str(a) for a in rank])
+        return buf.getvalue()
+
+    def write_csv(self, path: str | os.PathLike) -> None:
+        with open(path, "w", newline="") as f:
+            f.write(self.to_csv())
+
+    @staticmethod
+    def read_csv(path: str | os.PathLike, **kwargs) -> "Schedule":
+        with open(path, newline="") as f:
+            return Schedule.from_csv(f.read(), **kwargs)
+
+    @staticmethod
+    def from_csv(
+        text: str,
+        *,
+        name: str = "csv",
+        num_microbatches: int | None = None,
+    ) -> "Schedule":
+        """Parse CSV text written by ``to_csv`` (or by torch's ``_dump_csv``;
+        its empty cells, torch's ``None`` placeholders, are skipped).
+
+        The stage -> rank mapping is inferred from where each stage's actions
+        sit, as torch's ``_validate_schedule`` does; ``num_microbatches``
+        defaults to the largest microbatch index + 1.
+        """
+        actions = tuple(parse_actions(row) for row in csv.reader(io.StringIO(text)))
+        if not actions or not any(actions):
+            raise ValueError("empty schedule CSV: expected one row of actions per pipeline rank")
+        owner: dict[int, int] = {}
+        for rank, row in enumerate(actions):
+            for a in row:
+                # Every kind, comm included, is named by a stage of the rank that posts it.
+                if owner.setdefault(a.stage, rank) != rank:
+                    raise ValueError(
+                        f"stage {a.stage} appears on rank {owner[a.stage]} and on rank {rank} "
+                        f"(action {a}); a stage must live on exactly one rank"
+                    )
+        num_stages = max(owner) + 1
+        missing = sorted(set(range(num_stages)) - set(owner))
+        if missing:
+            raise ValueError(f"stages {missing} have no actions in the CSV; cannot infer their rank")
+        if num_stages % len(actions) != 0:
+            raise ValueError(
+                f"{num_stages} stages over {len(actions)} ranks: every rank must hold the same "
+                "number of stages"
+            )
+        if num_microbatches is None:
+            num_microbatches = 1 + max(a.microbatch for row in actions for a in row)
+        return Schedule(
+            name=name,
+            num_microbatches=num_microbatches,
+            stage_ranks=tuple(owner[s] for s in range(num_stages)),
+            actions=actions,
+        )
+
+    def format_grid(
+        self,
+        marks: dict[tuple[int, int], str] | None = None,
+        window: int | None = 12,
+    ) -> str:
+        """The step x rank grid (one row per step, one column per rank, like
+        torch's ``_format_pipeline_order``). ``marks`` maps (rank, step) to a
+        note; marked cells print as ``>3F0<`` and their row ends with the note.
+        With marks and a ``window``, only the rows within ``window`` steps of a
+        mark are shown, so errors in long schedules stay readable."""
+        marks = marks or {}
+        num_steps = max((len(r) for r in self.actions), default=0)
+        cells = [
+            [
+                (">" + str(rank[step]) + "<") if (r, step) in marks
+                else (str(rank[step]) if step < len(rank) else "")
+                for r, rank in enumerate(self.actions)
+            ]
+            for step in range(num_steps)
+        ]
+        # Marked actions past a rank's end (e.g. "missing") still get a row.
+        extra = [s for (_, s) in marks if s >= num_steps]
+        for step in range(num_steps, max(extra, default=num_steps - 1) + 1):
+            cells.append(["" for _ in self.actions])
+        labels = [f"rank {r}" for r in range(self.num_ranks)]
+        widths = [
+            max([len(labels[r])] + [len(row[r]) for row in cells]) for r in range(self.num_ranks)
+        ]
+        step_w = len(f"step {len(cells) - 1}")
+        lines = [" " * (step_w + 2) + " ".join(l.ljust(w) for l, w in zip(labels, widths))]
+        keep = range(len(cells))
+        if marks and window is not None:
+            marked = sorted({s for (_, s) in marks})
+            keep = sorted({s for m in marked for s in range(max(0, m - window), min(len(cells), m + window + 1))})
+        prev = -1
+        for step in keep:
+            if step != prev + 1:
+                lines.append(f"... ({step - prev - 1} steps not shown)")
+            notes = [f"rank {r}: {note}" for (r, s), note in sorted(marks.items()) if s == step]
+            row = f"step {step}".ljust(step_w) + ": " + " ".join(
+                c.ljust(w) for c, w in zip(cells[step], widths)
+            )
+            lines.append(row.rstrip() + ("   <-- " + "; ".join(notes) if notes else ""))
+            prev = step
+        if prev != len(cells) - 1:
+            lines.append(f"... ({len(cells) - 1 - prev} steps not shown)")
+        return "\n".join(lines)
+
+
+class ScheduleArrays(NamedTuple):
+    kind: np.ndarray  # int8 codes, see KIND_CODE
+    stage: np.ndarray  # int32
+    microbatch: np.ndarray  # int32
+    offsets: np.ndarray  # int64, length num_ranks + 1
+    stage_ranks: np.ndarray  # int32, stage -> rank
+
+
+def parse_actions(cells: Sequence[str]) -> tuple[Action, ...]:
+    """Parse a sequence of action strings, skipping empty cells (torch writes
+    ``None`` placeholders as empty cells)."""
+    return tuple(Action.parse(c) for c in cells if c.strip())

@@ -1,0 +1,188 @@
+"""Simulate a schedule with per-stage durations: when does every action run?
+
+The rank executes its list in order; an action starts when the rank is free
+and its inputs exist: F(s) needs F(s-1); B or I (s) needs its own F and the
+input gradient of s+1; W(s) needs I(s). Inputs crossing ranks arrive
+``p2p_latency`` after the producer ends. SEND/RECV entries do not occupy the
+compute stream (they overlap, as on a separate comm stream); they appear in
+the timeline spanning the transfer.
+
+The kernel is numba-compiled (``_sim_core``) so a planner can score thousands
+of configurations per second; this module is its typed front end.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from . import _sim_core
+from .ir import KIND_CODE, ActionKind, Schedule
+from .timeline import Timeline
+from .validate import ScheduleError, check_structure
+
+
+def _per_stage(name: str, value: float | Sequence[float], num_stages: int) -> tuple[float, ...]:
+    values = (float(value),) * num_stages if np.isscalar(value) else tuple(float(x) for x in value)
+    if len(values) != num_stages:
+        raise ValueError(f"{name}: got {len(values)} per-stage durations for {num_stages} stages")
+    if any(not np.isfinite(x) or x < 0 for x in values):
+        raise ValueError(f"{name}: durations must be finite and >= 0, got {values}")
+    return values
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageDurations:
+    """Per-stage compute times, in any one unit.
+
+    ``backward`` is the full backward B. Split schedules run it as I then W,
+    with W = ``weight`` and I = backward - weight (B = I + W).
+    """
+
+    forward: tuple[float, ...]
+    """Forward time of each stage (the last stage's includes the loss)."""
+    backward: tuple[float, ...]
+    """Full backward time of each stage."""
+    weight: tuple[float, ...]
+    """Weight-gradient part of the backward of each stage (ZB's T_W)."""
+
+    def __post_init__(self) -> None:
+        n = len(self.forward)
+        for name in ("forward", "backward", "weight"):
+            object.__setattr__(self, name, _per_stage(name, getattr(self, name), n))
+        bad = [s for s in range(n) if self.weight[s] > self.backward[s]]
+        if bad:
+            raise ValueError(
+                f"weight must not exceed backward (B = I + W), but stage {bad[0]} has "
+                f"weight={self.weight[bad[0]]} > backward={self.backward[bad[0]]}"
+            )
+
+    @staticmethod
+    def uniform(
+        num_stages: int, forward: float = 1.0, backward: float = 2.0, weight: float | None = None
+    ) -> "StageDurations":
+        """Every stage alike. ``weight`` defaults to half the backward (I == W)."""
+        weight = backward / 2 if weight is None else weight
+        return StageDurations(
+            forward=(forward,) * num_stages,
+            backward=(backward,) * num_stages,
+            weight=(weight,) * num_stages,
+        )
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward)
+
+    def as_array(self) -> np.ndarray:
+        """float64[4, num_stages] rows in kind-code order: F, B, I, W."""
+        f, b, w = (np.asarray(x, dtype=np.float64) for x in (self.forward, self.backward, self.weight))
+        out = np.stack([f, b, b - w, w])
+        assert [KIND_CODE[k] for k in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)] == [0, 1, 2, 3]
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class SimResult:
+    """What ``simulate`` found. Per-rank tuples are indexed by pp rank."""
+
+    timeline: Timeline
+    makespan: float
+    """Time from the first start to the last compute end."""
+    busy: tuple[float, ...]
+    """Compute time per rank."""
+    bubble_fraction: tuple[float, ...]
+    """Idle / makespan per rank (GPipe and zero-bubble papers' convention)."""
+    bubble_ratio: tuple[float, ...]
+    """Idle / busy per rank: bubble relative to ideal compute (Megatron SC21)."""
+    peak_in_flight: tuple[int, ...]
+    """Most chunk-microbatches held at once per rank, from F until B, or W if split."""
+    peak_activation: tuple[float, ...]
+    """peak_in_flight / num_chunks: in units of one full stage's activations."""
+
+    @property
+    def max_bubble_fraction(self) -> float:
+        return max(self.bubble_fraction)
+
+
+def simulate(
+    schedule: Schedule,
+    durations: StageDurations | None = None,
+    *,
+    p2p_latency: float = 0.0,
+) -> SimResult:
+    """Run the list scheduler on ``schedule`` (compute-only or lowered).
+
+    ``durations`` defaults to F=1, B=2 (I=1, W=1) on every stage. Raises
+    ScheduleError (with the rank x step grid) on a deadlock, a repeated or
+    missing action, or an action on the wrong rank; see ``validate`` for the
+    full checks, including send/recv matching.
+    """
+    if durations is None:
+        durations = StageDurations.uniform(schedule.num_stages)
+    if durations.num_stages != schedule.num_stages:
+        raise ValueError(
+            f"durations cover {durations.num_stages} stages but the schedule has "
+            f"{schedule.num_stages} (p={schedule.num_ranks} x v={schedule.num_chunks})"
+        )
+    if not np.isfinite(p2p_latency) or p2p_latency < 0:
+        raise ValueError(f"p2p_latency must be finite and >= 0, got {p2p_latency}")
+    check_structure(schedule)
+    arr = schedule.arrays
+    status, start, end, blocked, peak = _sim_core.simulate_kernel(
+        arr.kind, arr.stage, arr.microbatch, arr.offsets, arr.stage_ranks,
+        durations.as_array(), float(p2p_latency), schedule.num_microbatches,
+    )
+    if status != _sim_core.OK:
+        raise _kernel_error(schedule, status, blocked)
+
+    offsets = arr.offsets
+    compute = arr.kind < _sim_core.K_SEND_F
+    rank_of = np.repeat(np.arange(schedule.num_ranks), np.diff(offsets))
+    busy = np.bincount(rank_of[compute], weights=(end - start)[compute], minlength=schedule.num_ranks)
+    makespan = float(end[compute].max()) if compute.any() else 0.0
+    idle = makespan - busy
+    timeline = Timeline(
+        actions=schedule.actions,
+        start=tuple(start[offsets[r]:offsets[r + 1]] for r in range(schedule.num_ranks)),
+        end=tuple(end[offsets[r]:offsets[r + 1]] for r in range(schedule.num_ranks)),
+        title=_title(schedule),
+        num_chunks=schedule.num_chunks,
+    )
+    return SimResult(
+        timeline=timeline,
+        makespan=makespan,
+        busy=tuple(float(b) for b in busy),
+        bubble_fraction=tuple(float(x) for x in (idle / makespan if makespan > 0 else 0 * idle)),
+        bubble_ratio=tuple(float(i / b) if b > 0 else 0.0 for i, b in zip(idle, busy)),
+        peak_in_flight=tuple(int(x) for x in peak),
+        peak_activation=tuple(float(x) / schedule.num_chunks for x in peak),
+    )
+
+
+def _title(schedule: Schedule) -> str:
+    v = f" v={schedule.num_chunks}" if schedule.num_chunks > 1 else ""
+    return f"{schedule.name} p={schedule.num_ranks} m={schedule.num_microbatches}{v}"
+
+
+def _kernel_error(schedule: Schedule, status: int, blocked: np.ndarray) -> ScheduleError:
+    offsets = schedule.arrays.offsets
+
+    def locate(n: int) -> tuple[int, int]:
+        r = int(np.searchsorted(offsets, n, side="right") - 1)
+        return r, int(n - offsets[r])
+
+    if status == _sim_core.DEADLOCK:
+        marks = {}
+        for r, n in enumerate(blocked):
+            if n >= 0:
+                marks[locate(int(n))] = "blocked: its inputs never arrive"
+        return ScheduleError("deadlock: no rank can make progress", schedule, marks)
+    if status == _sim_core.DUPLICATE:
+        return ScheduleError(
+            "an action is repeated (or W follows a full B)", schedule, {locate(int(blocked[0])): "repeated"}
+        )
+    return ScheduleError(
+        "incomplete: some stage/microbatch lacks its F, its B (or I), or its W; "
+        "run validate() for the exact action", schedule, {},
+    )

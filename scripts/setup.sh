@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Set up .venv with fxpipe, its test extra and the Hugging Face extra.
+# Idempotent: a second run only checks. Usage: bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+# torch first, pinned: on a CPU machine pip takes the local CPU build of 2.13.0; an
+# unpinned `torch` could pull a multi-GB CUDA build. GPU machines get CUDA's build.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+fi
+if ! .venv/bin/python -c "import fxpipe, pytest, hypothesis, transformers" 2>/dev/null; then
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[test,hf]"
+fi
