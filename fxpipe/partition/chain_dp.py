@@ -17,35 +17,36 @@ scored with the exact model (:mod:`fxpipe.partition.cost`).
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
-from fxpipe.partition.cost import DIRECTIONS, trivial_lower_bound_s
+from fxpipe.partition.cost import DIRECTIONS, evaluate, trivial_lower_bound_s
 from fxpipe.partition.problem import PartitionProblem
 from fxpipe.partition.result import Method, PartitionResult, SolveStatus, make_result
 
-ColumnFn = Callable[[int], np.ndarray]
-"""column(i)[j] = cost of the piece [j, i) as one stage, for j in 0..i-1."""
+ColumnFn = Callable[[int, int], np.ndarray]
+"""column(k, i)[j] = cost of the piece [j, i) as stage k, for j in 0..i-1."""
 
 
 def min_max_split(num_items: int, num_parts: int, column: ColumnFn,
                   memory: Callable[[int, int], np.ndarray] | None = None) -> list[int] | None:
     """Part index of each item for the min-max contiguous split, or None if ``memory``
-    rules every split out. ``memory(k, i)[j]`` is True when [j, i) fits as part k."""
+    rules every split out. ``memory(k, i)[j]`` is True when [j, i) fits as part k.
+    Columns are requested in increasing i."""
     n, s = num_items, num_parts
     assert 1 <= s <= n
     best = np.full((s, n + 1), np.inf)
     cut = np.zeros((s, n + 1), dtype=np.int64)
     for i in range(1, n + 1):
-        col = column(i)
         for k in range(min(s, i)):
             lo = k  # parts 0..k-1 need one item each
-            cand = col[lo:i] if k == 0 else np.maximum(best[k - 1, lo:i], col[lo:i])
-            if k == 0:
-                cand = cand[:1]  # part 0 starts at item 0
+            hi = 1 if k == 0 else i  # part 0 starts at item 0
+            cand = column(k, i)[lo:hi]
+            if k > 0:
+                cand = np.maximum(best[k - 1, lo:hi], cand)
             if memory is not None:
-                cand = np.where(memory(k, i)[lo:lo + len(cand)], cand, np.inf)
+                cand = np.where(memory(k, i)[lo:hi], cand, np.inf)
             j = int(np.argmin(cand))
             best[k, i], cut[k, i] = cand[j], lo + j
     if not np.isfinite(best[s - 1, n]):
@@ -68,8 +69,10 @@ def stage_time_columns(problem: PartitionProblem) -> ColumnFn:
     last_succ_below = np.full(n, -1)  # per producer: latest consumer position < i
     state = {"i": 0}
 
-    def column(i: int) -> np.ndarray:
-        assert i == state["i"] + 1, "columns are generated in order"
+    def column(k: int, i: int) -> np.ndarray:
+        if i == state["i"]:
+            return state["col"]
+        assert i == state["i"] + 1, "columns are requested in increasing i"
         state["i"] = i
         for u in problem.pred[i - 1]:
             last_succ_below[u] = i - 1
@@ -83,38 +86,73 @@ def stage_time_columns(problem: PartitionProblem) -> ColumnFn:
         # send[j] = Σ t2_u over u in [j, i) whose output is consumed at or after i.
         w = np.where(last_succ[:i] >= i, t2[:i], 0.0)
         send = np.cumsum(w[::-1])[::-1]
-        return compute + recv + send
+        state["col"] = compute + recv + send
+        return state["col"]
 
     return column
 
 
-def stage_memory_masks(problem: PartitionProblem, budgets: Sequence[float]):
-    """memory(k, i)[j]: piece [j, i) fits stage k's byte budget."""
+def memory_shares(problem: PartitionProblem, *, equal: bool = False) -> list[float]:
+    """Fraction of its rank's limit each stage may use in the DP (1.0 when the rank
+    runs one stage, so the DP is then exact). Default: proportional to what the
+    stage would hold with an even 1/S of the graph, static/S + inflight·act/S —
+    interleaved stages holding more microbatches get more room."""
+    s = problem.num_stages
+    expected = [1.0 if equal else sum(problem.static_bytes) / s + m * sum(problem.act_bytes) / s
+                for m in problem.inflight]
+    expected = [e if e > 0 else 1.0 for e in expected]
+    rank_total = [0.0] * problem.num_ranks
+    for k, r in enumerate(problem.stage_to_rank):
+        rank_total[r] += expected[k]
+    return [expected[k] / rank_total[r] for k, r in enumerate(problem.stage_to_rank)]
+
+
+def _stage_memory(problem: PartitionProblem) -> Callable[[int, int], np.ndarray]:
+    """memory(k, i)[j]: bytes the piece [j, i) needs as stage k."""
     static = np.concatenate([[0], np.cumsum(problem.static_bytes, dtype=np.float64)])
     act = np.concatenate([[0], np.cumsum(problem.act_bytes, dtype=np.float64)])
+    return lambda k, i: (static[i] - static[:i]) + problem.inflight[k] * (act[i] - act[:i])
 
-    def memory(k: int, i: int) -> np.ndarray:
-        need = (static[i] - static[:i]) + problem.inflight[k] * (act[i] - act[:i])
-        return need <= budgets[k]
 
-    return memory
+def min_memory_split(problem: PartitionProblem) -> list[int]:
+    """Contiguous split minimising max_k memory(k) / share(k); with one stage per rank
+    this is the smallest peak rank memory any contiguous split reaches."""
+    memory, shares = _stage_memory(problem), memory_shares(problem)
+    parts = min_max_split(problem.num_nodes, problem.num_stages, lambda k, i: memory(k, i) / shares[k])
+    assert parts is not None
+    return parts
+
+
+def fits_memory(problem: PartitionProblem, stages) -> bool:
+    per_rank = [0] * problem.num_ranks
+    for i, k in enumerate(stages):
+        per_rank[problem.stage_to_rank[k]] += problem.static_bytes[i] + problem.inflight[k] * problem.act_bytes[i]
+    return problem.memory_limit_bytes is None or max(per_rank) <= problem.memory_limit_bytes
 
 
 def chain_dp_stages(problem: PartitionProblem) -> tuple[list[int], bool]:
-    """(stage per node, honours memory). Memory is exact when every rank runs one
-    stage; with interleaving each stage gets an equal share of its rank's limit
-    (a heuristic). If no split fits, the memory-blind optimum is returned."""
+    """(stage per node, fits memory). Time-optimal contiguous split under per-stage
+    byte budgets limit·share(k) — exact when every rank runs one stage, a heuristic
+    with interleaving (two share rules are tried, the faster fit kept). If neither
+    fits, the memory-minimal split if it fits, else the memory-blind optimum."""
     n, s = problem.num_nodes, problem.num_stages
     limit = problem.memory_limit_bytes
-    if limit is not None:
-        share = [len(problem.rank_stages(r)) for r in problem.stage_to_rank]
-        budgets = [limit / c for c in share]
-        parts = min_max_split(n, s, stage_time_columns(problem), stage_memory_masks(problem, budgets))
-        if parts is not None:
-            return parts, True
-    parts = min_max_split(n, s, stage_time_columns(problem))
-    assert parts is not None
-    return parts, limit is None
+    if limit is None:
+        return min_max_split(n, s, stage_time_columns(problem)), True
+    memory = _stage_memory(problem)
+    found = []
+    for equal in (False, True) if problem.num_ranks < s else (False,):
+        shares = memory_shares(problem, equal=equal)
+        fits = lambda k, i, shares=shares: memory(k, i) <= limit * shares[k]  # noqa: E731
+        parts = min_max_split(n, s, stage_time_columns(problem), fits)
+        if parts is not None and fits_memory(problem, parts):
+            found.append(parts)
+    if found:
+        return min(found, key=lambda c: max(t.time_s for t in evaluate(problem, c)[0])), True
+    parts = min_memory_split(problem)
+    if fits_memory(problem, parts):
+        return parts, True
+    return min_max_split(n, s, stage_time_columns(problem)), False
 
 
 def solve_chain_dp(problem: PartitionProblem) -> PartitionResult:

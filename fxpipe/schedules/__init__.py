@@ -1,0 +1,40 @@
+"""Pipeline schedules as data: IR, generators, lowering, validator, simulator, renderers.
+
+Nothing here imports torch.distributed: a schedule is per-rank lists of
+actions (``3F0``, ``1SEND_B2``) that the runtime interprets. Typical use::
+
+    from fxpipe import schedules as S
+    sched = S.lower(S.generate("interleaved", num_ranks=4, num_microbatches=8, num_chunks=2))
+    S.validate(sched)
+    result = S.simulate(sched, S.StageDurations.uniform(sched.num_stages, 1.0, 2.0))
+    result.bubble_fraction, result.peak_in_flight, sched.stage_to_rank(5)
+
+See docs/schedules.md for conventions and each generator's bubble and memory.
+"""
+from .ir import Action, ActionKind, Schedule, loop_stage_ranks, v_stage_ranks
+from .lowering import lower
+from .registry import SCHEDULES, ScheduleSpec, generate, get_spec, schedule_names
+from .simulate import SimResult, StageDurations, simulate
+from .timeline import Event, Timeline
+from .validate import ScheduleError, validate
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Event",
+    "SCHEDULES",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleSpec",
+    "SimResult",
+    "StageDurations",
+    "Timeline",
+    "generate",
+    "get_spec",
+    "loop_stage_ranks",
+    "lower",
+    "schedule_names",
+    "simulate",
+    "v_stage_ranks",
+    "validate",
+]

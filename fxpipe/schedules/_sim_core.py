@@ -20,13 +20,14 @@ OK, DEADLOCK, DUPLICATE, INCOMPLETE = 0, 1, 2, 3
 
 @numba.njit(cache=True, nogil=True)
 def simulate_kernel(kind, stage, microbatch, offsets, stage_ranks, durations, latency, num_microbatches):
-    """Returns (status, start, end, blocked, peak).
+    """Returns (status, start, end, blocked, peak, busy, finish).
 
     durations: float64[4, num_stages] for F, B, I, W. status: OK, or DEADLOCK
     (``blocked[r]`` = index of rank r's first unplaced action, -1 if done),
     DUPLICATE (``blocked[0]`` = index of the repeated action) or INCOMPLETE
     (some stage/microbatch lacks its F or backward). ``peak[r]``: most
-    chunk-microbatches held at once (F adds one, B or W frees one).
+    chunk-microbatches held at once (F adds one, B or W frees one);
+    ``busy[r]``: rank r's total compute time; ``finish[r]``: its last compute end.
     """
     n_actions = kind.shape[0]
     num_ranks = offsets.shape[0] - 1
@@ -38,6 +39,7 @@ def simulate_kernel(kind, stage, microbatch, offsets, stage_ranks, durations, la
     w_state = np.zeros((num_stages, num_microbatches), dtype=np.int8)  # 1: I done, 2: W done
     blocked = np.full(num_ranks, -1, dtype=np.int64)
     peak = np.zeros(num_ranks, dtype=np.int64)
+    busy = np.zeros(num_ranks)
     pos = offsets[:-1].copy()
     free = np.zeros(num_ranks)
 
@@ -74,7 +76,7 @@ def simulate_kernel(kind, stage, microbatch, offsets, stage_ranks, durations, la
                         ready = False
                     elif w_state[s, j] != 1:  # a second W, or W after a full B
                         blocked[0] = n
-                        return DUPLICATE, start, end, blocked, peak
+                        return DUPLICATE, start, end, blocked, peak, busy, free
                     t = max(t, e)
                 else:  # B or I: own forward, and the next stage's input grad
                     e = end_f[s, j]
@@ -92,18 +94,19 @@ def simulate_kernel(kind, stage, microbatch, offsets, stage_ranks, durations, la
                 if not ready:
                     break
                 finish = t + durations[k, s]
+                busy[r] += durations[k, s]
                 start[n] = t
                 end[n] = finish
                 free[r] = finish
                 if k == K_F:
                     if end_f[s, j] >= 0.0:
                         blocked[0] = n
-                        return DUPLICATE, start, end, blocked, peak
+                        return DUPLICATE, start, end, blocked, peak, busy, free
                     end_f[s, j] = finish
                 elif k != K_W:
                     if end_g[s, j] >= 0.0:
                         blocked[0] = n
-                        return DUPLICATE, start, end, blocked, peak
+                        return DUPLICATE, start, end, blocked, peak, busy, free
                     end_g[s, j] = finish
                     if k == K_I:
                         w_state[s, j] = 1
@@ -116,12 +119,12 @@ def simulate_kernel(kind, stage, microbatch, offsets, stage_ranks, durations, la
         if not progress:
             for r in range(num_ranks):
                 blocked[r] = pos[r] if pos[r] < offsets[r + 1] else -1
-            return DEADLOCK, start, end, blocked, peak
+            return DEADLOCK, start, end, blocked, peak, busy, free
 
     for s in range(num_stages):
         for j in range(num_microbatches):
             if end_f[s, j] < 0.0 or end_g[s, j] < 0.0 or w_state[s, j] == 1:
-                return INCOMPLETE, start, end, blocked, peak
+                return INCOMPLETE, start, end, blocked, peak, busy, free
 
     # Comm entries span the transfer: from the producer's end, for `latency`.
     for n in range(n_actions):
@@ -152,4 +155,32 @@ def simulate_kernel(kind, stage, microbatch, offsets, stage_ranks, durations, la
                     peak[r] = held
             elif k == K_B or k == K_W:
                 held -= 1
-    return OK, start, end, blocked, peak
+    return OK, start, end, blocked, peak, busy, free
+
+
+# Codes of check_structure_kernel, explained in validate.check_structure.
+S_OK, S_STAGE, S_MICROBATCH, S_RANK, S_NO_PEER, S_LOCAL_COMM = range(6)
+
+
+@numba.njit(cache=True, nogil=True)
+def check_structure_kernel(kind, stage, microbatch, offsets, stage_ranks, num_microbatches):
+    """Returns (code, index of the first offending action or -1)."""
+    num_stages = stage_ranks.shape[0]
+    for r in range(offsets.shape[0] - 1):
+        for n in range(offsets[r], offsets[r + 1]):
+            s = stage[n]
+            if s < 0 or s >= num_stages:
+                return S_STAGE, n
+            if microbatch[n] < 0 or microbatch[n] >= num_microbatches:
+                return S_MICROBATCH, n
+            if stage_ranks[s] != r:
+                return S_RANK, n
+            k = kind[n]
+            if k < K_SEND_F:
+                continue
+            peer = s + 1 if (k == K_SEND_F or k == K_RECV_B) else s - 1
+            if peer < 0 or peer >= num_stages:
+                return S_NO_PEER, n
+            if stage_ranks[peer] == r:
+                return S_LOCAL_COMM, n
+    return S_OK, -1

@@ -265,19 +265,17 @@ class Schedule:
         With marks and a ``window``, only the rows within ``window`` steps of a
         mark are shown, so errors in long schedules stay readable."""
         marks = marks or {}
-        num_steps = max((len(r) for r in self.actions), default=0)
-        cells = [
-            [
-                (">" + str(rank[step]) + "<") if (r, step) in marks
-                else (str(rank[step]) if step < len(rank) else "")
-                for r, rank in enumerate(self.actions)
-            ]
-            for step in range(num_steps)
-        ]
-        # Marked actions past a rank's end (e.g. "missing") still get a row.
-        extra = [s for (_, s) in marks if s >= num_steps]
-        for step in range(num_steps, max(extra, default=num_steps - 1) + 1):
-            cells.append(["" for _ in self.actions])
+        # Marks past a rank's end (a missing action) get a row of their own.
+        num_steps = max([len(r) for r in self.actions] + [s + 1 for (_, s) in marks])
+
+        def cell(r: int, step: int) -> str:
+            rank = self.actions[r]
+            text = str(rank[step]) if step < len(rank) else ""
+            if (r, step) in marks:
+                return f">{text or '?'}<"
+            return text
+
+        cells = [[cell(r, step) for r in range(self.num_ranks)] for step in range(num_steps)]
         labels = [f"rank {r}" for r in range(self.num_ranks)]
         widths = [
             max([len(labels[r])] + [len(row[r]) for row in cells]) for r in range(self.num_ranks)
@@ -309,6 +307,14 @@ class ScheduleArrays(NamedTuple):
     microbatch: np.ndarray  # int32
     offsets: np.ndarray  # int64, length num_ranks + 1
     stage_ranks: np.ndarray  # int32, stage -> rank
+
+
+def prime_arrays(schedule: Schedule, arrays: ScheduleArrays) -> None:
+    """Fill ``schedule.arrays``'s cache with arrays a pass already built (they
+    must describe ``schedule.actions`` exactly; checked by assert)."""
+    assert len(arrays.kind) == sum(map(len, schedule.actions))
+    assert "arrays" not in schedule.__dict__
+    schedule.__dict__["arrays"] = arrays  # where functools.cached_property keeps it
 
 
 def parse_actions(cells: Sequence[str]) -> tuple[Action, ...]:

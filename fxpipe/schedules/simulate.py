@@ -20,7 +20,7 @@ import numpy as np
 from . import _sim_core
 from .ir import KIND_CODE, ActionKind, Schedule
 from .timeline import Timeline
-from .validate import ScheduleError, check_structure
+from .validate import ScheduleError, check_structure, locate
 
 
 def _per_stage(name: str, value: float | Sequence[float], num_stages: int) -> tuple[float, ...]:
@@ -129,34 +129,31 @@ def simulate(
         raise ValueError(f"p2p_latency must be finite and >= 0, got {p2p_latency}")
     check_structure(schedule)
     arr = schedule.arrays
-    status, start, end, blocked, peak = _sim_core.simulate_kernel(
+    status, start, end, blocked, peak, busy, finish = _sim_core.simulate_kernel(
         arr.kind, arr.stage, arr.microbatch, arr.offsets, arr.stage_ranks,
         durations.as_array(), float(p2p_latency), schedule.num_microbatches,
     )
     if status != _sim_core.OK:
-        raise _kernel_error(schedule, status, blocked)
-
+        raise kernel_error(schedule, status, blocked)
     offsets = arr.offsets
-    compute = arr.kind < _sim_core.K_SEND_F
-    rank_of = np.repeat(np.arange(schedule.num_ranks), np.diff(offsets))
-    busy = np.bincount(rank_of[compute], weights=(end - start)[compute], minlength=schedule.num_ranks)
-    makespan = float(end[compute].max()) if compute.any() else 0.0
+    p = schedule.num_ranks
+    makespan = float(finish.max())  # simulations start at 0
     idle = makespan - busy
     timeline = Timeline(
         actions=schedule.actions,
-        start=tuple(start[offsets[r]:offsets[r + 1]] for r in range(schedule.num_ranks)),
-        end=tuple(end[offsets[r]:offsets[r + 1]] for r in range(schedule.num_ranks)),
+        start=tuple(start[offsets[r]:offsets[r + 1]] for r in range(p)),
+        end=tuple(end[offsets[r]:offsets[r + 1]] for r in range(p)),
         title=_title(schedule),
         num_chunks=schedule.num_chunks,
     )
     return SimResult(
         timeline=timeline,
         makespan=makespan,
-        busy=tuple(float(b) for b in busy),
-        bubble_fraction=tuple(float(x) for x in (idle / makespan if makespan > 0 else 0 * idle)),
+        busy=tuple(busy.tolist()),
+        bubble_fraction=tuple((idle / makespan).tolist()) if makespan > 0 else (0.0,) * p,
         bubble_ratio=tuple(float(i / b) if b > 0 else 0.0 for i, b in zip(idle, busy)),
-        peak_in_flight=tuple(int(x) for x in peak),
-        peak_activation=tuple(float(x) / schedule.num_chunks for x in peak),
+        peak_in_flight=tuple(peak.tolist()),
+        peak_activation=tuple((peak / schedule.num_chunks).tolist()),
     )
 
 
@@ -165,22 +162,17 @@ def _title(schedule: Schedule) -> str:
     return f"{schedule.name} p={schedule.num_ranks} m={schedule.num_microbatches}{v}"
 
 
-def _kernel_error(schedule: Schedule, status: int, blocked: np.ndarray) -> ScheduleError:
-    offsets = schedule.arrays.offsets
-
-    def locate(n: int) -> tuple[int, int]:
-        r = int(np.searchsorted(offsets, n, side="right") - 1)
-        return r, int(n - offsets[r])
-
+def kernel_error(schedule: Schedule, status: int, blocked: np.ndarray) -> ScheduleError:
+    """The ScheduleError for a failed kernel run (also used by ``lower``)."""
     if status == _sim_core.DEADLOCK:
         marks = {}
         for r, n in enumerate(blocked):
             if n >= 0:
-                marks[locate(int(n))] = "blocked: its inputs never arrive"
+                marks[locate(schedule, int(n))] = "blocked: its inputs never arrive"
         return ScheduleError("deadlock: no rank can make progress", schedule, marks)
     if status == _sim_core.DUPLICATE:
         return ScheduleError(
-            "an action is repeated (or W follows a full B)", schedule, {locate(int(blocked[0])): "repeated"}
+            "an action is repeated (or W follows a full B)", schedule, {locate(schedule, int(blocked[0])): "repeated"}
         )
     return ScheduleError(
         "incomplete: some stage/microbatch lacks its F, its B (or I), or its W; "

@@ -24,11 +24,21 @@ from collections import Counter
 
 import numpy as np
 
-from .ir import KIND_CODE, Action, ActionKind, Schedule
+from . import _sim_core
+from .ir import Action, ActionKind, Schedule
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
 SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
 _MAX_MARKS = 8
+
+# comm kind -> (partner kind, partner stage offset); names follow torch:
+# "2SEND_F0" pairs with "3RECV_F0", "3SEND_B0" with "2RECV_B0".
+_PARTNER = {SEND_F: (RECV_F, 1), RECV_F: (SEND_F, -1), SEND_B: (RECV_B, -1), RECV_B: (SEND_B, 1)}
+
+
+def _partner(a: Action) -> Action:
+    kind, offset = _PARTNER[a.kind]
+    return Action(a.stage + offset, kind, a.microbatch)
 
 
 class ScheduleError(ValueError):
@@ -54,43 +64,32 @@ def _cross(schedule: Schedule, a: int, b: int) -> bool:
     return schedule.stage_ranks[a] != schedule.stage_ranks[b]
 
 
-def _locate_first(schedule: Schedule, bad: np.ndarray) -> tuple[int, int]:
-    n = int(np.flatnonzero(bad)[0])
-    r = int(np.searchsorted(schedule.arrays.offsets, n, side="right") - 1)
-    return r, n - int(schedule.arrays.offsets[r])
+def locate(schedule: Schedule, n: int) -> tuple[int, int]:
+    """(rank, step) of the n-th action in ``schedule.arrays`` order."""
+    offsets = schedule.arrays.offsets
+    r = int(np.searchsorted(offsets, n, side="right") - 1)
+    return r, int(n - offsets[r])
 
 
 def check_structure(schedule: Schedule) -> None:
-    """Stage/microbatch ranges, stage ownership and comm endpoints (vectorized)."""
+    """Stage and microbatch ranges, stage ownership, comm endpoints (numba; run
+    before every simulation, so kept to one pass over the flat arrays)."""
     arr = schedule.arrays
-    S, m = schedule.num_stages, schedule.num_microbatches
-    rank_of = np.repeat(np.arange(schedule.num_ranks), np.diff(arr.offsets))
-    checks = [
-        ((arr.stage < 0) | (arr.stage >= S), f"stage out of range: there are {S} stages"),
-        ((arr.microbatch < 0) | (arr.microbatch >= m), f"microbatch out of range: m={m}"),
-    ]
-    for bad, why in checks:
-        if bad.any():
-            raise ScheduleError(why, schedule, {_locate_first(schedule, bad): why})
-    owner = arr.stage_ranks[arr.stage]
-    bad = owner != rank_of
-    if bad.any():
-        r, step = _locate_first(schedule, bad)
-        a = schedule.actions[r][step]
-        why = f"stage {a.stage} lives on rank {schedule.stage_to_rank(a.stage)}, not rank {r}"
-        raise ScheduleError(why, schedule, {(r, step): why})
-    # Comm endpoints: the peer stage must exist and sit on another rank.
-    for k, (_, d) in _PARTNER.items():
-        sel = arr.kind == KIND_CODE[k]
-        peer_stage = arr.stage + d
-        bad = sel & ((peer_stage < 0) | (peer_stage >= S))
-        if not bad.any():
-            bad = sel & (arr.stage_ranks[np.clip(peer_stage, 0, S - 1)] == rank_of)
-            why = f"{k.value} to stage on the same rank: no communication is needed"
-        else:
-            why = f"{k.value} has no peer stage {'after' if d > 0 else 'before'} it"
-        if bad.any():
-            raise ScheduleError(why, schedule, {_locate_first(schedule, bad): why})
+    code, n = _sim_core.check_structure_kernel(
+        arr.kind, arr.stage, arr.microbatch, arr.offsets, arr.stage_ranks, schedule.num_microbatches
+    )
+    if code == _sim_core.S_OK:
+        return
+    r, step = locate(schedule, n)
+    a = schedule.actions[r][step]
+    why = {
+        _sim_core.S_STAGE: f"stage {a.stage} out of range: there are {schedule.num_stages} stages",
+        _sim_core.S_MICROBATCH: f"microbatch {a.microbatch} out of range: m={schedule.num_microbatches}",
+        _sim_core.S_RANK: f"stage {a.stage} lives on rank {schedule.stage_ranks[a.stage]}, not rank {r}",
+        _sim_core.S_NO_PEER: f"{a} has no peer stage to talk to",
+        _sim_core.S_LOCAL_COMM: f"{a} talks to a stage on the same rank: no communication is needed",
+    }[code]
+    raise ScheduleError(why, schedule, {(r, step): why})
 
 
 def _expected(schedule: Schedule, lowered: bool) -> Counter:
@@ -150,16 +149,6 @@ def check_complete(schedule: Schedule) -> None:
         raise ScheduleError(f"incomplete: missing {', '.join(missing[:_MAX_MARKS])}{more}", schedule, marks)
     if marks:
         raise ScheduleError("inconsistent actions", schedule, marks)
-
-
-# comm kind -> (partner kind, partner stage offset); names follow torch:
-# "2SEND_F0" pairs with "3RECV_F0", "3SEND_B0" with "2RECV_B0".
-_PARTNER = {SEND_F: (RECV_F, 1), RECV_F: (SEND_F, -1), SEND_B: (RECV_B, -1), RECV_B: (SEND_B, 1)}
-
-
-def _partner(a: Action) -> Action:
-    kind, offset = _PARTNER[a.kind]
-    return Action(a.stage + offset, kind, a.microbatch)
 
 
 def _needs(schedule: Schedule, a: Action, rank: int, lowered: bool) -> list[tuple]:
@@ -259,13 +248,13 @@ def _deadlock_error(schedule, index, pos, lowered, done, posted) -> ScheduleErro
             continue
         a = rank[pos[r]]
         if a.kind.is_compute:
-            waits = [_describe(n) for n in _needs(schedule, a, r, lowered) if n not in done]
+            unmet = [n for n in _needs(schedule, a, r, lowered) if n not in done]
             later = [
                 f"{n[1]} (step {index[n[1]][1]}, later on this rank)"
-                for n in _needs(schedule, a, r, lowered)
-                if n not in done and n[0] == "c" and index.get(n[1], (None,))[0] == r
+                for n in unmet
+                if n[0] in ("c", "r") and index.get(n[1], (None,))[0] == r
             ]
-            why = f"waits for {', '.join(later or waits)}"
+            why = f"waits for {', '.join(later or [_describe(n) for n in unmet])}"
         else:
             k = pos[r]
             unposted = []

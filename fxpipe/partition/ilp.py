@@ -1,0 +1,225 @@
+"""Optimal stage assignment on the DAG with OR-Tools CP-SAT.
+
+Model (S stages, nodes in the problem's topological order, ``encoding.py`` for
+the stage literals x(i, k) = [stage(i) = k]):
+
+* minimise T subject to T >= load(k) for every stage k, where load(k) is the
+  cost model of :mod:`fxpipe.partition.cost` in integer ticks:
+  compute(k) = Σ_i c_i·x(i, k);
+  receive: r(u, b) >= x(v, b) - x(u, b) for every consumer v of u — u is sent to
+  b iff a consumer sits at b and u does not (order makes "does not" mean "earlier");
+  send: with a single consumer v, s(u, a) >= x(u, a) - x(v, a); with several,
+  w(u, a) >= Σ_{b>a} r(u, b) - M·(1 - x(u, a)) counts the distinct later stages.
+  Each r, s, w adds 2·t_u ticks (forward + backward). They are only bounded
+  from below; minimising the max keeps the bottleneck stage's terms exact.
+* per rank, Σ static + inflight·act <= limit (bytes, exact integers);
+* redundant cuts that help propagation: the first k stages hold at most k·T of
+  compute, the last S - k at most (S - k)·T.
+
+Warm start: the chain DP (or the caller's hint), given to CP-SAT with AddHint
+as a complete solution. Its objective UB also shrinks every node's stage window
+without losing any solution at least as good: all ancestors of i (with i) fit in
+stages 0..stage(i), so stage(i) >= ceil(anc_i / UB) - 1, and symmetrically
+stage(i) <= S - ceil(desc_i / UB). On layered transformer graphs this leaves each
+node two or three candidate stages.
+
+Time resolution: seconds become integer ticks of tick = (total compute + all
+transfer costs) / 10^7, every cost rounded *down*. Rounding down makes the tick
+model a relaxation, so CP-SAT's bound times tick is a sound lower bound on the
+true optimum; the returned assignment is within (terms in its bottleneck stage)
+ticks of optimal, i.e. relative error ~ n / 10^7.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Mapping, Sequence
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from fxpipe.partition.chain_dp import chain_dp_stages, fits_memory
+from fxpipe.partition.cost import DIRECTIONS, evaluate, transfers
+from fxpipe.partition.encoding import StageEncoding, solver_for
+from fxpipe.partition.memory import MemoryLimitError, memory_floor
+from fxpipe.partition.problem import PartitionError, PartitionProblem
+from fxpipe.partition.result import Method, PartitionResult, SolveStatus, make_result
+
+TICKS_FOR_TOTAL = 10**7
+
+
+class _Ticks:
+    """Integer costs of the ILP (see "Time resolution" above)."""
+
+    def __init__(self, problem: PartitionProblem) -> None:
+        self.problem = problem
+        c, t2 = problem.compute_s, DIRECTIONS * problem.transfer_s
+        total = float(c.sum() + sum(t2[u] * len(vs) * 2 for u, vs in enumerate(problem.succ)))
+        self.tick_s = total / TICKS_FOR_TOTAL if total > 0 else 1.0
+        self.compute = [int(math.floor(v / self.tick_s)) for v in c]
+        self.transfer = [int(math.floor(v / self.tick_s)) for v in t2]
+
+    def loads(self, stages: Sequence[int]) -> list[int]:
+        load = [0] * self.problem.num_stages
+        for i, k in enumerate(stages):
+            load[k] += self.compute[i]
+        for u, a, b in transfers(self.problem, stages):
+            load[a] += self.transfer[u]
+            load[b] += self.transfer[u]
+        return load
+
+
+def _windows(problem: PartitionProblem, compute: list[int], ub: int) -> tuple[list[int], list[int]]:
+    """Stage window [lo, hi] of each node among solutions with T <= ub (module doc)."""
+    n, s = problem.num_nodes, problem.num_stages
+    anc = np.zeros((n, n), dtype=bool)
+    for v in range(n):
+        for u in problem.pred[v]:
+            anc[v] |= anc[u]
+            anc[v, u] = True
+    c = np.array(compute, dtype=np.int64)
+    up = c + anc.astype(np.int64) @ c      # compute of i and its ancestors
+    down = c + anc.T.astype(np.int64) @ c  # compute of i and its descendants
+    lo = [max(0, -(-int(a) // ub) - 1) for a in up]
+    hi = [min(s - 1, s - -(-int(d) // ub)) for d in down]
+    return lo, hi
+
+
+class _Model:
+    """The CP-SAT model of the module docstring, with its auxiliary variables kept for hinting."""
+
+    def __init__(self, problem: PartitionProblem, ticks: _Ticks, lo, hi, t_min: int, t_max: int) -> None:
+        s = problem.num_stages
+        m = self.model = cp_model.CpModel()
+        enc = self.enc = StageEncoding(m, problem, lo, hi)
+        self.bottleneck = m.NewIntVar(t_min, t_max, "bottleneck")
+        load: list[list] = [[] for _ in range(s)]
+        for i, c in enumerate(ticks.compute):
+            if c:
+                load_terms = [(k, c * enc.x(i, k)) for k in range(lo[i], hi[i] + 1)]
+                for k, term in load_terms:
+                    load[k].append(term)
+        self.recv: dict[tuple[int, int], cp_model.IntVar] = {}
+        self.send: dict[tuple[int, int], cp_model.IntVar] = {}
+        for u, vs in enumerate(problem.succ):
+            t = ticks.transfer[u]
+            if not t or not vs:
+                continue
+            receivers = []
+            for b in range(lo[u] + 1, max(hi[v] for v in vs) + 1):
+                at_b = [v for v in vs if enc.can_be(v, b)]
+                if at_b:
+                    r = self.recv[u, b] = m.NewBoolVar(f"recv_{u}_{b}")
+                    receivers.append(b)
+                    for v in at_b:
+                        m.Add(r >= enc.x(v, b) - enc.x(u, b))
+                    load[b].append(t * r)
+            for a in range(lo[u], hi[u] + 1):
+                later = [v for v in vs if hi[v] > a]
+                bs = [b for b in receivers if b > a]
+                if not later or not bs:
+                    continue
+                w = self.send[u, a] = m.NewIntVar(0, len(bs), f"send_{u}_{a}")
+                for v in later:
+                    m.Add(w >= enc.x(u, a) - enc.x(v, a))
+                if len(vs) > 1:
+                    m.Add(w >= sum(self.recv[u, b] for b in bs) - len(bs) * (1 - enc.x(u, a)))
+                load[a].append(t * w)
+        for k in range(s):
+            m.Add(self.bottleneck >= sum(load[k]))
+        total = sum(ticks.compute)
+        for k in range(1, s):  # prefix / suffix compute cuts
+            before = sum(c * (1 - enc.ge[i][k]) for i, c in enumerate(ticks.compute) if c)
+            m.Add(before <= k * self.bottleneck)
+            m.Add(total - before <= (s - k) * self.bottleneck)
+        if problem.memory_limit_bytes is not None:
+            for r in range(problem.num_ranks):
+                m.Add(enc.rank_memory(r) <= problem.memory_limit_bytes)
+        m.Minimize(self.bottleneck)
+
+    def hint(self, problem: PartitionProblem, stages: Sequence[int], objective: int) -> None:
+        self.enc.add_hint(stages)
+        sent = {(u, b) for u, _, b in transfers(problem, stages)}
+        for (u, b), var in self.recv.items():
+            self.model.AddHint(var, int((u, b) in sent))
+        for (u, a), var in self.send.items():
+            self.model.AddHint(var, sum(1 for uu, b in sent if uu == u and stages[u] == a))
+        self.model.AddHint(self.bottleneck, objective)
+
+
+def _hint_stages(problem: PartitionProblem, hint) -> list[int]:
+    if isinstance(hint, PartitionResult):
+        hint = hint.stage_of
+    if isinstance(hint, Mapping):
+        missing = [n for n in problem.nodes if n not in hint]
+        if missing:
+            raise ValueError(f"hint lacks {len(missing)} node(s), e.g. {missing[0]!r}")
+        hint = [hint[n] for n in problem.nodes]
+    stages = [int(k) for k in hint]
+    problem.check_stages(stages)
+    return stages
+
+
+def solve_ilp(problem: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0,
+              num_workers: int = 2, hint: Mapping | Sequence[int] | PartitionResult | None = None
+              ) -> PartitionResult:
+    """The ``ilp`` method. ``time_limit_s`` is CP-SAT deterministic time (about seconds);
+    the answer depends only on (problem, seed, num_workers). Raises
+    :class:`~fxpipe.partition.memory.MemoryLimitError` when no assignment fits memory."""
+    start = time.perf_counter()
+    floor_kw = dict(time_limit_s=time_limit_s, seed=seed, num_workers=num_workers)
+    if problem.num_stages == 1:
+        if not fits_memory(problem, [0] * problem.num_nodes):
+            raise MemoryLimitError(problem, memory_floor(problem, **floor_kw))
+        only = [0] * problem.num_nodes
+        return make_result(problem, only, method=Method.ILP, status=SolveStatus.OPTIMAL,
+                           lower_bound_s=_exact_bottleneck(problem, only),
+                           wall_time_s=time.perf_counter() - start)
+    ticks = _Ticks(problem)
+    candidates = [chain_dp_stages(problem)[0]]
+    if hint is not None:
+        candidates.insert(0, _hint_stages(problem, hint))
+    floor = None
+    if not any(fits_memory(problem, c) for c in candidates):
+        floor = memory_floor(problem, **floor_kw)
+        if floor.lower_bound_bytes > problem.memory_limit_bytes:
+            raise MemoryLimitError(problem, floor)
+        candidates.append(list(floor.stages))
+    feasible = [c for c in candidates if fits_memory(problem, c)]
+    t_min = max(max(ticks.compute), -(-sum(ticks.compute) // problem.num_stages))
+    if feasible:
+        incumbent = min(feasible, key=lambda c: max(ticks.loads(c)))
+        ub = max(max(ticks.loads(incumbent)), t_min)
+        lo, hi = _windows(problem, ticks.compute, ub) if ub > 0 else (None, None)
+        model = _Model(problem, ticks, lo or [0] * problem.num_nodes,
+                       hi or [problem.num_stages - 1] * problem.num_nodes, t_min, ub)
+        model.hint(problem, incumbent, ub)
+    else:  # memory is tight and nothing found fits yet: full windows, no incumbent
+        incumbent = None
+        model = _Model(problem, ticks, [0] * problem.num_nodes, [problem.num_stages - 1] * problem.num_nodes,
+                       t_min, sum(ticks.compute) + sum(ticks.transfer) * problem.num_stages)
+        model.hint(problem, candidates[0], max(ticks.loads(candidates[0])))
+    solver = solver_for(time_limit_s, seed, num_workers)
+    status = solver.Solve(model.model)
+    if status == cp_model.INFEASIBLE:
+        raise MemoryLimitError(problem, floor or memory_floor(problem, **floor_kw))
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if incumbent is None:
+            raise PartitionError(
+                f"CP-SAT found no assignment within the memory limit in time_limit_s={time_limit_s} "
+                f"(status {solver.StatusName(status)}); raise time_limit_s or the memory limit")
+        stages = incumbent
+    else:
+        stages = model.enc.stages(solver)
+    if incumbent is not None and _exact_bottleneck(problem, incumbent) < _exact_bottleneck(problem, stages):
+        stages = incumbent  # equal in ticks, better in exact seconds
+    bound_ticks = solver.BestObjectiveBound() if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else t_min
+    return make_result(
+        problem, stages, method=Method.ILP,
+        status=SolveStatus.OPTIMAL if status == cp_model.OPTIMAL else SolveStatus.FEASIBLE,
+        lower_bound_s=max(bound_ticks, t_min) * ticks.tick_s,
+        wall_time_s=time.perf_counter() - start, time_resolution_s=ticks.tick_s)
+
+
+def _exact_bottleneck(problem: PartitionProblem, stages: Sequence[int]) -> float:
+    return max(c.time_s for c in evaluate(problem, stages)[0])

@@ -1,0 +1,126 @@
+"""Partition pass: assign every node of a Program to a pipeline stage.
+
+Builds the graph-independent problem of ``fxpipe.partition`` from the Program
+(one fine node per compute op; side values that every stage recomputes are left
+out), coarsens it by module path and cheap chains, solves it with the chosen
+method (CP-SAT ILP by default) and writes ``Program.stages``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from fxpipe.hardware import CPU, Hardware
+from fxpipe.partition import Method, PartitionProblem, PartitionResult, coarsen, partition
+from fxpipe.passes.cost import VIEW_OPS
+from fxpipe.passes.split import side_values
+from fxpipe.program import ParamKind, Program
+from fxpipe.schedules.ir import ActionKind, Schedule
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionConfig:
+    num_stages: int
+    """S = p·v."""
+    stage_to_rank: tuple[int, ...]
+    inflight: tuple[int, ...]
+    """Peak microbatches whose activations each stage holds (``stage_inflight``)."""
+    method: str = "ilp"
+    """ilp | uniform | params | dp."""
+    memory_limit_bytes: int | None = None
+    hardware: Hardware = CPU
+    state_bytes_per_param_byte: float = 4.0
+    """Bytes held per byte of parameter: the parameter, its gradient, and Adam's two
+    moments, all in the parameter's dtype (fp32: 4 × 4 = 16 bytes per parameter)."""
+    max_groups: int = 256
+    time_limit_s: float = 10.0
+    seed: int = 0
+    num_workers: int = 1
+
+    def __post_init__(self) -> None:
+        if len(self.stage_to_rank) != self.num_stages or len(self.inflight) != self.num_stages:
+            raise ValueError("stage_to_rank and inflight need one entry per stage")
+
+
+def stage_inflight(schedule: Schedule) -> tuple[int, ...]:
+    """Per stage, the most microbatches between their F and the backward action that
+    frees them (B, or W when the backward is split), from the action order alone."""
+    frees = ActionKind.W if schedule.splits_backward else ActionKind.B
+    peak = [0] * schedule.num_stages
+    for rank in schedule.actions:
+        live = [0] * schedule.num_stages
+        for a in rank:
+            if a.kind is ActionKind.F:
+                live[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], live[a.stage])
+            elif a.kind is frees:
+                live[a.stage] -= 1
+    return tuple(max(1, x) for x in peak)
+
+
+def rank_inflight(schedule: Schedule) -> tuple[int, ...]:
+    """Per pp rank, the most (stage, microbatch) activations held at once."""
+    frees = ActionKind.W if schedule.splits_backward else ActionKind.B
+    peaks = []
+    for rank in schedule.actions:
+        live = peak = 0
+        for a in rank:
+            if a.kind is ActionKind.F:
+                live += 1
+                peak = max(peak, live)
+            elif a.kind is frees:
+                live -= 1
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def build_problem_graph(program: Program, config: PartitionConfig) -> nx.DiGraph:
+    """Fine DAG: one node per compute op, with times, bytes and layer index."""
+    hw = config.hardware
+    side = side_values(program)
+    param_numel = {p.node: p.numel for p in program.params if p.kind is ParamKind.PARAMETER}
+    g = nx.DiGraph()
+    seen_params: set[str] = set()
+    for node in program.graph.nodes:
+        if node.op != "call_function" or node.name in side:
+            continue
+        cost = program.costs[node.name]
+        params = 0
+        for arg in node.all_input_nodes:
+            if arg.name in param_numel and arg.name not in seen_params:
+                seen_params.add(arg.name)
+                params += param_numel[arg.name]
+        g.add_node(node.name, fwd=hw.forward_s(cost), bwd=hw.backward_s(cost),
+                   static_bytes=cost.param_bytes * config.state_bytes_per_param_byte,
+                   act_bytes=0 if node.target in VIEW_OPS else cost.out_bytes,
+                   out_bytes=cost.out_bytes, params=params,
+                   layer=program.layers.get(node.name), key=program.module_paths.get(node.name))
+        for arg in node.all_input_nodes:
+            if arg.name in g:
+                g.add_edge(arg.name, node.name)
+    return g
+
+
+def solve_partition(program: Program, config: PartitionConfig) -> tuple[dict[str, int], PartitionResult]:
+    """Stage of every compute node, and the solver's result on the coarse problem."""
+    if not program.costs:
+        raise ValueError("the partition pass needs costs: run the cost pass first")
+    fine = build_problem_graph(program, config)
+    coarse = coarsen(fine, config.max_groups)
+    problem = PartitionProblem(graph=coarse.graph, num_stages=config.num_stages,
+                               stage_to_rank=config.stage_to_rank, inflight=config.inflight,
+                               memory_limit_bytes=config.memory_limit_bytes,
+                               bandwidth_bytes_per_s=config.hardware.p2p_bw,
+                               latency_s=config.hardware.p2p_latency)
+    options = {}
+    if Method(config.method) is Method.ILP:
+        options = dict(time_limit_s=config.time_limit_s, seed=config.seed,
+                       num_workers=config.num_workers)
+    result = partition(problem, config.method, **options)
+    return coarse.expand(result.stage_of), result
+
+
+def partition_pass(program: Program, config: PartitionConfig) -> Program:
+    assignment, result = solve_partition(program, config)
+    return program.replace(stages=assignment, extra={**program.extra, "partition": result})

@@ -1,0 +1,91 @@
+"""The pipeline plan: one GraphModule per stage and the tensors that cross between them.
+
+Built by ``fxpipe.passes.split.split_pass`` from a Program whose nodes carry a
+stage index; read by the runtime, which never looks at the full graph again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+from fxpipe.program import Program, TensorSpec
+
+
+@dataclass(frozen=True)
+class StageValue:
+    """A tensor produced by one stage and consumed by later ones (per microbatch)."""
+    name: str
+    """Name of the producing node in the full graph."""
+    producer: int
+    consumers: tuple[int, ...]
+    """Every later stage that reads it; each gets its own direct transfer (skip
+    connections across several stages are sent straight to their consumer)."""
+    spec: TensorSpec
+    requires_grad: bool
+    """Whether a gradient flows back for it (False for integer or detached values)."""
+
+    @property
+    def nbytes(self) -> int:
+        from fxpipe.program import itemsize
+        n = 1
+        for d in self.spec.shape:
+            n *= d
+        return n * itemsize(self.spec.dtype)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage (a model chunk).
+
+    Its GraphModule takes, in order: the parameters/buffers named in ``params``
+    (by their original names; tied members read the group's tensor), the batch
+    items listed in ``batch_inputs``, and the received values named in ``inputs``.
+    It returns the values named in ``outputs``, then the loss if ``is_last``.
+    """
+    index: int
+    graph_module: fx.GraphModule
+    params: tuple[str, ...]
+    batch_inputs: tuple[int, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    is_last: bool
+    num_nodes: int
+    """Compute nodes assigned to this stage (recomputed side values excluded)."""
+
+    def call(self, state: Mapping[str, torch.Tensor], canonical: Mapping[str, str],
+             batch: Sequence[torch.Tensor], received: Mapping[str, torch.Tensor]) -> tuple:
+        args = [state[canonical[p]] for p in self.params]
+        args += [batch[i] for i in self.batch_inputs]
+        args += [received[n] for n in self.inputs]
+        out = self.graph_module(*args)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    program: Program
+    """The Program the stages were cut from (annotated with ``stages``)."""
+    stages: tuple[Stage, ...]
+    values: Mapping[str, StageValue]
+    tied_stages: Mapping[str, tuple[int, ...]]
+    """Canonical name of each tied group -> the stages holding a copy. When there is
+    more than one, the runtime all-reduces the group's gradient over them
+    (Megatron's embedding group)."""
+    param_stages: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """Canonical parameter name -> stages that use it."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def canonical(self) -> dict[str, str]:
+        return {p.name: p.canonical for p in self.program.params}
+
+    def stage_params(self, stage: int) -> tuple[str, ...]:
+        """Canonical names of the tensors a stage holds (each once)."""
+        canon = self.canonical
+        return tuple(dict.fromkeys(canon[p] for p in self.stages[stage].params))

@@ -1,0 +1,1 @@
+"""Execution: stage runners, the schedule executor, process groups and p2p."""

@@ -1,0 +1,175 @@
+"""``fxpipe.parallelize``: compile a model for this rank's place in the mesh and train it.
+
+Every rank runs the same call (launched by torchrun or ``fxpipe run``). Each builds
+the same Program and plan deterministically, so no plan is broadcast.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fxpipe.capture import capture
+from fxpipe.passes import run_passes
+from fxpipe.passes.partition import PartitionConfig, partition_pass, stage_inflight
+from fxpipe.passes.split import split_pass
+from fxpipe.plan import PipelinePlan
+from fxpipe.runtime.executor import PipelineExecutor
+from fxpipe.runtime.grad_sync import GradSync
+from fxpipe.runtime.launch import init_distributed
+from fxpipe.runtime.mesh import Mesh, MeshGroups, build_groups, resolve_dp
+from fxpipe.runtime.stage_runner import StageRunner
+from fxpipe.runtime.transport import Transport
+from fxpipe.schedules.ir import Schedule
+from fxpipe.schedules.lowering import lower
+from fxpipe.schedules.registry import generate, get_spec
+
+
+@dataclass(frozen=True)
+class StepStats:
+    peak_in_flight: int
+    """Most (stage, microbatch) activations this rank held at once in the last step."""
+    events: tuple
+    """(action, start, end) of every action this rank ran in the last step (perf_counter s)."""
+
+
+class ParallelModel:
+    """What ``parallelize`` returns: one rank's share of the model and its schedule."""
+
+    def __init__(self, plan: PipelinePlan, schedule: Schedule, groups: MeshGroups,
+                 state: dict[str, torch.Tensor], executor: PipelineExecutor,
+                 grad_sync: GradSync, num_microbatches: int, device: torch.device) -> None:
+        self.plan, self.schedule, self.groups = plan, schedule, groups
+        self.state, self.executor, self.grad_sync = state, executor, grad_sync
+        self.num_microbatches, self.device = num_microbatches, device
+        specs = plan.program.input_specs
+        self._mb_shapes = [s.shape for s in specs]
+        self.last_stats: StepStats | None = None
+
+    # ---- parameters ----------------------------------------------------------------------
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's trainable tensors under their original (canonical) names."""
+        for name, t in self.state.items():
+            if t.requires_grad:
+                yield name, t
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        for _, t in self.named_parameters():
+            yield t
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the model, gathered from all pipeline ranks (on CPU)."""
+        local = {n: t.detach().cpu() for n, t in self.named_parameters()}
+        gathered: list[Any] = [None] * self.groups.mesh.pp
+        dist.all_gather_object(gathered, local, group=self.groups.pp_group)
+        full: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            for n, t in part.items():
+                full.setdefault(n, t)
+        return full
+
+    # ---- training ------------------------------------------------------------------------
+    def _microbatches(self, batch: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+        if isinstance(batch, torch.Tensor):
+            batch = (batch,)
+        mesh, m = self.groups.mesh, self.num_microbatches
+        if len(batch) != len(self._mb_shapes):
+            raise TypeError(f"train_step got {len(batch)} batch tensors, the example batch had "
+                            f"{len(self._mb_shapes)}")
+        out = []
+        for t, mb_shape in zip(batch, self._mb_shapes):
+            expected = (mb_shape[0] * m * mesh.dp, *mb_shape[1:])
+            if tuple(t.shape) != expected:
+                raise ValueError(f"batch tensor of shape {tuple(t.shape)}, expected {expected} "
+                                 f"(the example batch's shape)")
+            local = t.chunk(mesh.dp)[self.groups.dp_rank]  # this data-parallel rank's rows
+            out.append(local.to(self.device).chunk(m))
+        return [tuple(parts[i] for parts in out) for i in range(m)]
+
+    def train_step(self, batch: Sequence[torch.Tensor]) -> float:
+        """One schedule over all microbatches: gradients are left in ``.grad`` (zeroed
+        first), averaged over data parallel and summed over tied copies. Returns the
+        mean loss over the global batch, on every rank."""
+        for t in self.parameters():
+            t.grad = None
+        self.executor.run(self._microbatches(batch))
+        self.grad_sync.sync()
+        self.last_stats = StepStats(self.executor.peak_in_flight, tuple(self.executor.events))
+        return self._mean_loss()
+
+    def _mean_loss(self) -> float:
+        last = self.plan.num_stages - 1
+        runner = self.executor.runners.get(last)
+        total = torch.zeros((), dtype=torch.float64)
+        if runner is not None:
+            total += sum(runner.losses.values())
+            runner.losses.clear()
+        # The last stage's rank knows the losses; sum over pp reaches everyone, then dp averages.
+        dist.all_reduce(total, group=self.groups.pp_group)
+        if self.groups.mesh.dp > 1:
+            dist.all_reduce(total, group=self.groups.dp_group)
+        return float(total) / (self.num_microbatches * self.groups.mesh.dp)
+
+
+def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = None,
+                microbatches: int, schedule: str = "1f1b", chunks: int | None = None,
+                example_inputs: Sequence[torch.Tensor],
+                loss_fn: Callable[..., torch.Tensor] | None = None,
+                partition: str = "ilp", memory_limit_gb: float | None = None,
+                timeout_s: float = 60.0, device: torch.device | None = None) -> ParallelModel:
+    """Compile ``model`` for tensor × pipeline × data parallelism on this rank.
+
+    ``example_inputs`` is one global batch as ``train_step`` will receive it (every
+    rank passes the same batch; each data-parallel rank trains on its rows).
+    ``schedule``: gpipe, 1f1b, interleaved, zb-h1, zb-v; ``chunks``: stages per rank.
+    """
+    if tp != 1:
+        raise ValueError(f"tp={tp}: tensor parallelism is not wired into the runtime yet; use tp=1")
+    timeout = timedelta(seconds=timeout_s)
+    device = init_distributed(timeout, device)
+    world = dist.get_world_size()
+    dp = resolve_dp(world, tp, pp, dp)
+    mesh = Mesh(tp=tp, dp=dp, pp=pp)
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    example = tuple(example_inputs) if not isinstance(example_inputs, torch.Tensor) else (example_inputs,)
+    rows = example[0].shape[0]
+    if rows % (dp * microbatches):
+        raise ValueError(f"batch of {rows} rows cannot be split into dp·microbatches = {dp}·{microbatches} "
+                         f"equal microbatches; use a batch that is a multiple of {dp * microbatches}")
+    groups = build_groups(mesh, timeout)
+
+    spec = get_spec(schedule)
+    sched = generate(schedule, pp, microbatches, chunks if chunks is not None else spec.default_chunks)
+    mb_rows = rows // (dp * microbatches)
+    program = capture(model, tuple(t[:mb_rows] for t in example), loss_fn)
+    program, _ = run_passes(program)
+    config = PartitionConfig(num_stages=sched.num_stages, stage_to_rank=sched.stage_ranks,
+                             inflight=stage_inflight(sched), method=partition,
+                             memory_limit_bytes=None if memory_limit_gb is None
+                             else int(memory_limit_gb * 2**30))
+    # Rank 0 solves and everyone takes its answer: a time-limited solver need not
+    # return the same assignment on every rank, and ranks must agree exactly.
+    box = [dict(partition_pass(program, config).stages) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    plan = split_pass(program, box[0], num_stages=sched.num_stages)
+    lowered = lower(sched)
+
+    my_stages = sched.stages_of_rank(groups.pp_rank)
+    names = dict.fromkeys(n for s in my_stages for n in plan.stage_params(s))
+    state = {}
+    for name in names:
+        t = program.state[name].detach().to(device).clone()
+        state[name] = t.requires_grad_(program.state[name].requires_grad)
+    runners = {s: StageRunner(plan, plan.stages[s], state, loss_scale=1.0 / microbatches)
+               for s in my_stages}
+    value_ids = {n: i for i, n in enumerate(sorted(plan.values))}
+    transport = Transport(device=device, timeout=timeout, value_ids=value_ids,
+                          num_values=max(1, len(value_ids)))
+    executor = PipelineExecutor(plan, lowered, groups.pp_rank, runners, transport, groups.pp_peer)
+    grad_sync = GradSync.build(plan, sched, groups, state, timeout)
+    return ParallelModel(plan, lowered, groups, state, executor, grad_sync, microbatches, device)

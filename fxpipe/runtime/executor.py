@@ -1,0 +1,161 @@
+"""Interpret one pipeline rank's lowered action list for one training step.
+
+Every registered schedule is just a list of ``Action``s per rank (F, B, I, W,
+SEND_F, RECV_F, SEND_B, RECV_B); the executor maps each kind to a method:
+
+- F / B / I / W run the stage's ``StageRunner``;
+- RECV_* post the receives of a stage's cross-rank inputs (or output gradients);
+  the compute that needs them waits just before it runs;
+- SEND_* post the sends of what a stage produced for other ranks.
+
+Values between stages on the *same* rank (interleaved chunks, the turn of a V)
+are handed over in memory, never sent. A value whose transfer the schedule does
+not mention — a skip connection to a stage two or more hops away — is sent right
+after it is computed and received just before it is needed (sends never block).
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any, Callable, Sequence
+
+import torch
+
+from fxpipe.plan import PipelinePlan
+from fxpipe.runtime.stage_runner import StageRunner
+from fxpipe.runtime.transport import Transport, check_spec
+from fxpipe.schedules.ir import Action, ActionKind, Schedule
+
+K = ActionKind
+Key = tuple[int, int]  # (stage, microbatch)
+
+
+class PipelineExecutor:
+    def __init__(self, plan: PipelinePlan, schedule: Schedule, pp_rank: int,
+                 runners: dict[int, StageRunner], transport: Transport,
+                 global_rank_of_pp: Callable[[int], int]) -> None:
+        self.plan, self.schedule, self.pp_rank = plan, schedule, pp_rank
+        self.runners, self.transport = runners, transport
+        self.peer = global_rank_of_pp
+        self.actions = schedule.actions[pp_rank]
+        self.rank_of = schedule.stage_to_rank
+        listed = {(a.kind, a.stage, a.microbatch) for a in self.actions}
+        self._send_listed = listed
+        self.peak_in_flight = 0
+        self.events: list[tuple[Action, float, float]] = []
+
+    # ---- one step ----------------------------------------------------------------------
+    def run(self, microbatches: Sequence[Sequence[torch.Tensor]]) -> None:
+        self.mb = microbatches
+        self.fwd_in: dict[Key, dict[str, torch.Tensor]] = defaultdict(dict)
+        self.bwd_in: dict[Key, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        self.to_send: dict[tuple[K, int, int], list[tuple[str, int, torch.Tensor]]] = {}
+        self.posted: dict[tuple[K, int, int], list[tuple[Any, str, torch.Tensor]]] = {}
+        self.events = []
+        handlers = {K.F: self._forward, K.B: self._backward, K.I: self._backward,
+                    K.W: self._weight, K.SEND_F: self._send, K.SEND_B: self._send,
+                    K.RECV_F: self._post_recv_fwd, K.RECV_B: self._post_recv_bwd}
+        for action in self.actions:
+            start = time.perf_counter()
+            handlers[action.kind](action)
+            self.events.append((action, start, time.perf_counter()))
+        self.transport.flush_sends()
+        assert not self.to_send and not self.posted, "every transfer of the step completed"
+        leftover = {s: r.in_flight for s, r in self.runners.items() if r.in_flight}
+        assert not leftover, f"activations still held after the step: {leftover}"
+
+    # ---- compute -------------------------------------------------------------------------
+    def _forward(self, a: Action) -> None:
+        s, mb = a.stage, a.microbatch
+        stage = self.plan.stages[s]
+        self._post_recv_fwd(a)  # no-op if the schedule already posted them
+        received = self.fwd_in.pop((s, mb), {})
+        received.update(self._wait((K.RECV_F, s, mb)))
+        outs = self.runners[s].forward(mb, self.mb[mb], received)
+        self.peak_in_flight = max(self.peak_in_flight, sum(r.in_flight for r in self.runners.values()))
+        remote = []
+        for name, t in outs.items():
+            for c in self.plan.values[name].consumers:
+                if self.rank_of(c) == self.pp_rank:
+                    self.fwd_in[(c, mb)][name] = t
+                else:
+                    remote.append((name, c, t))
+        self._queue((K.SEND_F, s, mb), remote)
+        del stage
+
+    def _backward(self, a: Action) -> None:
+        s, mb = a.stage, a.microbatch
+        self._post_recv_bwd(a)
+        grads_in = self.bwd_in.pop((s, mb), None) or defaultdict(list)
+        for name, g in self._wait((K.RECV_B, s, mb)).items():
+            grads_in[name].append(g)
+        grads = {n: sum(gs[1:], gs[0]) for n, gs in grads_in.items()}
+        runner = self.runners[s]
+        in_grads = runner.backward(mb, grads) if a.kind is K.B else runner.backward_input(mb, grads)
+        remote = []
+        for name in self.plan.stages[s].inputs:
+            value = self.plan.values[name]
+            if not value.requires_grad:
+                continue
+            g = in_grads.get(name)
+            if g is None:  # the input did not reach the loss; its producer still waits
+                g = torch.zeros(value.spec.shape, dtype=value.spec.dtype, device=self.transport.device)
+            if self.rank_of(value.producer) == self.pp_rank:
+                self.bwd_in[(value.producer, mb)][name].append(g)
+            else:
+                remote.append((name, value.producer, g))
+        self._queue((K.SEND_B, s, mb), remote)
+
+    def _weight(self, a: Action) -> None:
+        self.runners[a.stage].backward_weight(a.microbatch)
+
+    # ---- communication ------------------------------------------------------------------
+    def _queue(self, key: tuple[K, int, int], items: list[tuple[str, int, torch.Tensor]]) -> None:
+        if not items:
+            return
+        self.to_send[key] = items
+        if key not in self._send_listed:
+            self._send(Action(key[1], key[0], key[2]))
+
+    def _send(self, a: Action) -> None:
+        backward = a.kind is K.SEND_B
+        for name, dst_stage, t in self.to_send.pop((a.kind, a.stage, a.microbatch), []):
+            check_spec(self.plan.values[name], t, "gradient of" if backward else "activation")
+            self.transport.send(t, self.peer(self.rank_of(dst_stage)),
+                                self.transport.tag(backward, name, a.microbatch))
+
+    def _post_recv_fwd(self, a: Action) -> None:
+        key = (K.RECV_F, a.stage, a.microbatch)
+        if key in self.posted:
+            return
+        posted = []
+        for name in self.plan.stages[a.stage].inputs:
+            value = self.plan.values[name]
+            src = self.rank_of(value.producer)
+            if src != self.pp_rank:
+                work, buf = self.transport.recv(value, self.peer(src), self.transport.tag(False, name, a.microbatch))
+                posted.append((work, name, buf))
+        self.posted[key] = posted
+
+    def _post_recv_bwd(self, a: Action) -> None:
+        key = (K.RECV_B, a.stage, a.microbatch)
+        if key in self.posted:
+            return
+        posted = []
+        for name in self.plan.stages[a.stage].outputs:
+            value = self.plan.values[name]
+            if not value.requires_grad:
+                continue
+            for c in value.consumers:
+                src = self.rank_of(c)
+                if src != self.pp_rank:
+                    work, buf = self.transport.recv(value, self.peer(src), self.transport.tag(True, name, a.microbatch))
+                    posted.append((work, name, buf))
+        self.posted[key] = posted
+
+    def _wait(self, key: tuple[K, int, int]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for work, name, buf in self.posted.pop(key, []):
+            self.transport.wait(work)
+            out[name] = out[name] + buf if name in out else buf
+        return out

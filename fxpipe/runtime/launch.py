@@ -1,0 +1,35 @@
+"""Process-group set-up at the edge: torchrun's environment is read here only."""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def default_device() -> torch.device:
+    """cuda:LOCAL_RANK when GPUs are present, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed(timeout: timedelta, device: torch.device | None = None) -> torch.device:
+    """Initialise the default process group from torchrun's environment if needed.
+
+    NCCL with GPUs, gloo on CPU. A single process without torchrun's variables
+    becomes a world of one, so tp=pp=dp=1 runs without a launcher."""
+    device = device or default_device()
+    if dist.is_initialized():
+        return device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group(backend, rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+    return device

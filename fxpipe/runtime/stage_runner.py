@@ -1,0 +1,119 @@
+"""Run one pipeline stage's forward and backward for one microbatch at a time.
+
+Independent of transport: received tensors come in as a dict, produced tensors and
+input gradients go out as dicts. The executor moves them between ranks (or hands
+them over locally when two stages share a rank).
+
+Memory: a microbatch's saved state (its input leaves and outputs, and through them
+the autograd graph) is kept from its forward until its backward has consumed it,
+then dropped — never longer (``in_flight`` counts them; the executor asserts the
+schedule's peak).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+
+from fxpipe.plan import PipelinePlan, Stage
+
+
+@dataclass
+class _Saved:
+    inputs: dict[str, torch.Tensor]
+    outputs: tuple[torch.Tensor, ...]
+    grad_outputs: tuple[torch.Tensor | None, ...] | None = None
+    """Kept between the input-gradient (I) and weight-gradient (W) halves."""
+
+
+@dataclass
+class StageRunner:
+    """Forward/backward of ``stage`` with parameters from ``state`` (canonical name -> leaf)."""
+    plan: PipelinePlan
+    stage: Stage
+    state: Mapping[str, torch.Tensor]
+    loss_scale: float = 1.0
+    """Each microbatch's loss is multiplied by this (1/num_microbatches) so the
+    accumulated gradients equal the full-batch gradient."""
+    saved: dict[int, _Saved] = field(default_factory=dict)
+    peak_in_flight: int = 0
+    losses: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._canonical = self.plan.canonical
+        names = self.plan.stage_params(self.stage.index)
+        self.params = [self.state[n] for n in names if self.state[n].requires_grad]
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.saved)
+
+    def forward(self, mb: int, batch: Sequence[torch.Tensor],
+                received: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run the forward; return the tensors to send, by value name."""
+        inputs = {}
+        for name in self.stage.inputs:
+            t = received[name]
+            if self.plan.values[name].requires_grad:
+                t = t.detach().requires_grad_(True)
+            inputs[name] = t
+        with torch.enable_grad():
+            out = self.stage.call(self.state, self._canonical, batch, inputs)
+        sends = dict(zip(self.stage.outputs, out[:len(self.stage.outputs)]))
+        if self.stage.is_last:
+            loss = out[-1]
+            self.losses[mb] = float(loss.detach())
+            outputs: tuple[torch.Tensor, ...] = (loss * self.loss_scale,)
+        else:
+            outputs = tuple(sends[n] for n in self.stage.outputs)
+        self.saved[mb] = _Saved(inputs, outputs)
+        self.peak_in_flight = max(self.peak_in_flight, len(self.saved))
+        return {n: t.detach() for n, t in sends.items()}
+
+    def _grad_pairs(self, mb: int, grads: Mapping[str, torch.Tensor]):
+        saved = self.saved[mb]
+        if self.stage.is_last:
+            return saved, list(saved.outputs), [None]
+        outs, gouts = [], []
+        for name, t in zip(self.stage.outputs, saved.outputs):
+            g = grads.get(name)
+            if g is not None and t.requires_grad:
+                outs.append(t)
+                gouts.append(g)
+        return saved, outs, gouts
+
+    def _input_grads(self, saved: _Saved) -> dict[str, torch.Tensor]:
+        return {n: t.grad for n, t in saved.inputs.items() if t.requires_grad and t.grad is not None}
+
+    def backward(self, mb: int, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full backward (B): accumulate parameter gradients, return input gradients."""
+        saved, outs, gouts = self._grad_pairs(mb, grads)
+        if outs:
+            torch.autograd.backward(outs, gouts)
+        del self.saved[mb]
+        return self._input_grads(saved)
+
+    def backward_input(self, mb: int, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Input-gradient half (I) of the zero-bubble split (Qi et al. 2024): only the
+        gradients the previous stage waits for; the graph is retained for W."""
+        saved, outs, gouts = self._grad_pairs(mb, grads)
+        leaves = [t for t in saved.inputs.values() if t.requires_grad]
+        if outs and leaves:
+            got = torch.autograd.grad(outs, leaves, gouts, retain_graph=True, allow_unused=True)
+            for leaf, g in zip(leaves, got):
+                leaf.grad = g
+        saved.grad_outputs = tuple(gouts)
+        return self._input_grads(saved)
+
+    def backward_weight(self, mb: int) -> None:
+        """Weight-gradient half (W): accumulate parameter gradients, free the microbatch.
+
+        Computed by a second autograd pass restricted to the parameters; it re-walks
+        the shared part of the graph, which the fused B avoids (a known cost)."""
+        saved = self.saved.pop(mb)
+        assert saved.grad_outputs is not None, f"W of microbatch {mb} before its I"
+        outs = list(saved.outputs) if self.stage.is_last else \
+            [t for t in saved.outputs if t.requires_grad][:len(saved.grad_outputs)]
+        if outs and self.params:
+            torch.autograd.backward(outs, list(saved.grad_outputs), inputs=self.params)

@@ -1,0 +1,70 @@
+"""Point-to-point transfers between pipeline ranks, with shapes known from the plan.
+
+No metadata is exchanged at run time: the receiver allocates its buffer from the
+plan's ``StageValue.spec``; the sender checks that what it sends matches the plan,
+so a mismatch is a clear error at its source instead of a hang or garbage.
+
+Sends are posted non-blocking (``isend``) and completed at the end of the step;
+receives are posted when the schedule says (``RECV_*``) and waited on just before
+the compute that reads them. With non-blocking sends, no posting order between
+two ranks can deadlock as long as the compute order is a valid schedule.
+
+Tags identify (direction, value, microbatch) so two streams between one pair of
+ranks (forward activations and backward gradients, or several chunks with
+interleaving) never match the wrong message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.plan import StageValue
+
+
+class TransferError(RuntimeError):
+    """A tensor about to cross ranks does not match the plan."""
+
+
+def check_spec(value: StageValue, t: torch.Tensor, what: str) -> None:
+    if tuple(t.shape) != value.spec.shape or t.dtype != value.spec.dtype:
+        raise TransferError(
+            f"{what} {value.name!r} (stage {value.producer} -> {list(value.consumers)}) has shape "
+            f"{tuple(t.shape)} {t.dtype}, the plan expects {value.spec.shape} {value.spec.dtype}; "
+            f"every microbatch must have the shape of the example batch given to parallelize()")
+
+
+@dataclass
+class Transport:
+    device: torch.device
+    timeout: timedelta
+    value_ids: dict[str, int]
+    num_values: int
+    group: Any = None
+    """Process group the ranks below belong to (None: the default world group)."""
+    _sends: list[Any] = field(default_factory=list)
+
+    def tag(self, backward: bool, value: str, mb: int) -> int:
+        return (mb * self.num_values + self.value_ids[value]) * 2 + int(backward)
+
+    def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        self._sends.append(dist.isend(t.contiguous(), dst=dst, tag=tag, group=self.group))
+
+    def recv(self, value: StageValue, src: int, tag: int) -> tuple[Any, torch.Tensor]:
+        buf = torch.empty(value.spec.shape, dtype=value.spec.dtype, device=self.device)
+        return dist.irecv(buf, src=src, tag=tag, group=self.group), buf
+
+    def wait(self, work: Any) -> None:
+        # Gloo honours a per-call timeout; a peer that died never completes its send.
+        if self.device.type == "cpu":
+            work.wait(self.timeout)
+        else:
+            work.wait()
+
+    def flush_sends(self) -> None:
+        for work in self._sends:
+            self.wait(work)
+        self._sends.clear()

@@ -1,0 +1,101 @@
+"""Gantt chart of a Timeline in the style of Megatron SC21 Figure 4.
+
+One row per rank, rank 0 on top; time runs left to right; forward boxes blue,
+backward green (as in the paper), the I/W halves of a split backward in
+green/orange; with several stages per rank each chunk gets its own shade
+(chunk 0 darkest), so the chunks of one microbatch are told apart as in the
+paper's dark/light interleaved boxes. Each box carries its microbatch number
+(0-based, as in the action text); gaps are bubbles. matplotlib is imported
+only when drawing.
+"""
+from __future__ import annotations
+
+import os
+
+from ..ir import ActionKind
+from ..timeline import Timeline
+from .ascii import summary_line
+
+_CMAP = {ActionKind.F: "Blues", ActionKind.B: "Greens", ActionKind.I: "Greens", ActionKind.W: "Oranges"}
+
+
+def _chunk_of(timeline: Timeline) -> dict[int, int]:
+    """stage -> chunk index on its rank (0 = the rank's first stage)."""
+    stages: dict[int, set[int]] = {}
+    for r, acts in enumerate(timeline.actions):
+        stages[r] = {a.stage for a in acts if a.kind.is_compute}
+    return {s: sorted(ss).index(s) for ss in stages.values() for s in ss}
+
+
+def render_gantt(timeline: Timeline, path: str | os.PathLike, *, dpi: int = 150) -> None:
+    """Draw the chart to ``path``; the format follows the extension (.png, .svg, .pdf)."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    chunk_of = _chunk_of(timeline)
+    num_chunks = max(chunk_of.values(), default=0) + 1
+
+    def colour(kind: ActionKind, chunk: int):
+        # Darkest shade for chunk 0, lighter for later chunks (SC21 Fig. 4).
+        level = 0.8 - 0.45 * chunk / max(1, num_chunks - 1) if num_chunks > 1 else 0.65
+        if kind is ActionKind.I:
+            level = min(level + 0.1, 0.9)
+        return colormaps[_CMAP[kind]](level)
+
+    span = timeline.makespan
+    origin = timeline.origin
+    p = timeline.num_ranks
+    width = min(24.0, max(8.0, 0.22 * span / max(1e-12, _shortest(timeline))))
+    fig = Figure(figsize=(width, 1.2 + 0.45 * p), dpi=dpi)
+    ax = fig.add_subplot()
+    n_boxes = max((len(a) for a in timeline.actions), default=0)
+    label_size = max(4.0, min(9.0, 600.0 / max(1, n_boxes)))
+    for r in range(p):
+        y = p - 1 - r  # rank 0 on top
+        for e in timeline.events(r):
+            a = e.action
+            if not a.kind.is_compute:
+                continue
+            chunk = chunk_of.get(a.stage, 0)
+            face = colour(a.kind, chunk)
+            ax.add_patch(_box(e.start - origin, y, e.end - e.start, face))
+            if n_boxes <= 400:
+                dark = sum(face[:3]) < 1.6
+                ax.text(e.start - origin + (e.end - e.start) / 2, y, str(a.microbatch),
+                        ha="center", va="center", fontsize=label_size,
+                        color="white" if dark else "black")
+    ax.set_xlim(0, span)
+    ax.set_ylim(-0.6, p - 0.4)
+    ax.set_yticks(range(p), [f"rank {r}" for r in reversed(range(p))])
+    ax.set_xlabel(f"time ({timeline.unit})")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    kinds = [k for k in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
+             if any(a.kind is k for acts in timeline.actions for a in acts)]
+    names = {ActionKind.F: "forward", ActionKind.B: "backward", ActionKind.I: "backward (input)",
+             ActionKind.W: "backward (weight)"}
+    handles = [
+        Patch(facecolor=colour(k, c), edgecolor="black", linewidth=0.4,
+              label=names[k] + (f", chunk {c}" if num_chunks > 1 else ""))
+        for k in kinds for c in range(num_chunks)
+    ]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25 if p > 2 else -0.45),
+              ncol=min(len(handles), 4), fontsize=8, frameon=False)
+    ax.set_title(f"{timeline.title}\n{summary_line(timeline)}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _box(x: float, y: float, w: float, face):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x, y - 0.4), w, 0.8, facecolor=face, edgecolor="black", linewidth=0.4)
+
+
+def _shortest(timeline: Timeline) -> float:
+    return min(
+        (e.end - e.start for r in range(timeline.num_ranks) for e in timeline.events(r)
+         if e.action.kind.is_compute and e.end > e.start),
+        default=1.0,
+    )

@@ -1,0 +1,60 @@
+"""Training cases run inside spawned gloo workers (importable by the children)."""
+from __future__ import annotations
+
+import torch
+
+from fxpipe.models import build_workload
+
+STEPS = 3
+BATCH, SEQ, LAYERS, MICROBATCHES = 8, 16, 4, 4
+
+
+def workload(name: str):
+    return build_workload(name, batch=BATCH, seq=SEQ, layers=LAYERS, seed=0)
+
+
+def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Single-process AdamW: per-step losses, final parameters, first-step gradients."""
+    w = workload(name)
+    opt = torch.optim.AdamW(w.model.parameters(), lr=1e-3)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        opt.zero_grad()
+        if w.loss_fn is not None:
+            loss = w.loss_fn(w.model(*w.example_inputs[:-1]), w.example_inputs[-1])
+        else:
+            loss = w.model(*w.example_inputs)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in w.model.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in w.model.named_parameters()}, grads
+
+
+def train_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Each case: dict(model, pp, schedule, chunks). Returns losses, parameters, stats."""
+    from fxpipe.runtime.api import parallelize
+    from fxpipe.passes.partition import rank_inflight
+
+    out = []
+    for case in cases:
+        w = workload(case["model"])
+        pm = parallelize(w.model, pp=case["pp"], microbatches=MICROBATCHES, schedule=case["schedule"],
+                         chunks=case.get("chunks"), example_inputs=w.example_inputs,
+                         loss_fn=w.loss_fn, partition=case.get("partition", "ilp"))
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        losses, grads = [], {}
+        for step in range(STEPS):
+            losses.append(pm.train_step(w.example_inputs))
+            if step == 0:
+                grads = {n: t.grad.clone() for n, t in pm.named_parameters()}
+            opt.step()
+        bound = rank_inflight(pm.schedule)[pm.groups.pp_rank]
+        result = dict(case=case, losses=losses, peak=pm.last_stats.peak_in_flight, bound=bound,
+                      grads=grads)
+        full = pm.full_state_dict()
+        if rank == 0:
+            result["params"] = full
+        out.append(result)
+    return out
