@@ -48,10 +48,17 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    # Until the pipeline runtime lands, `run` compiles the embedded default and says so.
-    print("fxpipe run: the distributed runtime is not built yet; compiling the default model "
-          "instead (this is what `run` will train).", file=sys.stderr)
-    return _cmd_compile(args)
+    from fxpipe.train import TrainConfig, launch, preflight
+
+    config = TrainConfig(model=args.model, tp=args.tp, pp=args.pp, dp=args.dp, schedule=args.schedule,
+                         chunks=args.chunks, microbatches=args.microbatches,
+                         micro_batch_size=args.micro_batch_size, global_batch=args.global_batch,
+                         seq=args.seq, steps=args.steps, lr=args.lr, seed=args.seed,
+                         log_interval=args.log_interval, partition=args.partition,
+                         timeline=None if args.timeline == "none" else args.timeline,
+                         timeout_s=args.timeout)
+    preflight(config)
+    return launch(config)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -76,9 +83,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lint the graph and check invariants after every pass")
     p.set_defaults(fn=_cmd_compile)
 
-    p = sub.add_parser("run", help="compile and train (the embedded default: a small GPT on CPU)")
-    _add_model_args(p)
-    p.set_defaults(fn=_cmd_run, model="gpt-small", graph=None, skip_pass=[], debug=False)
+    p = sub.add_parser("run", help="compile and train (the embedded default: a small GPT on CPU)",
+                       description="Train a model with tensor × pipeline × data parallelism on the "
+                                   "Python standard library's source as byte-level text. Without "
+                                   "torchrun, starts tp·pp·dp local worker processes itself.")
+    p.add_argument("--model", default="gpt-small", help="model registry name (default: %(default)s)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: %(default)s)")
+    p.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default: %(default)s)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size (default: %(default)s)")
+    p.add_argument("--schedule", default="1f1b",
+                   help="gpipe, 1f1b, interleaved, zb-h1, zb-v (default: %(default)s)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="stages per pipeline rank (default: the schedule's own)")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per step m (default: %(default)s)")
+    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per microbatch b (default: %(default)s)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per step; must equal b·m·dp (default: b·m·dp)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length s (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=80, help="training steps (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="model init and data seed (default: %(default)s)")
+    p.add_argument("--log-interval", type=int, default=10, help="steps between log lines (default: %(default)s)")
+    p.add_argument("--partition", default="ilp", help="ilp, uniform, params, dp (default: %(default)s)")
+    p.add_argument("--timeline", default="fxpipe-timeline",
+                   help="path prefix for the last step's measured timeline (.json, .png); 'none' "
+                        "to skip (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds before a collective or p2p transfer gives up (default: %(default)s)")
+    p.set_defaults(fn=_cmd_run)
 
     p = sub.add_parser("viz", help="draw a pipeline schedule (ASCII, PNG/SVG Gantt, Perfetto JSON)")
     try:

@@ -33,6 +33,18 @@ class Workload:
     loss_fn: Callable[..., torch.Tensor] | None = None
     config: GPTConfig | None = None
     """The GPT shape when known (FLOPs formulas, planner); None for HF or user models."""
+    vocab_size: int | None = None
+    """Token ids must be below this (None: unknown, e.g. a user model)."""
+    labels_shifted: bool = True
+    """True: the batch is (inputs, next tokens) — nanoGPT's convention; False: (inputs,
+    labels aligned with inputs) — Hugging Face's, where the loss shifts."""
+
+    def batch_from_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A training batch from (B, s+1) token windows, in this model's convention."""
+        if self.vocab_size is not None:
+            tokens = tokens.clamp_max(self.vocab_size - 1)
+        x = tokens[:, :-1].contiguous()
+        return (x, tokens[:, 1:].contiguous()) if self.labels_shifted else (x, x.clone())
 
 
 GPT_CONFIGS: dict[str, GPTConfig] = {
@@ -77,7 +89,8 @@ def build_workload(name: str, *, batch: int = 2, seq: int | None = None,
             model = GPT(cfg)
         x = _token_batch(batch, seq + 1, cfg.vocab_size, device, seed)
         # nanoGPT convention: the targets are the inputs shifted by one token.
-        return Workload(model, (x[:, :-1].contiguous(), x[:, 1:].contiguous()), None, cfg)
+        return Workload(model, (x[:, :-1].contiguous(), x[:, 1:].contiguous()), None, cfg,
+                        vocab_size=cfg.vocab_size)
     if name.startswith("hf:"):
         family = name[3:]
         if family not in HF_FAMILIES:
@@ -92,7 +105,8 @@ def build_workload(name: str, *, batch: int = 2, seq: int | None = None,
         with torch.device(device):
             model = HF_FAMILIES[family](**dims)
         ids = _token_batch(batch, seq, dims["vocab"], device, seed)
-        return Workload(model, (ids, ids.clone()), causal_lm_loss, None)
+        return Workload(model, (ids, ids.clone()), causal_lm_loss, None, vocab_size=dims["vocab"],
+                        labels_shifted=False)
     if ":" in name:
         return _user_workload(name)
     raise ValueError(f"unknown model {name!r}; valid names: {', '.join(model_names())}, "

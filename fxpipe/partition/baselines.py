@@ -64,7 +64,7 @@ def params_stages(problem: PartitionProblem) -> list[int]:
         starts = list(range(n))
     weights = np.array([sum(problem.params[a:b]) for a, b in zip(starts, [*starts[1:], n])], dtype=float)
     prefix = np.concatenate([[0.0], np.cumsum(weights)])
-    unit_parts = min_max_split(len(starts), s, lambda i: prefix[i] - prefix[:i])
+    unit_parts = min_max_split(len(starts), s, lambda k, i: prefix[i] - prefix[:i])
     assert unit_parts is not None
     stage = [0] * n
     for u, (a, b) in enumerate(zip(starts, [*starts[1:], n])):

@@ -161,7 +161,7 @@ def _hint_stages(problem: PartitionProblem, hint) -> list[int]:
 
 
 def solve_ilp(problem: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0,
-              num_workers: int = 2, hint: Mapping | Sequence[int] | PartitionResult | None = None
+              num_workers: int = 1, hint: Mapping | Sequence[int] | PartitionResult | None = None
               ) -> PartitionResult:
     """The ``ilp`` method. ``time_limit_s`` is CP-SAT deterministic time (about seconds);
     the answer depends only on (problem, seed, num_workers). Raises

@@ -56,9 +56,11 @@ class PipelineExecutor:
                     K.W: self._weight, K.SEND_F: self._send, K.SEND_B: self._send,
                     K.RECV_F: self._post_recv_fwd, K.RECV_B: self._post_recv_bwd}
         for action in self.actions:
+            self._compute_start = None
             start = time.perf_counter()
             handlers[action.kind](action)
-            self.events.append((action, start, time.perf_counter()))
+            # A compute action's event starts after its receives arrived: waiting is bubble.
+            self.events.append((action, self._compute_start or start, time.perf_counter()))
         self.transport.flush_sends()
         assert not self.to_send and not self.posted, "every transfer of the step completed"
         leftover = {s: r.in_flight for s, r in self.runners.items() if r.in_flight}
@@ -67,10 +69,10 @@ class PipelineExecutor:
     # ---- compute -------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
         s, mb = a.stage, a.microbatch
-        stage = self.plan.stages[s]
         self._post_recv_fwd(a)  # no-op if the schedule already posted them
         received = self.fwd_in.pop((s, mb), {})
         received.update(self._wait((K.RECV_F, s, mb)))
+        self._compute_start = time.perf_counter()
         outs = self.runners[s].forward(mb, self.mb[mb], received)
         self.peak_in_flight = max(self.peak_in_flight, sum(r.in_flight for r in self.runners.values()))
         remote = []
@@ -81,7 +83,6 @@ class PipelineExecutor:
                 else:
                     remote.append((name, c, t))
         self._queue((K.SEND_F, s, mb), remote)
-        del stage
 
     def _backward(self, a: Action) -> None:
         s, mb = a.stage, a.microbatch
@@ -89,6 +90,7 @@ class PipelineExecutor:
         grads_in = self.bwd_in.pop((s, mb), None) or defaultdict(list)
         for name, g in self._wait((K.RECV_B, s, mb)).items():
             grads_in[name].append(g)
+        self._compute_start = time.perf_counter()
         grads = {n: sum(gs[1:], gs[0]) for n, gs in grads_in.items()}
         runner = self.runners[s]
         in_grads = runner.backward(mb, grads) if a.kind is K.B else runner.backward_input(mb, grads)

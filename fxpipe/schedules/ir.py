@@ -17,14 +17,12 @@ Conventions shared with torch.distributed.pipelining:
 """
 from __future__ import annotations
 
-import csv
 import enum
-import io
 import os
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, NamedTuple
 
 import numpy as np
 
@@ -100,7 +98,7 @@ def v_stage_ranks(num_ranks: int) -> tuple[int, ...]:
     return tuple(range(num_ranks)) + tuple(reversed(range(num_ranks)))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, repr=False)
 class Schedule:
     """A pipeline schedule: for every pp rank, the ordered actions it runs.
 
@@ -124,6 +122,12 @@ class Schedule:
         assert len(self.stage_ranks) % len(self.actions) == 0, (
             "every rank must hold the same number of stages",
             self.stage_ranks,
+        )
+
+    def __repr__(self) -> str:  # the actions can number millions; show the shape
+        return (
+            f"Schedule(name={self.name!r}, p={self.num_ranks}, m={self.num_microbatches}, "
+            f"v={self.num_chunks}, actions={sum(map(len, self.actions))}, lowered={self.is_lowered})"
         )
 
     @property
@@ -190,16 +194,14 @@ class Schedule:
             stage_ranks=np.asarray(self.stage_ranks, dtype=np.int32),
         )
 
-    # ---- text forms -------------------------------------------------------
+    # ---- text forms (implemented in text.py) -----------------------------
 
     def to_csv(self) -> str:
         """One row per rank, one cell per action: the format of torch's
         ``_dump_csv``, which its ``_load_csv`` reads back."""
-        buf = io.StringIO()
-        writer = csv.writer(buf, lineterminator="\n")
-        for rank in self.actions:
-            writer.writerow([str(a) for a in rank])
-        return buf.getvalue()
+        from .text import schedule_to_csv
+
+        return schedule_to_csv(self)
 
     def write_csv(self, path: str | os.PathLike) -> None:
         with open(path, "w", newline="") as f:
@@ -211,94 +213,18 @@ class Schedule:
             return Schedule.from_csv(f.read(), **kwargs)
 
     @staticmethod
-    def from_csv(
-        text: str,
-        *,
-        name: str = "csv",
-        num_microbatches: int | None = None,
-    ) -> "Schedule":
-        """Parse CSV text written by ``to_csv`` (or by torch's ``_dump_csv``;
-        its empty cells, torch's ``None`` placeholders, are skipped).
+    def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = None) -> "Schedule":
+        """Parse CSV text written by ``to_csv`` or by torch's ``_dump_csv``;
+        the stage -> rank mapping is inferred (see ``text.schedule_from_csv``)."""
+        from .text import schedule_from_csv
 
-        The stage -> rank mapping is inferred from where each stage's actions
-        sit, as torch's ``_validate_schedule`` does; ``num_microbatches``
-        defaults to the largest microbatch index + 1.
-        """
-        actions = tuple(parse_actions(row) for row in csv.reader(io.StringIO(text)))
-        if not actions or not any(actions):
-            raise ValueError("empty schedule CSV: expected one row of actions per pipeline rank")
-        owner: dict[int, int] = {}
-        for rank, row in enumerate(actions):
-            for a in row:
-                # Every kind, comm included, is named by a stage of the rank that posts it.
-                if owner.setdefault(a.stage, rank) != rank:
-                    raise ValueError(
-                        f"stage {a.stage} appears on rank {owner[a.stage]} and on rank {rank} "
-                        f"(action {a}); a stage must live on exactly one rank"
-                    )
-        num_stages = max(owner) + 1
-        missing = sorted(set(range(num_stages)) - set(owner))
-        if missing:
-            raise ValueError(f"stages {missing} have no actions in the CSV; cannot infer their rank")
-        if num_stages % len(actions) != 0:
-            raise ValueError(
-                f"{num_stages} stages over {len(actions)} ranks: every rank must hold the same "
-                "number of stages"
-            )
-        if num_microbatches is None:
-            num_microbatches = 1 + max(a.microbatch for row in actions for a in row)
-        return Schedule(
-            name=name,
-            num_microbatches=num_microbatches,
-            stage_ranks=tuple(owner[s] for s in range(num_stages)),
-            actions=actions,
-        )
+        return schedule_from_csv(text, name=name, num_microbatches=num_microbatches)
 
-    def format_grid(
-        self,
-        marks: dict[tuple[int, int], str] | None = None,
-        window: int | None = 12,
-    ) -> str:
-        """The step x rank grid (one row per step, one column per rank, like
-        torch's ``_format_pipeline_order``). ``marks`` maps (rank, step) to a
-        note; marked cells print as ``>3F0<`` and their row ends with the note.
-        With marks and a ``window``, only the rows within ``window`` steps of a
-        mark are shown, so errors in long schedules stay readable."""
-        marks = marks or {}
-        # Marks past a rank's end (a missing action) get a row of their own.
-        num_steps = max([len(r) for r in self.actions] + [s + 1 for (_, s) in marks])
+    def format_grid(self, marks: dict[tuple[int, int], str] | None = None, window: int | None = 12) -> str:
+        """The step x rank grid, marked cells shown as ``>3F0<`` (see ``text.format_grid``)."""
+        from .text import format_grid
 
-        def cell(r: int, step: int) -> str:
-            rank = self.actions[r]
-            text = str(rank[step]) if step < len(rank) else ""
-            if (r, step) in marks:
-                return f">{text or '?'}<"
-            return text
-
-        cells = [[cell(r, step) for r in range(self.num_ranks)] for step in range(num_steps)]
-        labels = [f"rank {r}" for r in range(self.num_ranks)]
-        widths = [
-            max([len(labels[r])] + [len(row[r]) for row in cells]) for r in range(self.num_ranks)
-        ]
-        step_w = len(f"step {len(cells) - 1}")
-        lines = [" " * (step_w + 2) + " ".join(l.ljust(w) for l, w in zip(labels, widths))]
-        keep = range(len(cells))
-        if marks and window is not None:
-            marked = sorted({s for (_, s) in marks})
-            keep = sorted({s for m in marked for s in range(max(0, m - window), min(len(cells), m + window + 1))})
-        prev = -1
-        for step in keep:
-            if step != prev + 1:
-                lines.append(f"... ({step - prev - 1} steps not shown)")
-            notes = [f"rank {r}: {note}" for (r, s), note in sorted(marks.items()) if s == step]
-            row = f"step {step}".ljust(step_w) + ": " + " ".join(
-                c.ljust(w) for c, w in zip(cells[step], widths)
-            )
-            lines.append(row.rstrip() + ("   <-- " + "; ".join(notes) if notes else ""))
-            prev = step
-        if prev != len(cells) - 1:
-            lines.append(f"... ({len(cells) - 1 - prev} steps not shown)")
-        return "\n".join(lines)
+        return format_grid(self, marks, window)
 
 
 class ScheduleArrays(NamedTuple):
@@ -315,9 +241,3 @@ def prime_arrays(schedule: Schedule, arrays: ScheduleArrays) -> None:
     assert len(arrays.kind) == sum(map(len, schedule.actions))
     assert "arrays" not in schedule.__dict__
     schedule.__dict__["arrays"] = arrays  # where functools.cached_property keeps it
-
-
-def parse_actions(cells: Sequence[str]) -> tuple[Action, ...]:
-    """Parse a sequence of action strings, skipping empty cells (torch writes
-    ``None`` placeholders as empty cells)."""
-    return tuple(Action.parse(c) for c in cells if c.strip())

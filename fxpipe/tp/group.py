@@ -1,0 +1,213 @@
+"""Tensor-parallel groups: the three collectives TP needs, behind one small protocol.
+
+Two implementations:
+
+- :class:`ProcessGroupTP` wraps a real ``torch.distributed`` process group (NCCL on
+  GPUs, gloo on CPUs): what the runtime uses.
+- :class:`EmulatedGroup` runs every TP rank in a thread of one process and makes
+  the collectives rendezvous at a barrier. Tests use it: all ranks' graphs run in
+  about the time of one, with no process spawn (DESIGN.md, "Collectives as
+  autograd-aware graph ops").
+
+Every collective returns a new tensor and never modifies its input, so autograd
+code can call them on saved tensors. Results are bitwise identical on all ranks
+(reductions add in rank order), which keeps replicated activations identical.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import threading
+from typing import Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
+
+import torch
+
+T = TypeVar("T")
+
+
+class ReduceOp(enum.Enum):
+    SUM = "sum"
+    MAX = "max"
+
+
+@runtime_checkable
+class TPGroup(Protocol):
+    """The tensor-parallel group of one rank, as the graph's collective ops see it."""
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the group, 0..size-1 (its ``tp_rank``)."""
+        ...
+
+    @property
+    def size(self) -> int:
+        """Number of TP ranks ``tp``."""
+        ...
+
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor: ...
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate every rank's ``t`` along ``dim``, in rank order."""
+        ...
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Sum over ranks, then keep this rank's ``1/size`` chunk along ``dim``."""
+        ...
+
+
+class ProcessGroupTP:
+    """A :class:`TPGroup` over a ``torch.distributed`` process group."""
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+        self._dist = dist
+        self.group = group
+        self._rank = dist.get_rank(group)
+        self._size = dist.get_world_size(group)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        out = t.detach().clone(memory_format=torch.contiguous_format)
+        red = self._dist.ReduceOp.SUM if op is ReduceOp.SUM else self._dist.ReduceOp.MAX
+        self._dist.all_reduce(out, op=red, group=self.group)
+        return out
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        # The flat collectives work along dim 0: move ``dim`` first and back.
+        src = t.detach().movedim(dim, 0).contiguous()
+        out = src.new_empty((src.shape[0] * self._size, *src.shape[1:]))
+        self._dist.all_gather_single(out, src, group=self.group)
+        return out.movedim(0, dim).contiguous()
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        src = t.detach().movedim(dim, 0).contiguous()
+        assert src.shape[0] % self._size == 0, (tuple(t.shape), dim, self._size)
+        out = src.new_empty((src.shape[0] // self._size, *src.shape[1:]))
+        self._dist.reduce_scatter_single(out, src, group=self.group)
+        return out.movedim(0, dim).contiguous()
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupTP(rank={self._rank}, size={self._size})"
+
+
+class _Rendezvous:
+    """Where the threads of one emulated group meet: a slot per rank and a barrier.
+
+    ``exchange`` waits twice: once until every rank has written its slot, once
+    until every rank has read them all, so the next collective cannot overwrite
+    a slot still being read."""
+
+    def __init__(self, size: int, timeout: float) -> None:
+        self.slots: list[Any] = [None] * size
+        self.barrier = threading.Barrier(size, timeout=timeout)
+
+    def exchange(self, rank: int, value: Any) -> list[Any]:
+        self.slots[rank] = value
+        self.barrier.wait()
+        values = list(self.slots)
+        self.barrier.wait()
+        return values
+
+
+class EmulatedGroup:
+    """One rank of a TP group emulated by threads of this process.
+
+    Make the ranks together with :meth:`create` and run one thread per rank
+    (:func:`run_emulated` does both)."""
+
+    def __init__(self, rank: int, size: int, rendezvous: _Rendezvous) -> None:
+        self._rank = rank
+        self._size = size
+        self._rv = rendezvous
+
+    @staticmethod
+    def create(size: int, timeout: float = 120.0) -> list["EmulatedGroup"]:
+        if size < 1:
+            raise ValueError(f"an emulated TP group needs size >= 1, got {size}")
+        rv = _Rendezvous(size, timeout)
+        return [EmulatedGroup(r, size, rv) for r in range(size)]
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def abort(self) -> None:
+        """Release the other ranks' waits (they raise ``BrokenBarrierError``)."""
+        self._rv.barrier.abort()
+
+    def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return self._rv.exchange(self._rank, t.detach())
+
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        parts = self._exchange(t)
+        if op is ReduceOp.SUM:
+            return functools.reduce(torch.add, parts[1:], parts[0].clone())
+        return functools.reduce(torch.maximum, parts[1:], parts[0].clone())
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.cat(self._exchange(t), dim=dim)
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        parts = self._exchange(t)
+        total = functools.reduce(torch.add, parts[1:], parts[0].clone())
+        assert total.shape[dim] % self._size == 0, (tuple(t.shape), dim, self._size)
+        return total.chunk(self._size, dim=dim)[self._rank].contiguous()
+
+    def __repr__(self) -> str:
+        return f"EmulatedGroup(rank={self._rank}, size={self._size})"
+
+
+def run_emulated(size: int, fn: Callable[[EmulatedGroup], T], *,
+                 timeout: float = 120.0) -> list[T]:
+    """Run ``fn(group)`` for every rank of an emulated group, one thread each.
+
+    Returns the results in rank order. If any rank raises, the others are released
+    from their collectives and the first error (by rank) is re-raised. ``fn``
+    enters the group context itself::
+
+        def step(group):
+            with tp_group_context(group):
+                loss = program.run(shard_state(full, specs, group.rank), *batch)
+                loss.backward()
+            return loss
+        losses = run_emulated(2, step)
+    """
+    groups = EmulatedGroup.create(size, timeout)
+    results: list[Any] = [None] * size
+    errors: list[BaseException | None] = [None] * size
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(groups[rank])
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            errors[rank] = exc
+            groups[rank].abort()
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"tp-rank-{r}") for r in range(size)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    first = _first_error(errors)
+    if first is not None:
+        raise first
+    return results
+
+
+def _first_error(errors: Sequence[BaseException | None]) -> BaseException | None:
+    # A rank released by another's abort raises BrokenBarrierError: report the cause.
+    real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
+    if real:
+        return real[0]
+    return next((e for e in errors if e is not None), None)
