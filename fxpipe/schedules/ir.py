@@ -54,7 +54,8 @@ _COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind
 KIND_CODE = {kind: code for code, kind in enumerate(ActionKind)}
 KIND_OF_CODE = tuple(ActionKind)
 
-# Longest spellings first so that e.g. "SEND_F" is never read as "S" + ... .
+# torch's _action_regex, less the FSDP/grad-reduction kinds (UNSHARD, RESHARD,
+# REDUCE_GRAD) fxpipe's runtime handles outside the schedule.
 _ACTION_RE = re.compile(
     r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)\s*$"
 )

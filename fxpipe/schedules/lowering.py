@@ -26,7 +26,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import _sim_core
-from .ir import KIND_CODE, Action, ActionKind, Schedule, ScheduleArrays, prime_arrays
+from .ir import KIND_CODE, KIND_OF_CODE, Action, ActionKind, Schedule, ScheduleArrays, prime_arrays
+from .simulate import kernel_error
 from .validate import check_structure
 
 F, B, I = ActionKind.F, ActionKind.B, ActionKind.I  # noqa: E741
@@ -54,8 +55,6 @@ def lower(schedule: Schedule) -> Schedule:
         schedule.num_microbatches,
     )
     if status != _sim_core.OK:
-        from .simulate import kernel_error  # one error builder for both callers
-
         raise kernel_error(schedule, status, blocked)
     # Vectorized over all compute actions n: which ones produce a tensor
     # another rank needs, and in which dry-run round.
@@ -93,9 +92,8 @@ def lower(schedule: Schedule) -> Schedule:
         np.concatenate([rounds, c_round]),
         all_rank,
     ))
-    kinds = tuple(ActionKind)
     comm_actions = [
-        Action(s, kinds[k], j) for s, k, j in zip(c_stage.tolist(), c_kind.tolist(), c_mb.tolist())
+        Action(s, KIND_OF_CODE[k], j) for s, k, j in zip(c_stage.tolist(), c_kind.tolist(), c_mb.tolist())
     ]
     pool = [a for acts in schedule.actions for a in acts] + comm_actions
     flat = [pool[i] for i in order.tolist()]

@@ -4,11 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .generators.gpipe import gpipe
-from .generators.interleaved import interleaved
-from .generators.one_f_one_b import one_f_one_b
-from .generators.v_shape import zb_v
-from .generators.zero_bubble import zb_h1
+from .generators import gpipe, interleaved, one_f_one_b, zb_h1, zb_v
 from .ir import Schedule
 
 

@@ -8,6 +8,7 @@ the same definitions.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
@@ -67,8 +68,12 @@ class Timeline:
         for a, s, e in zip(self.actions[rank], self.start[rank], self.end[rank]):
             yield Event(a, float(s), float(e))
 
+    @cached_property
+    def _compute_masks(self) -> tuple[np.ndarray, ...]:
+        return tuple(np.fromiter((a.kind.is_compute for a in acts), bool, len(acts)) for acts in self.actions)
+
     def _compute_mask(self, rank: int) -> np.ndarray:
-        return np.fromiter((a.kind.is_compute for a in self.actions[rank]), bool, len(self.actions[rank]))
+        return self._compute_masks[rank]
 
     @property
     def origin(self) -> float:
@@ -78,11 +83,8 @@ class Timeline:
     @property
     def makespan(self) -> float:
         """Time from the first start to the last compute end, over all ranks."""
-        last = max(
-            (float(e[m].max()) for e, m in ((self.end[r], self._compute_mask(r)) for r in range(self.num_ranks)) if m.any()),
-            default=0.0,
-        )
-        return last - self.origin
+        ends = [self.end[r][self._compute_mask(r)] for r in range(self.num_ranks)]
+        return max((float(e.max()) for e in ends if len(e)), default=self.origin) - self.origin
 
     def busy(self) -> tuple[float, ...]:
         """Per rank, the total duration of its compute actions."""

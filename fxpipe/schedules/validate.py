@@ -20,8 +20,6 @@ the step x rank grid and the offending action marked (like torch's
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 
 from . import _sim_core
@@ -92,19 +90,16 @@ def check_structure(schedule: Schedule) -> None:
     raise ScheduleError(why, schedule, {(r, step): why})
 
 
-def _expected(schedule: Schedule, lowered: bool) -> Counter:
-    """How often each comm action must appear (compute is checked separately)."""
-    want: Counter = Counter()
-    if not lowered:
+def _expected_comm(schedule: Schedule) -> set[Action]:
+    """The comm actions a lowered schedule must hold, each exactly once."""
+    want: set[Action] = set()
+    if not schedule.is_lowered:
         return want
-    S, m = schedule.num_stages, schedule.num_microbatches
-    for s in range(S - 1):
+    for s in range(schedule.num_stages - 1):
         if _cross(schedule, s, s + 1):
-            for j in range(m):
-                want[Action(s, SEND_F, j)] = 1
-                want[Action(s + 1, RECV_F, j)] = 1
-                want[Action(s + 1, SEND_B, j)] = 1
-                want[Action(s, RECV_B, j)] = 1
+            for j in range(schedule.num_microbatches):
+                want |= {Action(s, SEND_F, j), Action(s + 1, RECV_F, j),
+                         Action(s + 1, SEND_B, j), Action(s, RECV_B, j)}
     return want
 
 
@@ -133,10 +128,8 @@ def check_complete(schedule: Schedule) -> None:
                 for k in (I, W) if (I in has or W in has) else (B,):
                     if k not in has:
                         missing.append(str(Action(s, k, j)))
-    want = _expected(schedule, schedule.is_lowered)
-    for a, n in want.items():
-        if a not in where:
-            missing.append(str(a))
+    want = _expected_comm(schedule)
+    missing += sorted((str(a) for a in want if a not in where), key=lambda t: Action.parse(t).microbatch)
     for a, pos in where.items():
         if a.kind.is_comm and a not in want:
             marks.setdefault(pos, f"{a} has no counterpart (unexpected communication)")

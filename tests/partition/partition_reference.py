@@ -11,6 +11,8 @@ import math
 import networkx as nx
 from hypothesis import strategies as st
 
+from fxpipe.partition import PartitionProblem
+
 
 @st.composite
 def small_problems(draw, max_nodes: int = 8, max_stages: int = 3):
@@ -93,3 +95,27 @@ def brute_force(g: nx.DiGraph, kwargs: dict) -> tuple[float | None, int]:
 def is_valid(g: nx.DiGraph, stage_of: dict, s: int) -> bool:
     return (set(stage_of) == set(g.nodes) and set(stage_of.values()) == set(range(s))
             and all(stage_of[u] <= stage_of[v] for u, v in g.edges))
+
+
+def layered(n_layers=6, skip=True):
+    """Embedding, n_layers two-node layers with a residual skip each, head, loss."""
+    g = nx.DiGraph()
+    g.add_node("embed", fwd=0.1, bwd=0.2, static_bytes=500, out_bytes=64, params=50)
+    prev = "embed"
+    for i in range(n_layers):
+        a, b = f"l{i}.attn", f"l{i}.mlp"
+        g.add_node(a, fwd=1.0, bwd=2.0, static_bytes=100, act_bytes=10, out_bytes=64, params=10, layer=i)
+        g.add_node(b, fwd=2.0, bwd=4.0, static_bytes=200, act_bytes=20, out_bytes=64, params=20, layer=i)
+        g.add_edges_from([(prev, a), (a, b)] + ([(prev, b)] if skip else []))
+        prev = b
+    g.add_node("head", fwd=2.5, bwd=5.0, static_bytes=500, act_bytes=30, out_bytes=64, params=50)
+    g.add_node("loss", fwd=0.5, bwd=0.5, act_bytes=30, out_bytes=4)
+    g.add_edges_from([(prev, "head"), ("head", "loss")])
+    return g
+
+
+def problem_for(g, p=3, v=1, **kw):
+    s = p * v
+    return PartitionProblem(graph=g, num_stages=s, stage_to_rank=tuple(k % p for k in range(s)),
+                            inflight=tuple(max(1, p - k % p) for k in range(s)),
+                            bandwidth_bytes_per_s=1e4, latency_s=1e-3, **kw)

@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 
 from fxpipe.partition import (MemoryLimitError, PartitionProblem, SolveStatus, memory_floor,
                               solve_chain_dp, solve_ilp)
-from partition_reference import brute_force, is_valid, small_problems, stage_times
+from partition_reference import brute_force, is_valid, layered, problem_for, small_problems, stage_times
 
 SOLVER = dict(time_limit_s=5.0, seed=0, num_workers=1)
 
@@ -39,30 +39,6 @@ def test_ilp_matches_brute_force(case):
     dp = solve_chain_dp(problem)
     if dp.fits_memory:
         assert dp.bottleneck_s >= r.bottleneck_s - tolerance(problem, r)
-
-
-def layered(n_layers=6, skip=True):
-    """Embedding, n_layers two-node layers with a residual skip each, head, loss."""
-    g = nx.DiGraph()
-    g.add_node("embed", fwd=0.1, bwd=0.2, static_bytes=500, out_bytes=64, params=50)
-    prev = "embed"
-    for i in range(n_layers):
-        a, b = f"l{i}.attn", f"l{i}.mlp"
-        g.add_node(a, fwd=1.0, bwd=2.0, static_bytes=100, act_bytes=10, out_bytes=64, params=10, layer=i)
-        g.add_node(b, fwd=2.0, bwd=4.0, static_bytes=200, act_bytes=20, out_bytes=64, params=20, layer=i)
-        g.add_edges_from([(prev, a), (a, b)] + ([(prev, b)] if skip else []))
-        prev = b
-    g.add_node("head", fwd=2.5, bwd=5.0, static_bytes=500, act_bytes=30, out_bytes=64, params=50)
-    g.add_node("loss", fwd=0.5, bwd=0.5, act_bytes=30, out_bytes=4)
-    g.add_edges_from([(prev, "head"), ("head", "loss")])
-    return g
-
-
-def problem_for(g, p=3, v=1, **kw):
-    s = p * v
-    return PartitionProblem(graph=g, num_stages=s, stage_to_rank=tuple(k % p for k in range(s)),
-                            inflight=tuple(max(1, p - k % p) for k in range(s)),
-                            bandwidth_bytes_per_s=1e4, latency_s=1e-3, **kw)
 
 
 def test_deterministic_for_fixed_seed_and_workers():
@@ -121,18 +97,20 @@ def test_hint_is_accepted_and_never_makes_it_worse():
         solve_ilp(p, hint={"embed": 0})
 
 
-def test_ilp_beats_chain_dp_when_a_tensor_feeds_two_later_stages():
-    # One wide tensor (node 0) is read by every later node: a chain split must
-    # send it to every stage after the first, the DAG optimum keeps its readers together.
+def test_ilp_beats_chain_dp_off_the_topological_order():
+    # Two branches src -> x1 -> x2 -> sink and src -> y1 -> y2 -> sink, inserted (and so
+    # ordered) src, x1, y1, x2, y2, sink. The y tensors are 100x larger, so the best cut
+    # keeps the y branch together: {src, x1, x2} | {y1, y2, sink} — not contiguous in
+    # the order, which the chain DP cannot express: it must cut y1 -> y2.
     g = nx.DiGraph()
-    g.add_node(0, fwd=0.0, bwd=0.0, out_bytes=1000)
-    for i in range(1, 7):
-        g.add_node(i, fwd=1.0, bwd=0.0, out_bytes=0)
-        g.add_edge(0, i)
-    p = PartitionProblem(graph=g, num_stages=3, stage_to_rank=(0, 1, 2), inflight=(1, 1, 1),
-                         bandwidth_bytes_per_s=1000.0)
-    r = solve_ilp(p, **SOLVER)
-    best, _ = brute_force(g, dict(num_stages=3, stage_to_rank=(0, 1, 2), inflight=(1, 1, 1),
-                                  bandwidth_bytes_per_s=1000.0))
-    assert r.bottleneck_s == pytest.approx(best)
-    assert solve_chain_dp(p).bottleneck_s >= r.bottleneck_s
+    for name, fwd, out in [("src", 0, 10), ("x1", 5, 10), ("y1", 5, 1000), ("x2", 5, 10),
+                           ("y2", 5, 1000), ("sink", 0, 0)]:
+        g.add_node(name, fwd=float(fwd), bwd=0.0, out_bytes=out)
+    g.add_edges_from([("src", "x1"), ("x1", "x2"), ("x2", "sink"), ("src", "y1"), ("y1", "y2"), ("y2", "sink")])
+    kw = dict(num_stages=2, stage_to_rank=(0, 1), inflight=(1, 1), bandwidth_bytes_per_s=1000.0)
+    p = PartitionProblem(graph=g, **kw)
+    r, dp = solve_ilp(p, **SOLVER), solve_chain_dp(p)
+    assert r.stage_of == {"src": 0, "x1": 0, "x2": 0, "y1": 1, "y2": 1, "sink": 1}
+    assert r.bottleneck_s == pytest.approx(10 + 2 * (0.01 + 0.01))
+    assert dp.bottleneck_s == pytest.approx(10 + 2 * (0.01 + 1.0))
+    assert brute_force(g, kw)[0] == pytest.approx(r.bottleneck_s)

@@ -58,3 +58,36 @@ def train_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
             result["params"] = full
         out.append(result)
     return out
+
+
+def stall_peer(rank: int, world: int, timeout_s: float) -> dict:
+    """Rank 1 stops participating after set-up; rank 0's step must fail within the timeout."""
+    import time
+
+    from fxpipe.runtime.api import parallelize
+
+    w = workload("gpt-tiny")
+    pm = parallelize(w.model, pp=2, microbatches=2, example_inputs=w.example_inputs,
+                     partition="uniform", timeout_s=timeout_s)
+    if rank == 1:
+        time.sleep(timeout_s + 4)
+        return {}
+    start = time.perf_counter()
+    try:
+        pm.train_step(w.example_inputs)
+    except Exception as exc:  # the timeout surfaces as a RuntimeError from gloo
+        return {"error": f"{type(exc).__name__}: {exc}", "elapsed": time.perf_counter() - start}
+    return {"error": None}
+
+
+def wrong_shapes(rank: int, world: int) -> dict:
+    from fxpipe.runtime.api import parallelize
+
+    w = workload("gpt-tiny")
+    pm = parallelize(w.model, pp=2, microbatches=2, example_inputs=w.example_inputs, partition="uniform")
+    bad = tuple(t[:, :8] for t in w.example_inputs)
+    try:
+        pm.train_step(bad)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"error": None}

@@ -1,0 +1,12 @@
+"""One file per schedule generator; each returns a compute-only Schedule.
+
+Pick them by name through ``fxpipe.schedules.registry.generate``. Every
+generator's docstring states its constraints, bubble and peak memory.
+"""
+from .gpipe import gpipe
+from .interleaved import interleaved
+from .one_f_one_b import one_f_one_b
+from .v_shape import zb_v
+from .zero_bubble import zb_h1
+
+__all__ = ["gpipe", "interleaved", "one_f_one_b", "zb_h1", "zb_v"]

@@ -16,9 +16,13 @@ def summary_line(timeline: Timeline) -> str:
     if timeline.num_chunks > 1:
         mem += f" chunk-microbatches = {act:g} stage-microbatches"
     return (
-        f"makespan {timeline.makespan:g} {timeline.unit}, bubble {bubble:.1%} of step "
+        f"makespan {timeline.makespan:g} {_unit(timeline)}, bubble {bubble:.1%} of step "
         f"({ratio:.1%} of compute), {mem} (worst rank)"
     )
+
+
+def _unit(timeline: Timeline) -> str:
+    return "time units" if timeline.unit == "unit" else timeline.unit
 
 
 def render_ascii(timeline: Timeline, *, idle: str = ".") -> str:

@@ -68,7 +68,7 @@ def render_gantt(timeline: Timeline, path: str | os.PathLike, *, dpi: int = 150)
     ax.set_xlim(0, span)
     ax.set_ylim(-0.6, p - 0.4)
     ax.set_yticks(range(p), [f"rank {r}" for r in reversed(range(p))])
-    ax.set_xlabel(f"time ({timeline.unit})")
+    ax.set_xlabel("time" if timeline.unit == "unit" else f"time ({timeline.unit})")
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     kinds = [k for k in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)

@@ -1,0 +1,33 @@
+import pytest
+import torch
+
+from fxpipe.plan import StageValue
+from fxpipe.program import TensorSpec
+from fxpipe.runtime.mesh import Mesh, resolve_dp
+from fxpipe.runtime.transport import TransferError, check_spec
+
+
+def test_sent_tensor_must_match_the_plan():
+    v = StageValue("add_3", 0, (1,), TensorSpec((2, 16, 64), torch.float32), True)
+    check_spec(v, torch.zeros(2, 16, 64), "activation")
+    with pytest.raises(TransferError, match=r"'add_3' .* shape \(2, 8, 64\).*expects \(2, 16, 64\)"):
+        check_spec(v, torch.zeros(2, 8, 64), "activation")
+    with pytest.raises(TransferError, match="float64"):
+        check_spec(v, torch.zeros(2, 16, 64, dtype=torch.float64), "activation")
+
+
+def test_mesh_layout_is_megatrons():
+    """tp innermost, then dp, then pp (Megatron-LM initialize_model_parallel)."""
+    m = Mesh(tp=2, dp=2, pp=2)
+    assert m.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert m.dp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert m.pp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert all(m.rank(**dict(zip(("pp", "dp", "tp"), m.coords(r)))) == r for r in range(8))
+
+
+def test_dp_mismatch_is_a_clear_error():
+    assert resolve_dp(8, 2, 2, None) == 2
+    with pytest.raises(ValueError, match="use dp=2"):
+        resolve_dp(8, 2, 2, 3)
+    with pytest.raises(ValueError, match="not divisible by tp·pp"):
+        resolve_dp(6, 2, 2, None)
