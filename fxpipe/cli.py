@@ -40,11 +40,43 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     program, timings = run_passes(program, None, skip=args.skip_pass, debug=args.debug)
     print(compile_summary(program, timings))
     print(f"capture      {captured:.2f} s on {device}")
+    if args.pp > 1 or args.chunks:
+        _print_partition(program, args)
     if args.graph:
         with open(args.graph, "w") as f:
             f.write(str(program.graph))
         print(f"graph text   written to {args.graph}")
     return 0
+
+
+def _print_partition(program, args: argparse.Namespace) -> None:
+    import json
+
+    from fxpipe.hardware import get_hardware
+    from fxpipe.passes.partition import PartitionConfig, solve_partition, stage_inflight
+    from fxpipe.report import stage_rows, stage_table
+    from fxpipe.schedules.registry import generate, get_spec
+
+    spec = get_spec(args.schedule)
+    chunks = args.chunks or spec.default_chunks
+    sched = generate(args.schedule, args.pp, args.microbatches, chunks)
+    limit = None if args.memory_limit is None else int(args.memory_limit * 2**30)
+    hw = get_hardware(args.hardware)
+    config = PartitionConfig(num_stages=sched.num_stages, stage_to_rank=sched.stage_ranks,
+                             inflight=stage_inflight(sched), method=args.partition,
+                             memory_limit_bytes=limit, hardware=hw, time_limit_s=args.time_limit)
+    assignment, result = solve_partition(program, config)
+    print()
+    print(f"pipeline     pp={args.pp} chunks={chunks} schedule={args.schedule} "
+          f"microbatches={args.microbatches}")
+    print(stage_table(program, assignment, result, hw.name))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(method=result.method.value, bottleneck_s=result.bottleneck_s,
+                           balance_ratio=result.balance_ratio, gap=result.gap,
+                           status=result.status.value, stages=stage_rows(program, assignment, result)),
+                      f, indent=2)
+        print(f"stage table  written to {args.json}")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -81,6 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip a pass by name (repeatable)")
     p.add_argument("--debug", action="store_true",
                    help="lint the graph and check invariants after every pass")
+    p.add_argument("--pp", type=int, default=1, help="pipeline ranks p; >1 prints the stage table")
+    p.add_argument("--chunks", type=int, default=None, help="stages per rank v (default: the schedule's)")
+    p.add_argument("--schedule", default="1f1b", help="schedule whose in-flight microbatches size "
+                   "activation memory (default: %(default)s)")
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches m (default: %(default)s)")
+    p.add_argument("--partition", default="ilp", help="ilp, uniform, params, dp (default: %(default)s)")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="GB",
+                   help="per-rank memory limit in GiB (default: none)")
+    p.add_argument("--hardware", default="cpu", help="cost model preset: cpu, a100 (default: %(default)s)")
+    p.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit, s (default: %(default)s)")
+    p.add_argument("--json", metavar="FILE", help="write the stage table as JSON")
     p.set_defaults(fn=_cmd_compile)
 
     p = sub.add_parser("run", help="compile and train (the embedded default: a small GPT on CPU)",

@@ -109,3 +109,47 @@ def compile_summary(program: Program, timings: list[PassTiming] | None = None,
         lines.append("")
         lines.append("passes       " + ", ".join(f"{t.name} {t.seconds * 1e3:.0f} ms" for t in timings))
     return "\n".join(lines)
+
+
+def _layer_span(layers: tuple[int, ...]) -> str:
+    if not layers:
+        return "-"
+    return f"{layers[0]}" if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+
+
+def stage_rows(program: Program, assignment: dict[str, int], result) -> list[dict]:
+    """One dict per stage: what the stage table prints and ``--json`` writes."""
+    flops = [0] * result.num_stages
+    nodes = [0] * result.num_stages
+    for name, k in assignment.items():
+        c = program.costs.get(name)
+        if c is not None:
+            flops[k] += c.fwd_flops + c.bwd_flops
+        nodes[k] += 1
+    rows = []
+    for c in result.stages:
+        rows.append(dict(stage=c.stage, rank=c.rank, layers=list(c.layers), nodes=nodes[c.stage],
+                         params=c.params, flops=flops[c.stage], fwd_ms=c.fwd_s * 1e3,
+                         bwd_ms=c.bwd_s * 1e3, comm_ms=c.comm_s * 1e3,
+                         act_bytes_per_mb=c.act_bytes, inflight=c.inflight,
+                         memory_bytes=c.memory_bytes, send_bytes=c.send_bytes))
+    return rows
+
+
+def stage_table(program: Program, assignment: dict[str, int], result, hardware_name: str) -> str:
+    rows = stage_rows(program, assignment, result)
+    lines = [f"partition    {result.method.value}: bottleneck {result.bottleneck_s * 1e3:.3f} ms/microbatch, "
+             f"balance {result.balance_ratio:.3f} (max/mean), optimality gap {result.gap:.2%} "
+             f"({result.status.value}), {result.wall_time_s:.2f} s; times on '{hardware_name}'",
+             "",
+             f"{'stage':>5}{'rank':>5}{'layers':>8}{'nodes':>7}{'params':>9}{'FLOPs':>10}{'F ms':>9}"
+             f"{'B ms':>9}{'comm ms':>9}{'act/mb':>11}{'x inflt':>8}{'memory':>11}{'send':>11}"]
+    for r in rows:
+        lines.append(f"{r['stage']:>5}{r['rank']:>5}{_layer_span(tuple(r['layers'])):>8}{r['nodes']:>7}"
+                     f"{human(r['params']):>9}{human(r['flops']):>10}{r['fwd_ms']:>9.3f}{r['bwd_ms']:>9.3f}"
+                     f"{r['comm_ms']:>9.3f}{human(r['act_bytes_per_mb'], 'B'):>11}{r['inflight']:>8}"
+                     f"{human(r['memory_bytes'], 'B'):>11}{human(r['send_bytes'], 'B'):>11}")
+    mem = ", ".join(human(b, "B") for b in result.rank_memory_bytes)
+    lines.append(f"memory per rank: {mem}" + (f" (limit {human(result.memory_limit_bytes, 'B')})"
+                                             if result.memory_limit_bytes else ""))
+    return "\n".join(lines)

@@ -18,3 +18,21 @@ def test_compile_hf_llama(capsys):
 def test_unknown_model_is_a_user_error(capsys):
     assert main(["compile", "--model", "nope"]) == 2
     assert "valid names" in capsys.readouterr().err
+
+
+def test_compile_prints_stage_table(capsys, tmp_path):
+    import json
+
+    out_json = tmp_path / "stages.json"
+    assert main(["compile", "--model", "hf:gpt2", "--layers", "4", "--pp", "4", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "balance" in out and "optimality gap" in out
+    rows = json.loads(out_json.read_text())["stages"]
+    assert [r["stage"] for r in rows] == [0, 1, 2, 3]
+    assert sum(r["params"] for r in rows) > 0 and all(r["nodes"] > 0 for r in rows)
+
+
+def test_compile_infeasible_memory_limit_names_smallest_limit(capsys):
+    assert main(["compile", "--model", "gpt-tiny", "--pp", "2", "--memory-limit", "0.000001"]) == 2
+    err = capsys.readouterr().err
+    assert "smallest limit that fits" in err and "binds" in err

@@ -163,22 +163,27 @@ def _hint_stages(problem: PartitionProblem, hint) -> list[int]:
 def solve_ilp(problem: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0,
               num_workers: int = 1, hint: Mapping | Sequence[int] | PartitionResult | None = None
               ) -> PartitionResult:
-    """The ``ilp`` method. ``time_limit_s`` is CP-SAT deterministic time (about seconds);
-    the answer depends only on (problem, seed, num_workers). Raises
-    :class:`~fxpipe.partition.memory.MemoryLimitError` when no assignment fits memory."""
+    """The ``ilp`` method (module docstring).
+
+    ``time_limit_s`` is CP-SAT deterministic time (its work counter, about a second
+    each); the answer depends only on (problem, seed, num_workers). One worker is
+    the default: the windowed models are small and the deterministic multi-worker
+    loop mostly adds synchronisation. ``hint``: a previous result or a node ->
+    stage mapping, tried as warm start beside the chain DP.
+    Raises :class:`~fxpipe.partition.memory.MemoryLimitError` when no assignment
+    fits the memory limit, with the smallest limit that does."""
     start = time.perf_counter()
     floor_kw = dict(time_limit_s=time_limit_s, seed=seed, num_workers=num_workers)
     if problem.num_stages == 1:
-        if not fits_memory(problem, [0] * problem.num_nodes):
-            raise MemoryLimitError(problem, memory_floor(problem, **floor_kw))
         only = [0] * problem.num_nodes
+        if not fits_memory(problem, only):
+            raise MemoryLimitError(problem, memory_floor(problem, **floor_kw))
         return make_result(problem, only, method=Method.ILP, status=SolveStatus.OPTIMAL,
                            lower_bound_s=_exact_bottleneck(problem, only),
                            wall_time_s=time.perf_counter() - start)
     ticks = _Ticks(problem)
-    candidates = [chain_dp_stages(problem)[0]]
-    if hint is not None:
-        candidates.insert(0, _hint_stages(problem, hint))
+    t_min = max(max(ticks.compute), -(-sum(ticks.compute) // problem.num_stages))
+    candidates = [chain_dp_stages(problem)[0]] + ([_hint_stages(problem, hint)] if hint is not None else [])
     floor = None
     if not any(fits_memory(problem, c) for c in candidates):
         floor = memory_floor(problem, **floor_kw)
@@ -186,38 +191,36 @@ def solve_ilp(problem: PartitionProblem, *, time_limit_s: float = 10.0, seed: in
             raise MemoryLimitError(problem, floor)
         candidates.append(list(floor.stages))
     feasible = [c for c in candidates if fits_memory(problem, c)]
-    t_min = max(max(ticks.compute), -(-sum(ticks.compute) // problem.num_stages))
+    n, s = problem.num_nodes, problem.num_stages
     if feasible:
-        incumbent = min(feasible, key=lambda c: max(ticks.loads(c)))
+        incumbent = min(feasible, key=lambda c: (max(ticks.loads(c)), _exact_bottleneck(problem, c)))
         ub = max(max(ticks.loads(incumbent)), t_min)
-        lo, hi = _windows(problem, ticks.compute, ub) if ub > 0 else (None, None)
-        model = _Model(problem, ticks, lo or [0] * problem.num_nodes,
-                       hi or [problem.num_stages - 1] * problem.num_nodes, t_min, ub)
+        lo, hi = _windows(problem, ticks.compute, ub) if ub > 0 else ([0] * n, [s - 1] * n)
+        model = _Model(problem, ticks, lo, hi, t_min, ub)
         model.hint(problem, incumbent, ub)
-    else:  # memory is tight and nothing found fits yet: full windows, no incumbent
+    else:  # memory is tight and nothing found fits yet: full windows, start near the floor
         incumbent = None
-        model = _Model(problem, ticks, [0] * problem.num_nodes, [problem.num_stages - 1] * problem.num_nodes,
-                       t_min, sum(ticks.compute) + sum(ticks.transfer) * problem.num_stages)
-        model.hint(problem, candidates[0], max(ticks.loads(candidates[0])))
+        model = _Model(problem, ticks, [0] * n, [s - 1] * n, t_min, sum(ticks.compute) + sum(ticks.transfer) * s)
+        model.hint(problem, floor.stages, max(ticks.loads(floor.stages)))
     solver = solver_for(time_limit_s, seed, num_workers)
     status = solver.Solve(model.model)
-    if status == cp_model.INFEASIBLE:
-        raise MemoryLimitError(problem, floor or memory_floor(problem, **floor_kw))
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if incumbent is None:
-            raise PartitionError(
-                f"CP-SAT found no assignment within the memory limit in time_limit_s={time_limit_s} "
-                f"(status {solver.StatusName(status)}); raise time_limit_s or the memory limit")
-        stages = incumbent
-    else:
-        stages = model.enc.stages(solver)
+    solved = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    if status == cp_model.INFEASIBLE:  # only possible without incumbent: a proof
+        raise MemoryLimitError(problem, floor)
+    if not solved and incumbent is None:
+        raise PartitionError(
+            f"CP-SAT found no assignment within the memory limit of {problem.memory_limit_bytes} B in "
+            f"time_limit_s={time_limit_s} (status {solver.StatusName(status)}); the best found needs "
+            f"{floor.fitting_limit_bytes} B per rank and none needs less than {floor.lower_bound_bytes} B. "
+            f"Raise time_limit_s or the memory limit.")
+    stages = model.enc.stages(solver) if solved else incumbent
     if incumbent is not None and _exact_bottleneck(problem, incumbent) < _exact_bottleneck(problem, stages):
         stages = incumbent  # equal in ticks, better in exact seconds
-    bound_ticks = solver.BestObjectiveBound() if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else t_min
+    bound_ticks = max(solver.BestObjectiveBound(), t_min) if solved else t_min
     return make_result(
         problem, stages, method=Method.ILP,
         status=SolveStatus.OPTIMAL if status == cp_model.OPTIMAL else SolveStatus.FEASIBLE,
-        lower_bound_s=max(bound_ticks, t_min) * ticks.tick_s,
+        lower_bound_s=bound_ticks * ticks.tick_s,
         wall_time_s=time.perf_counter() - start, time_resolution_s=ticks.tick_s)
 
 

@@ -33,6 +33,10 @@ class PartitionConfig:
     state_bytes_per_param_byte: float = 4.0
     """Bytes held per byte of parameter: the parameter, its gradient, and Adam's two
     moments, all in the parameter's dtype (fp32: 4 × 4 = 16 bytes per parameter)."""
+    activation_scale: float = 1.0
+    """Multiplies every activation estimate: e.g. 1/tp for a model that will be
+    tensor-parallel with sequence parallelism (Korthikanti et al. 2022), 0.5 for
+    bf16 activations of an fp32 capture."""
     max_groups: int = 256
     time_limit_s: float = 10.0
     seed: int = 0
@@ -76,25 +80,30 @@ def rank_inflight(schedule: Schedule) -> tuple[int, ...]:
 
 
 def build_problem_graph(program: Program, config: PartitionConfig) -> nx.DiGraph:
-    """Fine DAG: one node per compute op, with times, bytes and layer index."""
+    """Fine DAG: one node per compute op, with times, bytes and layer index.
+
+    A parameter's state bytes go to every op that reads it: the stage that runs the
+    op must hold the parameter. That is what makes a tied embedding / LM head cost
+    memory at both ends of the pipeline (a parameter read by two ops of one stage
+    is counted twice, which only over-estimates)."""
     hw = config.hardware
     side = side_values(program)
-    param_numel = {p.node: p.numel for p in program.params if p.kind is ParamKind.PARAMETER}
+    params = {p.node: p for p in program.params if p.kind is ParamKind.PARAMETER}
     g = nx.DiGraph()
-    seen_params: set[str] = set()
+    counted: set[str] = set()
     for node in program.graph.nodes:
         if node.op != "call_function" or node.name in side:
             continue
         cost = program.costs[node.name]
-        params = 0
-        for arg in node.all_input_nodes:
-            if arg.name in param_numel and arg.name not in seen_params:
-                seen_params.add(arg.name)
-                params += param_numel[arg.name]
+        read = [params[a.name] for a in node.all_input_nodes if a.name in params]
+        static = sum(p.nbytes for p in read) * config.state_bytes_per_param_byte
+        # Parameter *count* once per tensor (the DeepSpeed baseline balances counts).
+        count = sum(p.numel for p in read if p.canonical not in counted)
+        counted.update(p.canonical for p in read)
         g.add_node(node.name, fwd=hw.forward_s(cost), bwd=hw.backward_s(cost),
-                   static_bytes=cost.param_bytes * config.state_bytes_per_param_byte,
-                   act_bytes=0 if node.target in VIEW_OPS else cost.out_bytes,
-                   out_bytes=cost.out_bytes, params=params,
+                   static_bytes=static,
+                   act_bytes=0 if node.target in VIEW_OPS else cost.out_bytes * config.activation_scale,
+                   out_bytes=cost.out_bytes, params=count,
                    layer=program.layers.get(node.name), key=program.module_paths.get(node.name))
         for arg in node.all_input_nodes:
             if arg.name in g:

@@ -23,9 +23,11 @@ from .timeline import Timeline
 from .validate import ScheduleError, check_structure, locate
 
 
-def _per_stage(name: str, value: float | Sequence[float], num_stages: int) -> tuple[float, ...]:
-    values = (float(value),) * num_stages if np.isscalar(value) else tuple(float(x) for x in value)
-    if len(values) != num_stages:
+def _per_stage(name: str, value: Sequence[float], num_stages: int | None) -> tuple[float, ...]:
+    if np.isscalar(value):
+        raise TypeError(f"{name}: expected one duration per stage; use StageDurations.uniform for equal stages")
+    values = tuple(float(x) for x in value)
+    if num_stages is not None and len(values) != num_stages:
         raise ValueError(f"{name}: got {len(values)} per-stage durations for {num_stages} stages")
     if any(not np.isfinite(x) or x < 0 for x in values):
         raise ValueError(f"{name}: durations must be finite and >= 0, got {values}")
@@ -48,7 +50,7 @@ class StageDurations:
     """Weight-gradient part of the backward of each stage (ZB's T_W)."""
 
     def __post_init__(self) -> None:
-        n = len(self.forward)
+        n = len(_per_stage("forward", self.forward, None))
         for name in ("forward", "backward", "weight"):
             object.__setattr__(self, name, _per_stage(name, getattr(self, name), n))
         bad = [s for s in range(n) if self.weight[s] > self.backward[s]]

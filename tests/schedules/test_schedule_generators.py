@@ -145,3 +145,11 @@ def test_generators_are_compute_only():
         s = generate(name, 3, 5)
         assert not s.is_lowered
         assert s.splits_backward == (name in ("zb-h1", "zb-v"))
+
+
+def test_docstring_examples():
+    import doctest
+
+    from fxpipe.schedules import registry
+
+    assert doctest.testmod(registry).failed == 0

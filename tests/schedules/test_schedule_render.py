@@ -59,6 +59,19 @@ def test_trace_has_durations_and_send_to_recv_flows(tmp_path):
         assert src and dst
 
 
+def test_trace_threads_never_hold_overlapping_slices():
+    # Viewers need the slices of one thread to nest; concurrent transfers get their own threads.
+    events = trace_events(simulate(lower(generate("interleaved", 4, 8, 2)), p2p_latency=1.5).timeline)
+    threads = {}
+    for e in events:
+        if e["ph"] == "X":
+            threads.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    assert max(tid for _, tid in threads) >= 2  # some transfers did overlap
+    for spans in threads.values():
+        spans.sort()
+        assert all(b[0] >= a[1] - 1e-6 for a, b in zip(spans, spans[1:]))
+
+
 def test_trace_of_compute_only_timeline_links_producers_to_consumers():
     events = trace_events(simulate(generate("1f1b", 2, 1)).timeline)
     flows = [e for e in events if e["ph"] in ("s", "f")]

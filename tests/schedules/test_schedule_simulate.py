@@ -100,3 +100,10 @@ def test_timeline_metrics_match_simresult():
 def test_timeline_peak_counts_until_w():
     r = simulate(generate("zb-h1", 2, 4))
     assert r.timeline.peak_in_flight() == r.peak_in_flight == (2, 2)
+
+
+def test_durations_need_one_value_per_stage():
+    with pytest.raises(TypeError, match="use StageDurations.uniform"):
+        StageDurations(forward=1.0, backward=(2.0,), weight=(1.0,))
+    d = StageDurations(forward=[1, 2], backward=(2, 4), weight=(1, 1))
+    assert d.forward == (1.0, 2.0) and d.num_stages == 2

@@ -50,9 +50,10 @@ def interleaved(num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> S
     otherwise the simulator measures it.
 
     Peak memory: min(warmup + 1, m*v) chunk-microbatches on rank r, each 1/v of
-    a full stage's activations; on rank 0 with m % p == 0 that is
+    a full stage's activations; on rank 0 with m % p == 0 and m >= 2p that is
     p + (p-1)/v stage-microbatches, (1 + (p-1)/(p*v)) times 1F1B's p
-    (Korthikanti et al. 2022 §4.2.3, whose "m" is our v).
+    (Korthikanti et al. 2022 §4.2.3, whose "m" is our v); with m == p the
+    warmup covers everything and rank 0 holds p, like 1F1B.
     """
     check_sizes("interleaved", num_ranks, num_microbatches, num_chunks, chunks=None)
     p, m, v = num_ranks, num_microbatches, num_chunks

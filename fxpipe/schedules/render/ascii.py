@@ -44,14 +44,18 @@ def render_ascii(timeline: Timeline, *, idle: str = ".") -> str:
     columns = max(1, math.ceil(timeline.makespan / quantum - 1e-9))
     label_w = len(f"rank {timeline.num_ranks - 1}")
     lines = [timeline.title, summary_line(timeline), ""]
-    ticks = "".join(f"{c * quantum:<{width}g}" if c % 5 == 0 else " " * width for c in range(columns))
-    lines.append(" " * (label_w + 2) + ticks.rstrip())
+    ticks = [" "] * (columns * width + 16)
+    for c in range(0, columns, 5):  # a time label every 5 columns
+        label = f"{c * quantum:g}"
+        ticks[c * width:c * width + len(label)] = label
+    lines.append(" " * (label_w + 2) + "".join(ticks).rstrip())
     for r, rank in enumerate(events):
         cells: list[str] = []
         col = 0
         for e in rank:
-            first = max(col, round((e.start - origin) / quantum))
-            last = max(first + 1, round((e.end - origin) / quantum))
+            # Round half up (not Python's half-to-even) so equal durations keep equal widths.
+            first = max(col, math.floor((e.start - origin) / quantum + 0.5))
+            last = max(first + 1, math.floor((e.end - origin) / quantum + 0.5))
             cells.append((idle + " " * (width - 1)) * (first - col))
             text = str(e.action)
             cells.append((text + "~" * ((last - first) * width - 1 - len(text)) + " "))

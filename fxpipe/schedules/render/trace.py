@@ -1,7 +1,7 @@
 """Chrome / Perfetto trace JSON of a Timeline, with flow arrows send -> recv.
 
 Open the file at https://ui.perfetto.dev or chrome://tracing. One process per
-pp rank; thread 0 is compute, thread 1 is communication. Flow arrows join
+pp rank; thread 0 is compute, threads 1.. ("comm k") hold the transfers. Flow arrows join
 each SEND to its RECV; a timeline without SEND/RECV entries (a simulated
 compute-only schedule) gets arrows from each producer to its consumer on
 another rank instead.
@@ -37,18 +37,31 @@ def trace_events(timeline: Timeline) -> list[dict]:
     for r in range(timeline.num_ranks):
         events.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": r, "args": {"sort_index": r}})
-        for tid, name in ((0, "compute"), (1, "comm")):
-            events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": name}})
-        for e in timeline.events(r):
-            tid = 0 if e.action.kind.is_compute else 1
+        events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 0, "args": {"name": "compute"}})
+        lanes: list[float] = []  # end time of the last comm slice on each comm thread
+        for e in sorted(timeline.events(r), key=lambda e: (e.start, e.end)):
             ts, te = e.start * scale, e.end * scale
+            if e.action.kind.is_compute:
+                tid = 0
+            else:
+                te = max(te, ts + 1.0)  # a zero-latency transfer still needs a slice (1 us) to anchor its arrow
+                # Transfers overlap; trace viewers need slices on one thread to nest,
+                # so each goes to the first comm thread that is free by then.
+                free = [k for k, end in enumerate(lanes) if end <= ts]
+                if not free:
+                    lanes.append(0.0)
+                    events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": len(lanes),
+                                   "args": {"name": f"comm {len(lanes) - 1}"}})
+                lane = free[0] if free else len(lanes) - 1
+                lanes[lane] = te
+                tid = 1 + lane
             where[e.action] = (r, tid, ts, te)
             events.append({
                 "ph": "X", "name": str(e.action), "cat": e.action.kind.name,
                 "pid": r, "tid": tid, "ts": ts, "dur": te - ts,
                 "args": {"stage": e.action.stage, "microbatch": e.action.microbatch},
             })
-    has_comm = any(tid == 1 for (_, tid, _, _) in where.values())
+    has_comm = any(tid >= 1 for (_, tid, _, _) in where.values())
     flow_id = 0
     for a, (pid, tid, ts, te) in where.items():
         if has_comm:

@@ -1,0 +1,313 @@
+"""Channel provenance: which projection output channels each tensor element carries.
+
+DESIGN.md's "Automatic TP" hint. Every output channel of every projection gets a
+global integer id. The ids are pushed forward through the graph as an integer
+array per tensor (``ids``: full rank, size 1 along dims that carry no channel,
+so it broadcasts to the tensor). Views, transposes, splits, slices, cats and
+broadcasts move ids around exactly as they move the data, which is how fused
+(GPT-2 ``c_attn``, [q|k|v]) and per-head interleaved (GPT-NeoX) QKV layouts are
+decoded without knowing them. Element-wise ops that combine two channels
+(rotary's rotate-half, SwiGLU's gate·up) record a *union*: those channels must
+live on the same rank.
+
+Terminals record where channels are consumed:
+- a projection whose input carries ids on its contraction dim (row-parallel
+  candidate: the ids tell which of its input channels came from where);
+- the attention core (per-head ids of q, k, v; the output gets fresh per-head ids);
+- cross-entropy over the class dim (a vocabulary-parallel LM head).
+
+Any other consumer (a norm over channels, a graph output, an op without a rule)
+*poisons* the ids it reads: they stay replicated. Correct first, fast second.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch.fx as fx
+
+from fxpipe.passes.tensor_parallel import graph_ops as G
+from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
+
+
+@dataclass(frozen=True)
+class AttentionUse:
+    node: str
+    q: np.ndarray
+    """(H, D) ids of the query per head."""
+    k: np.ndarray
+    """(Hk, D) ids of the key per head (Hk = H after a repeat_kv expand)."""
+    v: np.ndarray
+    out: np.ndarray
+    """(H, Dv) fresh ids of the output per head."""
+    enable_gqa: bool
+
+
+@dataclass
+class Provenance:
+    ids: dict[str, object] = field(default_factory=dict)
+    """Node -> ids array (or a list of them for split-like nodes)."""
+    n_ids: int = 0
+    sources: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Projection / attention node -> (first id, count) of the ids it creates."""
+    edges: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    poison: list[tuple[np.ndarray, str]] = field(default_factory=list)
+    """(ids, reason): channels consumed where they cannot stay sharded."""
+    rows: dict[str, np.ndarray] = field(default_factory=dict)
+    """Projection -> ids along its contraction dim (1-D)."""
+    attention: dict[str, AttentionUse] = field(default_factory=dict)
+    losses: dict[str, np.ndarray] = field(default_factory=dict)
+    """Cross-entropy node -> ids along the class dim (1-D)."""
+
+    def fresh(self, node: str, ids_shape: tuple[int, ...]) -> np.ndarray:
+        count = int(np.prod(ids_shape))
+        self.sources[node] = (self.n_ids, count)
+        out = np.arange(self.n_ids, self.n_ids + count, dtype=np.int64).reshape(ids_shape)
+        self.n_ids += count
+        return out
+
+    def union(self, a: np.ndarray, b: np.ndarray) -> None:
+        a, b = np.broadcast_arrays(a, b)
+        differ = a != b
+        if differ.any():
+            self.edges.append((a[differ].copy(), b[differ].copy()))
+
+    def kill(self, ids: np.ndarray, reason: str) -> None:
+        self.poison.append((np.unique(ids), reason))
+
+
+def _align(ids: np.ndarray, ndim: int) -> np.ndarray:
+    return ids.reshape((1,) * (ndim - ids.ndim) + ids.shape)
+
+
+def reshape_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Pair up runs of dims with equal products: (2,16,192) -> (32,192) gives
+    ([0,1],[0]) and ([2],[1])."""
+    groups, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        ga, gb, pa, pb = [], [], 1, 1
+        if i < len(a):
+            ga.append(i); pa *= a[i]; i += 1  # noqa: E702
+        if j < len(b):
+            gb.append(j); pb *= b[j]; j += 1  # noqa: E702
+        while pa != pb:
+            if pa < pb:
+                ga.append(i); pa *= a[i]; i += 1  # noqa: E702
+            else:
+                gb.append(j); pb *= b[j]; j += 1  # noqa: E702
+        groups.append((ga, gb))
+    return groups
+
+
+def reshape_ids(ids: np.ndarray, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> np.ndarray:
+    src, dst = [1] * len(in_shape), [1] * len(out_shape)
+    for ga, gb in reshape_groups(in_shape, out_shape):
+        if any(ids.shape[d] > 1 for d in ga):
+            for d in ga:
+                src[d] = in_shape[d]
+            for d in gb:
+                dst[d] = out_shape[d]
+    return np.broadcast_to(ids, src).reshape(dst)
+
+
+def _is_tensor_node(a: object) -> bool:
+    return isinstance(a, fx.Node) and isinstance(G.val(a), G.torch.Tensor)
+
+
+def analyze(graph: fx.Graph, projections: dict[str, Projection]) -> Provenance:
+    prov = Provenance()
+    for node in graph.nodes:
+        if node.op == "output":
+            for a in node.all_input_nodes:
+                if isinstance(prov.ids.get(a.name), np.ndarray):
+                    prov.kill(prov.ids[a.name], "reach the graph output")
+            continue
+        if node.op != "call_function":
+            continue
+        inputs = {a.name: prov.ids[a.name] for a in node.all_input_nodes if a.name in prov.ids}
+        proj = projections.get(node.name)
+        if proj is not None:
+            _projection(prov, node, proj, inputs)
+            continue
+        if not inputs:
+            continue
+        try:
+            out = _rule(prov, node, inputs)
+        except _Unsupported as exc:
+            for ids in inputs.values():
+                for arr in (ids if isinstance(ids, list) else [ids]):
+                    if arr is not None:
+                        prov.kill(arr, f"reach {node.target} ({node.name}): {exc}")
+            continue
+        if out is not None:
+            prov.ids[node.name] = out
+    return prov
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _projection(prov: Provenance, node: fx.Node, proj: Projection, inputs: dict) -> None:
+    x = node.args[proj.input_arg]
+    for name, ids in inputs.items():
+        if name != x.name:
+            prov.kill(ids, f"are used as the weight/bias of projection {node.name}")
+    if x.name in inputs:
+        ids = inputs[x.name]
+        if any(s > 1 for s in ids.shape[:-1]):
+            prov.kill(ids, f"vary along non-contracted dims of projection {node.name}")
+        elif ids.shape[-1] == shape(x)[-1]:
+            prov.rows[node.name] = ids.reshape(-1)
+        # ids constant along the contracted dim: one mixed class (e.g. after a norm), the
+        # input is replicated and the projection cannot be row-parallel; nothing to record.
+    out_shape = shape(node)
+    prov.ids[node.name] = prov.fresh(node.name, (1,) * (len(out_shape) - 1) + (out_shape[-1],))
+
+
+def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
+    t = node.target
+    if G.is_getitem(node):
+        ids = inputs[node.args[0].name]
+        if not isinstance(ids, list):
+            raise _Unsupported("indexing a tensor")
+        return ids[node.args[1]]
+    if any(isinstance(v, list) for v in inputs.values()):
+        raise _Unsupported("a multi-output value used directly")
+    x = node.args[0] if node.args else None
+    if t in G.RESHAPES:
+        return reshape_ids(inputs[x.name], shape(x), shape(node))
+    if t in G.TRANSPOSES:
+        nd = len(shape(x))
+        if t is G.aten.permute.default:
+            perm = [norm_dim(d, nd) for d in node.args[1]]
+        else:
+            perm = list(range(nd))
+            d0, d1 = (0, nd - 1) if t is G.aten.t.default else (norm_dim(node.args[1], nd),
+                                                               norm_dim(node.args[2], nd))
+            perm[d0], perm[d1] = perm[d1], perm[d0]
+        return np.transpose(inputs[x.name], perm)
+    if t is G.aten.unsqueeze.default:
+        return np.expand_dims(inputs[x.name], norm_dim(node.args[1], len(shape(node))))
+    if t in G.SQUEEZES or t is G.aten.expand.default:
+        ids = inputs[x.name]
+        if t is G.aten.expand.default:
+            return _align(ids, len(shape(node)))
+        return reshape_ids(ids, shape(x), shape(node))
+    if t is G.aten.slice.Tensor:
+        ids = inputs[x.name]
+        dim = norm_dim(arg(node, 1, "dim", 0), ids.ndim)
+        if ids.shape[dim] == 1:
+            return ids
+        index = [slice(None)] * ids.ndim
+        index[dim] = slice(arg(node, 2, "start"), arg(node, 3, "end"), arg(node, 4, "step", 1))
+        return ids[tuple(index)]
+    if t in G.SPLITS:
+        ids = inputs[x.name]
+        dim = norm_dim(arg(node, 2, "dim", 0), ids.ndim)
+        outs, start = [], 0
+        for v in G.val(node):
+            n = int(v.shape[dim])
+            outs.append(ids if ids.shape[dim] == 1 else np.take(ids, range(start, start + n), axis=dim))
+            start += n
+        return outs
+    if t is G.aten.cat.default:
+        return _cat(prov, node, inputs)
+    if t is G.SDPA:
+        return _attention(prov, node, inputs)
+    if t is G.CROSS_ENTROPY:
+        return _loss(prov, node, inputs)
+    if t in G.REDUCTIONS or t in G.NORMS:
+        return _reduction(prov, node, inputs)
+    if G.is_pointwise(t):
+        nd = len(shape(node))
+        arrays = [_align(a, nd) for a in inputs.values()]
+        out = arrays[0]
+        for other in arrays[1:]:
+            prov.union(out, other)
+            out = np.broadcast_arrays(out, other)[0]
+        return out
+    raise _Unsupported("no channel rule for this op")
+
+
+def _reduction(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
+    """A reduction (or a norm, or softmax) mixes every channel along the dims it
+    reduces: they are united, so the dims can only stay whole on one rank."""
+    x = node.args[0]
+    if len(inputs) > 1 or x.name not in inputs:
+        raise _Unsupported("parameters of a reduction carry channels")
+    ids = inputs[x.name]
+    nd = ids.ndim
+    if node.target in G.NORMS:
+        dims = list(range(nd - len(node.args[1]), nd))
+        keepdim = True
+    else:
+        dim_index, keep_index = G.REDUCTIONS[node.target]
+        d = arg(node, dim_index, "dim")
+        dims = list(range(nd)) if d is None or d == [] else [norm_dim(i, nd) for i in (
+            d if isinstance(d, (list, tuple)) else [d])]
+        keepdim = keep_index is None or bool(arg(node, keep_index, "keepdim", False))
+    for d in dims:
+        if ids.shape[d] > 1:
+            first = np.take(ids, [0], axis=d)
+            prov.union(ids, first)
+            ids = first
+    return ids if keepdim else np.squeeze(ids, axis=tuple(dims))
+
+
+def _cat(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
+    tensors = node.args[0]
+    nd = len(shape(node))
+    dim = norm_dim(arg(node, 1, "dim", 0), nd)
+    if any(t.name not in inputs for t in tensors):
+        raise _Unsupported("concatenates channels with replicated values")
+    parts = []
+    for t in tensors:
+        ids = _align(inputs[t.name], nd)
+        size = list(ids.shape)
+        size[dim] = shape(t)[dim]
+        parts.append(np.broadcast_to(ids, size))
+    common = list(np.broadcast_shapes(*[tuple(1 if d == dim else s for d, s in enumerate(p.shape))
+                                        for p in parts]))
+    full = []
+    for p in parts:
+        size = list(common)
+        size[dim] = p.shape[dim]
+        full.append(np.broadcast_to(p, size))
+    return np.concatenate(full, axis=dim)
+
+
+def _heads(ids: np.ndarray, what: str) -> np.ndarray:
+    # (B, H, T, D) ids -> (H, D): they must not vary along batch or sequence.
+    if ids.ndim != 4 or ids.shape[0] > 1 or ids.shape[2] > 1:
+        raise _Unsupported(f"{what} channels vary along batch or sequence")
+    return ids[0, :, 0, :]
+
+
+def _attention(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
+    q, k, v = node.args[:3]
+    mask = arg(node, 3, "attn_mask")
+    if isinstance(mask, fx.Node) and mask.name in inputs:
+        raise _Unsupported("the attention mask carries channels")
+    if any(x.name not in inputs for x in (q, k, v)):
+        raise _Unsupported("q, k and v must all come from projections")
+    qs, ks, vs = shape(q), shape(k), shape(v)
+    heads = [np.broadcast_to(_heads(inputs[x.name], n), (s[1], s[3]))
+             for x, s, n in ((q, qs, "query"), (k, ks, "key"), (v, vs, "value"))]
+    out = prov.fresh(node.name, (1, qs[1], 1, vs[3]))
+    prov.attention[node.name] = AttentionUse(node.name, heads[0], heads[1], heads[2], out[0, :, 0, :],
+                                             bool(node.kwargs.get("enable_gqa", False)))
+    return out
+
+
+def _loss(prov: Provenance, node: fx.Node, inputs: dict) -> None:
+    logits, target = node.args[:2]
+    if target.name in inputs or logits.name not in inputs:
+        raise _Unsupported("the target carries channels")
+    if arg(node, 2, "weight") is not None or arg(node, 5, "label_smoothing", 0.0):
+        raise _Unsupported("class weights / label smoothing are not vocab-parallel")
+    ids = inputs[logits.name]
+    if len(shape(logits)) != 2 or ids.shape[0] > 1 or ids.shape[1] != shape(logits)[1]:
+        raise _Unsupported("logits must be (N, C) with channels on C")
+    prov.losses[node.name] = ids.reshape(-1)
+    return None
