@@ -141,7 +141,7 @@ def chain_dp_stages(problem: PartitionProblem) -> tuple[list[int], bool]:
         return min_max_split(n, s, stage_time_columns(problem)), True
     memory = _stage_memory(problem)
     found = []
-    for equal in (False, True) if problem.num_ranks < s else (False,):
+    for equal in (False, True) if problem.num_ranks < s else (False,):  # shares differ only if interleaved
         shares = memory_shares(problem, equal=equal)
         fits = lambda k, i, shares=shares: memory(k, i) <= limit * shares[k]  # noqa: E731
         parts = min_max_split(n, s, stage_time_columns(problem), fits)

@@ -23,8 +23,8 @@ stages 0..stage(i), so stage(i) >= ceil(anc_i / UB) - 1, and symmetrically
 stage(i) <= S - ceil(desc_i / UB). On layered transformer graphs this leaves each
 node two or three candidate stages.
 
-Time resolution: seconds become integer ticks of tick = (total compute + all
-transfer costs) / 10^7, every cost rounded *down*. Rounding down makes the tick
+Time resolution: seconds become integer ticks of tick = (total compute + an
+upper bound on all transfer costs) / 10^7, every cost rounded *down*. Rounding down makes the tick
 model a relaxation, so CP-SAT's bound times tick is a sound lower bound on the
 true optimum; the returned assignment is within (terms in its bottleneck stage)
 ticks of optimal, i.e. relative error ~ n / 10^7.
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -46,6 +47,7 @@ from fxpipe.partition.problem import PartitionError, PartitionProblem
 from fxpipe.partition.result import Method, PartitionResult, SolveStatus, make_result
 
 TICKS_FOR_TOTAL = 10**7
+MAX_NODES = 5000  # the window bound below is O(n²); the ILP is meant for coarsened graphs
 
 
 class _Ticks:
@@ -77,9 +79,12 @@ def _windows(problem: PartitionProblem, compute: list[int], ub: int) -> tuple[li
         for u in problem.pred[v]:
             anc[v] |= anc[u]
             anc[v, u] = True
-    c = np.array(compute, dtype=np.int64)
-    up = c + anc.astype(np.int64) @ c      # compute of i and its ancestors
-    down = c + anc.T.astype(np.int64) @ c  # compute of i and its descendants
+    c = np.array(compute, dtype=np.float64)  # tick sums stay < 2^53: exact
+    up, down = c.copy(), c.copy()            # compute of i with its ancestors / descendants
+    for rows in range(0, n, 512):            # blocks keep the float copy of anc small
+        block = anc[rows:rows + 512].astype(np.float64)
+        up[rows:rows + 512] += block @ c
+        down += block.T @ c[rows:rows + 512]
     lo = [max(0, -(-int(a) // ub) - 1) for a in up]
     hi = [min(s - 1, s - -(-int(d) // ub)) for d in down]
     return lo, hi
@@ -95,10 +100,8 @@ class _Model:
         self.bottleneck = m.NewIntVar(t_min, t_max, "bottleneck")
         load: list[list] = [[] for _ in range(s)]
         for i, c in enumerate(ticks.compute):
-            if c:
-                load_terms = [(k, c * enc.x(i, k)) for k in range(lo[i], hi[i] + 1)]
-                for k, term in load_terms:
-                    load[k].append(term)
+            for k in range(lo[i], hi[i] + 1) if c else ():
+                load[k].append(c * enc.x(i, k))
         self.recv: dict[tuple[int, int], cp_model.IntVar] = {}
         self.send: dict[tuple[int, int], cp_model.IntVar] = {}
         for u, vs in enumerate(problem.succ):
@@ -139,11 +142,13 @@ class _Model:
 
     def hint(self, problem: PartitionProblem, stages: Sequence[int], objective: int) -> None:
         self.enc.add_hint(stages)
-        sent = {(u, b) for u, _, b in transfers(problem, stages)}
-        for (u, b), var in self.recv.items():
-            self.model.AddHint(var, int((u, b) in sent))
-        for (u, a), var in self.send.items():
-            self.model.AddHint(var, sum(1 for uu, b in sent if uu == u and stages[u] == a))
+        sent = transfers(problem, stages)
+        received = {(u, b) for u, _, b in sent}
+        sends = Counter((u, a) for u, a, _ in sent)
+        for key, var in self.recv.items():
+            self.model.AddHint(var, int(key in received))
+        for key, var in self.send.items():
+            self.model.AddHint(var, sends[key])
         self.model.AddHint(self.bottleneck, objective)
 
 
@@ -173,6 +178,10 @@ def solve_ilp(problem: PartitionProblem, *, time_limit_s: float = 10.0, seed: in
     Raises :class:`~fxpipe.partition.memory.MemoryLimitError` when no assignment
     fits the memory limit, with the smallest limit that does."""
     start = time.perf_counter()
+    if problem.num_nodes > MAX_NODES:
+        raise PartitionError(
+            f"ilp takes at most {MAX_NODES} nodes, got {problem.num_nodes}; "
+            f"coarsen(graph, max_groups=...) first (a few hundred groups is typical)")
     floor_kw = dict(time_limit_s=time_limit_s, seed=seed, num_workers=num_workers)
     if problem.num_stages == 1:
         only = [0] * problem.num_nodes

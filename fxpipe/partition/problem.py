@@ -167,11 +167,6 @@ class PartitionProblem:
         out = np.array(self.out_bytes, dtype=float)
         return np.where(out > 0, self.latency_s + out / self.bandwidth_bytes_per_s, 0.0)
 
-    def stage_memory_bytes(self, stage: int, node_indices) -> int:
-        """Memory a stage needs on its rank: static + activations × in-flight microbatches."""
-        m = self.inflight[stage]
-        return sum(self.static_bytes[i] + m * self.act_bytes[i] for i in node_indices)
-
     def check_stages(self, stages) -> None:
         """Raise ValueError unless ``stages`` (one int per node, in ``nodes`` order) is valid."""
         if len(stages) != self.num_nodes:

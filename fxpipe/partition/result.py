@@ -25,7 +25,8 @@ class Method(str, enum.Enum):
 
 class SolveStatus(enum.Enum):
     OPTIMAL = "optimal"
-    """Proven optimal for the (time-discretised) model; S = 1 is trivially optimal."""
+    """Proven optimal in the ILP's integer-tick model (S = 1: trivially); ``gap`` is then
+    only the time resolution, about 1e-5."""
     FEASIBLE = "feasible"
     """The solver stopped at its limit; ``gap`` bounds the distance to the optimum."""
     HEURISTIC = "heuristic"

@@ -16,7 +16,7 @@ def tolerance(problem, result):
     return (problem.num_nodes * (problem.num_stages + 2) + 1) * result.time_resolution_s + 1e-12
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @given(small_problems())
 def test_ilp_matches_brute_force(case):
     g, kw = case

@@ -110,10 +110,6 @@ def reshape_ids(ids: np.ndarray, in_shape: tuple[int, ...], out_shape: tuple[int
     return np.broadcast_to(ids, src).reshape(dst)
 
 
-def _is_tensor_node(a: object) -> bool:
-    return isinstance(a, fx.Node) and isinstance(G.val(a), G.torch.Tensor)
-
-
 def analyze(graph: fx.Graph, projections: dict[str, Projection]) -> Provenance:
     prov = Provenance()
     for node in graph.nodes:

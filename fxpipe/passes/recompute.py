@@ -1,0 +1,368 @@
+"""Activation recomputation: rewrite layers (or their attention cores) into checkpointed regions.
+
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models": per layer a transformer saves sbh(34 + 5as/h) bytes for backward (fp16).
+
+- FULL (Megatron's ``--recompute-granularity full``, Chen et al. 2016): every
+  contiguous run of one layer's nodes becomes one region; the forward keeps only
+  the region's inputs (the layer input, 2sbh) and backward reruns the region.
+- SELECTIVE (§4.1): only the attention core — the ops between the Q/K/V
+  projections' outputs and the output projection's input (QKᵀ, softmax, dropout,
+  ·V, or one fused SDPA kernel) — is recomputed: the 5as/h term, large in memory
+  and cheap in FLOPs, is never stored; the 34 stays.
+
+A region is outlined into a submodule ``CheckpointedRegion`` that calls its body
+through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, whose
+RNG-state preservation replays dropout masks exactly. Regions are found from
+structure alone (layer indices from capture, op kinds, parameter inputs), never
+from module names. The graph's placeholders and outputs are unchanged, so
+``Stage.call`` and ``Program.run`` work as before. Works on a whole Program's
+graph or on one pipeline stage's graph (a layer cut across two stages gives one
+region per piece).
+"""
+from __future__ import annotations
+
+import copy
+import enum
+import operator
+import warnings
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from fxpipe.program import NodeCost, Program
+
+aten = torch.ops.aten
+
+LAYER_KEY = "fxpipe_layer"
+"""``node.meta`` key holding the layer index of a region's call and getitem nodes
+(they are not in the capture's ``layers`` map; ``fxpipe.memory`` reads it)."""
+REGION_KEY = "fxpipe_recompute"
+"""``node.meta`` key holding the :class:`RecomputeRegion` of a region's call node."""
+
+
+class RecomputeWarning(UserWarning):
+    """Recomputation was asked for but there is nothing to recompute."""
+
+
+class RecomputeMode(enum.Enum):
+    NONE = "none"
+    SELECTIVE = "selective"
+    """Attention core only (Korthikanti et al. 2022 §4.1)."""
+    FULL = "full"
+    """Whole transformer layer; only its input is kept."""
+
+    @classmethod
+    def parse(cls, name: str) -> "RecomputeMode":
+        try:
+            return cls(name.lower())
+        except ValueError:
+            raise ValueError(f"unknown recompute mode {name!r}; valid: "
+                             f"{', '.join(m.value for m in cls)}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecomputeConfig:
+    mode: RecomputeMode = RecomputeMode.NONE
+    """Which activations are recomputed in backward instead of being saved."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, RecomputeMode):
+            raise TypeError(f"mode must be a RecomputeMode, got {self.mode!r}; "
+                            f"use RecomputeMode.parse({self.mode!r})")
+
+
+@dataclass(frozen=True)
+class RecomputeRegion:
+    """One outlined region: what it holds and what crosses its boundary."""
+    name: str
+    """Name of its submodule and of the call node that replaced it."""
+    layer: int
+    mode: RecomputeMode
+    nodes: tuple[str, ...]
+    """Original node names, in graph order (they keep these names inside the body)."""
+    inputs: tuple[str, ...]
+    """Values the forward keeps for backward (parameters among them cost nothing)."""
+    outputs: tuple[str, ...]
+
+
+class CheckpointedRegion(nn.Module):
+    """Runs ``body`` under non-reentrant activation checkpointing.
+
+    Forward saves only the inputs; backward reruns ``body`` with the RNG state of
+    the first run (``preserve_rng_state``), so dropout replays the same mask."""
+
+    def __init__(self, body: fx.GraphModule) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, *args: object) -> tuple:
+        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+# Matrix multiplies. One with a parameter operand is a projection (a region boundary);
+# one between two activations (QKᵀ, ·V) belongs to the attention core.
+_MATMULS = frozenset({aten.linear.default, aten.matmul.default, aten.mm.default, aten.bmm.default,
+                      aten.addmm.default, aten.baddbmm.default, aten.einsum.default})
+# Ops that carry a parameter to a matmul unchanged in value (t(W), W.to(bf16), ...).
+_PASS_THROUGH = frozenset({aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default,
+                           aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+                           aten.alias.default, aten.detach.default, aten.to.dtype,
+                           aten._to_copy.default, aten.contiguous.default, aten.clone.default})
+_SOFTMAX = frozenset({aten._softmax.default, aten.softmax.int, aten._safe_softmax.default})
+
+
+def _sdpa_ops() -> frozenset:
+    names = ["scaled_dot_product_attention", "_scaled_dot_product_attention_math",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_fused_attention_overrideable"]
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+_SDPA = _sdpa_ops()
+
+
+def _weights(graph: fx.Graph) -> set[fx.Node]:
+    """Graph inputs that are parameters: capture tags them with ``fxpipe_fqn`` (split
+    keeps the tag); an untagged graph treats every placeholder as a possible weight."""
+    inputs = [n for n in graph.nodes if n.op in ("placeholder", "get_attr")]
+    tagged = {n for n in inputs if "fxpipe_fqn" in n.meta or n.op == "get_attr"}
+    return tagged if any("fxpipe_fqn" in n.meta for n in inputs) else set(inputs)
+
+
+def _from_weight(node: fx.Node, weights: set[fx.Node]) -> bool:
+    while node not in weights:
+        if node.op != "call_function" or node.target not in _PASS_THROUGH or not node.all_input_nodes:
+            return False
+        node = node.all_input_nodes[0]
+    return True
+
+
+def _is_projection(node: fx.Node, weights: set[fx.Node]) -> bool:
+    return node.op == "call_function" and node.target in _MATMULS and \
+        any(_from_weight(a, weights) for a in node.all_input_nodes)
+
+
+def layer_runs(gm: fx.GraphModule, layers: Mapping[str, int]) -> list[tuple[int, list[fx.Node]]]:
+    """Maximal runs of consecutive compute nodes (graph order) that share a layer index."""
+    runs: list[tuple[int, list[fx.Node]]] = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        k = layers.get(node.name)
+        if k is None:
+            runs.append((-1, []))  # a non-layer node ends the current run
+        elif runs and runs[-1][0] == k and runs[-1][1]:
+            runs[-1][1].append(node)
+        else:
+            runs.append((k, [node]))
+    return [(k, nodes) for k, nodes in runs if nodes]
+
+
+def _attention_cores(run: list[fx.Node], weights: set[fx.Node]) -> list[list[fx.Node]]:
+    """The attention cores of one layer run: the connected pieces of the run, with
+    its projections removed, that hold an SDPA kernel or a softmax between two
+    activation-activation matmuls (unfused QKᵀ -> softmax -> dropout -> ·V)."""
+    members = set(run)
+    free = [n for n in run if not _is_projection(n, weights)]
+    free_set = set(free)
+    parent = {n: n for n in free}
+
+    def find(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in free:
+        for u in n.users:
+            if u in free_set:
+                parent[find(u)] = find(n)
+    pieces: dict[fx.Node, list[fx.Node]] = {}
+    for n in free:
+        pieces.setdefault(find(n), []).append(n)
+    cores = []
+    for piece in pieces.values():
+        has_sdpa = any(n.op == "call_function" and n.target in _SDPA for n in piece)
+        has_softmax = any(n.op == "call_function" and n.target in _SOFTMAX for n in piece)
+        act_matmuls = sum(n.op == "call_function" and n.target in _MATMULS for n in piece)
+        if has_sdpa or (has_softmax and act_matmuls >= 2):
+            core = _convex(piece, members)
+            if core:
+                cores.append(core)
+    return cores
+
+
+def _convex(region_nodes: list[fx.Node], run: set[fx.Node]) -> list[fx.Node]:
+    """Drop nodes until no path leaves the region and re-enters it (a region is called
+    once, so such a path would be a cycle). Drops the upstream end of such paths,
+    keeping the attention kernel; returns [] if the kernel itself would go."""
+    region = set(region_nodes)
+    order = {n: i for i, n in enumerate(region_nodes[0].graph.nodes)}
+    while region:
+        lo, hi = min(order[n] for n in region), max(order[n] for n in region)
+        span = [n for n in region_nodes[0].graph.nodes if lo <= order[n] <= hi]
+        feeds_back: set[fx.Node] = set()  # outside nodes with a path into the region
+        for n in reversed(span):
+            if n not in region and any(u in region or u in feeds_back for u in n.users):
+                feeds_back.add(n)
+        bad = {n for n in region if any(u in feeds_back for u in n.users)}
+        if not bad:
+            break
+        region -= bad
+    kept = [n for n in region_nodes if n in region]
+    has_kernel = any(n.target in _SDPA or n.target in _SOFTMAX for n in kept if n.op == "call_function")
+    return kept if has_kernel else []
+
+
+def _outline(gm: fx.GraphModule, nodes: list[fx.Node], name: str, layer: int,
+             mode: RecomputeMode) -> RecomputeRegion | None:
+    """Move ``nodes`` (graph order, convex) into a ``CheckpointedRegion`` submodule."""
+    graph = gm.graph
+    region = set(nodes)
+    inputs: list[fx.Node] = []
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in region and a not in inputs:
+                inputs.append(a)
+    outputs = [n for n in nodes if any(u not in region for u in n.users)]
+    if not outputs:
+        return None  # nothing reads it: dead code, left for the caller's DCE
+
+    body = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        env[a] = body.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    for n in nodes:
+        env[n] = body.node_copy(n, lambda x: env[x])
+    body.output(tuple(env[o] for o in outputs))
+    gm.add_submodule(name, CheckpointedRegion(fx.GraphModule(gm, body, class_name=name)))
+
+    info = RecomputeRegion(name=name, layer=layer, mode=mode, nodes=tuple(n.name for n in nodes),
+                           inputs=tuple(a.name for a in inputs), outputs=tuple(o.name for o in outputs))
+    last = nodes[-1]
+    with graph.inserting_after(last):
+        call = graph.call_module(name, tuple(inputs))
+    call.meta.update({LAYER_KEY: layer, REGION_KEY: info,
+                      "val": tuple(o.meta.get("val") for o in outputs)})
+    anchor, getters = call, []
+    for i, o in enumerate(outputs):
+        with graph.inserting_after(anchor):
+            anchor = graph.call_function(operator.getitem, (call, i))
+        anchor.meta.update({LAYER_KEY: layer, "val": o.meta.get("val")})
+        getters.append(anchor)
+    # Outside nodes placed between the region's nodes that read its outputs must now
+    # come after the call (only for non-contiguous regions; convexity makes it legal).
+    moved: set[fx.Node] = set()
+    n = nodes[0]
+    while n is not last:
+        nxt = n.next
+        if n not in region and any(a in region or a in moved for a in n.all_input_nodes):
+            moved.add(n)
+            anchor.append(n)
+            anchor = n
+        n = nxt
+    for o, g in zip(outputs, getters):
+        o.replace_all_uses_with(g, delete_user_cb=lambda user: user not in region)
+    for n in reversed(nodes):
+        graph.erase_node(n)
+    return info
+
+
+def find_regions(gm: fx.GraphModule, layers: Mapping[str, int],
+                 mode: RecomputeMode) -> list[tuple[int, list[fx.Node]]]:
+    """(layer, nodes) of every region ``mode`` would outline, in graph order."""
+    if mode is RecomputeMode.NONE:
+        return []
+    runs = layer_runs(gm, layers)
+    if mode is RecomputeMode.FULL:
+        return runs
+    weights = _weights(gm.graph)
+    return [(k, core) for k, run in runs for core in _attention_cores(run, weights)]
+
+
+def apply_recompute(gm: fx.GraphModule, layers: Mapping[str, int],
+                    mode: RecomputeMode) -> fx.GraphModule:
+    """A copy of ``gm`` whose layers (FULL) or attention cores (SELECTIVE) are
+    recomputed in backward; same placeholders, same outputs, same values.
+
+    ``layers`` maps node names to layer indices (``Program.layers``; stage graphs
+    keep the original names). Example, per pipeline stage after ``split_pass``::
+
+        gm = apply_recompute(stage.graph_module, plan.program.layers, RecomputeMode.SELECTIVE)
+        stage = dataclasses.replace(stage, graph_module=gm)
+    """
+    if not isinstance(mode, RecomputeMode):
+        raise TypeError(f"mode must be a RecomputeMode, got {mode!r}; "
+                        f"use RecomputeMode.parse('none'|'selective'|'full')")
+    if mode is RecomputeMode.NONE:
+        return gm
+    if not layers:
+        warnings.warn(RecomputeWarning(
+            f"recompute={mode.value} asked, but the model has no repeated layers (capture found no "
+            f"ModuleList of blocks), so there is nothing to recompute: the graph is returned "
+            f"unchanged and every activation is saved"), stacklevel=2)
+        return gm
+    out = copy.deepcopy(gm)
+    regions = find_regions(out, layers, mode)
+    if mode is RecomputeMode.SELECTIVE:
+        found = {k for k, _ in regions}
+        missing = sorted({k for k, _ in layer_runs(out, layers)} - found)
+        if missing:
+            warnings.warn(RecomputeWarning(
+                f"recompute=selective: layer(s) {missing} have no attention core (no SDPA kernel "
+                f"and no softmax between two activation matmuls); they are not recomputed — "
+                f"use recompute=full to recompute whole layers"), stacklevel=2)
+    taken: set[str] = set()
+    for k, nodes in regions:
+        base = f"layer{k}_{'attn' if mode is RecomputeMode.SELECTIVE else 'full'}_recompute"
+        name, i = base, 1
+        while name in taken or hasattr(out, name):
+            name, i = f"{base}_{i}", i + 1
+        if _outline(out, nodes, name, k, mode) is not None:
+            taken.add(name)
+    out.graph.lint()
+    out.recompile()
+    return out
+
+
+def regions_of(gm: fx.GraphModule) -> list[RecomputeRegion]:
+    """The regions ``apply_recompute`` outlined in ``gm``, in graph order."""
+    return [n.meta[REGION_KEY] for n in gm.graph.nodes if REGION_KEY in n.meta]
+
+
+def recompute_pass(program: Program, config: RecomputeConfig | RecomputeMode | None) -> Program:
+    """Program -> Program on the whole graph (pp=1, ``Program.run``). Run it last:
+    partition and split see a region as one node. With pipeline stages apply
+    :func:`apply_recompute` to each stage's graph after ``split_pass`` instead.
+
+    Region nodes get the layer index in ``layers`` and the summed costs of their
+    nodes; ``extra["recompute"]`` lists the regions."""
+    mode = config.mode if isinstance(config, RecomputeConfig) else (config or RecomputeMode.NONE)
+    gm = apply_recompute(program.graph_module, program.layers, mode)
+    if gm is program.graph_module:
+        return program.replace(extra={**program.extra, "recompute": ()})
+    regions = regions_of(gm)
+    live = {n.name for n in gm.graph.nodes}
+    layers = {k: v for k, v in program.layers.items() if k in live}
+    paths = {k: v for k, v in program.module_paths.items() if k in live}
+    costs = {k: v for k, v in program.costs.items() if k in live}
+    prefix = program.layer_container
+    for node in gm.graph.nodes:
+        if LAYER_KEY in node.meta:
+            layers[node.name] = node.meta[LAYER_KEY]
+            paths[node.name] = f"{prefix}.{node.meta[LAYER_KEY]}" if prefix else ""
+    for r in regions:
+        parts = [program.costs[n] for n in r.nodes if n in program.costs]
+        if parts:
+            total = {f: sum(getattr(c, f) for c in parts) for f in NodeCost.__dataclass_fields__}
+            total["out_bytes"] = sum(program.costs[n].out_bytes for n in r.outputs if n in program.costs)
+            costs[r.name] = NodeCost(**total)
+    return program.replace(graph_module=gm, layers=layers, module_paths=paths, costs=costs,
+                           extra={**program.extra, "recompute": tuple(regions)})

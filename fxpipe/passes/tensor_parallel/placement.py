@@ -1,0 +1,237 @@
+"""Parameter placements: a ShardSpec per parameter, from the roles of the ops that read it.
+
+Every use of a parameter proposes a placement (the weight of a column-parallel
+projection: its output channels; a vocabulary-parallel lookup: vocabulary
+blocks; anything else: replicated). Tied names are one tensor, so all uses of
+all their names must agree; when they do not, the lookup gives way (it stays
+replicated) or the projection's channels are replicated in another round.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from fxpipe.passes.tensor_parallel import graph_ops as G
+from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
+from fxpipe.passes.tensor_parallel.layout import LayoutFailure
+from fxpipe.passes.tensor_parallel.plan import TPPlan
+from fxpipe.passes.tensor_parallel.provenance import Provenance
+from fxpipe.passes.tensor_parallel.result import BlockInfo, BlockKind
+from fxpipe.passes.tensor_parallel.specs import ShardKind, ShardSpec, ranges_of
+from fxpipe.program import ParamKind, Program
+
+
+@dataclass(frozen=True)
+class _Proposal:
+    kind: ShardKind
+    dim: int | None
+    ranges: tuple
+    local: int
+    reason: str
+    origin: str
+    """Node whose role makes this proposal."""
+
+
+def vocab_ranges(rows: int, tp: int) -> tuple[tuple, int]:
+    block = math.ceil(rows / tp)
+    return tuple(ranges_of(range(r * block, min((r + 1) * block, rows))) for r in range(tp)), block
+
+
+class _Specs:
+    def __init__(self, program: Program, prov: Provenance, asg: Assignment, plan: TPPlan,
+                 describe: Callable[[str], str]) -> None:
+        self.program, self.prov, self.asg, self.plan, self.describe = program, prov, asg, plan, describe
+        self.tp = plan.tp
+        self.by_node = {p.node: p for p in program.params}
+        self.props: dict[str, list[_Proposal]] = {}
+        self.nodes = {n.name: n for n in program.graph.nodes}
+
+    def propose(self, placeholder: str, p: _Proposal) -> None:
+        self.props.setdefault(self.by_node[placeholder].canonical, []).append(p)
+
+    def column(self, name: str) -> None:
+        proj = self.plan.column[name]
+        first, count = self.prov.sources[name]
+        ids = np.arange(first, first + count)
+        own = self.asg.owner(ids)
+        blocks = {self.asg.vocab_block.get(int(l)) for l in np.unique(self.asg.labels[ids[own != ALL]])}
+        if None not in blocks:
+            kind, local = ShardKind.VOCAB, blocks.pop()
+            ranges = tuple(ranges_of(np.flatnonzero(own == r)) for r in range(self.tp))
+            reason = "vocab-parallel LM head (cross-entropy over vocabulary shards)"
+        else:
+            kind = ShardKind.COLUMN
+            held = [np.flatnonzero((own == r) | (own == ALL)) for r in range(self.tp)]
+            ranges, local = tuple(ranges_of(h) for h in held), len(held[0])
+            reason = f"column-parallel: output channels of {self.describe(name)}"
+        self.propose(proj.weight, _Proposal(kind, proj.out_dim, ranges, local, reason, name))
+        if proj.bias is not None:
+            self.propose(proj.bias, _Proposal(kind, 0, ranges, local, reason, name))
+
+    def row(self, name: str) -> None:
+        proj = self.plan.row[name]
+        x = self.plan.layouts[self.nodes[name].args[proj.input_arg].name]
+        last = len(x.full) - 1
+        ranges = tuple(ranges_of(x.held(last, r)) for r in range(self.tp))
+        self.propose(proj.weight, _Proposal(ShardKind.ROW, proj.in_dim, ranges, x.shape[last],
+                                            f"row-parallel: input channels of {self.describe(name)}",
+                                            name))
+        if proj.bias is not None:
+            self.propose(proj.bias, _Proposal(ShardKind.REPLICATED, None, (), 0,
+                                              "bias of a row-parallel projection, added once after "
+                                              "the reduction", name))
+
+    def embedding(self, name: str, weight: str) -> None:
+        rows = self.by_node[weight].shape[0]
+        ranges, block = vocab_ranges(rows, self.tp)
+        self.propose(weight, _Proposal(ShardKind.VOCAB, 0, ranges, block,
+                                       "vocab-parallel embedding (rows outside the rank's range "
+                                       "are zeroed, then summed)", name))
+
+    def others(self) -> None:
+        claimed = set()
+        for proj in (*self.plan.column.values(), *self.plan.row.values()):
+            claimed |= {(proj.node, proj.weight), (proj.node, proj.bias)}
+        claimed |= {(e, w) for e, w in self.plan.vocab_embedding.items()}
+        for node in self.program.graph.nodes:
+            if node.op != "placeholder" or node.name not in self.by_node:
+                continue
+            for user in node.users:
+                if (user.name, node.name) not in claimed:
+                    self.propose(node.name, _Proposal(ShardKind.REPLICATED, None, (), 0,
+                                                      self.replicated_reason(user), user.name))
+
+    def replicated_reason(self, user) -> str:
+        if user.name in self.prov.sources and user.name not in self.prov.attention:
+            first, count = self.prov.sources[user.name]
+            labels = np.unique(self.asg.labels[first:first + count])
+            for label in labels:
+                if int(label) in self.asg.poison_reason:
+                    return f"projection {self.describe(user.name)} stays replicated: " \
+                           f"{self.asg.poison_reason[int(label)]}"
+            for dec in self.asg.attention.values():
+                use = self.prov.attention[dec.node]
+                if not dec.split_kv and np.isin(labels, self.asg.labels[
+                        np.concatenate([use.k.ravel(), use.v.ravel()])]).any():
+                    return (f"GQA: {dec.kv_heads} key/value heads do not divide over tp={self.tp}; "
+                            f"replicated, each rank keeps its query heads' k/v (scatter)")
+            return f"projection {self.describe(user.name)}: its output reaches no sharded consumer"
+        if user.target is G.EMBEDDING:
+            return "embedding indexed by values computed in the graph (positions), not token ids"
+        kind = "buffer" if self.program.param(self._name(user)).kind is not ParamKind.PARAMETER \
+            else "parameter"
+        return f"{kind} read by {user.target} in a replicated region"
+
+    def _name(self, user) -> str:
+        node = next(a for a in user.all_input_nodes if a.name in self.by_node)
+        return self.by_node[node.name].name
+
+    def build(self) -> dict[str, ShardSpec]:
+        for name in self.plan.column:
+            self.column(name)
+        for name in self.plan.row:
+            self.row(name)
+        for name, weight in self.plan.vocab_embedding.items():
+            self.embedding(name, weight)
+        self.others()
+        return self.unify()
+
+    def unify(self) -> dict[str, ShardSpec]:
+        groups = self.program.tied_groups
+        specs = {}
+        for p in self.program.params:
+            canonical = p.canonical
+            if canonical in specs:
+                continue
+            info = self.program.param(canonical)
+            props = self.props.get(canonical, [])
+            keys = {(q.kind, q.dim, q.ranges, q.local) for q in props}
+            members = groups.get(canonical, (canonical,))
+            if len(keys) > 1:
+                self.conflict(canonical, props)
+            if not props or props[0].kind is ShardKind.REPLICATED:
+                reason = props[0].reason if props else "not read by the graph"
+                specs[canonical] = ShardSpec(canonical, ShardKind.REPLICATED, info.shape, info.shape,
+                                             members=members, reason=reason)
+                continue
+            q = props[0]
+            local = list(info.shape)
+            local[q.dim] = q.local
+            specs[canonical] = ShardSpec(canonical, q.kind, info.shape, tuple(local), q.dim, q.ranges,
+                                         members, q.reason)
+        return specs
+
+    def conflict(self, canonical: str, props: list[_Proposal]) -> None:
+        lookups = [q.origin for q in props if q.origin in self.plan.vocab_embedding]
+        if lookups:
+            raise _DropLookups(lookups)
+        sharded = [q.origin for q in props if q.kind is not ShardKind.REPLICATED]
+        ids = []
+        for origin in sharded:
+            if origin in self.plan.row:
+                ids.append(self.prov.rows[origin])
+            else:
+                first, count = self.prov.sources[origin]
+                ids.append(np.arange(first, first + count))
+        raise LayoutFailure(np.concatenate(ids), f"{canonical} is used with different placements "
+                                                 f"({', '.join(sorted({q.kind.value for q in props}))})")
+
+
+class _DropLookups(Exception):
+    def __init__(self, lookups: list[str]) -> None:
+        super().__init__(lookups)
+        self.lookups = lookups
+
+
+def build_specs(program: Program, prov: Provenance, asg: Assignment, plan: TPPlan,
+                describe: Callable[[str], str]) -> dict[str, ShardSpec]:
+    """Specs for every canonical parameter; may drop vocab-parallel lookups from
+    ``plan`` (tied to a replicated head) or raise LayoutFailure (retry)."""
+    while True:
+        try:
+            return _Specs(program, prov, asg, plan, describe).build()
+        except _DropLookups as drop:
+            for name in drop.lookups:
+                del plan.vocab_embedding[name]
+                for sink, site in list(plan.partial.items()):
+                    if site.source == name:
+                        del plan.partial[sink]
+
+
+def blocks(program: Program, prov: Provenance, asg: Assignment, plan: TPPlan) -> tuple[BlockInfo, ...]:
+    """The Megatron blocks found, for the report."""
+    tp = plan.tp
+    names = {p.node: p.name for p in program.params}
+    out = []
+    col_labels = {}
+    for name in plan.column:
+        first, count = prov.sources[name]
+        col_labels[name] = set(np.unique(asg.labels[first:first + count]).tolist())
+    for name, proj in plan.row.items():
+        lab = set(np.unique(asg.labels[prov.rows[name]]).tolist())
+        cols = tuple(names[plan.column[c].weight] for c in plan.column if col_labels[c] & lab)
+        width = len(prov.rows[name])
+        if asg.rows[name] == "attention":
+            dec = next((d for d in asg.attention.values() if set(np.unique(asg.labels[
+                prov.attention[d.node].out]).tolist()) <= lab), None)
+            detail = (f"heads {dec.heads} ({dec.heads // tp}/rank), kv heads {dec.kv_heads} "
+                      f"{'split' if dec.split_kv else 'replicated'}" if dec else f"{width} channels")
+            kind = BlockKind.ATTENTION
+        else:
+            detail, kind = f"ffn {width} ({width // tp}/rank)", BlockKind.MLP
+        out.append(BlockInfo(kind, program.layers.get(name), cols, (names[proj.weight],),
+                             f"{detail}; column: {', '.join(cols)}; row: {names[proj.weight]}"))
+    for ce, vocab in plan.vocab_ce.items():
+        heads = tuple(names[plan.column[c].weight] for c in plan.column
+                      if col_labels[c] & set(np.unique(asg.labels[prov.losses[ce]]).tolist()))
+        out.append(BlockInfo(BlockKind.LM_HEAD, program.layers.get(ce), heads, (),
+                             f"vocab {vocab} -> {math.ceil(vocab / tp) * tp} padded; "
+                             f"{', '.join(heads)} + vocab-parallel cross-entropy"))
+    for emb, weight in plan.vocab_embedding.items():
+        rows = program.param(names[weight]).shape[0]
+        out.append(BlockInfo(BlockKind.EMBEDDING, program.layers.get(emb), (names[weight],), (),
+                             f"vocab {rows} -> {math.ceil(rows / tp) * tp} padded; {names[weight]}"))
+    return tuple(out)

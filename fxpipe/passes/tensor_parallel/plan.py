@@ -1,0 +1,269 @@
+"""The TP plan: per node, its local layout, rewritten constants and the
+conversions its inputs need; per projection, its role.
+
+Conversions follow one rule (Shoeybi et al. 2019 §3, generalised): a replicated
+value entering a sharded consumer needs Megatron's f if its gradient flows
+(each rank sees only its part of the gradient, f sums them), or a SCATTER when
+the consumer holds only a slice of it; a row-parallel partial sum leaving its
+block needs g (an all-reduce), placed after any views of it, with the bias
+added once, after the reduction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch.fx as fx
+
+from fxpipe.passes.tensor_parallel import graph_ops as G
+from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
+from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
+from fxpipe.passes.tensor_parallel.layout import Layout, LayoutFailure, layout_of, local_range, replicated
+from fxpipe.passes.tensor_parallel.provenance import Provenance
+from fxpipe.passes.tensor_parallel.result import CollectiveKind
+
+
+@dataclass(frozen=True)
+class Conversion:
+    kind: CollectiveKind
+    dim: int | None = None
+
+
+@dataclass(frozen=True)
+class PartialSite:
+    """A partial sum (row-parallel output, vocab-parallel lookup) and where it is reduced."""
+    source: str
+    sink: str
+    """Last node of the single-use view chain after ``source``: the reduction goes after it."""
+    bias: str | None
+
+
+@dataclass
+class TPPlan:
+    tp: int
+    layouts: dict[str, Any] = field(default_factory=dict)
+    """Node -> Layout (a list of them for split-like nodes)."""
+    new_args: dict[str, tuple] = field(default_factory=dict)
+    new_target: dict[str, Any] = field(default_factory=dict)
+    conversions: dict[tuple[str, str], list[Conversion]] = field(default_factory=dict)
+    """(consumer, producer) -> ops applied to the producer's value for that consumer."""
+    column_inputs: set[tuple[str, str]] = field(default_factory=set)
+    """(consumer, producer) edges that enter a column-parallel projection (f sites)."""
+    partial: dict[str, PartialSite] = field(default_factory=dict)
+    """Sink node -> its partial-sum site."""
+    column: dict[str, Projection] = field(default_factory=dict)
+    row: dict[str, Projection] = field(default_factory=dict)
+    vocab_ce: dict[str, int] = field(default_factory=dict)
+    vocab_embedding: dict[str, str] = field(default_factory=dict)
+    """Embedding node -> weight placeholder (vocab-parallel lookups)."""
+    sharded_dropout: set[str] = field(default_factory=set)
+
+
+def _ids(prov: Provenance, name: str) -> np.ndarray:
+    ids = prov.ids.get(name)
+    if isinstance(ids, list):
+        return np.concatenate([i.ravel() for i in ids]) if ids else np.zeros(0, dtype=np.int64)
+    return np.zeros(0, dtype=np.int64) if ids is None else ids
+
+
+def _sharded(lay: Any) -> bool:
+    if isinstance(lay, list):
+        return any(l.is_sharded for l in lay)
+    return isinstance(lay, Layout) and lay.is_sharded
+
+
+def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: dict[str, Projection],
+               embeddings: dict[str, str], grad: set[str], tp: int,
+               describe: Callable[[str], str]) -> TPPlan:
+    plan = TPPlan(tp)
+    plan.vocab_embedding = dict(embeddings)
+    plan.vocab_ce = dict(asg.vocab)
+    for node in graph.nodes:
+        v = G.val(node)
+        ids = prov.ids.get(node.name)
+        if isinstance(ids, list):
+            plan.layouts[node.name] = [layout_of(i, tuple(int(s) for s in t.shape), asg, tp,
+                                                 describe(node.name)) for i, t in zip(ids, v)]
+        elif ids is not None:
+            plan.layouts[node.name] = layout_of(ids, shape(node), asg, tp, describe(node.name))
+        elif isinstance(v, G.torch.Tensor):
+            plan.layouts[node.name] = replicated(shape(node))
+    _roles(plan, prov, asg, projections)
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        lay = plan.layouts.get(node.name)
+        inputs = [a for a in node.all_input_nodes if a.name in plan.layouts]
+        if not (_sharded(lay) or any(_sharded(plan.layouts[a.name]) for a in inputs)):
+            continue
+        try:
+            _node_rule(plan, node, lay, grad, describe(node.name))
+        except _Refuse as exc:
+            raise LayoutFailure(np.concatenate([_ids(prov, node.name).ravel()] +
+                                               [_ids(prov, a.name).ravel() for a in inputs]),
+                                f"{describe(node.name)}: {exc}") from None
+    nodes = {n.name: n for n in graph.nodes}
+    for name, proj in plan.row.items():
+        sink = _sink(nodes[name])
+        plan.partial[sink] = PartialSite(name, sink, proj.bias)
+    for name in plan.vocab_embedding:
+        sink = _sink(nodes[name])
+        plan.partial[sink] = PartialSite(name, sink, None)
+    return plan
+
+
+class _Refuse(Exception):
+    pass
+
+
+def _roles(plan: TPPlan, prov: Provenance, asg: Assignment, projections: dict[str, Projection]) -> None:
+    for name, proj in projections.items():
+        first, count = prov.sources[name]
+        out_ids = np.arange(first, first + count)
+        is_column = bool((asg.owner(out_ids) != ALL).any())
+        if is_column and name in asg.rows:
+            raise LayoutFailure(out_ids, f"projection {name} would be both row- and column-parallel")
+        if is_column:
+            plan.column[name] = proj
+        elif name in asg.rows:
+            plan.row[name] = proj
+
+
+def _sink(node: fx.Node) -> str:
+    last = shape(node)[-1]  # the bias is added after the sink: it must still broadcast
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if user.op != "call_function" or user.target not in G.VIEWS or shape(user)[-1] != last:
+            break
+        node = user
+    return node.name
+
+
+def hoist(plan: TPPlan, consumer: fx.Node, producer: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """Move an input conversion up through single-use views, so it acts on the
+    tensor the views start from (sequence parallelism needs the unflattened one)."""
+    while (producer.op == "call_function" and producer.target in G.VIEWS and len(producer.users) == 1
+           and not _sharded(plan.layouts.get(producer.name))):
+        consumer, producer = producer, producer.args[0]
+    return consumer, producer
+
+
+def _node_rule(plan: TPPlan, node: fx.Node, lay: Any, grad: set[str], where: str) -> None:
+    t = node.target
+    if node.name in plan.column:
+        x = node.args[plan.column[node.name].input_arg]
+        if _sharded(plan.layouts[x.name]):
+            raise _Refuse("a column-parallel projection reads a sharded input")
+        plan.column_inputs.add(tuple(n.name for n in hoist(plan, node, x)))
+        return
+    if node.name in plan.row:
+        x = node.args[plan.row[node.name].input_arg]
+        xl = plan.layouts[x.name]
+        if xl.sharded != (len(xl.full) - 1,) or _sharded(lay):
+            raise _Refuse("a row-parallel projection must read channels split on its last dim only")
+        return
+    if G.is_getitem(node):
+        return
+    if t in (G.aten.view.default, G.aten._unsafe_view.default, G.aten.reshape.default,
+             G.aten.expand.default):
+        sizes = list(node.args[1])
+        plan.new_args[node.name] = (node.args[0], [lay.shape[d] if d in lay.sharded and s != -1 else s
+                                                   for d, s in enumerate(sizes)], *node.args[2:])
+    elif t is G.aten.unflatten.int:
+        dim = norm_dim(node.args[1], len(lay.full))
+        sizes = [lay.shape[dim + i] if dim + i in lay.sharded and s != -1 else s
+                 for i, s in enumerate(node.args[2])]
+        plan.new_args[node.name] = (node.args[0], node.args[1], sizes)
+    elif t in G.SPLITS:
+        _split(plan, node, where)
+    elif t is G.aten.slice.Tensor:
+        _slice(plan, node, where)
+    elif t is G.CROSS_ENTROPY:
+        if node.name not in plan.vocab_ce:
+            raise _Refuse("cross-entropy over sharded logits that are not a vocabulary head")
+    elif t is G.SDPA:
+        _attention(plan, node, lay, grad)
+    elif t in G.REDUCTIONS or t in G.NORMS:
+        x = plan.layouts[node.args[0].name]
+        if t in G.NORMS:
+            dims = set(range(len(x.full) - len(node.args[1]), len(x.full)))
+        else:
+            d = arg(node, G.REDUCTIONS[t][0], "dim")
+            dims = set(range(len(x.full))) if d is None or d == [] else {
+                norm_dim(i, len(x.full)) for i in (d if isinstance(d, (list, tuple)) else [d])}
+        if dims & set(x.sharded):
+            raise _Refuse("reduces over a sharded dim")
+        for a in node.all_input_nodes[1:]:
+            _operand(plan, node, a, lay, grad)
+    elif t in G.TRANSPOSES or t in G.SQUEEZES or t in (G.aten.unsqueeze.default, G.aten.cat.default,
+                                                         G.aten.flatten.using_ints):
+        return
+    elif G.is_pointwise(t):
+        if t is G.DROPOUT and _sharded(lay):
+            plan.sharded_dropout.add(node.name)
+        for a in node.all_input_nodes:
+            _operand(plan, node, a, lay, grad)
+    else:
+        raise _Refuse(f"no sharding rule for {t}")
+
+
+def _operand(plan: TPPlan, consumer: fx.Node, a: fx.Node, ref: Layout, grad: set[str]) -> None:
+    """An input of a sharded consumer, aligned to it by broadcasting."""
+    al = plan.layouts.get(a.name)
+    if al is None or _sharded(al):
+        return
+    ash, nd = shape(a), len(ref.full)
+    off = nd - len(ash)
+    scatter_dim = None
+    for d in ref.sharded:
+        ad = d - off
+        if ad < 0 or ash[ad] == 1:
+            continue
+        if ash[ad] == ref.full[d] and d in ref.blocks and scatter_dim is None:
+            scatter_dim = ad
+            continue
+        raise _Refuse(f"replicated input {a.name} cannot be narrowed to the shard")
+    if scatter_dim is not None:
+        plan.conversions[(consumer.name, a.name)] = [Conversion(CollectiveKind.SCATTER, scatter_dim)]
+    elif a.name in grad:
+        plan.conversions[(consumer.name, a.name)] = [Conversion(CollectiveKind.F)]
+
+
+def _attention(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None:
+    q = plan.layouts[node.args[0].name]
+    if not q.is_sharded:
+        raise _Refuse("keys/values are sharded but queries are not")
+    if q.sharded != (1,) or lay.sharded != (1,):
+        raise _Refuse("attention must be split by heads only")
+    for a in node.all_input_nodes[1:]:
+        _operand(plan, node, a, lay, grad)
+
+
+def _split(plan: TPPlan, node: fx.Node, where: str) -> None:
+    x = plan.layouts[node.args[0].name]
+    dim = norm_dim(arg(node, 2, "dim", 0), len(x.full))
+    if dim not in x.sharded:
+        return
+    sizes, start = [], 0
+    for v in G.val(node):
+        n = int(v.shape[dim])
+        a, b = local_range(x, dim, start, start + n, where, np.zeros(0))
+        if a != sum(sizes):
+            raise _Refuse("split pieces are not consecutive in the shard")
+        sizes.append(b - a)
+        start += n
+    plan.new_target[node.name] = G.aten.split_with_sizes.default
+    plan.new_args[node.name] = (node.args[0], sizes, dim)
+
+
+def _slice(plan: TPPlan, node: fx.Node, where: str) -> None:
+    x = plan.layouts[node.args[0].name]
+    dim = norm_dim(arg(node, 1, "dim", 0), len(x.full))
+    if dim not in x.sharded:
+        return
+    if arg(node, 4, "step", 1) != 1:
+        raise _Refuse("strided slice of a sharded dim")
+    start, stop, _ = slice(arg(node, 2, "start"), arg(node, 3, "end")).indices(x.full[dim])
+    a, b = local_range(x, dim, start, stop, where, np.zeros(0))
+    plan.new_args[node.name] = (node.args[0], dim, a, b, 1)

@@ -1,0 +1,168 @@
+"""Rewrite the graph from a TP plan: the same graph on every rank (SPMD).
+
+Nodes are copied in order under their own names, with constants rewritten for
+the local shard; conversion ops are inserted on the edges the plan names (one
+per producer and kind, shared by its consumers: one f per block input, as in
+Megatron); row-parallel projections lose their bias, which is added after the
+reduction; vocabulary lookups, the loss and dropout become their TP ops. Shapes
+(``meta["val"]``) are recomputed afterwards by FakeTensor propagation.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxpipe.passes.tensor_parallel import graph_ops as G
+from fxpipe.passes.tensor_parallel.graph_ops import arg
+from fxpipe.passes.tensor_parallel.plan import Conversion, TPPlan
+from fxpipe.passes.tensor_parallel.result import CollectiveKind, CollectiveSite
+from fxpipe.program import Program
+from fxpipe.tp.ops import OPS
+
+_OP = {
+    CollectiveKind.F: OPS.copy_to_tp.default,
+    CollectiveKind.G: OPS.reduce_from_tp.default,
+    CollectiveKind.GATHER_SEQ: OPS.gather_seq.default,
+    CollectiveKind.REDUCE_SCATTER_SEQ: OPS.reduce_scatter_seq.default,
+    CollectiveKind.SCATTER: OPS.scatter.default,
+    CollectiveKind.GATHER: OPS.gather.default,
+}
+
+
+@dataclass
+class Rewritten:
+    graph_module: fx.GraphModule
+    sites: list[CollectiveSite] = field(default_factory=list)
+    module_paths: dict[str, str] = field(default_factory=dict)
+    layers: dict[str, int] = field(default_factory=dict)
+
+
+class _Builder:
+    def __init__(self, program: Program, plan: TPPlan, reduce_kind: dict[str, Conversion]) -> None:
+        self.program, self.plan, self.reduce_kind = program, plan, reduce_kind
+        self.graph = fx.Graph()
+        self.env: dict[str, fx.Node] = {}
+        self.cache: dict[tuple, fx.Node] = {}
+        self.out = Rewritten(None, [], dict(program.module_paths), dict(program.layers))  # type: ignore[arg-type]
+
+    def note(self, new: fx.Node, like: str, kind: CollectiveKind | None = None, purpose: str = "",
+             dim: int | None = None) -> None:
+        self.out.module_paths[new.name] = self.program.module_paths.get(like, "")
+        layer = self.program.layers.get(like)
+        if layer is not None:
+            self.out.layers[new.name] = layer
+        if kind is not None:
+            self.out.sites.append(CollectiveSite(new.name, kind, layer, purpose, dim))
+
+    def collective(self, value: fx.Node, conv: Conversion, producer: str, consumer: str,
+                   purpose: str | None = None) -> fx.Node:
+        args = (value,) if conv.dim is None else (value, conv.dim, self.plan.tp)
+        node = self.graph.create_node("call_function", _OP[conv.kind], args,
+                                      name=f"tp_{conv.kind.value}_{producer}")
+        # A collective belongs to the layer of the block it serves: its consumer for
+        # ops entering a block, its producer for reductions leaving one.
+        entering = conv.kind in (CollectiveKind.F, CollectiveKind.GATHER_SEQ, CollectiveKind.SCATTER)
+        where = self.program.module_paths.get(consumer) or consumer
+        self.note(node, consumer if entering else producer, conv.kind,
+                  purpose or f"{producer} -> {where}", conv.dim)
+        return node
+
+    def convert(self, producer: fx.Node, consumer: fx.Node) -> fx.Node:
+        value = self.env[producer.name]
+        convs = self.plan.conversions.get((consumer.name, producer.name), [])
+        for i in range(len(convs)):
+            key = (producer.name, tuple(convs[:i + 1]))
+            if key not in self.cache:
+                self.cache[key] = self.collective(value, convs[i], producer.name, consumer.name)
+            value = self.cache[key]
+        return value
+
+    def map(self, args: Any, consumer: fx.Node) -> Any:
+        return fx.node.map_arg(args, lambda a: self.convert(a, consumer))
+
+    def copy(self, node: fx.Node) -> None:
+        if node.op == "placeholder":
+            new = self.graph.placeholder(node.name)
+        elif node.op == "get_attr":
+            new = self.graph.get_attr(node.target)
+        elif node.op == "output":
+            new = self.graph.output(self.map(node.args[0], node))
+        else:
+            target, args, kwargs = self.call(node)
+            new = self.graph.create_node("call_function", target, self.map(args, node),
+                                         self.map(kwargs, node), name=node.name)
+        new.meta = copy.copy(node.meta)
+        self.env[node.name] = new
+        if node.name in self.plan.partial:
+            self.reduce(node)
+
+    def call(self, node: fx.Node) -> tuple[Any, tuple, dict]:
+        name, plan = node.name, self.plan
+        target = plan.new_target.get(name, node.target)
+        args, kwargs = plan.new_args.get(name, node.args), dict(node.kwargs)
+        if name in plan.row:  # Shoeybi et al. §3: the bias is added once, after the reduction
+            if node.target is G.ADDMM:
+                return G.MM, (args[1], args[2]), {}
+            if node.target is G.LINEAR:
+                return G.LINEAR, tuple(args[:2]), {}
+            return target, args, kwargs
+        if name in plan.vocab_embedding:
+            return OPS.vocab_parallel_embedding.default, (args[0], args[1], arg(node, 2, "padding_idx", -1)), {}
+        if name in plan.vocab_ce:
+            return OPS.vocab_parallel_cross_entropy.default, (
+                args[0], args[1], plan.vocab_ce[name], arg(node, 4, "ignore_index", -100),
+                arg(node, 3, "reduction", 1)), {}
+        if node.target is G.DROPOUT and arg(node, 2, "train", False) and arg(node, 1, "p", 0.0) > 0:
+            return OPS.dropout.default, (args[0], float(arg(node, 1, "p")), name in plan.sharded_dropout), {}
+        return target, tuple(args), kwargs
+
+    def reduce(self, node: fx.Node) -> None:
+        site = self.plan.partial[node.name]
+        conv = self.reduce_kind[node.name]
+        value = self.collective(self.env[node.name], conv, node.name, node.name,
+                                f"after {self.program.module_paths.get(site.source) or site.source}")
+        if site.bias is not None:
+            bias = self.env[site.bias]
+            bias_conv = self.plan.conversions.get((node.name, site.bias), [])
+            for c in bias_conv:  # sequence parallel: the bias gradient is a per-shard sum
+                bias = self.collective(bias, c, site.bias, node.name)
+            value = self.graph.create_node("call_function", G.aten.add.Tensor, (value, bias),
+                                           name=f"tp_bias_{node.name}")
+            self.note(value, node.name)
+        self.env[node.name] = value
+
+
+def rewrite(program: Program, plan: TPPlan, reduce_kind: dict[str, Conversion],
+            local_params: dict[str, tuple[int, ...]]) -> Rewritten:
+    """The rewritten GraphModule (with refreshed shapes) and its collective sites.
+
+    ``reduce_kind``: sink node -> the reduction after it (g, or a reduce-scatter
+    under sequence parallelism); ``local_params``: placeholder -> local shape."""
+    b = _Builder(program, plan, reduce_kind)
+    for node in program.graph.nodes:
+        b.copy(node)
+    for name in plan.vocab_ce:
+        b.out.sites.append(CollectiveSite(name, CollectiveKind.VOCAB_CROSS_ENTROPY,
+                                          program.layers.get(name), "vocab-parallel cross-entropy"))
+    gm = fx.GraphModule(program.graph_module, b.graph)
+    _refresh_shapes(gm, local_params)
+    b.out.graph_module = gm
+    return b.out
+
+
+def _refresh_shapes(gm: fx.GraphModule, local_params: dict[str, tuple[int, ...]]) -> None:
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    args = []
+    with mode:
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                old = node.meta["val"]
+                shape = local_params.get(node.name, tuple(old.shape))
+                args.append(torch.empty(shape, dtype=old.dtype, device=old.device))
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)

@@ -1,0 +1,102 @@
+"""``tensor_parallel_pass``: Megatron-style TP found and applied by the compiler.
+
+Steps, each in its own module:
+
+1. ``graph_ops``   find projections, token embeddings, grad-carrying values (structure only);
+2. ``provenance``  push channel ids through the graph (DESIGN.md "Automatic TP");
+3. ``assign``      give channel classes to ranks: heads / FFN channels / vocab blocks;
+4. ``plan``        local layouts, rewritten constants, conversions (f, scatter), g sites;
+5. ``placement``   a ShardSpec per parameter (tied names agree);
+   steps 3-5 repeat, replicating more channels, until every layout is expressible;
+6. ``sequence``    with sp: sequence shards between blocks (Korthikanti et al. 2022);
+7. ``rewrite``     the new graph, identical on every rank, and its collectives.
+
+Requires: a captured (canonicalized) Program with FakeTensor shapes in
+``meta["val"]``. Ensures: parameters carry their local shapes; ``Program.state``
+still holds the *full* tensors (the runtime shards them with ``shard_state``);
+``program.extra["tensor_parallel"]`` is a :class:`TPResult`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from fxpipe.passes.tensor_parallel import graph_ops as G
+from fxpipe.passes.tensor_parallel.assign import assign
+from fxpipe.passes.tensor_parallel.config import TPConfig, tp_config_of
+from fxpipe.passes.tensor_parallel.layout import LayoutFailure
+from fxpipe.passes.tensor_parallel.placement import blocks, build_specs
+from fxpipe.passes.tensor_parallel.plan import Conversion, TPPlan, build_plan
+from fxpipe.passes.tensor_parallel.provenance import analyze
+from fxpipe.passes.tensor_parallel.result import CollectiveKind, TPResult
+from fxpipe.passes.tensor_parallel.rewrite import rewrite
+from fxpipe.passes.tensor_parallel.sequence import plan_sequence_parallel
+from fxpipe.program import ParamKind, Program
+
+PASS_NAME = "tensor_parallel"
+
+
+def tensor_parallel_pass(program: Program, config: object = None) -> Program:
+    """Shard ``program`` for ``config.tp`` ranks (see the module docstring).
+
+    ``config``: a :class:`TPConfig`, or a driver config with a ``tensor_parallel``
+    TPConfig or ``tp``/``sp`` attributes; tp=1 returns the program unchanged::
+
+        prog = tensor_parallel_pass(canonicalize_pass(capture(model, batch)), TPConfig(tp=2))
+        specs = prog.extra["tensor_parallel"].specs
+        with tp_group_context(group):
+            loss = prog.run(shard_state(prog.state, specs, group.rank), *batch)
+    """
+    cfg = tp_config_of(config)
+    if cfg.tp == 1:
+        return program
+    graph = program.graph
+    weights = {p.node for p in program.params if p.kind is not ParamKind.CONSTANT}
+    projections = G.find_projections(graph, weights)
+    embeddings = G.token_embeddings(graph, weights, set(program.inputs))
+    grad = G.grad_carrying(graph, {p.node for p in program.params if p.requires_grad})
+    prov = analyze(graph, projections)
+
+    def describe(node: str) -> str:
+        path = program.module_paths.get(node) or node
+        layer = program.layers.get(node)
+        return path if layer is None else f"layer {layer} ({path})"
+
+    replicate: list = []
+    for _ in range(prov.n_ids + 1):  # each failed round replicates at least one more class
+        asg = assign(prov, cfg.tp, replicate, describe)
+        try:
+            plan = build_plan(graph, prov, asg, projections, embeddings, grad, cfg.tp, describe)
+            specs = build_specs(program, prov, asg, plan, describe)
+            break
+        except LayoutFailure as failure:
+            replicate.append((failure.ids, failure.reason))
+    else:  # pragma: no cover - the loop always makes progress
+        raise AssertionError("tensor-parallel layout search did not converge")
+
+    if cfg.sp:
+        reduce_kind, seq_dim = plan_sequence_parallel(program, plan, grad)
+    else:
+        reduce_kind, seq_dim = _plain_tp(plan, grad), None
+    local = {p.node: specs[p.canonical].local_shape for p in program.params}
+    out = rewrite(program, plan, reduce_kind, local)
+    vocab = next(iter(plan.vocab_ce.values()), None)
+    result = TPResult(cfg, specs, blocks(program, prov, asg, plan), tuple(out.sites), vocab,
+                      None if vocab is None else math.ceil(vocab / cfg.tp) * cfg.tp, seq_dim)
+    return program.replace(
+        graph_module=out.graph_module,
+        params=tuple(dataclasses.replace(p, shape=local[p.node]) for p in program.params),
+        module_paths=out.module_paths, layers=out.layers, costs={},
+        extra={**program.extra, PASS_NAME: result})
+
+
+def _plain_tp(plan: TPPlan, grad: set[str]) -> dict[str, Conversion]:
+    """Without sp: f before every column-parallel input whose gradient flows, g after
+    every partial sum (Shoeybi et al. 2019 §3: 2 all-reduces forward, 2 backward per layer)."""
+    for consumer, producer in plan.column_inputs:
+        if producer in grad:
+            plan.conversions[(consumer, producer)] = [Conversion(CollectiveKind.F)]
+    return {sink: Conversion(CollectiveKind.G) for sink in plan.partial}
+
+
+__all__ = ["TPConfig", "tensor_parallel_pass"]

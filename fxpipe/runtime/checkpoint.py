@@ -1,0 +1,401 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): save, resume in any layout, export.
+
+Every rank hands DCP a flat dict of tensors keyed by *original* parameter names,
+so the checkpoint does not depend on the layout that wrote it: a rank of another
+pp/dp layout asks for the names it holds and DCP reads them (it reshards by key).
+Keys (all tensors, so DCP reads them back with ``torch.load(weights_only=True)``):
+
+    model.<name>                      parameters and buffers, one per tied group
+    optim.state.<name>.<key>          torch.optim state (AdamW: step, exp_avg, exp_avg_sq)
+    optim.param_groups.<name>.<key>   numeric hyper-parameters of the name's group (lr, betas, ...)
+    rng.<rank>.<generator>            torch CPU/CUDA, python ``random`` and numpy states
+
+A name held by several ranks (data-parallel replicas, tied copies on the first and
+last stage) is written once: DCP's default planner deduplicates equal keys
+(``_dedup_save_plans``). The step, ``extra`` and the layout go to ``fxpipe.json``
+(JSON, never pickled). Layout on disk, and why a kill -9 never spoils it, are in
+docs/checkpoints.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from fxpipe.program import ParamKind, Program
+
+FORMAT = 1
+META_FILE = "fxpipe.json"
+POINTER_FILE = "latest"
+_STEP_DIR = re.compile(r"^step_(\d{7,})$")
+
+
+# ---- directory layout ------------------------------------------------------------------------
+def step_dirname(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def _is_complete(path: Path) -> bool:
+    # Only a renamed (committed) directory counts; both files are written before the rename.
+    return bool(_STEP_DIR.match(path.name)) and (path / META_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints in ``directory`` as (step, path), oldest first; ``*.tmp`` are ignored."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and _is_complete(p)]
+    return sorted(found)
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The checkpoint the ``latest`` pointer names, or the newest complete one if the
+    pointer is missing or dangling (a kill between the rename and the pointer update)."""
+    root = Path(directory)
+    try:
+        name = (root / POINTER_FILE).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        name = ""
+    if name and _is_complete(root / name):
+        return root / name
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write beside, fsync, then os.replace: readers see the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's reader, but ``.metadata`` is unpickled with an allow-list (DCP's own
+    dataclasses, torch.Size/dtype) instead of plain ``pickle.load``: together with
+    DCP loading tensors with ``weights_only=True``, no code runs from the files."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+_SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                 "torch.distributed.checkpoint.planner")
+_SAFE_GLOBALS = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"),
+                 ("torch._utils", "_rebuild_tensor_v2")} | {("torch", str(d).split(".")[1]) for d in (
+                     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)} | {
+                     ("torch", "strided"), ("torch", "contiguous_format"), ("torch", "preserve_format")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which a checkpoint "
+                                     f"index never needs; refusing to load it")
+
+
+# ---- what is saved ---------------------------------------------------------------------------
+def _is_persistent(info: Any) -> bool:
+    # ParamInfo does not record ``persistent`` yet (capture sees it: InputKind.BUFFER's
+    # spec.persistent). Until it does, buffers are treated as non-persistent: right for
+    # every registry model (their only buffers are rotary tables, persistent=False).
+    return info.kind is ParamKind.PARAMETER or bool(getattr(info, "persistent", False))
+
+
+def state_dict_names(program: Program) -> dict[str, str]:
+    """What ``model.state_dict()`` holds: every original name -> its canonical name
+    (tied names all map to their group's tensor)."""
+    return {p.name: p.canonical for p in program.params
+            if p.kind is not ParamKind.CONSTANT and _is_persistent(p)}
+
+
+def _model_state(pm: Any) -> dict[str, torch.Tensor]:
+    kinds = {p.canonical: p.kind for p in pm.plan.program.params}
+    # Plain (full) tensors. TP hook: a sharded name becomes a ShardedTensor with one
+    # local shard per index range of its ShardSpec (docs/checkpoints.md).
+    return {f"model.{n}": t.detach() for n, t in pm.state.items() if kinds[n] is not ParamKind.CONSTANT}
+
+
+def _optimizer_names(pm: Any, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Original name of each parameter in torch.optim's index order (groups in order)."""
+    by_id = {id(t): n for n, t in pm.named_parameters()}
+    names = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in by_id:
+                raise ValueError(f"the optimizer holds a tensor of shape {tuple(p.shape)} that is not one "
+                                 f"of this ParallelModel's parameters; build it from pm.parameters()")
+            names.append(by_id[id(p)])
+    return names
+
+
+def _is_number(v: Any) -> bool:
+    if isinstance(v, (tuple, list)):
+        return bool(v) and all(_is_number(x) for x in v)
+    return isinstance(v, torch.Tensor) or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
+    sd = optimizer.state_dict()
+    out = {}
+    for index, entries in sd["state"].items():
+        for key, value in entries.items():
+            out[f"optim.state.{names[index]}.{key}"] = torch.as_tensor(value)
+    for group in sd["param_groups"]:
+        # Numbers only (lr, initial_lr, betas, eps, weight_decay): flags such as foreach
+        # or fused describe how the optimizer was built, which the loader's run decides.
+        for key, value in group.items():
+            if key != "params" and _is_number(value):
+                for index in group["params"]:
+                    out[f"optim.param_groups.{names[index]}.{key}"] = torch.as_tensor(value, dtype=torch.float64)
+    return out
+
+
+def _rng_state(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    version, words, gauss = random.getstate()  # Mersenne Twister: 624 words + position
+    assert version == 3, version
+    _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    out = {"torch": torch.get_rng_state(),
+           "python": torch.tensor(words, dtype=torch.int64),
+           "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+           "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
+           "numpy_rest": torch.tensor([pos, has_gauss, cached], dtype=torch.float64)}
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return {f"rng.{rank}.{k}": v for k, v in out.items()}
+
+
+def _set_rng(loaded: Mapping[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(loaded["torch"])
+    has_gauss, gauss = loaded["python_gauss"].tolist()
+    random.setstate((3, tuple(loaded["python"].tolist()), gauss if has_gauss else None))
+    pos, flag, cached = loaded["numpy_rest"].tolist()
+    np.random.set_state(("MT19937", loaded["numpy_keys"].numpy().astype(np.uint32), int(pos), int(flag), cached))
+    if device.type == "cuda" and "cuda" in loaded:
+        torch.cuda.set_rng_state(loaded["cuda"], device)
+
+
+# ---- save ------------------------------------------------------------------------------------
+def save_checkpoint(pm: Any, optimizer: torch.optim.Optimizer, step: int, directory: str | os.PathLike,
+                    *, extra: dict | None = None, keep_last: int | None = 3) -> Path:
+    """Save this job's state after ``step`` optimizer steps; collective (every rank calls).
+
+    Written to ``step_XXXXXXX.tmp`` and renamed to ``step_XXXXXXX`` by rank 0 once
+    every rank's data and DCP's index are on disk; then ``latest`` is replaced and
+    all but the newest ``keep_last`` checkpoints are removed (None: keep all).
+    ``extra`` must be JSON-serialisable and the same on every rank (rank 0's is kept).
+    Returns the checkpoint's directory."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    try:  # on every rank, so a bad ``extra`` fails everywhere before any collective
+        extra_json = json.loads(json.dumps(extra or {}))
+    except TypeError as exc:
+        raise TypeError(f"checkpoint extra must be JSON-serialisable: {exc}") from exc
+    rank, root = dist.get_rank(), Path(directory)
+    final = root / step_dirname(step)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("step_*.tmp"):  # left by a killed save
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    names = _optimizer_names(pm, optimizer)
+    state = {**_model_state(pm), **_optimizer_state(optimizer, names), **_rng_state(rank, pm.device)}
+    # DCP returns on every rank only after rank 0 wrote .metadata (its "finish" step).
+    dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
+    if rank == 0:
+        mesh = pm.groups.mesh
+        meta = dict(format=FORMAT, step=step, extra=extra_json, world_size=dist.get_world_size(),
+                    mesh=dict(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp), source=pm.plan.program.source,
+                    state_dict=state_dict_names(pm.plan.program), torch=torch.__version__)
+        _write_atomic(tmp / META_FILE, json.dumps(meta, indent=1).encode())
+        _commit(tmp, final)
+        _write_atomic(root / POINTER_FILE, (final.name + "\n").encode())
+        if keep_last is not None:
+            for _, old in list_checkpoints(root)[:-keep_last]:
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    """rename(2) of a directory is atomic; an older save of the same step is moved
+    aside first (as ``*.tmp``, so a kill in between leaves only ignored debris)."""
+    if final.exists():
+        aside = final.with_name(final.name + ".replaced.tmp")
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
+# ---- load ------------------------------------------------------------------------------------
+def _resolve(directory: str | os.PathLike, step: int | None) -> Path:
+    root = Path(directory)
+    path = latest_checkpoint(root) if step is None else root / step_dirname(step)
+    if path is None or not _is_complete(path):
+        which = "no complete checkpoint" if step is None else f"no complete checkpoint for step {step}"
+        steps = [s for s, _ in list_checkpoints(root)]
+        raise FileNotFoundError(f"{which} in {root} (complete: {steps or 'none'}); "
+                                f"check --checkpoint-dir, or start without --resume")
+    return path
+
+
+def _check_model(program: Program, saved: Mapping[str, Any], path: Path) -> None:
+    """The checkpoint must hold exactly this model's tensors, by name and shape."""
+    expected = {p.canonical: p.shape for p in program.params if p.kind is not ParamKind.CONSTANT}
+    found = {k[len("model."):]: tuple(md.size) for k, md in saved.items() if k.startswith("model.")}
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    shapes = [f"{n}: checkpoint {found[n]} vs model {expected[n]}"
+              for n in sorted(set(expected) & set(found)) if tuple(found[n]) != tuple(expected[n])]
+    if missing or unexpected or shapes:
+        def show(xs: list[str]) -> str:
+            return ", ".join(xs[:8]) + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "") if xs else "none"
+        raise ValueError(f"checkpoint {path} does not match this model ({program.source}): "
+                         f"missing keys: {show(missing)}; unexpected keys: {show(unexpected)}; "
+                         f"shape mismatches: {show(shapes)}. Was it saved from another model or config?")
+
+
+def _targets(saved: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
+    """Empty CPU tensors, shaped as DCP's index says, for every saved key under ``prefix``."""
+    return {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            for k, md in saved.items() if k.startswith(prefix) and hasattr(md, "size")}
+
+
+def _like(current: Any, loaded: torch.Tensor) -> Any:
+    """A loaded hyper-parameter in the type the optimizer was built with."""
+    if isinstance(current, torch.Tensor):
+        return loaded.to(dtype=current.dtype, device=current.device)
+    if isinstance(current, (tuple, list)):
+        return type(current)(type(c)(x) for c, x in zip(current, loaded.tolist()))
+    return type(current)(loaded.item())
+
+
+def _install_optimizer(optimizer: torch.optim.Optimizer, names: list[str],
+                       loaded: Mapping[str, torch.Tensor]) -> None:
+    """Rebuild torch.optim's index-keyed state dict from name-keyed tensors and load it
+    (torch's load_state_dict then casts state to each parameter's device and dtype)."""
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    hyper: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in loaded.items():
+        kind, rest = key[len("optim."):].split(".", 1)
+        name, field = rest.rsplit(".", 1)  # torch.optim's own keys have no dots
+        (state if kind == "state" else hyper).setdefault(name, {})[field] = t
+    current = optimizer.state_dict()
+    groups = []
+    for group in current["param_groups"]:
+        group = dict(group)
+        for key, value in list(group.items()):
+            found = [hyper[names[i]][key] for i in group["params"] if key in hyper.get(names[i], {})]
+            if key != "params" and found and _is_number(value):
+                group[key] = _like(value, found[0])
+        groups.append(group)
+    optimizer.load_state_dict({"state": {i: state[n] for i, n in enumerate(names) if n in state},
+                               "param_groups": groups})
+
+
+def load_checkpoint(pm: Any, optimizer: torch.optim.Optimizer | None, directory: str | os.PathLike,
+                    *, step: int | None = None) -> tuple[int, dict]:
+    """Restore parameters, optimizer state and RNG from the latest complete checkpoint
+    in ``directory`` (or the one of ``step``); collective. Returns (step, extra).
+
+    Works for any pp/dp layout: each rank reads the names it holds. RNG states are
+    per rank, so they are restored rank by rank only when the layout is the one that
+    saved; otherwise every rank takes rank 0's (as a fresh run seeds all ranks alike)."""
+    path = _resolve(directory, step)
+    meta = json.loads((path / META_FILE).read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path / META_FILE} has format {meta.get('format')!r}, this fxpipe reads {FORMAT}")
+    saved = _SafeReader(path).read_metadata().state_dict_metadata
+    program = pm.plan.program
+    _check_model(program, saved, path)
+    mesh = pm.groups.mesh
+    same_layout = meta["mesh"] == dict(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp)
+    rng_prefix = f"rng.{dist.get_rank() if same_layout else 0}."
+    names = _optimizer_names(pm, optimizer) if optimizer is not None else []
+    mine = set(names)
+    optim = {k: t for k, t in _targets(saved, "optim.").items()
+             if k.split(".", 2)[2].rsplit(".", 1)[0] in mine}
+    rng = _targets(saved, rng_prefix)
+    dcp.load({**_model_state(pm), **optim, **rng}, storage_reader=_SafeReader(path))
+    if optimizer is not None:
+        _install_optimizer(optimizer, names, optim)
+    _set_rng({k[len(rng_prefix):]: v for k, v in rng.items()}, pm.device)
+    return int(meta["step"]), meta["extra"]
+
+
+# ---- export ----------------------------------------------------------------------------------
+def _consolidate_directory(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    path = Path(directory)
+    path = path if _is_complete(path) else _resolve(path, None)
+    names = json.loads((path / META_FILE).read_text())["state_dict"]
+    saved = _SafeReader(path).read_metadata().state_dict_metadata
+    tensors = {k: v for k, v in _targets(saved, "model.").items() if k[len("model."):] in names.values()}
+    dcp.load(tensors, storage_reader=_SafeReader(path), no_dist=True)
+    return {name: tensors[f"model.{canonical}"] for name, canonical in names.items()}
+
+
+def _consolidate_model(pm: Any) -> dict[str, torch.Tensor]:
+    program = pm.plan.program
+    params = pm.full_state_dict()  # collective over the pipeline group; TP: + unshard_state
+    # Buffers are not trained: the Program's copy is current.
+    return {name: params[c] if c in params else program.state[c].detach().cpu()
+            for name, c in state_dict_names(program).items()}
+
+
+def export_consolidated(source: Any, path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """One ``state_dict`` under the original model's names (every tied name present,
+    sharing one tensor), written with ``torch.save`` so that the unmodified model loads
+    it with ``model.load_state_dict(torch.load(path, weights_only=True))``.
+
+    ``source``: a checkpoint directory (root or ``step_*``; no process group needed)
+    or a ParallelModel (collective: call on every rank; global rank 0 writes)."""
+    from_model = not isinstance(source, (str, os.PathLike))
+    state = _consolidate_model(source) if from_model else _consolidate_directory(source)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, out)
+    if from_model:
+        dist.barrier()
+    return state
