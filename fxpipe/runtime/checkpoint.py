@@ -110,17 +110,21 @@ class _SafeReader(FileSystemReader):
 
 _SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
                  "torch.distributed.checkpoint.planner")
-_SAFE_GLOBALS = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"),
-                 ("torch._utils", "_rebuild_tensor_v2")} | {("torch", str(d).split(".")[1]) for d in (
-                     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-                     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)} | {
-                     ("torch", "strided"), ("torch", "contiguous_format"), ("torch", "preserve_format")}
+_SAFE_GLOBALS = {("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                 ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
+    """Python's "restricting globals" recipe (pickle docs): DCP's index holds only its own
+    dataclasses, torch.Size, dtypes/layouts and the checkpoint's path."""
+
     def find_class(self, module: str, name: str) -> Any:
         if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
             return super().find_class(module, name)
+        if module == "torch":
+            obj = getattr(torch, name, None)
+            if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+                return obj
         raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which a checkpoint "
                                      f"index never needs; refusing to load it")
 
