@@ -88,7 +88,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                          seq=args.seq, steps=args.steps, lr=args.lr, seed=args.seed,
                          log_interval=args.log_interval, partition=args.partition,
                          timeline=None if args.timeline == "none" else args.timeline,
-                         timeout_s=args.timeout)
+                         timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
+                         save_interval=args.save_interval, resume=args.resume, export=args.export)
     preflight(config)
     return launch(config)
 
@@ -153,6 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "to skip (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds before a collective or p2p transfer gives up (default: %(default)s)")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="save torch.distributed.checkpoint checkpoints here (atomic; the newest 3 "
+                        "kept) at the end, every --save-interval steps and on SIGTERM/Ctrl-C, "
+                        "after which the job exits 128+signal (default: no checkpoints)")
+    p.add_argument("--save-interval", type=int, default=None, metavar="N",
+                   help="save every N steps (default: only at the end)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir: model, optimizer, "
+                        "RNG and data position; any tp/pp/dp layout")
+    p.add_argument("--export", default=None, metavar="PATH",
+                   help="at the end, write one state_dict under the model's own parameter names "
+                        "(torch.save) that the unmodified model loads with load_state_dict")
     p.set_defaults(fn=_cmd_run)
 
     p = sub.add_parser("viz", help="draw a pipeline schedule (ASCII, PNG/SVG Gantt, Perfetto JSON)")

@@ -69,9 +69,11 @@ class SavedTensorCounter:
         key, nbytes = _storage_key(t)
         if key not in self._excluded and key not in self._seen:
             self._seen.add(key)
-            self._keep.append(t)
+            self._keep.append(t.detach())
             self.by_tag[self.tag] = self.by_tag.get(self.tag, 0) + nbytes
-        return t
+        # Detached: a saved output returned as itself would hold its own grad_fn, a
+        # cycle through C++ that Python's gc cannot collect (the graph would leak).
+        return t.detach()
 
     @staticmethod
     def _unpack(t: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import statistics
 import sys
 import time
@@ -45,8 +46,22 @@ class TrainConfig:
     timeline: str | None = "fxpipe-timeline"
     """Path prefix for the measured timeline of the last step (.json Perfetto, .png); None: off."""
     timeout_s: float = 60.0
+    checkpoint_dir: str | None = None
+    """Directory of DCP checkpoints (docs/checkpoints.md); None: never save."""
+    save_interval: int | None = None
+    """Save every N steps when checkpoint_dir is set (always also at the end and on SIGTERM/SIGINT)."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in checkpoint_dir (model, optimizer, RNG, step)."""
+    export: str | None = None
+    """Write one consolidated state_dict under the model's own names here when the run completes."""
+    keep_checkpoints: int = 3
+    """Newest checkpoints kept in checkpoint_dir; older ones are deleted after each save."""
 
     def __post_init__(self) -> None:
+        if self.checkpoint_dir is None and (self.resume or self.save_interval is not None):
+            raise ValueError("--resume and --save-interval need --checkpoint-dir DIR")
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ValueError(f"--save-interval must be >= 1, got {self.save_interval}")
         if self.global_batch is not None:
             per_step = self.micro_batch_size * self.microbatches * self.dp
             if self.global_batch != per_step:
@@ -84,11 +99,13 @@ def _bubble(events: tuple, start: float, end: float) -> float:
     return max(0.0, 1.0 - busy / max(end - start, 1e-12))
 
 
-def worker(config: TrainConfig) -> dict[str, Any]:
-    """One rank of the job (what torchrun or the elastic launcher starts)."""
+def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, Any]:
+    """One rank of the job (what torchrun or the elastic launcher starts). ``stop``
+    catches SIGTERM/SIGINT; without one, handlers are installed for the process's life."""
     from fxpipe.data import ByteBatches, stdlib_corpus
     from fxpipe.models import build_workload
     from fxpipe.runtime.api import parallelize
+    from fxpipe.runtime.checkpoint import export_consolidated, load_checkpoint
 
     torch.manual_seed(config.seed)
     if not torch.cuda.is_available():  # share the cores between the local workers
@@ -103,6 +120,12 @@ def worker(config: TrainConfig) -> dict[str, Any]:
     rank = dist.get_rank()
     opt = torch.optim.AdamW(pm.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / config.warmup))
+    start_step = 0
+    if config.resume:  # batches are a function of (seed, step): the step is the data position
+        start_step, extra = load_checkpoint(pm, opt, config.checkpoint_dir)
+        sched.load_state_dict(extra["lr_scheduler"])
+    last_saved = start_step if config.resume else None
+    stop = stop if stop is not None else _StopSignal()
     costs = pm.plan.program.costs.values()
     # Model FLOPs per step (Megatron's 72·B·s·l·h²(1 + s/6h + V/12lh) for a GPT, here
     # summed from the cost pass, so any model gets it): matmul forward + backward.
@@ -115,7 +138,9 @@ def worker(config: TrainConfig) -> dict[str, Any]:
               f"{config.steps} steps", flush=True)
     times, losses, bubbles = [], [], []
     t_start = time.perf_counter()
-    for step in range(config.steps):
+    for step in range(start_step, config.steps):
+        if stop.agreed():
+            break
         inputs, targets = data.batch(step)
         tokens = torch.cat([inputs, targets[:, -1:]], dim=1)
         batch = w.batch_from_tokens(tokens)
@@ -139,6 +164,25 @@ def worker(config: TrainConfig) -> dict[str, Any]:
                 print(f"iter {step + 1:5d} | loss {loss:.4f} | {ms:8.1f} ms/iter | "
                       f"{tokens_per_step / (t1 - t0):9.0f} tokens/s | {tflops:.4f} TFLOP/s/process | "
                       f"bubble {bubbles[-1]:.1%}", flush=True)
+        if config.save_interval and (step + 1) % config.save_interval == 0:
+            last_saved = _save(pm, opt, sched, step + 1, config)
+    stopped = stop.agreed()  # again: a signal during the last step must stop every rank alike
+    done = start_step + len(losses)
+    if config.checkpoint_dir is not None and done != last_saved:
+        _save(pm, opt, sched, done, config)
+    if stopped:
+        if rank == 0:
+            print(f"stopped by {signal.Signals(stopped).name} after step {done}"
+                  + ("; resume with --resume" if config.checkpoint_dir else ""), flush=True)
+        return dict(signal=stopped, steps_done=done)
+    if config.export:
+        export_consolidated(pm, config.export)
+        if rank == 0:
+            print(f"consolidated state_dict: {config.export}", flush=True)
+    if not losses:
+        if rank == 0:
+            print(f"the checkpoint is at step {start_step} >= --steps {config.steps}: nothing to train", flush=True)
+        return dict(steps_done=start_step)
     _write_timeline(pm, config)
     summary = dict(first_loss=losses[0], final_loss=losses[-1], median_ms=statistics.median(times) * 1e3,
                    tokens_per_s=tokens_per_step / statistics.median(times),
@@ -150,6 +194,42 @@ def worker(config: TrainConfig) -> dict[str, Any]:
               f"{summary['tokens_per_s']:.0f} tokens/s, {summary['tflops_per_process']:.4f} TFLOP/s/process, "
               f"bubble {summary['bubble']:.1%}", flush=True)
     return summary
+
+
+class _StopSignal:
+    """SIGTERM / SIGINT (Ctrl-C) ask the job to stop at the next step boundary.
+
+    The handler only records the signal; ranks then agree with an all-reduce, because
+    a signal reaches each process at a different point and every rank must stop after
+    the same step (a collective left half-done would hang). A repeated signal (the
+    elastic agent forwards the one the terminal already sent) is ignored."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = self.signum or signum
+
+    def agreed(self) -> int:
+        flag = torch.tensor([self.signum], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.signum = int(flag)
+        return self.signum
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def _save(pm: Any, opt: Any, sched: Any, step: int, config: TrainConfig) -> int:
+    from fxpipe.runtime.checkpoint import save_checkpoint
+
+    path = save_checkpoint(pm, opt, step, config.checkpoint_dir, keep_last=config.keep_checkpoints,
+                           extra={"lr_scheduler": sched.state_dict()})
+    if dist.get_rank() == 0:
+        print(f"checkpoint: {path}", flush=True)
+    return step
 
 
 def _write_timeline(pm: Any, config: TrainConfig) -> None:
@@ -175,18 +255,35 @@ def _write_timeline(pm: Any, config: TrainConfig) -> None:
 
 
 def _elastic_entry(config: TrainConfig) -> dict[str, Any]:
+    stop = _StopSignal()  # kept until the end: a forwarded signal must not cut a save short
     try:
-        return worker(config)
+        return worker(config, stop)
     finally:
+        stop.restore()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def _spawned_entry(config: TrainConfig) -> dict[str, Any]:
+    """A worker under the elastic launcher. Stopped by a signal, it exits at once with
+    128 + signal: returning would block it until the agent reads its return value, which
+    an agent that was signalled itself never does (it waits 30 s, then SIGKILLs)."""
+    summary = _elastic_entry(config)
+    if "signal" in summary:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + summary["signal"])
+    return summary
+
+
 def launch(config: TrainConfig) -> int:
     """Run the job: directly under torchrun, else spawn tp·pp·dp local workers."""
+    # A run stopped by a signal exits 128 + its number (130 Ctrl-C, 143 SIGTERM), as a
+    # shell reports a signalled process, after saving when --checkpoint-dir is set.
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        _elastic_entry(config)
-        return 0
+        summary = _elastic_entry(config)
+        return 128 + summary["signal"] if "signal" in summary else 0
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -195,10 +292,15 @@ def launch(config: TrainConfig) -> int:
                               rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
                               start_method="spawn")
     try:
-        elastic_launch(launch_cfg, _elastic_entry)(config)
+        elastic_launch(launch_cfg, _spawned_entry)(config)
     except ChildFailedError as exc:
+        codes = {f.exitcode for f in exc.failures.values()}
+        if len(codes) == 1 and codes <= {128 + signal.SIGINT, 128 + signal.SIGTERM}:
+            return codes.pop()  # only the workers were signalled; they stopped cleanly
         print(f"fxpipe run: a worker failed:\n{exc}", file=sys.stderr)
         return 1
+    except SignalException as exc:  # the agent got it; its workers saved before it returned
+        return 128 + int(exc.sigval)
     return 0
 
 
@@ -215,3 +317,8 @@ def preflight(config: TrainConfig) -> None:
     spec = get_spec(config.schedule)
     generate(config.schedule, config.pp, config.microbatches,
              config.chunks if config.chunks is not None else spec.default_chunks)
+    if config.resume:
+        from fxpipe.runtime.checkpoint import latest_checkpoint
+        if latest_checkpoint(config.checkpoint_dir) is None:
+            raise ValueError(f"--resume: no complete checkpoint in {config.checkpoint_dir}; "
+                             f"drop --resume to start from step 0")

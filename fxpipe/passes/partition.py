@@ -63,22 +63,6 @@ def stage_inflight(schedule: Schedule) -> tuple[int, ...]:
     return tuple(max(1, x) for x in peak)
 
 
-def rank_inflight(schedule: Schedule) -> tuple[int, ...]:
-    """Per pp rank, the most (stage, microbatch) activations held at once."""
-    frees = ActionKind.W if schedule.splits_backward else ActionKind.B
-    peaks = []
-    for rank in schedule.actions:
-        live = peak = 0
-        for a in rank:
-            if a.kind is ActionKind.F:
-                live += 1
-                peak = max(peak, live)
-            elif a.kind is frees:
-                live -= 1
-        peaks.append(peak)
-    return tuple(peaks)
-
-
 def build_problem_graph(program: Program, config: PartitionConfig) -> nx.DiGraph:
     """Fine DAG: one node per compute op, with times, bytes and layer index.
 

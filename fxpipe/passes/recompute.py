@@ -168,7 +168,6 @@ def _attention_cores(run: list[fx.Node], weights: set[fx.Node]) -> list[list[fx.
     """The attention cores of one layer run: the connected pieces of the run, with
     its projections removed, that hold an SDPA kernel or a softmax between two
     activation-activation matmuls (unfused QKᵀ -> softmax -> dropout -> ·V)."""
-    members = set(run)
     free = [n for n in run if not _is_projection(n, weights)]
     free_set = set(free)
     parent = {n: n for n in free}
@@ -192,13 +191,13 @@ def _attention_cores(run: list[fx.Node], weights: set[fx.Node]) -> list[list[fx.
         has_softmax = any(n.op == "call_function" and n.target in _SOFTMAX for n in piece)
         act_matmuls = sum(n.op == "call_function" and n.target in _MATMULS for n in piece)
         if has_sdpa or (has_softmax and act_matmuls >= 2):
-            core = _convex(piece, members)
+            core = _convex(piece)
             if core:
                 cores.append(core)
     return cores
 
 
-def _convex(region_nodes: list[fx.Node], run: set[fx.Node]) -> list[fx.Node]:
+def _convex(region_nodes: list[fx.Node]) -> list[fx.Node]:
     """Drop nodes until no path leaves the region and re-enters it (a region is called
     once, so such a path would be a cycle). Drops the upstream end of such paths,
     keeping the attention kernel; returns [] if the kernel itself would go."""
@@ -312,8 +311,11 @@ def apply_recompute(gm: fx.GraphModule, layers: Mapping[str, int],
     out = copy.deepcopy(gm)
     regions = find_regions(out, layers, mode)
     if mode is RecomputeMode.SELECTIVE:
-        found = {k for k, _ in regions}
-        missing = sorted({k for k, _ in layer_runs(out, layers)} - found)
+        # Only whole layers are expected to hold an attention core: a pipeline stage
+        # may hold just the MLP half of a layer cut across two stages.
+        present = {n.name for n in out.graph.nodes}
+        whole = {k for k in set(layers.values())} - {k for n, k in layers.items() if n not in present}
+        missing = sorted(whole - {k for k, _ in regions})
         if missing:
             warnings.warn(RecomputeWarning(
                 f"recompute=selective: layer(s) {missing} have no attention core (no SDPA kernel "

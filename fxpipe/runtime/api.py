@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from fxpipe.capture import capture
 from fxpipe.passes import run_passes
+from fxpipe.passes.device import retarget_device_pass
 from fxpipe.passes.partition import PartitionConfig, partition_pass, stage_inflight
 from fxpipe.passes.split import split_pass
 from fxpipe.plan import PipelinePlan
@@ -148,6 +149,7 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     mb_rows = rows // (dp * microbatches)
     program = capture(model, tuple(t[:mb_rows] for t in example), loss_fn)
     program, _ = run_passes(program)
+    program = retarget_device_pass(program, device)
     config = PartitionConfig(num_stages=sched.num_stages, stage_to_rank=sched.stage_ranks,
                              inflight=stage_inflight(sched), method=partition,
                              memory_limit_bytes=None if memory_limit_gb is None

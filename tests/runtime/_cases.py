@@ -35,7 +35,7 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str
 def train_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Each case: dict(model, pp, schedule, chunks). Returns losses, parameters, stats."""
     from fxpipe.runtime.api import parallelize
-    from fxpipe.passes.partition import rank_inflight
+    from fxpipe.schedules.simulate import simulate
 
     out = []
     for case in cases:
@@ -50,7 +50,8 @@ def train_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
             if step == 0:
                 grads = {n: t.grad.clone() for n, t in pm.named_parameters()}
             opt.step()
-        bound = rank_inflight(pm.schedule)[pm.groups.pp_rank]
+        # The schedule's own peak, from the simulator (independent of the executor).
+        bound = simulate(pm.schedule).peak_in_flight[pm.groups.pp_rank]
         result = dict(case=case, losses=losses, peak=pm.last_stats.peak_in_flight, bound=bound,
                       grads=grads)
         full = pm.full_state_dict()

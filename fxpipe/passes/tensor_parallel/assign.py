@@ -72,6 +72,15 @@ class Assignment:
     poison_reason: dict[int, str] = field(default_factory=dict)
     """Replicated class label -> why (first reason found)."""
 
+    @property
+    def block_of_label(self) -> np.ndarray:
+        """Class label -> vocabulary block size (0: not a vocabulary class)."""
+        if getattr(self, "_blocks", None) is None:
+            self._blocks = np.zeros(len(self.class_rank), dtype=np.int64)
+            for label, size in self.vocab_block.items():
+                self._blocks[label] = size
+        return self._blocks
+
     def owner(self, ids: np.ndarray) -> np.ndarray:
         return self.class_rank[self.labels[ids]]
 

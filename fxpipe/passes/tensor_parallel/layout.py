@@ -69,9 +69,9 @@ def layout_of(ids: np.ndarray, full: tuple[int, ...], asg: Assignment, tp: int, 
         if all(len(h) == full[d] for h in held):
             continue
         counts = {len(h) for h in held}
-        block_sizes = {asg.vocab_block.get(int(l)) for l in np.unique(labels[owner != ALL])}
-        if block_sizes and None not in block_sizes and len(block_sizes) == 1:
-            size = block_sizes.pop()
+        blocks_here = asg.block_of_label[labels[owner != ALL]]
+        if blocks_here.size and blocks_here.min() > 0 and blocks_here.min() == blocks_here.max():
+            size = int(blocks_here[0])
             if not all(np.array_equal(h, np.arange(r * size, min((r + 1) * size, full[d])))
                        for r, h in enumerate(held)):
                 raise LayoutFailure(ids, f"vocabulary shards of {where} are not contiguous blocks")

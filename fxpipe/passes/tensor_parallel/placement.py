@@ -57,9 +57,9 @@ class _Specs:
         first, count = self.prov.sources[name]
         ids = np.arange(first, first + count)
         own = self.asg.owner(ids)
-        blocks = {self.asg.vocab_block.get(int(l)) for l in np.unique(self.asg.labels[ids[own != ALL]])}
-        if None not in blocks:
-            kind, local = ShardKind.VOCAB, blocks.pop()
+        blocks = self.asg.block_of_label[self.asg.labels[ids[own != ALL]]]
+        if blocks.size and blocks.min() > 0:
+            kind, local = ShardKind.VOCAB, int(blocks.max())
             ranges = tuple(ranges_of(np.flatnonzero(own == r)) for r in range(self.tp))
             reason = "vocab-parallel LM head (cross-entropy over vocabulary shards)"
         else:
@@ -206,17 +206,24 @@ def blocks(program: Program, prov: Provenance, asg: Assignment, plan: TPPlan) ->
     tp = plan.tp
     names = {p.node: p.name for p in program.params}
     out = []
-    col_labels = {}
+    n = len(asg.class_rank)
+
+    def mask(ids: np.ndarray) -> np.ndarray:
+        m = np.zeros(n, dtype=bool)
+        m[asg.labels[ids]] = True
+        return m
+
+    col_ids = {}
     for name in plan.column:
         first, count = prov.sources[name]
-        col_labels[name] = set(np.unique(asg.labels[first:first + count]).tolist())
+        col_ids[name] = np.arange(first, first + count)
     for name, proj in plan.row.items():
-        lab = set(np.unique(asg.labels[prov.rows[name]]).tolist())
-        cols = tuple(names[plan.column[c].weight] for c in plan.column if col_labels[c] & lab)
+        lab = mask(prov.rows[name])
+        cols = tuple(names[plan.column[c].weight] for c in plan.column if lab[asg.labels[col_ids[c]]].any())
         width = len(prov.rows[name])
         if asg.rows[name] == "attention":
-            dec = next((d for d in asg.attention.values() if set(np.unique(asg.labels[
-                prov.attention[d.node].out]).tolist()) <= lab), None)
+            dec = next((d for d in asg.attention.values()
+                        if lab[asg.labels[prov.attention[d.node].out]].all()), None)
             detail = (f"heads {dec.heads} ({dec.heads // tp}/rank), kv heads {dec.kv_heads} "
                       f"{'split' if dec.split_kv else 'replicated'}" if dec else f"{width} channels")
             kind = BlockKind.ATTENTION
@@ -225,8 +232,8 @@ def blocks(program: Program, prov: Provenance, asg: Assignment, plan: TPPlan) ->
         out.append(BlockInfo(kind, program.layers.get(name), cols, (names[proj.weight],),
                              f"{detail}; column: {', '.join(cols)}; row: {names[proj.weight]}"))
     for ce, vocab in plan.vocab_ce.items():
-        heads = tuple(names[plan.column[c].weight] for c in plan.column
-                      if col_labels[c] & set(np.unique(asg.labels[prov.losses[ce]]).tolist()))
+        lab = mask(prov.losses[ce])
+        heads = tuple(names[plan.column[c].weight] for c in plan.column if lab[asg.labels[col_ids[c]]].any())
         out.append(BlockInfo(BlockKind.LM_HEAD, program.layers.get(ce), heads, (),
                              f"vocab {vocab} -> {math.ceil(vocab / tp) * tp} padded; "
                              f"{', '.join(heads)} + vocab-parallel cross-entropy"))

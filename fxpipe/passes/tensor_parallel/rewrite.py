@@ -67,7 +67,8 @@ class _Builder:
                                       name=f"tp_{conv.kind.value}_{producer}")
         # A collective belongs to the layer of the block it serves: its consumer for
         # ops entering a block, its producer for reductions leaving one.
-        entering = conv.kind in (CollectiveKind.F, CollectiveKind.GATHER_SEQ, CollectiveKind.SCATTER)
+        entering = conv.kind in (CollectiveKind.F, CollectiveKind.GATHER_SEQ, CollectiveKind.SCATTER,
+                                 CollectiveKind.GATHER)
         where = self.program.module_paths.get(consumer) or consumer
         self.note(node, consumer if entering else producer, conv.kind,
                   purpose or f"{producer} -> {where}", conv.dim)

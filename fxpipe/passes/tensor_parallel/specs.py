@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 
@@ -76,13 +77,13 @@ class ShardSpec:
 
 def ranges_of(indices: Sequence[int]) -> Ranges:
     """[0,1,2,5,6] -> ((0,3),(5,7))."""
-    out: list[tuple[int, int]] = []
-    for i in indices:
-        if out and out[-1][1] == i:
-            out[-1] = (out[-1][0], i + 1)
-        else:
-            out.append((i, i + 1))
-    return tuple(out)
+    idx = np.asarray(indices, dtype=np.int64)
+    if idx.size == 0:
+        return ()
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    stops = np.concatenate([breaks, [idx.size]])
+    return tuple((int(idx[a]), int(idx[b - 1]) + 1) for a, b in zip(starts, stops))
 
 
 def shard_tensor(t: torch.Tensor, spec: ShardSpec, tp_rank: int) -> torch.Tensor:

@@ -1,0 +1,52 @@
+"""Shared by the tensor-parallel tests: captured programs (cached) and TP runs in emulation."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import fxpipe
+from fxpipe.models import build_workload
+from fxpipe.passes import canonicalize_pass
+from fxpipe.passes.tensor_parallel import TPConfig, shard_state, tensor_parallel_pass, unshard_state
+from fxpipe.program import Program
+from fxpipe.tp import run_emulated, tp_group_context
+
+
+@functools.lru_cache(maxsize=None)
+def captured(name: str, **kw) -> tuple[Program, tuple[torch.Tensor, ...]]:
+    """A canonicalized capture of a named workload (passes never mutate it: safe to share)."""
+    w = build_workload(name, **kw)
+    return canonicalize_pass(fxpipe.capture(w.model, w.example_inputs, w.loss_fn)), w.example_inputs
+
+
+def leaves(state) -> dict[str, torch.Tensor]:
+    """Fresh autograd leaves (every rank thread needs its own: replicated entries are shared)."""
+    return {k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in state.items()}
+
+
+def reference(program: Program, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    state = leaves(program.state)
+    loss = program.run(state, *batch)
+    loss.backward()
+    return loss.detach(), {k: v.grad for k, v in state.items() if v.grad is not None}
+
+
+def run_tp(program: Program, full_state, batch, tp: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Every TP rank's graph in its own thread: per-rank losses and the full gradients."""
+    specs = program.extra["tensor_parallel"].specs
+
+    def step(group):
+        state = leaves(shard_state(full_state, specs, group.rank))
+        with tp_group_context(group):
+            loss = program.run(state, *batch)
+        loss.backward()
+        return loss.detach(), {k: v.grad for k, v in state.items() if v.grad is not None}
+
+    out = run_emulated(tp, step)
+    return [o[0] for o in out], unshard_state([o[1] for o in out], specs)
+
+
+def compile_tp(name: str, tp: int, sp: bool = False, **kw) -> tuple[Program, Program, tuple]:
+    base, batch = captured(name, **kw)
+    return base, tensor_parallel_pass(base, TPConfig(tp=tp, sp=sp)), batch
