@@ -9,12 +9,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
 
+import copy
+import dataclasses
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from fxpipe.capture import capture
 from fxpipe.passes import run_passes
+from fxpipe.passes.recompute import RecomputeMode, apply_recompute
 from fxpipe.passes.device import retarget_device_pass
 from fxpipe.passes.partition import PartitionConfig, partition_pass, stage_inflight
 from fxpipe.passes.split import split_pass
@@ -22,6 +26,7 @@ from fxpipe.plan import PipelinePlan
 from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.grad_sync import GradSync
 from fxpipe.runtime.launch import init_distributed
+from fxpipe.runtime.precision import LossScaler, MasterWeights, Precision
 from fxpipe.runtime.mesh import Mesh, MeshGroups, build_groups, resolve_dp
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport
@@ -43,9 +48,13 @@ class ParallelModel:
 
     def __init__(self, plan: PipelinePlan, schedule: Schedule, groups: MeshGroups,
                  state: dict[str, torch.Tensor], executor: PipelineExecutor,
-                 grad_sync: GradSync, num_microbatches: int, device: torch.device) -> None:
+                 grad_sync: GradSync, num_microbatches: int, device: torch.device,
+                 master: MasterWeights | None = None) -> None:
         self.plan, self.schedule, self.groups = plan, schedule, groups
         self.state, self.executor, self.grad_sync = state, executor, grad_sync
+        self.master = master
+        """Mixed precision: fp32 masters (what the optimizer sees) for ``state``."""
+        self.last_step_skipped = False
         self.num_microbatches, self.device = num_microbatches, device
         specs = plan.program.input_specs
         self._mb_shapes = [s.shape for s in specs]
@@ -53,8 +62,10 @@ class ParallelModel:
 
     # ---- parameters ----------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's trainable tensors under their original (canonical) names."""
-        for name, t in self.state.items():
+        """This rank's trainable tensors under their original (canonical) names (the
+        fp32 masters under mixed precision)."""
+        tensors = self.master.masters if self.master is not None else self.state
+        for name, t in tensors.items():
             if t.requires_grad:
                 yield name, t
 
@@ -97,8 +108,15 @@ class ParallelModel:
         mean loss over the global batch, on every rank."""
         for t in self.parameters():
             t.grad = None
+        if self.master is not None:
+            self.master.refresh()
+            for runner in self.executor.runners.values():
+                runner.loss_scale = self.master.loss_scale / self.num_microbatches
         self.executor.run(self._microbatches(batch))
         self.grad_sync.sync()
+        if self.master is not None:
+            # fp16: gradients unscaled, or dropped when any rank overflowed.
+            self.last_step_skipped = not self.master.finish()
         self.last_stats = StepStats(self.executor.peak_in_flight, tuple(self.executor.events))
         return self._mean_loss()
 
@@ -121,13 +139,19 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
                 example_inputs: Sequence[torch.Tensor],
                 loss_fn: Callable[..., torch.Tensor] | None = None,
                 partition: str = "ilp", memory_limit_gb: float | None = None,
+                precision: str = "fp32", loss_scaler: dict | None = None,
+                recompute: str = "none",
                 timeout_s: float = 60.0, device: torch.device | None = None) -> ParallelModel:
     """Compile ``model`` for tensor × pipeline × data parallelism on this rank.
 
     ``example_inputs`` is one global batch as ``train_step`` will receive it (every
     rank passes the same batch; each data-parallel rank trains on its rows).
     ``schedule``: gpipe, 1f1b, interleaved, zb-h1, zb-v; ``chunks``: stages per rank.
+    ``precision``: fp32, bf16, or fp16 (dynamic loss scaling); both 16-bit modes keep
+    fp32 master weights (see ``fxpipe.runtime.precision``). ``recompute``: none,
+    selective (attention core) or full (whole layer), per stage (``passes/recompute.py``).
     """
+    prec = Precision.parse(precision)
     if tp != 1:
         raise ValueError(f"tp={tp}: tensor parallelism is not wired into the runtime yet; use tp=1")
     timeout = timedelta(seconds=timeout_s)
@@ -147,7 +171,10 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     spec = get_spec(schedule)
     sched = generate(schedule, pp, microbatches, chunks if chunks is not None else spec.default_chunks)
     mb_rows = rows // (dp * microbatches)
-    program = capture(model, tuple(t[:mb_rows] for t in example), loss_fn)
+    # Low precision: capture a low-precision copy, so every dtype in the plan is the
+    # one that runs; the user's fp32 model provides the master weights.
+    traced = model if prec is Precision.FP32 else copy.deepcopy(model).to(prec.dtype)
+    program = capture(traced, tuple(t[:mb_rows] for t in example), loss_fn)
     program, _ = run_passes(program)
     program = retarget_device_pass(program, device)
     config = PartitionConfig(num_stages=sched.num_stages, stage_to_rank=sched.stage_ranks,
@@ -159,6 +186,12 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     box = [dict(partition_pass(program, config).stages) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     plan = split_pass(program, box[0], num_stages=sched.num_stages)
+    mode = RecomputeMode.parse(recompute)
+    if mode is not RecomputeMode.NONE:
+        # Per stage, after the split: a layer cut across two stages is recomputed piecewise.
+        stages = tuple(dataclasses.replace(s, graph_module=apply_recompute(s.graph_module, program.layers, mode))
+                       for s in plan.stages)
+        plan = dataclasses.replace(plan, stages=stages)
     lowered = lower(sched)
 
     my_stages = sched.stages_of_rank(groups.pp_rank)
@@ -167,11 +200,18 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     for name in names:
         t = program.state[name].detach().to(device).clone()
         state[name] = t.requires_grad_(program.state[name].requires_grad)
+    master = None
+    if prec is not Precision.FP32:
+        originals = dict(model.named_parameters())
+        masters = {n: originals[n].detach().to(device, torch.float32).clone().requires_grad_(True)
+                   for n, t in state.items() if t.requires_grad}
+        master = MasterWeights(prec, state, masters,
+                               LossScaler(**(loss_scaler or {})) if prec is Precision.FP16 else None)
     runners = {s: StageRunner(plan, plan.stages[s], state, loss_scale=1.0 / microbatches)
                for s in my_stages}
     value_ids = {n: i for i, n in enumerate(sorted(plan.values))}
     transport = Transport(device=device, timeout=timeout, value_ids=value_ids,
                           num_values=max(1, len(value_ids)))
     executor = PipelineExecutor(plan, lowered, groups.pp_rank, runners, transport, groups.pp_peer)
-    grad_sync = GradSync.build(plan, sched, groups, state, timeout)
-    return ParallelModel(plan, lowered, groups, state, executor, grad_sync, microbatches, device)
+    grad_sync = GradSync.build(plan, sched, groups, master.masters if master else state, timeout)
+    return ParallelModel(plan, lowered, groups, state, executor, grad_sync, microbatches, device, master)

@@ -92,3 +92,28 @@ def wrong_shapes(rank: int, world: int) -> dict:
     except ValueError as exc:
         return {"error": str(exc)}
     return {"error": None}
+
+
+def mixed_precision(rank: int, world: int) -> dict:
+    """bf16 and fp16 training next to fp32; fp16 with a scale that must overflow first."""
+    from fxpipe.runtime.api import parallelize
+
+    out = {}
+    for precision, scaler in (("bf16", None), ("fp16", {"scale": 2.0 ** 8}),
+                              ("fp16-overflow", {"scale": 2.0 ** 40, "growth_interval": 1000})):
+        w = workload("gpt-tiny")
+        pm = parallelize(w.model, pp=2, microbatches=2, example_inputs=w.example_inputs,
+                         partition="uniform", precision=precision.split("-")[0], loss_scaler=scaler)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        before = {n: t.detach().clone() for n, t in pm.named_parameters()}
+        losses, skipped, dtypes = [], [], set()
+        for _ in range(STEPS):
+            losses.append(pm.train_step(w.example_inputs))
+            skipped.append(pm.last_step_skipped)
+            opt.step()
+        dtypes = {str(v.spec.dtype) for v in pm.plan.values.values()}
+        unchanged = all(torch.equal(before[n], t) for n, t in pm.named_parameters())
+        out[precision] = dict(losses=losses, skipped=skipped, dtypes=dtypes, unchanged=unchanged,
+                              master_dtypes={str(t.dtype) for _, t in pm.named_parameters()},
+                              scale=pm.master.loss_scale)
+    return out

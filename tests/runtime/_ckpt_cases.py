@@ -16,6 +16,7 @@ from fxpipe.models import build_workload
 
 BATCH, SEQ, LAYERS, MICROBATCHES = 8, 16, 4, 4
 STEPS, SAVE_AT = 4, 2
+EVAL_STEP = 99
 
 
 def workload(name: str = "gpt-tiny", *, seed: int = 0, layers: int = LAYERS):
@@ -23,42 +24,125 @@ def workload(name: str = "gpt-tiny", *, seed: int = 0, layers: int = LAYERS):
 
 
 def batch(w, step: int) -> tuple[torch.Tensor, ...]:
-    """Training batch of ``step``: a pure function of the step, like fxpipe.data."""
+    """The batch of ``step``: a pure function of the step, as in fxpipe.data."""
     gen = torch.Generator().manual_seed(1000 + step)
     return w.batch_from_tokens(torch.randint(0, w.vocab_size, (BATCH, SEQ + 1), generator=gen))
 
 
-def parallel(w, pp: int, dp: int | None = None):
+def build(name: str, pp: int, dp: int | None = None, *, seed: int = 0, layers: int = LAYERS):
+    """(ParallelModel, workload, AdamW, LR schedule). The learning rate decays, so a
+    resume must restore the optimizer's param-group lr, not only its moments."""
     from fxpipe.runtime.api import parallelize
-    return parallelize(w.model, pp=pp, dp=dp, microbatches=MICROBATCHES, example_inputs=batch(w, 0),
-                       loss_fn=w.loss_fn, partition="uniform")
 
-
-def optimizer(pm):
-    """AdamW with a decaying learning rate, so resume must restore the group's lr too."""
+    w = workload(name, seed=seed, layers=layers)
+    pm = parallelize(w.model, pp=pp, dp=dp, microbatches=MICROBATCHES, example_inputs=batch(w, 0),
+                     loss_fn=w.loss_fn, partition="uniform")
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    return pm, w, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
 
 
-def rng_sample() -> list[float]:
-    return [*torch.rand(2).tolist(), random.random(), float(np.random.rand())]
-
-
-def train(pm, opt, sched, steps: range) -> list[float]:
+def train(pm, w, opt, sched, steps: range) -> list[float]:
     losses = []
     for step in steps:
-        losses.append(pm.train_step(batch(pm_workload(pm), step)))
+        losses.append(pm.train_step(batch(w, step)))
         opt.step()
         sched.step()
     return losses
 
 
-def pm_workload(pm):
-    return pm._fxpipe_test_workload
+def rng_sample() -> list[float]:
+    """Draws from every generator a checkpoint restores."""
+    return [*torch.rand(2).tolist(), random.random(), float(np.random.rand())]
 
 
-def build(name: str, pp: int, dp: int | None = None, *, seed: int = 0, layers: int = LAYERS):
-    w = workload(name, seed=seed, layers=layers)
-    pm = parallel(w, pp, dp)
-    pm._fxpipe_test_workload = w
-    return pm
+def _scramble_rng() -> None:
+    torch.manual_seed(7)
+    random.seed(7)
+    np.random.seed(7)
+
+
+def world_pp2(rank: int, world: int, root: str, killed_dir: str) -> dict:
+    """pp=2: the uninterrupted run (saving at SAVE_AT), resume, kill-recovery, exports."""
+    from fxpipe.runtime.checkpoint import export_consolidated, list_checkpoints, load_checkpoint, save_checkpoint
+
+    root_path, out = Path(root), {}
+    pm, w, opt, sched = build("gpt-tiny", pp=2)
+    losses = train(pm, w, opt, sched, range(SAVE_AT))
+    save_checkpoint(pm, opt, SAVE_AT, root_path / "run", extra={"lr_scheduler": sched.state_dict()})
+    out["rng_after_save"] = rng_sample()
+    out["losses"] = losses + train(pm, w, opt, sched, range(SAVE_AT, STEPS))
+    out["params"] = pm.full_state_dict()
+    export_consolidated(pm, root_path / "gpt.pt")
+    out["eval_loss"] = pm.train_step(batch(w, EVAL_STEP))
+    for step in (1, 2, 3, 3):  # pruning, and a second save of an existing step
+        save_checkpoint(pm, opt, step, root_path / "keep", keep_last=2)
+    out["kept"] = [s for s, _ in list_checkpoints(root_path / "keep")]
+
+    # Resume: a new ParallelModel from another init, with other RNG states.
+    _scramble_rng()
+    pm, w, opt, sched = build("gpt-tiny", pp=2, seed=1)
+    step, extra = load_checkpoint(pm, opt, root_path / "run")
+    sched.load_state_dict(extra["lr_scheduler"])
+    out["resumed_step"], out["rng_after_load"] = step, rng_sample()
+    out["resumed_losses"] = train(pm, w, opt, sched, range(step, STEPS))
+    out["resumed_params"] = pm.full_state_dict()
+
+    # The save killed mid-way (pp=1) left step 2 as .tmp: loading takes step 1.
+    out["killed_step"], _ = load_checkpoint(pm, None, killed_dir)
+    out["killed_params"] = pm.full_state_dict()
+
+    other, *_ = build("gpt-tiny", pp=2, layers=2)
+    try:
+        load_checkpoint(other, None, root_path / "run")
+        out["mismatch"] = None
+    except ValueError as exc:
+        out["mismatch"] = str(exc)
+
+    pm, w, opt, sched = build("hf:gpt2", pp=2)
+    train(pm, w, opt, sched, range(2))
+    export_consolidated(pm, root_path / "hf_gpt2.pt")
+    out["hf_eval_loss"] = pm.train_step(batch(w, EVAL_STEP))
+    return out
+
+
+def world_reshard(rank: int, world: int, root: str) -> list[dict]:
+    """World 4: the pp=2 checkpoint loaded into pp=4 and into dp=2 × pp=2."""
+    from fxpipe.runtime.checkpoint import load_checkpoint
+
+    results = []
+    for pp, dp in ((4, 1), (2, 2)):
+        _scramble_rng()
+        pm, w, opt, sched = build("gpt-tiny", pp=pp, dp=dp, seed=1)
+        step, extra = load_checkpoint(pm, opt, Path(root) / "run")
+        sched.load_state_dict(extra["lr_scheduler"])
+        r = dict(pp=pp, dp=dp, step=step, rng=rng_sample(), losses=train(pm, w, opt, sched, range(step, STEPS)))
+        params = pm.full_state_dict()
+        if rank == 0:
+            r["params"] = params
+        results.append(r)
+    return results
+
+
+def save_then_hang(directory: str, expected: str, store: str) -> None:
+    """A world of one saves step 1, then hangs inside the save of step 2 after DCP wrote
+    its data (before the index, the rename and the pointer) until the test kills it."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from fxpipe.runtime.checkpoint import save_checkpoint
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    pm, w, opt, sched = build("gpt-tiny", pp=1)
+    train(pm, w, opt, sched, range(1))
+    save_checkpoint(pm, opt, 1, directory)
+    torch.save(pm.full_state_dict(), expected)
+    train(pm, w, opt, sched, range(1, 2))
+    write_data = FileSystemWriter.write_data
+
+    def write_then_hang(self, plan, planner):
+        write_data(self, plan, planner).wait()
+        print("WRITTEN", flush=True)
+        time.sleep(600)
+
+    FileSystemWriter.write_data = write_then_hang
+    save_checkpoint(pm, opt, 2, directory)

@@ -69,8 +69,8 @@ class Assignment:
     vocab: dict[str, int] = field(default_factory=dict)
     """Vocabulary-parallel cross-entropy node -> vocabulary size."""
     attention: dict[str, AttentionDecision] = field(default_factory=dict)
-    poison_reason: dict[int, str] = field(default_factory=dict)
-    """Replicated class label -> why (first reason found)."""
+    reasons: dict[int, str] = field(default_factory=dict)
+    """Class label -> why it cannot be split (first reason found)."""
 
     @property
     def block_of_label(self) -> np.ndarray:
@@ -139,6 +139,8 @@ def assign(prov: Provenance, tp: int, extra_poison: list[tuple[np.ndarray, str]]
 
     for ids, reason in prov.poison:
         kill(ids, f"its channels {reason}")
+    for i, op in prov.mixers:  # not poison: a mixed class may still live whole on every rank
+        reasons.setdefault(int(labels[i]), f"its output channels are mixed by {op}")
     for ids, reason in extra_poison:
         kill(ids, reason)
 

@@ -109,9 +109,9 @@ class _Specs:
             first, count = self.prov.sources[user.name]
             labels = np.unique(self.asg.labels[first:first + count])
             for label in labels:
-                if int(label) in self.asg.poison_reason:
+                if int(label) in self.asg.reasons:
                     return f"projection {self.describe(user.name)} stays replicated: " \
-                           f"{self.asg.poison_reason[int(label)]}"
+                           f"{self.asg.reasons[int(label)]}"
             for dec in self.asg.attention.values():
                 use = self.prov.attention[dec.node]
                 if not dec.split_kv and np.isin(labels, self.asg.labels[

@@ -58,6 +58,8 @@ class Provenance:
     attention: dict[str, AttentionUse] = field(default_factory=dict)
     losses: dict[str, np.ndarray] = field(default_factory=dict)
     """Cross-entropy node -> ids along the class dim (1-D)."""
+    mixers: list[tuple[int, str]] = field(default_factory=list)
+    """(an id, op) for every reduction that mixes channels: why a class cannot split."""
 
     def fresh(self, node: str, ids_shape: tuple[int, ...]) -> np.ndarray:
         count = int(np.prod(ids_shape))
@@ -247,6 +249,7 @@ def _reduction(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
         if ids.shape[d] > 1:
             first = np.take(ids, [0], axis=d)
             prov.union(ids, first)
+            prov.mixers.append((int(first.flat[0]), f"{node.target} ({node.name})"))
             ids = first
     return ids if keepdim else np.squeeze(ids, axis=tuple(dims))
 
