@@ -53,6 +53,13 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     "gpt2-small": GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
     "gpt2-medium": GPTConfig(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
     "gpt3-175b": GPTConfig(vocab_size=51200, block_size=2048, n_layer=96, n_head=96, n_embd=12288),
+    # The SC21 paper's Table 1 (Narayanan et al. 2021): heads, hidden, layers; V=51200, s=2048.
+    **{name: GPTConfig(vocab_size=51200, block_size=2048, n_layer=l, n_head=a, n_embd=h)
+       for name, a, h, l in (("gpt-1.7b", 24, 2304, 24), ("gpt-3.6b", 32, 3072, 30),
+                             ("gpt-7.5b", 32, 4096, 36), ("gpt-18b", 48, 6144, 40),
+                             ("gpt-39b", 64, 8192, 48), ("gpt-76b", 80, 10240, 60),
+                             ("gpt-145b", 96, 12288, 80), ("gpt-310b", 128, 16384, 96),
+                             ("gpt-530b", 128, 20480, 105), ("gpt-1t", 160, 25600, 128))},
 }
 
 HF_TINY = dict(layers=2, hidden=64, heads=4, vocab=128, seq=64)

@@ -42,7 +42,8 @@ def train_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
         w = workload(case["model"])
         pm = parallelize(w.model, pp=case["pp"], microbatches=MICROBATCHES, schedule=case["schedule"],
                          chunks=case.get("chunks"), example_inputs=w.example_inputs,
-                         loss_fn=w.loss_fn, partition=case.get("partition", "ilp"))
+                         loss_fn=w.loss_fn, partition=case.get("partition", "ilp"),
+                         recompute=case.get("recompute", "none"))
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
         losses, grads = [], {}
         for step in range(STEPS):

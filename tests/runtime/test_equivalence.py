@@ -14,7 +14,16 @@ SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("zb-h1", None
 
 
 def _cases(pp):
-    return [dict(model=m, pp=pp, schedule=s, chunks=c) for m in MODELS for s, c in SCHEDULES]
+    cases = [dict(model=m, pp=pp, schedule=s, chunks=c) for m in MODELS for s, c in SCHEDULES]
+    if pp == 2:  # activation recomputation must not change a single gradient
+        cases += [dict(model="gpt-tiny", pp=2, schedule="1f1b", recompute="full"),
+                  dict(model="hf:llama", pp=2, schedule="zb-h1", recompute="selective"),
+                  dict(model="hf:gpt2", pp=2, schedule="interleaved", chunks=2, recompute="full")]
+    return cases
+
+
+def _id(c):
+    return f"{c['model']}-pp{c['pp']}-{c['schedule']}" + (f"-{c['recompute']}" if "recompute" in c else "")
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +63,14 @@ def _check(results_by_rank, index, references):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(_cases(2))),
-                         ids=[f"{c['model']}-pp2-{c['schedule']}" for c in _cases(2)])
+                         ids=[_id(c) for c in _cases(2)])
 def test_pp2(world2, references, index):
     _check(world2, index, references)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(_cases(4)) + len(MODELS)),
-                         ids=[f"{c['model']}-pp4-{c['schedule']}" for c in _cases(4)]
+                         ids=[_id(c) for c in _cases(4)]
                          + [f"{m}-dp2-pp2-1f1b" for m in MODELS])
 def test_pp4_and_dp2(world4, references, index):
     _check(world4, index, references)

@@ -1,0 +1,88 @@
+"""Memory per GPU: training state and activations (Korthikanti et al. 2022).
+
+Activation bytes per transformer layer and microbatch (fp16 activations, 1-byte
+dropout masks; REFERENCE.md's table):
+
+| setting | bytes |
+|---|---|
+| TP (t = 1: no parallelism) | sbh(10 + 24/t + 5as/(ht)) |
+| TP + SP | sbh(34/t + 5as/(ht)) |
+| TP + selective recompute | sbh(10 + 24/t) |
+| TP + SP + selective | 34·sbh/t |
+| full recompute | 2sbh (layer input; /t with SP, whose input is sharded) |
+
+34 = attention 11 + MLP 19 + two norms 4; 5as/h = softmax 2 + dropout mask 1 +
+dropout output 2 per score. A fused (flash) attention kernel keeps no s×s tensor:
+its 5as/h term is dropped (it keeps only a per-row logsumexp, left out). For other
+activation dtypes every term is scaled by dtype/2 (masks included — an
+approximation).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fxpipe.passes.recompute import RecomputeMode
+from fxpipe.planner.shapes import TransformerShape
+
+
+def layer_activation_bytes(*, seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                           sequence_parallel: bool = False,
+                           recompute: RecomputeMode = RecomputeMode.NONE,
+                           fused_attention: bool = False) -> float:
+    """Bytes one layer keeps for backward per microbatch (Korthikanti et al. 2022, §4)."""
+    s, b, h, a, t = seq, micro_batch, hidden, heads, tp
+    sbh = s * b * h
+    if recompute is RecomputeMode.FULL:
+        return 2.0 * sbh / (t if sequence_parallel else 1)
+    base = 34 / t if sequence_parallel else 10 + 24 / t
+    scores = 0.0 if (recompute is RecomputeMode.SELECTIVE or fused_attention) else 5 * a * s / (h * t)
+    return sbh * (base + scores)
+
+
+def recompute_working_bytes(*, seq: int, micro_batch: int, hidden: int, heads: int, tp: int,
+                            sequence_parallel: bool, recompute: RecomputeMode,
+                            fused_attention: bool) -> float:
+    """What backward rematerialises at once: one layer's full activations (full recompute)
+    or one attention core's s×s tensors (selective), for one microbatch."""
+    if recompute is RecomputeMode.FULL:
+        return layer_activation_bytes(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads,
+                                      tp=tp, sequence_parallel=sequence_parallel,
+                                      fused_attention=fused_attention)
+    if recompute is RecomputeMode.SELECTIVE and not fused_attention:
+        return 5.0 * heads * seq * seq * micro_batch / tp
+    return 0.0
+
+
+def embedding_activation_bytes(shape: TransformerShape, micro_batch: int, tp: int, sp: bool) -> float:
+    """First stage, beyond its layers: the embedding dropout's 1-byte mask (Korthikanti §4.3)."""
+    if not shape.dropout:
+        return 0.0
+    return shape.seq * micro_batch * shape.hidden / (tp if sp else 1)
+
+
+def head_activation_bytes(shape: TransformerShape, micro_batch: int, tp: int, sp: bool) -> float:
+    """Last stage, beyond its layers (Korthikanti §4.3): the final LayerNorm's and the output
+    projection's inputs (2sbh each, sharded with SP) and the fp32 logits cross-entropy keeps
+    (4sbV/t)."""
+    s, b, h = shape.seq, micro_batch, shape.hidden
+    return 4.0 * s * b * h / (tp if sp else 1) + 4.0 * s * b * shape.padded_vocab(tp) / tp
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankMemory:
+    """Predicted peak memory of one pipeline rank (any of its t·d copies), bytes."""
+
+    rank: int
+    """Pipeline rank."""
+    params: float
+    """Parameters this GPU holds (count, not bytes)."""
+    state_bytes: float
+    """Weights, gradients and optimizer state: params × bytes_per_param."""
+    activation_bytes: float
+    """Activations of the microbatches in flight at the peak."""
+    working_bytes: float
+    """Recomputation's rematerialised layer during one backward."""
+
+    @property
+    def total(self) -> float:
+        return self.state_bytes + self.activation_bytes + self.working_bytes

@@ -1,0 +1,224 @@
+"""Checkpoints (DCP): exact resume, other layouts, kill -9 during a save, export, `fxpipe run`.
+
+Worlds are spawned once per size and run several checks each (see _ckpt_cases.py):
+on a 2-core machine spawning and compiling cost far more than the checks.
+"""
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxpipe.cli import main
+from fxpipe.losses import causal_lm_loss
+from fxpipe.runtime.checkpoint import (_SafeReader, latest_checkpoint, list_checkpoints, step_dirname)
+from tests.runtime import _ckpt_cases as cases
+from tests.runtime._dist import run_world
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---- single process: the directory protocol ---------------------------------------------------
+def _fake_checkpoint(root: Path, step: int, suffix: str = "") -> Path:
+    path = root / (step_dirname(step) + suffix)
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"")
+    (path / "fxpipe.json").write_text("{}")
+    return path
+
+
+def test_partial_and_dangling_checkpoints_are_ignored(tmp_path):
+    _fake_checkpoint(tmp_path, 1)
+    _fake_checkpoint(tmp_path, 3, ".tmp")  # complete-looking, never renamed
+    (tmp_path / step_dirname(2)).mkdir()  # renamed dirs always hold both files; this one does not
+    (tmp_path / "latest").write_text(step_dirname(5) + "\n")  # pointer to a pruned/missing one
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
+    assert latest_checkpoint(tmp_path).name == step_dirname(1)
+    _fake_checkpoint(tmp_path, 4)
+    (tmp_path / "latest").write_text(step_dirname(1))
+    assert latest_checkpoint(tmp_path).name == step_dirname(1), "a valid pointer wins"
+    assert latest_checkpoint(tmp_path / "nowhere") is None
+
+
+def test_metadata_is_not_unpickled_blindly(tmp_path):
+    path = _fake_checkpoint(tmp_path, 1)
+    (path / ".metadata").write_bytes(pickle.dumps(os.system))  # code, not a DCP index
+    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
+        _SafeReader(path).read_metadata()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--resume"], "need --checkpoint-dir"),
+    (["--save-interval", "2"], "need --checkpoint-dir"),
+    (["--checkpoint-dir", "x", "--save-interval", "0"], "--save-interval must be >= 1"),
+])
+def test_bad_checkpoint_flags_fail_fast(capsys, argv, message):
+    assert main(["run", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_resume_without_checkpoint_fails_fast(capsys, tmp_path):
+    assert main(["run", "--checkpoint-dir", str(tmp_path), "--resume"]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+
+
+# ---- spawned worlds ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """kill -9 during a save: the previous checkpoint must survive, the partial one be ignored."""
+    root = tmp_path_factory.mktemp("killed")
+    directory, expected = root / "ckpt", root / "step1.pt"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from tests.runtime._ckpt_cases import save_then_hang; "
+                               "save_then_hang(*sys.argv[1:])", str(directory), str(expected), str(root / "store")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.strip() == "WRITTEN":
+                break
+        partial = directory / (step_dirname(2) + ".tmp")
+        state = dict(partial=partial.is_dir() and any(partial.glob("*.distcp")),
+                     index_written=(partial / ".metadata").exists())
+    finally:
+        proc.kill()  # SIGKILL: no handler, no cleanup
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, err[-3000:]
+    return directory, expected, state
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory, killed):
+    root = tmp_path_factory.mktemp("ckpt")
+    out = run_world(2, cases.world_pp2, str(root), str(killed[0]))
+    return root, out
+
+
+@pytest.fixture(scope="module")
+def world4(world2):
+    return run_world(4, cases.world_reshard, str(world2[0]))
+
+
+@pytest.mark.slow
+def test_resume_reproduces_the_uninterrupted_run_exactly(world2):
+    for r in world2[1]:
+        assert r["resumed_step"] == cases.SAVE_AT
+        assert r["resumed_losses"] == r["losses"][cases.SAVE_AT:]  # bitwise
+        assert r["rng_after_load"] == r["rng_after_save"]
+    r = world2[1][0]
+    assert set(r["resumed_params"]) == set(r["params"])
+    for name, p in r["params"].items():
+        assert torch.equal(r["resumed_params"][name], p), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [0, 1], ids=["pp4", "dp2xpp2"])
+def test_pp2_checkpoint_loads_into_another_layout(world2, world4, layout):
+    reference = world2[1][0]
+    for rank_results in world4:
+        r = rank_results[layout]
+        assert r["step"] == cases.SAVE_AT
+        assert r["losses"] == pytest.approx(reference["losses"][cases.SAVE_AT:], abs=1e-6, rel=0)
+        # Another layout: every rank takes rank 0's RNG streams (a fresh run seeds all alike).
+        assert r["rng"] == world2[1][0]["rng_after_save"]
+    params = world4[0][layout]["params"]
+    assert set(params) == set(reference["params"])
+    for name, p in params.items():
+        # AdamW turns round-off of a different reduction order into lr-sized steps on
+        # near-zero gradients (test_equivalence.py), so parameters match to 1e-5.
+        torch.testing.assert_close(p, reference["params"][name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_kill_during_save_keeps_the_last_good_checkpoint(killed, world2):
+    directory, expected, state = killed
+    assert state == dict(partial=True, index_written=False), "killed while DCP was mid-save"
+    assert [s for s, _ in list_checkpoints(directory)] == [1]
+    assert latest_checkpoint(directory).name == step_dirname(1)
+    saved = torch.load(expected, weights_only=True)
+    for r in world2[1]:
+        assert r["killed_step"] == 1  # saved by pp=1, loaded by pp=2
+    for name, p in world2[1][0]["killed_params"].items():
+        assert torch.equal(p, saved[name]), name
+
+
+@pytest.mark.slow
+def test_keep_last_and_resave(world2):
+    assert world2[1][0]["kept"] == [2, 3]
+
+
+@pytest.mark.slow
+def test_checkpoint_of_another_model_names_the_keys(world2):
+    message = world2[1][0]["mismatch"]
+    assert message is not None and "unexpected keys: transformer.h.2." in message
+    assert "missing keys: none" in message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,file,key", [("gpt-tiny", "gpt.pt", "eval_loss"),
+                                           ("hf:gpt2", "hf_gpt2.pt", "hf_eval_loss")])
+def test_export_loads_into_the_unmodified_model(world2, name, file, key):
+    root, out = world2
+    w = cases.workload(name, seed=5)  # another init: every weight must come from the file
+    state = torch.load(root / file, weights_only=True)
+    assert {"transformer.wte.weight", "lm_head.weight"} <= set(state)
+    assert set(state) == set(w.model.state_dict())
+    w.model.load_state_dict(state, strict=True)
+    x, y = cases.batch(w, cases.EVAL_STEP)
+    with torch.no_grad():
+        loss = w.model(x, y) if w.loss_fn is None else causal_lm_loss(w.model(x), y)
+    assert float(loss) == pytest.approx(out[0][key], abs=1e-6, rel=0)
+
+
+# ---- fxpipe run --------------------------------------------------------------------------------
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    res = subprocess.run([sys.executable, "-m", "fxpipe", "run", "--model", "gpt-tiny", "--seq", "32",
+                          "--log-interval", "1", "--timeline", "none", "--partition", "uniform", *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if check:
+        assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def _losses(stdout: str) -> dict[int, str]:
+    return {int(i): loss for i, loss in re.findall(r"iter\s+(\d+) \| loss ([0-9.]+) \|", stdout)}
+
+
+@pytest.mark.slow
+def test_fxpipe_run_resume_equals_a_straight_run(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = _run("--steps", "6", "--save-interval", "3", "--checkpoint-dir", ckpt)
+    assert [s for s, _ in list_checkpoints(ckpt)] == [3, 6]
+    second = _run("--steps", "10", "--checkpoint-dir", ckpt, "--resume", "--export", str(tmp_path / "m.pt"))
+    straight = _run("--steps", "10")
+    resumed = {**_losses(first.stdout), **_losses(second.stdout)}
+    assert sorted(_losses(second.stdout)) == [7, 8, 9, 10]
+    assert resumed == _losses(straight.stdout)
+    assert [s for s, _ in list_checkpoints(ckpt)] == [3, 6, 10]
+    assert (tmp_path / "m.pt").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_at_a_step_boundary_and_saves(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-m", "fxpipe", "run", "--model", "gpt-tiny", "--seq", "32",
+                             "--steps", "100000", "--log-interval", "1", "--timeline", "none",
+                             "--partition", "uniform", "--checkpoint-dir", str(ckpt)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("iter     2 "):
+                os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole process group
+                break
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    stopped = int(re.search(r"stopped by SIGINT after step (\d+)", out).group(1))
+    assert stopped >= 2 and [s for s, _ in list_checkpoints(ckpt)] == [stopped]

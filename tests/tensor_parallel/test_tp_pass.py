@@ -1,0 +1,40 @@
+"""The pass as the driver runs it: lint-clean, priced by the cost pass, input untouched."""
+import pytest
+
+from fxpipe.passes import DEFAULT_PASSES, PassSpec, run_passes
+from fxpipe.passes.cost import total_cost
+from fxpipe.passes.tensor_parallel import TPConfig, TPResult, tensor_parallel_pass
+from fxpipe.tp.ops import OPS
+from tests.tensor_parallel._tp_helpers import captured, reference
+
+PASSES = (DEFAULT_PASSES[0],
+          PassSpec("tensor_parallel", tensor_parallel_pass, "shard blocks before pricing them"),
+          *DEFAULT_PASSES[1:])
+
+
+def test_in_the_driver_with_lint():
+    base, batch = captured("gpt-tiny")
+    out, timings = run_passes(base, TPConfig(tp=2), passes=PASSES, debug=True)
+    assert "tensor_parallel" in [t.name for t in timings]
+    assert isinstance(out.extra["tensor_parallel"], TPResult)
+    full, _ = run_passes(base, None, debug=True)
+    # Sharded matmuls: the block and LM-head FLOPs halve; attention cores too (heads split).
+    assert total_cost(out).fwd_flops == pytest.approx(total_cost(full).fwd_flops / 2, rel=1e-6)
+    assert any(n.target is OPS.copy_to_tp.default for n in out.graph.nodes)
+
+
+def test_driver_config_with_tp_attribute():
+    class Cfg:
+        tp, sp = 2, False
+
+    base, _ = captured("gpt-tiny")
+    assert tensor_parallel_pass(base, Cfg()).extra["tensor_parallel"].config == TPConfig(tp=2)
+
+
+def test_tp1_is_the_identity_and_the_input_is_untouched():
+    base, batch = captured("hf:gpt2")
+    assert tensor_parallel_pass(base, TPConfig(tp=1)) is base
+    before = reference(base, batch)[0]
+    tensor_parallel_pass(base, TPConfig(tp=2))
+    assert reference(base, batch)[0].item() == before.item()
+    assert "tensor_parallel" not in base.extra
