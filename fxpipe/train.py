@@ -205,17 +205,18 @@ class _StopSignal:
     elastic agent forwards the one the terminal already sent) is ignored."""
 
     def __init__(self) -> None:
-        self.signum = 0
+        self.received = 0
+        """Written by the handler only: it may run between any two bytecodes of ``agreed``."""
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = self.signum or signum
+        self.received = self.received or signum
 
     def agreed(self) -> int:
-        flag = torch.tensor([self.signum], dtype=torch.int64)
+        """The signal any rank received (0: none); the same answer on every rank."""
+        flag = torch.tensor([self.received], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.signum = int(flag)
-        return self.signum
+        return int(flag)
 
     def restore(self) -> None:
         for s, handler in self._previous.items():

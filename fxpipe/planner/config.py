@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fxpipe.hardware import A100, Hardware
 from fxpipe.passes.recompute import RecomputeMode

@@ -13,17 +13,16 @@ Keys (all tensors, so DCP reads them back with ``torch.load(weights_only=True)``
 A name held by several ranks (data-parallel replicas, tied copies on the first and
 last stage) is written once: DCP's default planner deduplicates equal keys
 (``_dedup_save_plans``). The step, ``extra`` and the layout go to ``fxpipe.json``
-(JSON, never pickled). Layout on disk, and why a kill -9 never spoils it, are in
-docs/checkpoints.md.
+(JSON, never pickled). The directory protocol that makes saves atomic is in
+``checkpoint_files.py``; the user-facing story in docs/checkpoints.md.
 """
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import random
-import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -31,102 +30,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 
 from fxpipe.program import ParamKind, Program
+from fxpipe.runtime.checkpoint_files import (FORMAT, META_FILE, POINTER_FILE, SafeReader, commit,
+                                             is_complete, latest_checkpoint, list_checkpoints, resolve,
+                                             step_dirname, write_atomic)
 
-FORMAT = 1
-META_FILE = "fxpipe.json"
-POINTER_FILE = "latest"
-_STEP_DIR = re.compile(r"^step_(\d{7,})$")
-
-
-# ---- directory layout ------------------------------------------------------------------------
-def step_dirname(step: int) -> str:
-    return f"step_{step:07d}"
-
-
-def _is_complete(path: Path) -> bool:
-    # Only a renamed (committed) directory counts; both files are written before the rename.
-    return bool(_STEP_DIR.match(path.name)) and (path / META_FILE).is_file() and (path / ".metadata").is_file()
-
-
-def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints in ``directory`` as (step, path), oldest first; ``*.tmp`` are ignored."""
-    root = Path(directory)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and _is_complete(p)]
-    return sorted(found)
-
-
-def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The checkpoint the ``latest`` pointer names, or the newest complete one if the
-    pointer is missing or dangling (a kill between the rename and the pointer update)."""
-    root = Path(directory)
-    try:
-        name = (root / POINTER_FILE).read_text().strip()
-    except (FileNotFoundError, NotADirectoryError):
-        name = ""
-    if name and _is_complete(root / name):
-        return root / name
-    found = list_checkpoints(root)
-    return found[-1][1] if found else None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write beside, fsync, then os.replace: readers see the old file or the new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-class _SafeReader(FileSystemReader):
-    """DCP's reader, but ``.metadata`` is unpickled with an allow-list (DCP's own
-    dataclasses, torch.Size/dtype) instead of plain ``pickle.load``: together with
-    DCP loading tensors with ``weights_only=True``, no code runs from the files."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        with open(Path(self.path) / ".metadata", "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-_SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                 "torch.distributed.checkpoint.planner")
-_SAFE_GLOBALS = {("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                 ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Python's "restricting globals" recipe (pickle docs): DCP's index holds only its own
-    dataclasses, torch.Size, dtypes/layouts and the checkpoint's path."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch":
-            obj = getattr(torch, name, None)
-            if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                return obj
-        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which a checkpoint "
-                                     f"index never needs; refusing to load it")
+__all__ = ["export_consolidated", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
+           "save_checkpoint", "state_dict_names", "step_dirname"]
 
 
 # ---- what is saved ---------------------------------------------------------------------------
@@ -246,9 +158,9 @@ def save_checkpoint(pm: Any, optimizer: torch.optim.Optimizer, step: int, direct
         meta = dict(format=FORMAT, step=step, extra=extra_json, world_size=dist.get_world_size(),
                     mesh=dict(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp), source=pm.plan.program.source,
                     state_dict=state_dict_names(pm.plan.program), torch=torch.__version__)
-        _write_atomic(tmp / META_FILE, json.dumps(meta, indent=1).encode())
-        _commit(tmp, final)
-        _write_atomic(root / POINTER_FILE, (final.name + "\n").encode())
+        write_atomic(tmp / META_FILE, json.dumps(meta, indent=1).encode())
+        commit(tmp, final)
+        write_atomic(root / POINTER_FILE, (final.name + "\n").encode())
         if keep_last is not None:
             for _, old in list_checkpoints(root)[:-keep_last]:
                 if old != final:
@@ -257,31 +169,7 @@ def save_checkpoint(pm: Any, optimizer: torch.optim.Optimizer, step: int, direct
     return final
 
 
-def _commit(tmp: Path, final: Path) -> None:
-    """rename(2) of a directory is atomic; an older save of the same step is moved
-    aside first (as ``*.tmp``, so a kill in between leaves only ignored debris)."""
-    if final.exists():
-        aside = final.with_name(final.name + ".replaced.tmp")
-        os.rename(final, aside)
-        os.rename(tmp, final)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    _fsync_dir(final.parent)
-
-
 # ---- load ------------------------------------------------------------------------------------
-def _resolve(directory: str | os.PathLike, step: int | None) -> Path:
-    root = Path(directory)
-    path = latest_checkpoint(root) if step is None else root / step_dirname(step)
-    if path is None or not _is_complete(path):
-        which = "no complete checkpoint" if step is None else f"no complete checkpoint for step {step}"
-        steps = [s for s, _ in list_checkpoints(root)]
-        raise FileNotFoundError(f"{which} in {root} (complete: {steps or 'none'}); "
-                                f"check --checkpoint-dir, or start without --resume")
-    return path
-
-
 def _check_model(program: Program, saved: Mapping[str, Any], path: Path) -> None:
     """The checkpoint must hold exactly this model's tensors, by name and shape."""
     expected = {p.canonical: p.shape for p in program.params if p.kind is not ParamKind.CONSTANT}
@@ -344,11 +232,11 @@ def load_checkpoint(pm: Any, optimizer: torch.optim.Optimizer | None, directory:
     Works for any pp/dp layout: each rank reads the names it holds. RNG states are
     per rank, so they are restored rank by rank only when the layout is the one that
     saved; otherwise every rank takes rank 0's (as a fresh run seeds all ranks alike)."""
-    path = _resolve(directory, step)
+    path = resolve(directory, step)
     meta = json.loads((path / META_FILE).read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path / META_FILE} has format {meta.get('format')!r}, this fxpipe reads {FORMAT}")
-    saved = _SafeReader(path).read_metadata().state_dict_metadata
+    saved = SafeReader(path).read_metadata().state_dict_metadata
     program = pm.plan.program
     _check_model(program, saved, path)
     mesh = pm.groups.mesh
@@ -359,7 +247,7 @@ def load_checkpoint(pm: Any, optimizer: torch.optim.Optimizer | None, directory:
     optim = {k: t for k, t in _targets(saved, "optim.").items()
              if k.split(".", 2)[2].rsplit(".", 1)[0] in mine}
     rng = _targets(saved, rng_prefix)
-    dcp.load({**_model_state(pm), **optim, **rng}, storage_reader=_SafeReader(path))
+    dcp.load({**_model_state(pm), **optim, **rng}, storage_reader=SafeReader(path))
     if optimizer is not None:
         _install_optimizer(optimizer, names, optim)
     _set_rng({k[len(rng_prefix):]: v for k, v in rng.items()}, pm.device)
@@ -369,11 +257,13 @@ def load_checkpoint(pm: Any, optimizer: torch.optim.Optimizer | None, directory:
 # ---- export ----------------------------------------------------------------------------------
 def _consolidate_directory(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = Path(directory)
-    path = path if _is_complete(path) else _resolve(path, None)
+    path = path if is_complete(path) else resolve(path, None)
     names = json.loads((path / META_FILE).read_text())["state_dict"]
-    saved = _SafeReader(path).read_metadata().state_dict_metadata
+    saved = SafeReader(path).read_metadata().state_dict_metadata
     tensors = {k: v for k, v in _targets(saved, "model.").items() if k[len("model."):] in names.values()}
-    dcp.load(tensors, storage_reader=_SafeReader(path), no_dist=True)
+    with warnings.catch_warnings():  # DCP notes that it loads without a process group: intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(tensors, storage_reader=SafeReader(path), no_dist=True)
     return {name: tensors[f"model.{canonical}"] for name, canonical in names.items()}
 
 

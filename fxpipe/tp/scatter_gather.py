@@ -52,10 +52,3 @@ def inter_stage_bytes(shape: tuple[int, ...], dtype: torch.dtype, tp: int, *,
     n = _chunk_len(numel, tp) if scatter_gather and tp > 1 else numel
     return n * itemsize(dtype)
 
-
-def boundary_bytes_table(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], tp: int
-                         ) -> list[tuple[str, int, int]]:
-    """(name, bytes without, bytes with scatter-gather) per boundary tensor, for the
-    compile report's "inter-stage bytes per step" line."""
-    return [(name, inter_stage_bytes(s, d, tp, scatter_gather=False),
-             inter_stage_bytes(s, d, tp, scatter_gather=True)) for name, (s, d) in shapes.items()]

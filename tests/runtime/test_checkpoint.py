@@ -16,7 +16,8 @@ import torch
 
 from fxpipe.cli import main
 from fxpipe.losses import causal_lm_loss
-from fxpipe.runtime.checkpoint import (_SafeReader, latest_checkpoint, list_checkpoints, step_dirname)
+from fxpipe.runtime.checkpoint import export_consolidated, latest_checkpoint, list_checkpoints, step_dirname
+from fxpipe.runtime.checkpoint_files import SafeReader
 from tests.runtime import _ckpt_cases as cases
 from tests.runtime._dist import run_world
 
@@ -49,7 +50,7 @@ def test_metadata_is_not_unpickled_blindly(tmp_path):
     path = _fake_checkpoint(tmp_path, 1)
     (path / ".metadata").write_bytes(pickle.dumps(os.system))  # code, not a DCP index
     with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
-        _SafeReader(path).read_metadata()
+        SafeReader(path).read_metadata()
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -174,14 +175,32 @@ def test_export_loads_into_the_unmodified_model(world2, name, file, key):
     assert float(loss) == pytest.approx(out[0][key], abs=1e-6, rel=0)
 
 
+@pytest.mark.slow
+def test_export_from_a_directory_and_each_tensor_stored_once(world2, tmp_path):
+    root, out = world2
+    state = export_consolidated(root / "keep", tmp_path / "m.pt")  # no process group here
+    params = out[0]["params"]  # "keep" was saved after the last optimizer step
+    assert torch.load(tmp_path / "m.pt", weights_only=True).keys() == state.keys()
+    assert torch.equal(state["lm_head.weight"], params["transformer.wte.weight"])
+    assert all(torch.equal(state[n], p) for n, p in params.items())
+    index = SafeReader(latest_checkpoint(root / "keep")).read_metadata()
+    assert "model.lm_head.weight" not in index.state_dict_metadata, "a tied group is one tensor"
+    # Replicas (tied copies on both pipeline ranks) are written by one rank only.
+    assert all(len(md.chunks) == 1 for md in index.state_dict_metadata.values())
+    assert len(index.storage_data) == len(index.state_dict_metadata)
+
+
 # ---- fxpipe run --------------------------------------------------------------------------------
-def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    res = subprocess.run([sys.executable, "-m", "fxpipe", "run", "--model", "gpt-tiny", "--seq", "32",
-                          "--log-interval", "1", "--timeline", "none", "--partition", "uniform", *args],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    if check:
-        assert res.returncode == 0, res.stderr[-3000:]
-    return res
+def _start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fxpipe", "run", "--model", "gpt-tiny", "--seq", "32",
+                             "--log-interval", "1", "--timeline", "none", "--partition", "uniform", *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return out
 
 
 def _losses(stdout: str) -> dict[int, str]:
@@ -191,13 +210,13 @@ def _losses(stdout: str) -> dict[int, str]:
 @pytest.mark.slow
 def test_fxpipe_run_resume_equals_a_straight_run(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    first = _run("--steps", "6", "--save-interval", "3", "--checkpoint-dir", ckpt)
+    straight = _start("--steps", "10")  # alongside: launches mostly wait on imports and rendezvous
+    first = _finish(_start("--steps", "6", "--save-interval", "3", "--checkpoint-dir", ckpt))
     assert [s for s, _ in list_checkpoints(ckpt)] == [3, 6]
-    second = _run("--steps", "10", "--checkpoint-dir", ckpt, "--resume", "--export", str(tmp_path / "m.pt"))
-    straight = _run("--steps", "10")
-    resumed = {**_losses(first.stdout), **_losses(second.stdout)}
-    assert sorted(_losses(second.stdout)) == [7, 8, 9, 10]
-    assert resumed == _losses(straight.stdout)
+    second = _finish(_start("--steps", "10", "--checkpoint-dir", ckpt, "--resume",
+                            "--export", str(tmp_path / "m.pt")))
+    assert sorted(_losses(second)) == [7, 8, 9, 10]
+    assert {**_losses(first), **_losses(second)} == _losses(_finish(straight))
     assert [s for s, _ in list_checkpoints(ckpt)] == [3, 6, 10]
     assert (tmp_path / "m.pt").exists()
 
@@ -220,5 +239,7 @@ def test_ctrl_c_stops_at_a_step_boundary_and_saves(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
-    stopped = int(re.search(r"stopped by SIGINT after step (\d+)", out).group(1))
+    found = re.search(r"stopped by SIGINT after step (\d+)", out)
+    assert found, out[-2000:] + err[-3000:]
+    stopped = int(found.group(1))
     assert stopped >= 2 and [s for s, _ in list_checkpoints(ckpt)] == [stopped]

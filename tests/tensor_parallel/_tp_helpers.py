@@ -8,7 +8,8 @@ import torch
 import fxpipe
 from fxpipe.models import build_workload
 from fxpipe.passes import canonicalize_pass
-from fxpipe.passes.tensor_parallel import TPConfig, shard_state, tensor_parallel_pass, unshard_state
+from fxpipe.passes.tensor_parallel import (ShardKind, TPConfig, shard_state, tensor_parallel_pass,
+                                           unshard_state)
 from fxpipe.program import Program
 from fxpipe.tp import run_emulated, tp_group_context
 
@@ -33,7 +34,9 @@ def reference(program: Program, batch) -> tuple[torch.Tensor, dict[str, torch.Te
 
 
 def run_tp(program: Program, full_state, batch, tp: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """Every TP rank's graph in its own thread: per-rank losses and the full gradients."""
+    """Every TP rank's graph in its own thread: per-rank losses and the full gradients.
+
+    Replicated parameters must get the same gradient on every rank (checked here)."""
     specs = program.extra["tensor_parallel"].specs
 
     def step(group):
@@ -44,6 +47,11 @@ def run_tp(program: Program, full_state, batch, tp: int) -> tuple[list[torch.Ten
         return loss.detach(), {k: v.grad for k, v in state.items() if v.grad is not None}
 
     out = run_emulated(tp, step)
+    for spec in specs.values():
+        if spec.kind is ShardKind.REPLICATED and spec.name in out[0][1]:
+            for rank in range(1, tp):
+                assert torch.allclose(out[rank][1][spec.name], out[0][1][spec.name], atol=1e-6), \
+                    f"replicated {spec.name}: rank {rank}'s gradient differs from rank 0's"
     return [o[0] for o in out], unshard_state([o[1] for o in out], specs)
 
 

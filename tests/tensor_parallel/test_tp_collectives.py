@@ -158,3 +158,22 @@ def test_emulated_group_collectives_and_errors():
         run_emulated(2, bad)
     assert threading.active_count() < 10
     assert len(EmulatedGroup.create(4)) == 4
+
+
+def test_backward_needs_no_context():
+    """Autograd may run backward on another thread (GPU): the group saved on ctx
+    in forward is used, not the context."""
+    x = torch.randn(4)
+
+    def step(group):
+        a = x.clone().requires_grad_()
+        with tp_group_context(group):
+            y = OPS.reduce_from_tp(OPS.scatter(OPS.copy_to_tp(a), 0, 2) * (group.rank + 1))
+        worker = threading.Thread(target=lambda: y.sum().backward())
+        worker.start()
+        worker.join()
+        return a.grad
+
+    g0, g1 = run_emulated(2, step)
+    # scatter gathers [1, 1, 2, 2] (rank r scaled its half by r+1); f sums it over both ranks.
+    assert torch.equal(g0, torch.tensor([2.0, 2.0, 4.0, 4.0])) and torch.equal(g0, g1)

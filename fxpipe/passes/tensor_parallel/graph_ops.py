@@ -75,11 +75,6 @@ def norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    """Input nodes that are tensors (by their meta value), in argument order."""
-    return [a for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)]
-
-
 @dataclass(frozen=True)
 class Projection:
     """A matrix multiply by a parameter: the unit TP shards."""
@@ -149,6 +144,8 @@ def token_embeddings(graph: fx.Graph, params: set[str], inputs: set[str]) -> dic
     found = {}
     for node in graph.nodes:
         if node.op == "call_function" and node.target is EMBEDDING and _is_param(node.args[0], params):
+            if arg(node, 3, "scale_grad_by_freq", False) or arg(node, 4, "sparse", False):
+                continue  # per-batch frequency scaling / sparse grads are not vocab-parallel
             ids = node.args[1]
             while isinstance(ids, fx.Node) and ids.op == "call_function" and (
                     ids.target in RESHAPES or ids.target in SAME_LAYOUT):

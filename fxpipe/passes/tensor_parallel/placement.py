@@ -238,7 +238,9 @@ def blocks(program: Program, prov: Provenance, asg: Assignment, plan: TPPlan) ->
                              f"vocab {vocab} -> {math.ceil(vocab / tp) * tp} padded; "
                              f"{', '.join(heads)} + vocab-parallel cross-entropy"))
     for emb, weight in plan.vocab_embedding.items():
-        rows = program.param(names[weight]).shape[0]
-        out.append(BlockInfo(BlockKind.EMBEDDING, program.layers.get(emb), (names[weight],), (),
-                             f"vocab {rows} -> {math.ceil(rows / tp) * tp} padded; {names[weight]}"))
+        # torch.export may route tied names through one placeholder: name the canonical one.
+        info = program.param(program.param(names[weight]).canonical)
+        rows = info.shape[0]
+        out.append(BlockInfo(BlockKind.EMBEDDING, program.layers.get(emb), (info.name,), (),
+                             f"vocab {rows} -> {math.ceil(rows / tp) * tp} padded; {info.name}"))
     return tuple(out)

@@ -67,7 +67,8 @@ def _ids(prov: Provenance, name: str) -> np.ndarray:
     return np.zeros(0, dtype=np.int64) if ids is None else ids
 
 
-def _sharded(lay: Any) -> bool:
+def is_sharded(lay: Any) -> bool:
+    """A Layout (or a list of them, for split-like nodes) that differs between ranks."""
     if isinstance(lay, list):
         return any(l.is_sharded for l in lay)
     return isinstance(lay, Layout) and lay.is_sharded
@@ -95,7 +96,7 @@ def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: 
             continue
         lay = plan.layouts.get(node.name)
         inputs = [a for a in node.all_input_nodes if a.name in plan.layouts]
-        if not (_sharded(lay) or any(_sharded(plan.layouts[a.name]) for a in inputs)):
+        if not (is_sharded(lay) or any(is_sharded(plan.layouts[a.name]) for a in inputs)):
             continue
         try:
             _node_rule(plan, node, lay, grad, describe(node.name))
@@ -144,7 +145,7 @@ def hoist(plan: TPPlan, consumer: fx.Node, producer: fx.Node) -> tuple[fx.Node, 
     """Move an input conversion up through single-use views, so it acts on the
     tensor the views start from (sequence parallelism needs the unflattened one)."""
     while (producer.op == "call_function" and producer.target in G.VIEWS and len(producer.users) == 1
-           and not _sharded(plan.layouts.get(producer.name))):
+           and not is_sharded(plan.layouts.get(producer.name))):
         consumer, producer = producer, producer.args[0]
     return consumer, producer
 
@@ -153,14 +154,14 @@ def _node_rule(plan: TPPlan, node: fx.Node, lay: Any, grad: set[str], where: str
     t = node.target
     if node.name in plan.column:
         x = node.args[plan.column[node.name].input_arg]
-        if _sharded(plan.layouts[x.name]):
+        if is_sharded(plan.layouts[x.name]):
             raise _Refuse("a column-parallel projection reads a sharded input")
         plan.column_inputs.add(tuple(n.name for n in hoist(plan, node, x)))
         return
     if node.name in plan.row:
         x = node.args[plan.row[node.name].input_arg]
         xl = plan.layouts[x.name]
-        if xl.sharded != (len(xl.full) - 1,) or _sharded(lay):
+        if xl.sharded != (len(xl.full) - 1,) or is_sharded(lay):
             raise _Refuse("a row-parallel projection must read channels split on its last dim only")
         return
     if G.is_getitem(node):
@@ -200,7 +201,7 @@ def _node_rule(plan: TPPlan, node: fx.Node, lay: Any, grad: set[str], where: str
                                                          G.aten.flatten.using_ints):
         return
     elif G.is_pointwise(t):
-        if t is G.DROPOUT and _sharded(lay):
+        if t is G.DROPOUT and is_sharded(lay):
             plan.sharded_dropout.add(node.name)
         for a in node.all_input_nodes:
             _operand(plan, node, a, lay, grad)
@@ -211,7 +212,7 @@ def _node_rule(plan: TPPlan, node: fx.Node, lay: Any, grad: set[str], where: str
 def _operand(plan: TPPlan, consumer: fx.Node, a: fx.Node, ref: Layout, grad: set[str]) -> None:
     """An input of a sharded consumer, aligned to it by broadcasting."""
     al = plan.layouts.get(a.name)
-    if al is None or _sharded(al):
+    if al is None or is_sharded(al):
         return
     ash, nd = shape(a), len(ref.full)
     off = nd - len(ash)

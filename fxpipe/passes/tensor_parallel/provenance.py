@@ -102,6 +102,8 @@ def reshape_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[in
 
 
 def reshape_ids(ids: np.ndarray, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> np.ndarray:
+    """Move ids as a reshape moves data: each run of dims that carries channels is
+    materialised and reshaped; runs without channels stay size 1."""
     src, dst = [1] * len(in_shape), [1] * len(out_shape)
     for ga, gb in reshape_groups(in_shape, out_shape):
         if any(ids.shape[d] > 1 for d in ga):
@@ -113,6 +115,7 @@ def reshape_ids(ids: np.ndarray, in_shape: tuple[int, ...], out_shape: tuple[int
 
 
 def analyze(graph: fx.Graph, projections: dict[str, Projection]) -> Provenance:
+    """One forward sweep over the graph in topological order."""
     prov = Provenance()
     for node in graph.nodes:
         if node.op == "output":
@@ -174,6 +177,8 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         raise _Unsupported("a multi-output value used directly")
     x = node.args[0] if node.args else None
     if t in G.RESHAPES:
+        if 0 in shape(x):
+            raise _Unsupported("an empty tensor")
         return reshape_ids(inputs[x.name], shape(x), shape(node))
     if t in G.TRANSPOSES:
         nd = len(shape(x))
@@ -187,11 +192,10 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         return np.transpose(inputs[x.name], perm)
     if t is G.aten.unsqueeze.default:
         return np.expand_dims(inputs[x.name], norm_dim(node.args[1], len(shape(node))))
-    if t in G.SQUEEZES or t is G.aten.expand.default:
-        ids = inputs[x.name]
-        if t is G.aten.expand.default:
-            return _align(ids, len(shape(node)))
-        return reshape_ids(ids, shape(x), shape(node))
+    if t is G.aten.expand.default:  # only size-1 dims expand, and they carry no channel
+        return _align(inputs[x.name], len(shape(node)))
+    if t in G.SQUEEZES:
+        return reshape_ids(inputs[x.name], shape(x), shape(node))
     if t is G.aten.slice.Tensor:
         ids = inputs[x.name]
         dim = norm_dim(arg(node, 1, "dim", 0), ids.ndim)

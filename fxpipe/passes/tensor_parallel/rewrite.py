@@ -10,13 +10,13 @@ reduction; vocabulary lookups, the loss and dropout become their TP ops. Shapes
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import arg
@@ -35,12 +35,13 @@ _OP = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class Rewritten:
     graph_module: fx.GraphModule
-    sites: list[CollectiveSite] = field(default_factory=list)
-    module_paths: dict[str, str] = field(default_factory=dict)
-    layers: dict[str, int] = field(default_factory=dict)
+    sites: list[CollectiveSite]
+    module_paths: dict[str, str]
+    """Annotations of the old nodes, plus the inserted ones (layer of the block served)."""
+    layers: dict[str, int]
 
 
 class _Builder:
@@ -49,16 +50,18 @@ class _Builder:
         self.graph = fx.Graph()
         self.env: dict[str, fx.Node] = {}
         self.cache: dict[tuple, fx.Node] = {}
-        self.out = Rewritten(None, [], dict(program.module_paths), dict(program.layers))  # type: ignore[arg-type]
+        self.sites: list[CollectiveSite] = []
+        self.paths = dict(program.module_paths)
+        self.layers = dict(program.layers)
 
     def note(self, new: fx.Node, like: str, kind: CollectiveKind | None = None, purpose: str = "",
              dim: int | None = None) -> None:
-        self.out.module_paths[new.name] = self.program.module_paths.get(like, "")
+        self.paths[new.name] = self.program.module_paths.get(like, "")
         layer = self.program.layers.get(like)
         if layer is not None:
-            self.out.layers[new.name] = layer
+            self.layers[new.name] = layer
         if kind is not None:
-            self.out.sites.append(CollectiveSite(new.name, kind, layer, purpose, dim))
+            self.sites.append(CollectiveSite(new.name, kind, layer, purpose, dim))
 
     def collective(self, value: fx.Node, conv: Conversion, producer: str, consumer: str,
                    purpose: str | None = None) -> fx.Node:
@@ -149,12 +152,11 @@ def rewrite(program: Program, plan: TPPlan, reduce_kind: dict[str, Conversion],
     for node in program.graph.nodes:
         b.copy(node)
     for name in plan.vocab_ce:
-        b.out.sites.append(CollectiveSite(name, CollectiveKind.VOCAB_CROSS_ENTROPY,
-                                          program.layers.get(name), "vocab-parallel cross-entropy"))
+        b.sites.append(CollectiveSite(name, CollectiveKind.VOCAB_CROSS_ENTROPY,
+                                      program.layers.get(name), "vocab-parallel cross-entropy"))
     gm = fx.GraphModule(program.graph_module, b.graph)
     _refresh_shapes(gm, local_params)
-    b.out.graph_module = gm
-    return b.out
+    return Rewritten(gm, b.sites, b.paths, b.layers)
 
 
 def _refresh_shapes(gm: fx.GraphModule, local_params: dict[str, tuple[int, ...]]) -> None:

@@ -25,22 +25,24 @@ import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import arg, norm_dim, shape
-from fxpipe.passes.tensor_parallel.plan import Conversion, TPPlan, _sharded
-from fxpipe.program import Program
+from fxpipe.passes.tensor_parallel.plan import Conversion, TPPlan, is_sharded
 from fxpipe.passes.tensor_parallel.result import CollectiveKind
+from fxpipe.program import Program
 
 K = CollectiveKind
 
 
 def plan_sequence_parallel(program: Program, plan: TPPlan, grad: set[str]
                            ) -> tuple[dict[str, Conversion], int | None]:
+    """Fill ``plan`` with the sequence-parallel conversions; return the reduction
+    after every partial-sum sink and the sequence dim (None if nothing was split)."""
     tp = plan.tp
-    seq: dict[str, int] = {}
+    seq: dict[str, int] = {}  # node -> its sequence dim, for values held as sequence shards
     reduce_kind: dict[str, Conversion] = {}
     nodes = {n.name: n for n in program.graph.nodes}
     for sink, site in plan.partial.items():
         node_shape = shape(nodes[sink])
-        if len(node_shape) < 3:
+        if len(node_shape) < 3:  # a flattened (tokens, h) value has no sequence dim to split
             reduce_kind[sink] = Conversion(K.G)
             continue
         dim = len(node_shape) - 2
@@ -53,28 +55,31 @@ def plan_sequence_parallel(program: Program, plan: TPPlan, grad: set[str]
         seq[sink] = dim
         if site.bias is not None and site.bias in grad:
             plan.conversions[(sink, site.bias)] = [Conversion(K.F)]
-    column_inputs = set(plan.column_inputs)
+    column_inputs: dict[str, set[str]] = {}
+    for consumer, producer in plan.column_inputs:
+        column_inputs.setdefault(consumer, set()).add(producer)
     for node in program.graph.nodes:
         if node.op not in ("call_function", "output"):
             continue
+        into_column = column_inputs.get(node.name, set())
+        for producer in into_column - seq.keys():  # replicated input: Megatron's f, as without sp
+            if producer in grad:
+                plan.conversions[(node.name, producer)] = [Conversion(K.F)]
         inputs = [a for a in node.all_input_nodes if a.name in seq]
-        if node.op == "call_function":
-            for consumer, producer in column_inputs:
-                if consumer == node.name and producer not in seq and producer in grad:
-                    plan.conversions[(consumer, producer)] = [Conversion(K.F)]
         if not inputs:
             continue
-        if node.op == "call_function" and not _sharded(plan.layouts.get(node.name)) \
-                and node.name not in plan.column and node.name not in plan.partial:
+        if (node.op == "call_function" and not into_column and not is_sharded(plan.layouts.get(node.name))
+                and node.name not in plan.column and node.name not in plan.partial):
             dim = _position_wise(node, {a.name: seq[a.name] for a in inputs})
-            if dim is not None and not any((node.name, a.name) in column_inputs for a in inputs):
+            if dim is not None:
                 _enter(plan, node, dim, seq, grad)
                 continue
         for a in inputs:  # leave the sequence shards
-            kind = K.GATHER_SEQ if (node.name, a.name) in column_inputs else K.GATHER
-            rest = plan.conversions.get((node.name, a.name), [])
-            rest = [c for c in rest if c.kind is not K.F] if kind is K.GATHER_SEQ else rest
-            plan.conversions[(node.name, a.name)] = [Conversion(kind, seq[a.name]), *rest]
+            if a.name in into_column:
+                plan.conversions[(node.name, a.name)] = [Conversion(K.GATHER_SEQ, seq[a.name])]
+            else:
+                rest = plan.conversions.get((node.name, a.name), [])
+                plan.conversions[(node.name, a.name)] = [Conversion(K.GATHER, seq[a.name]), *rest]
     return reduce_kind, next(iter(seq.values()), None)
 
 

@@ -50,6 +50,9 @@ def tensor_parallel_pass(program: Program, config: object = None) -> Program:
     cfg = tp_config_of(config)
     if cfg.tp == 1:
         return program
+    if PASS_NAME in program.extra:
+        raise ValueError(f"{program.source} is already tensor-parallel "
+                         f"(tp={program.extra[PASS_NAME].config.tp}); run the pass once, on the captured program")
     graph = program.graph
     weights = {p.node for p in program.params if p.kind is not ParamKind.CONSTANT}
     projections = G.find_projections(graph, weights)

@@ -1,0 +1,194 @@
+"""``fxpipe calibrate``: measure this machine into a ``Hardware`` profile (~20 s).
+
+- matmul: fp32 square products (256…1024) on ``threads`` threads; the best rate is the
+  profile's peak, with efficiency 1 (the roofline then prices small GEMMs by bytes).
+  Measured alone and by two processes at once; the profile keeps the loaded numbers;
+- memory bandwidth: a 128 MB tensor copy (read + write);
+- per-kernel overhead: a 1-element add (eager dispatch);
+- gloo, two spawned processes: ping-pong send/recv and all-reduce over 4 KB…8 MB; a
+  least-squares line t = latency + bytes/bandwidth per collective (all-reduce on 2
+  ranks: t = S/busbw + 2·latency, the ring formula of ``Hardware.collective_s``).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from fxpipe.hardware import CPU, Hardware, Link
+
+SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
+"""Message sizes in bytes for the gloo measurements."""
+
+
+def _best_rate(fn: Callable[[], None], work: float, budget_s: float = 0.4) -> float:
+    fn()  # warm-up
+    best, spent = float("inf"), 0.0
+    while spent < budget_s:
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        best, spent = min(best, dt), spent + dt
+    return work / best
+
+
+def measure_compute(threads: int) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    rates = {}
+    for n in (256, 512, 1024):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        rates[n] = _best_rate(lambda: torch.mm(a, b), 2.0 * n ** 3)
+    x = torch.empty(32 << 20)  # 128 MB of fp32
+    y = torch.empty_like(x)
+    x.fill_(1.0)
+    bw = _best_rate(lambda: y.copy_(x), 2.0 * x.numel() * 4)
+    tiny = torch.ones(1)
+    reps = 2000
+
+    def adds() -> None:
+        for _ in range(reps):
+            tiny.add_(1.0)
+
+    overhead = 1.0 / _best_rate(adds, reps, budget_s=0.2)
+    return dict(matmul_flops_by_size={str(k): v for k, v in rates.items()}, memory_bw=bw,
+                op_overhead_s=overhead, threads=threads)
+
+
+def _fit(sizes: list[int], times: list[float]) -> tuple[float, float]:
+    """(seconds per byte, intercept) of the line through the points, least squares on the
+    relative error (so the small messages set the latency, the large the bandwidth)."""
+    t = np.asarray(times, float)
+    slope, intercept = np.polyfit(np.asarray(sizes, float), t, 1, w=1 / t)
+    return max(float(slope), 1e-15), max(float(intercept), 0.0)
+
+
+def _gloo_worker(rank: int, port: int, out: str, threads: int) -> None:
+    """One of the two measuring processes: compute while the other computes too (a fully
+    loaded machine, as in a 2-rank run), then p2p ping-pong and all-reduce."""
+    import json
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    dist.barrier()
+    compute = measure_compute(threads)
+    warm = torch.zeros(SIZES[-1] // 4)
+    for _ in range(3):  # connection set-up and first-touch costs stay out of the numbers
+        dist.all_reduce(warm)
+        if rank == 0:
+            dist.send(warm, 1)
+        else:
+            dist.recv(warm, 0)
+    p2p, ar = [], []
+    for nbytes in SIZES:
+        buf = torch.zeros(nbytes // 4)
+        reps = 20 if nbytes < (1 << 20) else 6
+        rtts, times = [], []
+        for i in range(reps + 2):
+            dist.barrier()
+            t = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            if i >= 2:
+                rtts.append(time.perf_counter() - t)
+        for i in range(reps + 2):
+            dist.barrier()
+            t = time.perf_counter()
+            dist.all_reduce(buf)
+            if i >= 2:
+                times.append(time.perf_counter() - t)
+        p2p.append(statistics.median(rtts) / 2)
+        ar.append(statistics.median(times))
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(dict(compute=compute, p2p=p2p, all_reduce=ar), f)
+    dist.destroy_process_group()
+
+
+def measure_gloo(threads: int) -> dict[str, Any]:
+    """Two fresh interpreters (not multiprocessing's spawn, which would re-run the caller's
+    ``__main__``, e.g. ``python -m fxpipe``)."""
+    import json
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        code = "import sys; from fxpipe.planner.calibrate import _gloo_worker as w; " \
+               "w(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))"
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port), tmp, str(threads)])
+                 for r in range(2)]
+        codes = [p.wait(timeout=120) for p in procs]
+        if any(codes):
+            raise RuntimeError(f"calibration workers failed with exit codes {codes}")
+        res = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(2)]
+    sizes = list(SIZES)
+    p2p_slope, p2p_lat = _fit(sizes, res[0]["p2p"])
+    ar_slope, ar_int = _fit(sizes, res[0]["all_reduce"])
+    return dict(sizes=sizes, p2p_s=res[0]["p2p"], all_reduce_s=res[0]["all_reduce"],
+                p2p_bw=1 / p2p_slope, p2p_latency=p2p_lat,
+                collective_bw=1 / ar_slope, collective_latency=ar_int / 2,
+                compute_concurrent=[r["compute"] for r in res])
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return CPU.memory_bytes
+
+
+def calibrate(*, name: str = "cpu-measured", threads: int = 1, distributed: bool = True,
+              log: Callable[[str], None] = print) -> tuple[Hardware, dict[str, Any]]:
+    """Measure this machine; returns the profile and the raw measurements.
+
+    With ``distributed`` the profile's compute numbers are those measured by two processes
+    at once (every core busy, shared caches and memory bandwidth, as in a multi-rank run;
+    a device of the node model); the single-process numbers are kept in the measurements."""
+    start = time.perf_counter()
+    alone = measure_compute(threads)
+    measurements: dict[str, Any] = dict(compute_alone=alone)
+    compute, link = alone, CPU.intra_node
+    if distributed:
+        gloo = measure_gloo(threads)
+        measurements["gloo"] = gloo
+        loaded = gloo["compute_concurrent"]
+        compute = dict(matmul_flops_by_size={k: statistics.mean(c["matmul_flops_by_size"][k] for c in loaded)
+                                             for k in loaded[0]["matmul_flops_by_size"]},
+                       memory_bw=statistics.mean(c["memory_bw"] for c in loaded),
+                       op_overhead_s=statistics.mean(c["op_overhead_s"] for c in loaded), threads=threads)
+        link = Link(p2p_bw=gloo["p2p_bw"], p2p_latency=gloo["p2p_latency"],
+                    collective_bw=gloo["collective_bw"], collective_latency=gloo["collective_latency"])
+    for label, c in (("alone", alone), ("profile", compute)):
+        log(f"{label:<8} matmul {max(c['matmul_flops_by_size'].values()) / 1e9:.1f} GFLOP/s fp32 on "
+            f"{threads} thread(s) (by size: "
+            f"{', '.join(f'{k}: {v / 1e9:.1f}' for k, v in c['matmul_flops_by_size'].items())}); "
+            f"copy {c['memory_bw'] / 1e9:.2f} GB/s; per-kernel overhead {c['op_overhead_s'] * 1e6:.1f} us")
+    if distributed:
+        log(f"gloo     p2p {link.p2p_bw / 1e9:.2f} GB/s + {link.p2p_latency * 1e6:.0f} us; all-reduce "
+            f"busbw {link.collective_bw / 1e9:.2f} GB/s + {link.collective_latency * 1e6:.0f} us per step")
+    hw = Hardware(
+        name=name, peak_flops=max(compute["matmul_flops_by_size"].values()), matmul_efficiency=1.0,
+        peak_memory_bw=compute["memory_bw"], memory_efficiency=1.0, memory_bytes=_ram_bytes(),
+        gpus_per_node=os.cpu_count() or 1, intra_node=link, inter_node=link,
+        op_overhead_s=compute["op_overhead_s"],
+        source=f"fxpipe calibrate, {platform.node()} {platform.machine()} "
+               f"{datetime.date.today().isoformat()}, {threads} thread(s), torch {torch.__version__}"
+               + (", compute measured by 2 processes at once" if distributed else ""))
+    log(f"calibrated in {time.perf_counter() - start:.1f} s")
+    return hw, measurements

@@ -1,0 +1,146 @@
+"""Predict one layout: iteration time, its breakdown, memory per GPU, TFLOP/s per GPU.
+
+Iteration = max over pipeline ranks r of
+    finish_r (the simulated schedule, p2p inside the stage times)
+  + sync_r   (data-parallel gradient all-reduce of r's parameters, ring over d ranks,
+              exposed per ``DPOverlap``; plus the tied-embedding all-reduce between the
+              first and last rank when p > 1)
+  + opt_r    (the Adam step over r's parameters, memory bound).
+TFLOP/s per GPU uses the paper's model FLOPs (``shapes.model_flops``: the 96·B·s·l·h²
+formula with full recompute, 72 without).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+import numpy as np
+
+from fxpipe.hardware import Collective
+from fxpipe.planner.config import DPOverlap, ParallelConfig, PlannerOptions
+from fxpipe.planner.layer_cost import CostModel
+from fxpipe.planner.memory import (RankMemory, embedding_activation_bytes, head_activation_bytes,
+                                   layer_activation_bytes, recompute_working_bytes)
+from fxpipe.planner.pipeline import PipelineTiming, simulate_pipeline
+from fxpipe.planner.shapes import TransformerShape, model_flops
+from fxpipe.planner.stages import StagePlan, plan_stages
+from fxpipe.planner.work import Component
+from fxpipe.schedules.simulate import StageDurations
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """What the cost model and the simulator predict for one layout."""
+
+    config: ParallelConfig
+    iteration_s: float
+    """Seconds per training iteration."""
+    breakdown: Mapping[Component, float]
+    """The critical rank's iteration by component; sums to ``iteration_s``."""
+    critical_rank: int
+    """The pipeline rank that finishes last."""
+    makespan_s: float
+    """The pipeline schedule alone."""
+    bubble_ratio: float
+    """Idle / compute of the busiest rank during the schedule (SC21's convention)."""
+    memory: RankMemory
+    """The pipeline rank with the most memory."""
+    fits: bool
+    """memory.total <= the device's usable memory."""
+    model_flops: float
+    tflops_per_gpu: float
+    percent_of_peak: float
+    stages: StagePlan
+    pipeline: PipelineTiming
+
+    @property
+    def memory_gb(self) -> float:
+        return self.memory.total / 1e9
+
+
+def rank_memory(model: CostModel, cfg: ParallelConfig, stages: StagePlan,
+                in_flight: tuple[int, ...]) -> list[RankMemory]:
+    """Peak memory of every pipeline rank: training state of its stages, plus its peak
+    in-flight chunk-microbatches × its largest chunk's activations (the first stage adds
+    the embedding's, the last the head's once), plus recomputation's working layer."""
+    shape, opts = model.shape, model.options
+    t, b, p, S = cfg.tp, cfg.micro_batch, cfg.pp, cfg.num_stages
+    sp = cfg.sequence_parallel and t > 1
+    dims = dict(seq=shape.seq, micro_batch=b, hidden=shape.hidden, heads=shape.heads, tp=t,
+                sequence_parallel=sp, fused_attention=opts.fused_attention)
+    per_layer = layer_activation_bytes(recompute=cfg.recompute, **dims)
+    scale = opts.dtype_bytes / 2  # the formulas count fp16 activations
+    working = recompute_working_bytes(recompute=cfg.recompute, **dims) * scale
+    widest = np.asarray(stages.layers).reshape(cfg.chunks, p).max(axis=0)
+    flight = np.asarray(in_flight, dtype=np.float64)
+    act = flight * widest * per_layer
+    act[0] += min(flight[0], cfg.num_microbatches) * embedding_activation_bytes(shape, b, t, sp)
+    act[(S - 1) % p] += head_activation_bytes(shape, b, t, sp)  # freed soon after its forward
+    params = stages.ranks(stages.params)
+    return [RankMemory(rank=r, params=float(params[r]), state_bytes=float(params[r]) * opts.bytes_per_param,
+                       activation_bytes=float(act[r]) * scale, working_bytes=working) for r in range(p)]
+
+
+def _sync_s(model: CostModel, cfg: ParallelConfig, stages: StagePlan, r: int, params: float) -> float:
+    """Exposed gradient synchronisation of pipeline rank r."""
+    hw, opts, shape = model.hw, model.options, model.shape
+    dp = hw.collective_s(Collective.ALL_REDUCE, params * opts.grad_bytes, cfg.dp,
+                         hw.members_per_node(cfg.dp, cfg.tp))
+    if opts.dp_overlap is DPOverlap.BACKWARD:
+        dp = max(0.0, dp - float(stages.backward[r]))  # hidden behind its last backward
+    if cfg.pp > 1 and r in (0, cfg.pp - 1):  # Megatron's embedding group: first and last rank
+        vocab = shape.padded_vocab(cfg.tp) * shape.hidden / cfg.tp
+        pair = hw.members_per_node(2, cfg.tp * cfg.dp * (cfg.pp - 1))
+        dp += hw.collective_s(Collective.ALL_REDUCE, vocab * opts.grad_bytes, 2, pair)
+    return dp
+
+
+def predict(shape: TransformerShape, cfg: ParallelConfig, options: PlannerOptions,
+            model: CostModel | None = None) -> Prediction:
+    """Price ``cfg`` for ``shape``: simulate its schedule and add sync and optimizer."""
+    model = model or CostModel(shape, options)
+    hw = options.hardware
+    stages = plan_stages(model, cfg)
+    durations = StageDurations(forward=tuple(stages.forward.tolist()),
+                               backward=tuple(stages.backward.tolist()),
+                               weight=tuple(stages.weight.tolist()))
+    timing = simulate_pipeline(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.chunks, durations,
+                               cap=options.simulate_microbatches)
+    rank_params = stages.ranks(stages.params)
+    ends = []
+    for r in range(cfg.pp):
+        params = float(rank_params[r])
+        opt = hw.memory_s(params * options.optimizer_bytes_per_param, 4) if options.optimizer else 0.0
+        sync = _sync_s(model, cfg, stages, r, params)
+        ends.append((timing.finish[r] + sync + opt, r, sync, opt))
+    iteration, crit, sync, opt = max(ends)
+    parts: dict[Component, float] = {}
+    for k in range(crit, cfg.num_stages, cfg.pp):
+        for c, v in stages.work(k).total().items():
+            parts[c] = parts.get(c, 0.0) + v * cfg.num_microbatches
+    parts[Component.BUBBLE] = max(0.0, timing.finish[crit] - timing.busy[crit])
+    parts[Component.DP_SYNC] = sync
+    parts[Component.OPTIMIZER] = opt
+    peak = max(rank_memory(model, cfg, stages, timing.in_flight), key=lambda m: m.total)
+    busiest = max(timing.busy)
+    flops = model_flops(shape, cfg.global_batch, cfg.recompute)
+    tflops = flops / (iteration * cfg.gpus * 1e12)
+    return Prediction(
+        config=cfg, iteration_s=iteration,
+        breakdown=MappingProxyType({c: v for c, v in parts.items() if v > 0}),
+        critical_rank=crit, makespan_s=timing.makespan,
+        bubble_ratio=(timing.makespan - busiest) / busiest if busiest > 0 else 0.0,
+        memory=peak, fits=peak.total <= hw.usable_memory_bytes, model_flops=flops,
+        tflops_per_gpu=tflops, percent_of_peak=100 * tflops * 1e12 / hw.peak_flops,
+        stages=stages, pipeline=timing)
+
+
+def lower_bound_s(cfg: ParallelConfig, stages: StagePlan) -> float:
+    """A time no schedule can beat: rank r cannot start before microbatch 0's forward has
+    crossed the stages before it, then needs its m·(F + B) of compute (sync and optimizer
+    excluded). Used to prune the search before simulating."""
+    p = cfg.pp
+    busy = cfg.num_microbatches * stages.ranks(stages.forward + stages.backward)
+    prefix = np.concatenate(([0.0], np.cumsum(stages.forward[:p - 1])))
+    return float((busy + prefix).max())

@@ -1,0 +1,140 @@
+"""Search layouts: enumerate, drop what does not divide or fit, simulate the promising.
+
+Enumeration (N GPUs, global batch B):
+- t divides the heads (and N); t up to ``max_tp`` — beyond a node its collectives
+  run over InfiniBand, which the hardware model prices;
+- p divides N/t and p·v <= l (p need not divide l: see ``LayerBalance``);
+- d = N/(t·p) divides B; b divides B/d, b <= ``max_micro_batch``; m = B/(d·b);
+- schedule 1F1B and ZB-H1 with v = 1; interleaved with 2 <= v <= ``max_chunks``
+  (fxpipe's interleaving runs for any m >= 1; its bubble is simulated, not assumed);
+  with p = 1 only 1F1B (no pipeline, all schedules coincide);
+- recompute none / selective / full; SP on every t > 1 layout when asked.
+
+Memory is checked in closed form first (training state + activations × the schedule's
+in-flight microbatches). Every fitting layout gets a lower bound on its time
+(``predict.lower_bound_s``); layouts are simulated in order of that bound, and the
+search stops once the bound exceeds the K-th best simulated time — the answer equals
+simulating everything (the tests check it against brute force).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from fxpipe.planner.config import LayerBalance, ParallelConfig, PlannerOptions, ScheduleKind
+from fxpipe.planner.layer_cost import CostModel
+from fxpipe.planner.pipeline import in_flight
+from fxpipe.planner.predict import Prediction, lower_bound_s, predict, rank_memory
+from fxpipe.planner.shapes import TransformerShape
+from fxpipe.planner.stages import StagePlan, plan_stages
+
+
+def divisors(n: int) -> list[int]:
+    small = [k for k in range(1, int(n ** 0.5) + 1) if n % k == 0]
+    return sorted(set(small + [n // k for k in small]))
+
+
+def enumerate_layouts(shape: TransformerShape, gpus: int, global_batch: int,
+                      options: PlannerOptions) -> list[ParallelConfig]:
+    """Every layout that satisfies the divisibility rules above (memory not checked)."""
+    out = []
+    max_tp = options.max_tp or gpus
+    sp = options.sequence_parallel
+    for t in divisors(gpus):
+        if t > max_tp or shape.heads % t:
+            continue
+        for p in divisors(gpus // t):
+            if p > shape.layers:
+                continue
+            d = gpus // (t * p)
+            if global_batch % d:
+                continue
+            for b in divisors(global_batch // d):
+                if b > options.max_micro_batch:
+                    continue
+                m = global_batch // (d * b)
+                for kind in options.schedules:
+                    if p == 1 and kind is not ScheduleKind.ONE_F_ONE_B:
+                        continue
+                    chunk_range = range(2, options.max_chunks + 1) if kind is ScheduleKind.INTERLEAVED else (1,)
+                    for v in chunk_range:
+                        if p * v > shape.layers:
+                            continue
+                        if options.balance is LayerBalance.MEGATRON and shape.layers % (p * v):
+                            continue
+                        for rc in options.recomputes:
+                            out.append(ParallelConfig(tp=t, pp=p, dp=d, micro_batch=b, num_microbatches=m,
+                                                      chunks=v, schedule=kind, recompute=rc,
+                                                      sequence_parallel=sp and t > 1))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanResult:
+    """The best layouts and how the search went."""
+
+    predictions: tuple[Prediction, ...]
+    """Best first (shortest iteration)."""
+    enumerated: int
+    """Layouts satisfying divisibility."""
+    fitting: int
+    """Of those, layouts that fit in memory."""
+    simulated: int
+    """Of those, layouts simulated before the bound stopped the search."""
+    wall_s: float
+    smallest_memory_gb: float
+    """The least memory per GPU any enumerated layout needs (tells what would fit)."""
+
+
+def memory_only(model: CostModel, cfg: ParallelConfig, stages: StagePlan) -> float:
+    """Peak memory per GPU without simulating (in-flight counts are closed form)."""
+    flight = in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.chunks)
+    return max(m.total for m in rank_memory(model, cfg, stages, flight))
+
+
+def plan(shape: TransformerShape, gpus: int, global_batch: int, options: PlannerOptions,
+         *, top: int = 5, exhaustive: bool = False) -> PlanResult:
+    """The ``top`` fastest layouts of ``shape`` on ``gpus`` GPUs at ``global_batch``
+    sequences per iteration that fit in memory. ``exhaustive`` simulates every fitting
+    layout (for tests; the bound gives the same answer)."""
+    if gpus < 1 or global_batch < 1 or top < 1:
+        raise ValueError(f"gpus, global batch and top must be >= 1, got {gpus}, {global_batch}, {top}")
+    start = time.perf_counter()
+    model = CostModel(shape, options)
+    layouts = enumerate_layouts(shape, gpus, global_batch, options)
+    if not layouts:
+        raise ValueError(
+            f"no layout of {shape.name} on {gpus} GPUs with global batch {global_batch}: t must divide "
+            f"the {shape.heads} heads and {gpus}, d = N/(t·p) must divide {global_batch}; try a global "
+            f"batch that is a multiple of {gpus} or a GPU count sharing factors with {shape.heads}")
+    limit = options.hardware.usable_memory_bytes
+    smallest = float("inf")
+    scored = []
+    for cfg in layouts:
+        stages = plan_stages(model, cfg)
+        mem = memory_only(model, cfg, stages)
+        smallest = min(smallest, mem)
+        if mem <= limit:
+            scored.append((lower_bound_s(cfg, stages), len(scored), cfg))
+    if not scored:
+        raise ValueError(
+            f"no layout of {shape.name} fits {limit / 1e9:.1f} GB per GPU "
+            f"({options.hardware.name}, {options.hardware.usable_memory_fraction:.0%} of "
+            f"{options.hardware.memory_bytes / 2**30:.0f} GiB): the smallest needs {smallest / 1e9:.1f} GB. "
+            f"Use more GPUs, allow full recompute (--recompute full) or sequence parallelism")
+    scored.sort(key=lambda x: (x[0], x[1]))
+    best: list[Prediction] = []
+    simulated = 0
+    for bound, _, cfg in scored:
+        if not exhaustive and len(best) >= top and bound > best[-1].iteration_s:
+            break
+        pred = predict(shape, cfg, options, model)
+        simulated += 1
+        best.append(pred)
+        best.sort(key=lambda p: p.iteration_s)
+        if not exhaustive:
+            del best[top:]
+    return PlanResult(predictions=tuple(best[:top]), enumerated=len(layouts), fitting=len(scored),
+                      simulated=simulated, wall_s=time.perf_counter() - start,
+                      smallest_memory_gb=smallest / 1e9)
+

@@ -1,0 +1,117 @@
+"""Deal layers to pipeline stages and price each stage for one microbatch.
+
+Stage c of p·v lives on rank c mod p (SC21 §2.2, fxpipe's loop placement). The
+embedding is on stage 0 and the LM head on the last stage; with p > 1 the last rank
+keeps its own copy of the tied embedding (Megatron's embedding group). Stage times
+are numpy arrays (the search prices thousands of layouts); the by-component
+``Work`` of a stage is built only when asked (``StagePlan.work``).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from fxpipe.planner.config import LayerBalance, ParallelConfig, ScheduleKind
+from fxpipe.planner.layer_cost import CostModel
+from fxpipe.planner.work import Component, Work
+
+
+def split_layers(layers: int, num_stages: int, balance: LayerBalance,
+                 stage_cost: tuple[float, ...], layer_cost: float) -> tuple[int, ...]:
+    """Layers per stage. MEGATRON: l/(p·v) each; FXPIPE: each layer to the stage with the
+    least time so far, counting the embedding/head in ``stage_cost`` (optimal min-max for
+    identical layers, by an exchange argument)."""
+    if num_stages > layers:
+        raise ValueError(f"{num_stages} pipeline stages for {layers} layers: every stage needs at "
+                         f"least one layer; use fewer stages (p·v <= {layers})")
+    if balance is LayerBalance.MEGATRON:
+        if layers % num_stages:
+            raise ValueError(f"Megatron's layer split needs l % (p·v) == 0, but {layers} % "
+                             f"{num_stages} = {layers % num_stages}; use LayerBalance.FXPIPE or "
+                             f"p·v dividing {layers}")
+        return (layers // num_stages,) * num_stages
+    counts = [1] * num_stages
+    heap = [(stage_cost[k] + layer_cost, k) for k in range(num_stages)]
+    heapq.heapify(heap)
+    for _ in range(layers - num_stages):
+        t, k = heapq.heappop(heap)
+        counts[k] += 1
+        heapq.heappush(heap, (t + layer_cost, k))
+    return tuple(counts)
+
+
+@dataclass(frozen=True, eq=False)
+class StagePlan:
+    """Every stage of one layout, priced for one microbatch."""
+
+    config: ParallelConfig
+    layers: tuple[int, ...]
+    """Layers per stage."""
+    forward: np.ndarray
+    """Per stage: forward seconds (p2p included)."""
+    backward: np.ndarray
+    """Per stage: full backward seconds (recompute and p2p included)."""
+    weight: np.ndarray
+    """Per stage: the weight-gradient part of ``backward``."""
+    params: np.ndarray
+    """Per stage: parameters per GPU."""
+    parts: tuple[Work, Work, Work]
+    """(one layer, embedding, head) Work, to rebuild a stage's breakdown."""
+    p2p: tuple[float, float]
+    """(send, receive-side all-gather) seconds per stage boundary and microbatch."""
+
+    def ranks(self, values: np.ndarray) -> np.ndarray:
+        """Sum a per-stage array over each rank's v stages -> per rank."""
+        p = self.config.pp
+        return values.reshape(self.config.chunks, p).sum(axis=0)
+
+    def work(self, k: int) -> Work:
+        """Stage k's forward/backward by component."""
+        layer, emb, head = self.parts
+        send, gather = self.p2p
+        S = len(self.layers)
+        w = layer.scaled(self.layers[k])
+        if k == 0:
+            w = w + emb
+        if k == S - 1:
+            w = w + head
+        f = (send if k < S - 1 else 0.0) + (gather if k > 0 else 0.0)
+        b = (send if k > 0 else 0.0) + (gather if k < S - 1 else 0.0)
+        return w + Work.make({Component.P2P: f}, {Component.P2P: b})
+
+
+def plan_stages(model: CostModel, cfg: ParallelConfig) -> StagePlan:
+    shape, opts, hw = model.shape, model.options, model.hw
+    t, b, S = cfg.tp, cfg.micro_batch, cfg.num_stages
+    sp = cfg.sequence_parallel and t > 1
+    layer = model.layer(t, b, cfg.recompute, sp, cfg.schedule is ScheduleKind.ZB_H1)
+    emb, head = model.embedding(t, b, sp), model.head(t, b, sp)
+    extra = [0.0] * S
+    extra[0] += emb.forward_s + emb.backward_s
+    extra[-1] += head.forward_s + head.backward_s
+    counts = split_layers(shape.layers, S, opts.balance, tuple(extra),
+                          layer.forward_s + layer.backward_s)
+    intra = cfg.tp * cfg.dp * cfg.pp <= hw.gpus_per_node
+    send, gather = model.boundary(t, b, sp, intra) if S > 1 else (0.0, 0.0)
+    n = np.asarray(counts, dtype=np.float64)
+    fwd = n * layer.forward_s
+    bwd = n * layer.backward_s
+    wgt = n * layer.weight
+    params = n * shape.layer_params_per_gpu(t)
+    vocab_params = shape.padded_vocab(t) * shape.hidden / t
+    fwd[0] += emb.forward_s
+    bwd[0] += emb.backward_s
+    params[0] += vocab_params + shape.seq * shape.hidden  # word (split) + position (replicated)
+    fwd[-1] += head.forward_s
+    bwd[-1] += head.backward_s
+    wgt[-1] += head.weight
+    params[-1] += 2 * shape.hidden + (vocab_params if cfg.pp > 1 else 0.0)  # final norm, tied copy
+    if S > 1:
+        fwd[:-1] += send
+        fwd[1:] += gather
+        bwd[1:] += send
+        bwd[:-1] += gather
+    return StagePlan(config=cfg, layers=counts, forward=fwd, backward=bwd, weight=np.minimum(wgt, bwd),
+                     params=params, parts=(layer, emb, head), p2p=(send, gather))
