@@ -68,6 +68,9 @@ class Hardware:
     """Datasheet memory bandwidth, bytes/s."""
     memory_efficiency: float
     """Fraction of ``peak_memory_bw`` element-wise kernels reach."""
+    attention_efficiency: float = 1.0
+    """A fused (flash) attention kernel's FLOP rate as a fraction of ``matmul_flops``
+    (FLOPs counted over the full s×s, as the paper counts them)."""
     memory_bytes: int
     """Device memory per accelerator."""
     usable_memory_fraction: float = 0.9
@@ -85,7 +88,7 @@ class Hardware:
     """Where the numbers come from."""
 
     def __post_init__(self) -> None:
-        for f in ("matmul_efficiency", "memory_efficiency", "usable_memory_fraction"):
+        for f in ("matmul_efficiency", "memory_efficiency", "attention_efficiency", "usable_memory_fraction"):
             v = getattr(self, f)
             if not 0 < v <= 1:
                 raise ValueError(f"Hardware.{f} must be in (0, 1], got {v}")
@@ -202,37 +205,39 @@ GiB = 2**30
 #   paper's shapes ran at roughly 230-250 TFLOP/s on the 2020-21 software stack the
 #   SC21 scripts name (NGC PyTorch 20.12) — an assumption, not a measurement.
 # - HBM2e 2.039 TB/s; element-wise kernels reach ~85% of it (STREAM-like copy).
+# - fused (flash) attention at ~0.8 of the GEMM rate (only used with --fused-attention;
+#   the paper's 2021 kernels were unfused).
 # - NVSwitch: NVLink3 300 GB/s per direction per GPU; nccl-tests all-reduce busbw on
 #   8 GPUs ~230 GB/s.
 # - InfiniBand: 8 × HDR 200 Gb/s per node, one per GPU: 25 GB/s, ~23 GB/s achieved.
 A100 = Hardware(
     name="a100", peak_flops=312e12, matmul_efficiency=0.75, peak_memory_bw=2.039e12,
-    memory_efficiency=0.85, memory_bytes=80 * GiB, gpus_per_node=8,
+    memory_efficiency=0.85, attention_efficiency=0.8, memory_bytes=80 * GiB, gpus_per_node=8,
     intra_node=Link(p2p_bw=240 * GB, p2p_latency=10e-6, collective_bw=230 * GB, collective_latency=5e-6),
     inter_node=Link(p2p_bw=23 * GB, p2p_latency=15e-6, collective_bw=23 * GB, collective_latency=10e-6),
     op_overhead_s=5e-6, source="datasheet + assumed efficiencies (DGX A100, SC21 Selene)")
 
 # V100-32GB SXM2 in a DGX-1V.
 # - 125 TFLOP/s fp16 tensor cores; 0.75 assumed as for the A100 (~95 TFLOP/s GEMMs).
-# - HBM2 900 GB/s at 85%.
+# - HBM2 900 GB/s at 85%. Fused attention (no FlashAttention-2 on Volta) at 0.6.
 # - NVLink2 hybrid cube-mesh: 6 links × 25 GB/s per GPU; nccl-tests all-reduce busbw
 #   ~130 GB/s on 8 GPUs; a neighbour pair shares 2 links (~45 GB/s p2p).
 # - 4 × EDR 100 Gb/s per node: 6.25 GB/s per GPU, ~5.5 achieved.
 V100 = Hardware(
     name="v100", peak_flops=125e12, matmul_efficiency=0.75, peak_memory_bw=900 * GB,
-    memory_efficiency=0.85, memory_bytes=32 * GiB, gpus_per_node=8,
+    memory_efficiency=0.85, attention_efficiency=0.6, memory_bytes=32 * GiB, gpus_per_node=8,
     intra_node=Link(p2p_bw=45 * GB, p2p_latency=10e-6, collective_bw=130 * GB, collective_latency=6e-6),
     inter_node=Link(p2p_bw=5.5 * GB, p2p_latency=15e-6, collective_bw=5.5 * GB, collective_latency=12e-6),
     op_overhead_s=6e-6, source="datasheet + assumed efficiencies (DGX-1V)")
 
 # H100-80GB SXM in a DGX H100.
 # - 989 TFLOP/s dense bf16; 0.70 assumed (large bf16 GEMMs ~650-750 TFLOP/s).
-# - HBM3 3.35 TB/s at 85%.
+# - HBM3 3.35 TB/s at 85%; fused attention at 0.8 of the GEMM rate.
 # - NVLink4 450 GB/s per direction per GPU; all-reduce busbw ~360 GB/s on 8 GPUs.
 # - 8 × NDR 400 Gb/s per node: 50 GB/s per GPU, ~45 achieved.
 H100 = Hardware(
     name="h100", peak_flops=989e12, matmul_efficiency=0.70, peak_memory_bw=3.35e12,
-    memory_efficiency=0.85, memory_bytes=80 * GiB, gpus_per_node=8,
+    memory_efficiency=0.85, attention_efficiency=0.8, memory_bytes=80 * GiB, gpus_per_node=8,
     intra_node=Link(p2p_bw=360 * GB, p2p_latency=8e-6, collective_bw=360 * GB, collective_latency=4e-6),
     inter_node=Link(p2p_bw=45 * GB, p2p_latency=12e-6, collective_bw=45 * GB, collective_latency=8e-6),
     op_overhead_s=4e-6, source="datasheet + assumed efficiencies (DGX H100)")

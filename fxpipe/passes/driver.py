@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Sequence
 from fxpipe.passes.canonicalize import canonicalize_pass
 from fxpipe.passes.cost import cost_pass
 from fxpipe.passes.lint import lint_program
+from fxpipe.passes.tensor_parallel import tensor_parallel_pass
 from fxpipe.program import Program
 
 PassFn = Callable[[Program, object], Program]
@@ -37,6 +38,9 @@ class PassTiming:
 DEFAULT_PASSES: tuple[PassSpec, ...] = (
     PassSpec("canonicalize", canonicalize_pass,
              "drop export's runtime asserts and dead values so later passes see computation only"),
+    PassSpec("tensor_parallel", tensor_parallel_pass,
+             "find Megatron column/row blocks and shard them (config.tp > 1); before cost, so "
+             "costs are per rank"),
     PassSpec("cost", cost_pass,
              "FLOPs and bytes per node from shapes; last, so it prices the graph as rewritten"),
 )

@@ -1,9 +1,14 @@
 """``fxpipe calibrate``: measure this machine into a ``Hardware`` profile (~20 s).
 
-- matmul: fp32 square products (256…1024) on ``threads`` threads; the best rate is the
-  profile's peak, with efficiency 1 (the roofline then prices small GEMMs by bytes).
-  Measured alone and by two processes at once; the profile keeps the loaded numbers;
-- memory bandwidth: a 128 MB tensor copy (read + write);
+- matmul: fp32 square products (256…1024) on ``threads`` threads give the peak; the
+  median rate of training-shaped GEMMs in their forward and backward layouts over the
+  peak is the matmul efficiency;
+- memory: a 128 MB copy gives the bandwidth; a mix of element-wise kernels (add, GeLU,
+  LayerNorm, softmax) over it, the memory efficiency (GeLU is compute bound on a CPU);
+- attention: a causal SDPA forward + backward, FLOPs counted as the planner counts
+  them, over the GEMM rate is the attention efficiency;
+- all of the above alone and by two processes at once; the profile keeps the loaded
+  numbers (every core busy, as in a multi-rank run);
 - per-kernel overhead: a 1-element add (eager dispatch);
 - gloo, two spawned processes: ping-pong send/recv and all-reduce over 4 KB…8 MB; a
   least-squares line t = latency + bytes/bandwidth per collective (all-reduce on 2
@@ -40,16 +45,66 @@ def _best_rate(fn: Callable[[], None], work: float, budget_s: float = 0.4) -> fl
     return work / best
 
 
+GEMM_SHAPES = ((512, 768, 256), (512, 256, 256), (512, 1024, 256), (512, 256, 1024), (256, 1024, 512))
+"""(M, N, K) of training-like GEMMs (a small transformer's projections); each is timed as
+A·B, Aᵀ·B and A·Bᵀ, the three layouts forward and backward use."""
+
+
+def _gemm_rates(threads: int) -> list[float]:
+    rates = []
+    for M, N, K in GEMM_SHAPES:
+        a, b = torch.randn(M, K), torch.randn(K, N)
+        at, bt = a.t().contiguous(), b.t().contiguous()
+        flops = 2.0 * M * N * K
+        rates += [_best_rate(lambda: torch.mm(a, b), flops, 0.1),
+                  _best_rate(lambda: torch.mm(at.t(), b), flops, 0.1),
+                  _best_rate(lambda: torch.mm(a, bt.t()), flops, 0.1)]
+    return rates
+
+
+def _elementwise_rate() -> float:
+    """Bytes/s over a mix of a layer's memory-bound kernels (add, GeLU, LayerNorm, softmax)
+    on fp32 (512, 1024) tensors, each counted as its reads + writes."""
+    x, y = torch.randn(512, 1024), torch.randn(512, 1024)
+    w, bias = torch.ones(1024), torch.zeros(1024)
+    nbytes = x.numel() * 4
+    kernels = ((lambda: x + y, 3 * nbytes), (lambda: torch.nn.functional.gelu(x), 2 * nbytes),
+               (lambda: torch.nn.functional.layer_norm(x, (1024,), w, bias), 2 * nbytes),
+               (lambda: torch.softmax(x, -1), 2 * nbytes))
+    seconds = sum(work / _best_rate(fn, work, 0.1) for fn, work in kernels)
+    return sum(work for _, work in kernels) / seconds
+
+
+def _attention_rate() -> float:
+    """FLOP/s of a causal SDPA forward + backward, FLOPs counted as the planner does
+    (4·b·s²·h forward over the full s×s, 2.5× that backward)."""
+    b, a, s, dh = 2, 4, 128, 64
+    q, k, v = (torch.randn(b, a, s, dh, requires_grad=True) for _ in range(3))
+
+    def step() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.sum().backward()
+
+    return _best_rate(step, 3.5 * 4.0 * b * s * s * a * dh, 0.2)
+
+
 def measure_compute(threads: int) -> dict[str, Any]:
+    """Peak and per-op efficiencies: square GEMMs give the peak; training-shaped GEMMs
+    (all three layouts), an element-wise kernel mix and a fused attention step give the
+    efficiencies the cost model applies (``Hardware`` docs)."""
     torch.set_num_threads(threads)
-    rates = {}
+    square = {}
     for n in (256, 512, 1024):
         a, b = torch.randn(n, n), torch.randn(n, n)
-        rates[n] = _best_rate(lambda: torch.mm(a, b), 2.0 * n ** 3)
+        square[n] = _best_rate(lambda: torch.mm(a, b), 2.0 * n ** 3, 0.2)
+    peak = max(square.values())
+    gemm = statistics.median(_gemm_rates(threads))
     x = torch.empty(32 << 20)  # 128 MB of fp32
     y = torch.empty_like(x)
     x.fill_(1.0)
     bw = _best_rate(lambda: y.copy_(x), 2.0 * x.numel() * 4)
+    elementwise = _elementwise_rate()
+    attention = _attention_rate()
     tiny = torch.ones(1)
     reps = 2000
 
@@ -58,7 +113,10 @@ def measure_compute(threads: int) -> dict[str, Any]:
             tiny.add_(1.0)
 
     overhead = 1.0 / _best_rate(adds, reps, budget_s=0.2)
-    return dict(matmul_flops_by_size={str(k): v for k, v in rates.items()}, memory_bw=bw,
+    return dict(square_matmul_flops={str(k): v for k, v in square.items()}, peak_flops=peak,
+                training_gemm_flops=gemm, matmul_efficiency=min(1.0, gemm / peak),
+                copy_bw=bw, elementwise_bw=elementwise, memory_efficiency=min(1.0, elementwise / bw),
+                attention_flops=attention, attention_efficiency=min(1.0, attention / gemm),
                 op_overhead_s=overhead, threads=threads)
 
 
@@ -168,23 +226,23 @@ def calibrate(*, name: str = "cpu-measured", threads: int = 1, distributed: bool
         gloo = measure_gloo(threads)
         measurements["gloo"] = gloo
         loaded = gloo["compute_concurrent"]
-        compute = dict(matmul_flops_by_size={k: statistics.mean(c["matmul_flops_by_size"][k] for c in loaded)
-                                             for k in loaded[0]["matmul_flops_by_size"]},
-                       memory_bw=statistics.mean(c["memory_bw"] for c in loaded),
-                       op_overhead_s=statistics.mean(c["op_overhead_s"] for c in loaded), threads=threads)
+        compute = {k: statistics.mean(c[k] for c in loaded) for k in loaded[0]
+                   if isinstance(loaded[0][k], float)}
         link = Link(p2p_bw=gloo["p2p_bw"], p2p_latency=gloo["p2p_latency"],
                     collective_bw=gloo["collective_bw"], collective_latency=gloo["collective_latency"])
     for label, c in (("alone", alone), ("profile", compute)):
-        log(f"{label:<8} matmul {max(c['matmul_flops_by_size'].values()) / 1e9:.1f} GFLOP/s fp32 on "
-            f"{threads} thread(s) (by size: "
-            f"{', '.join(f'{k}: {v / 1e9:.1f}' for k, v in c['matmul_flops_by_size'].items())}); "
-            f"copy {c['memory_bw'] / 1e9:.2f} GB/s; per-kernel overhead {c['op_overhead_s'] * 1e6:.1f} us")
+        log(f"{label:<8} matmul peak {c['peak_flops'] / 1e9:.1f} GFLOP/s fp32 ({threads} thread(s)), "
+            f"training GEMMs {c['training_gemm_flops'] / 1e9:.1f} (eff {c['matmul_efficiency']:.2f}); "
+            f"copy {c['copy_bw'] / 1e9:.2f} GB/s, element-wise {c['elementwise_bw'] / 1e9:.2f} "
+            f"(eff {c['memory_efficiency']:.2f}); attention eff {c['attention_efficiency']:.2f}; "
+            f"kernel overhead {c['op_overhead_s'] * 1e6:.1f} us")
     if distributed:
         log(f"gloo     p2p {link.p2p_bw / 1e9:.2f} GB/s + {link.p2p_latency * 1e6:.0f} us; all-reduce "
             f"busbw {link.collective_bw / 1e9:.2f} GB/s + {link.collective_latency * 1e6:.0f} us per step")
     hw = Hardware(
-        name=name, peak_flops=max(compute["matmul_flops_by_size"].values()), matmul_efficiency=1.0,
-        peak_memory_bw=compute["memory_bw"], memory_efficiency=1.0, memory_bytes=_ram_bytes(),
+        name=name, peak_flops=compute["peak_flops"], matmul_efficiency=compute["matmul_efficiency"],
+        peak_memory_bw=compute["copy_bw"], memory_efficiency=compute["memory_efficiency"],
+        attention_efficiency=compute["attention_efficiency"], memory_bytes=_ram_bytes(),
         gpus_per_node=os.cpu_count() or 1, intra_node=link, inter_node=link,
         op_overhead_s=compute["op_overhead_s"],
         source=f"fxpipe calibrate, {platform.node()} {platform.machine()} "

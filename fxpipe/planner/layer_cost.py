@@ -15,7 +15,7 @@ Per layer (Megatron, Shoeybi et al. 2019 §3; SC21 §3.2), tokens n = b·s, per 
   twice the forward's bytes (it reads the saved input and the output gradient and
   writes the input gradient). A fused attention kernel has no s×s traffic: it is priced
   as a compute-bound kernel of 4·b·s²·h/t FLOPs forward and 2.5× that backward (the
-  backward recomputes the scores).
+  backward recomputes the scores) at ``attention_efficiency`` × the GEMM rate.
 - TP: two all-reduces of sbh forward and two backward (f and g, Megatron §3); with
   SP each becomes an all-gather plus a reduce-scatter — the same bytes.
 - recompute: full reruns the layer's forward (its all-reduces included) in backward;
@@ -71,8 +71,9 @@ class CostModel:
         if self.options.fused_attention:
             flops = 4.0 * b * s * s * h / tp
             traffic = d * 4.0 * s * b * h / tp  # read q, k, v; write the output
-            fwd = max(flops / hw.matmul_flops, traffic / hw.memory_bw) + hw.op_overhead_s
-            bwd = max(FLASH_BACKWARD_FACTOR * flops / hw.matmul_flops, 2 * traffic / hw.memory_bw) \
+            rate = hw.matmul_flops * hw.attention_efficiency
+            fwd = max(flops / rate, traffic / hw.memory_bw) + hw.op_overhead_s
+            bwd = max(FLASH_BACKWARD_FACTOR * flops / rate, 2 * traffic / hw.memory_bw) \
                 + 2 * hw.op_overhead_s
             return fwd, bwd, 0.0
         dh = sh.head_dim

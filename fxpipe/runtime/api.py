@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
 
+import contextlib
 import copy
 import dataclasses
 
@@ -18,6 +19,8 @@ import torch.nn as nn
 
 from fxpipe.capture import capture
 from fxpipe.passes import run_passes
+from fxpipe.passes.tensor_parallel import TPConfig, shard_state, unshard_state
+from fxpipe.tp import DropoutRNG, ProcessGroupTP, tp_group_context
 from fxpipe.passes.recompute import RecomputeMode, apply_recompute
 from fxpipe.passes.device import retarget_device_pass
 from fxpipe.passes.partition import PartitionConfig, partition_pass, stage_inflight
@@ -49,12 +52,14 @@ class ParallelModel:
     def __init__(self, plan: PipelinePlan, schedule: Schedule, groups: MeshGroups,
                  state: dict[str, torch.Tensor], executor: PipelineExecutor,
                  grad_sync: GradSync, num_microbatches: int, device: torch.device,
-                 master: MasterWeights | None = None) -> None:
+                 master: MasterWeights | None = None, specs: dict | None = None) -> None:
         self.plan, self.schedule, self.groups = plan, schedule, groups
         self.state, self.executor, self.grad_sync = state, executor, grad_sync
         self.master = master
         """Mixed precision: fp32 masters (what the optimizer sees) for ``state``."""
         self.last_step_skipped = False
+        self.specs = specs or {}
+        """Tensor-parallel ShardSpec per sharded parameter (empty without TP)."""
         self.num_microbatches, self.device = num_microbatches, device
         specs = plan.program.input_specs
         self._mb_shapes = [s.shape for s in specs]
@@ -73,9 +78,18 @@ class ParallelModel:
         for _, t in self.named_parameters():
             yield t
 
+    def unshard_tp(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full tensors from this rank's tensor-parallel shards (parameters or their
+        gradients), gathered over the tp group; identity without TP. Collective."""
+        if self.groups.mesh.tp == 1:
+            return local
+        shards: list[Any] = [None] * self.groups.mesh.tp
+        dist.all_gather_object(shards, local, group=self.groups.tp_group)
+        return unshard_state(shards, self.specs)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model, gathered from all pipeline ranks (on CPU)."""
-        local = {n: t.detach().cpu() for n, t in self.named_parameters()}
+        local = self.unshard_tp({n: t.detach().cpu() for n, t in self.named_parameters()})
         gathered: list[Any] = [None] * self.groups.mesh.pp
         dist.all_gather_object(gathered, local, group=self.groups.pp_group)
         full: dict[str, torch.Tensor] = {}
@@ -140,7 +154,7 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
                 loss_fn: Callable[..., torch.Tensor] | None = None,
                 partition: str = "ilp", memory_limit_gb: float | None = None,
                 precision: str = "fp32", loss_scaler: dict | None = None,
-                recompute: str = "none",
+                recompute: str = "none", sp: bool = False, seed: int = 0,
                 timeout_s: float = 60.0, device: torch.device | None = None) -> ParallelModel:
     """Compile ``model`` for tensor × pipeline × data parallelism on this rank.
 
@@ -150,10 +164,11 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     ``precision``: fp32, bf16, or fp16 (dynamic loss scaling); both 16-bit modes keep
     fp32 master weights (see ``fxpipe.runtime.precision``). ``recompute``: none,
     selective (attention core) or full (whole layer), per stage (``passes/recompute.py``).
+    ``tp``: tensor-parallel size (the automatic pass, ``passes/tensor_parallel``); ``sp``:
+    sequence parallelism; ``seed``: dropout seed (Megatron's RNG tracker offsets it per
+    tp rank inside sharded regions).
     """
     prec = Precision.parse(precision)
-    if tp != 1:
-        raise ValueError(f"tp={tp}: tensor parallelism is not wired into the runtime yet; use tp=1")
     timeout = timedelta(seconds=timeout_s)
     device = init_distributed(timeout, device)
     world = dist.get_world_size()
@@ -175,7 +190,7 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     # one that runs; the user's fp32 model provides the master weights.
     traced = model if prec is Precision.FP32 else copy.deepcopy(model).to(prec.dtype)
     program = capture(traced, tuple(t[:mb_rows] for t in example), loss_fn)
-    program, _ = run_passes(program)
+    program, _ = run_passes(program, TPConfig(tp=tp, sp=sp))
     program = retarget_device_pass(program, device)
     config = PartitionConfig(num_stages=sched.num_stages, stage_to_rank=sched.stage_ranks,
                              inflight=stage_inflight(sched), method=partition,
@@ -196,22 +211,29 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
 
     my_stages = sched.stages_of_rank(groups.pp_rank)
     names = dict.fromkeys(n for s in my_stages for n in plan.stage_params(s))
-    state = {}
-    for name in names:
-        t = program.state[name].detach().to(device).clone()
-        state[name] = t.requires_grad_(program.state[name].requires_grad)
+    tp_result = program.extra.get("tensor_parallel")
+    specs = tp_result.specs if tp_result is not None else {}
+    # Each tp rank keeps its shard of every sharded tensor (ShardSpec index ranges).
+    local = shard_state({n: program.state[n] for n in names}, specs, groups.tp_rank)
+    state = {n: t.detach().to(device).clone().requires_grad_(program.state[n].requires_grad)
+             for n, t in local.items()}
     master = None
     if prec is not Precision.FP32:
         originals = dict(model.named_parameters())
-        masters = {n: originals[n].detach().to(device, torch.float32).clone().requires_grad_(True)
-                   for n, t in state.items() if t.requires_grad}
+        full32 = {n: originals[n].detach().float() for n, t in state.items() if t.requires_grad}
+        masters = {n: t.to(device).clone().requires_grad_(True)
+                   for n, t in shard_state(full32, specs, groups.tp_rank).items()}
         master = MasterWeights(prec, state, masters,
                                LossScaler(**(loss_scaler or {})) if prec is Precision.FP16 else None)
-    runners = {s: StageRunner(plan, plan.stages[s], state, loss_scale=1.0 / microbatches)
+    tp_group = ProcessGroupTP(groups.tp_group)
+    rng = DropoutRNG(seed, groups.tp_rank)
+    context = (lambda: tp_group_context(tp_group, rng)) if tp > 1 else contextlib.nullcontext
+    runners = {s: StageRunner(plan, plan.stages[s], state, loss_scale=1.0 / microbatches, context=context)
                for s in my_stages}
     value_ids = {n: i for i, n in enumerate(sorted(plan.values))}
     transport = Transport(device=device, timeout=timeout, value_ids=value_ids,
                           num_values=max(1, len(value_ids)))
     executor = PipelineExecutor(plan, lowered, groups.pp_rank, runners, transport, groups.pp_peer)
     grad_sync = GradSync.build(plan, sched, groups, master.masters if master else state, timeout)
-    return ParallelModel(plan, lowered, groups, state, executor, grad_sync, microbatches, device, master)
+    return ParallelModel(plan, lowered, groups, state, executor, grad_sync, microbatches, device, master,
+                         specs)

@@ -11,8 +11,9 @@ schedule's peak).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, ContextManager, Mapping, Sequence
 
 import torch
 
@@ -36,6 +37,9 @@ class StageRunner:
     loss_scale: float = 1.0
     """Each microbatch's loss is multiplied by this (1/num_microbatches) so the
     accumulated gradients equal the full-batch gradient."""
+    context: Callable[[], ContextManager] = contextlib.nullcontext
+    """Entered around every forward (the tensor-parallel group and dropout RNG: the
+    graph's collectives resolve their group from it; backward needs none)."""
     saved: dict[int, _Saved] = field(default_factory=dict)
     peak_in_flight: int = 0
     losses: dict[int, float] = field(default_factory=dict)
@@ -58,7 +62,7 @@ class StageRunner:
             if self.plan.values[name].requires_grad:
                 t = t.detach().requires_grad_(True)
             inputs[name] = t
-        with torch.enable_grad():
+        with torch.enable_grad(), self.context():
             out = self.stage.call(self.state, self._canonical, batch, inputs)
         sends = dict(zip(self.stage.outputs, out[:len(self.stage.outputs)]))
         if self.stage.is_last:
@@ -90,7 +94,8 @@ class StageRunner:
         """Full backward (B): accumulate parameter gradients, return input gradients."""
         saved, outs, gouts = self._grad_pairs(mb, grads)
         if outs:
-            torch.autograd.backward(outs, gouts)
+            with self.context():  # recomputed regions re-run forward ops in backward
+                torch.autograd.backward(outs, gouts)
         del self.saved[mb]
         return self._input_grads(saved)
 
@@ -100,7 +105,8 @@ class StageRunner:
         saved, outs, gouts = self._grad_pairs(mb, grads)
         leaves = [t for t in saved.inputs.values() if t.requires_grad]
         if outs and leaves:
-            got = torch.autograd.grad(outs, leaves, gouts, retain_graph=True, allow_unused=True)
+            with self.context():
+                got = torch.autograd.grad(outs, leaves, gouts, retain_graph=True, allow_unused=True)
             for leaf, g in zip(leaves, got):
                 leaf.grad = g
         saved.grad_outputs = tuple(gouts)
@@ -116,4 +122,5 @@ class StageRunner:
         outs = list(saved.outputs) if self.stage.is_last else \
             [t for t in saved.outputs if t.requires_grad][:len(saved.grad_outputs)]
         if outs and self.params:
-            torch.autograd.backward(outs, list(saved.grad_outputs), inputs=self.params)
+            with self.context():
+                torch.autograd.backward(outs, list(saved.grad_outputs), inputs=self.params)

