@@ -4,9 +4,9 @@ prediction for the same configuration.
 
 The measured model is fxpipe's GPT at h=256, 4 heads, s=128, V=256 (bytes), fp32,
 dropout 0, on this machine's CPU cores, one thread per process. Its prediction uses
-the calibrated profile ``benchmarks/results/cpu_profile.json`` (written by
-``fxpipe calibrate`` — created on first use; ``--recalibrate`` redoes it), fp32
-bytes, fused attention (CPU SDPA), 16 bytes of fp32 Adam state per parameter and no
+the profile ``benchmarks/results/cpu_profile.json`` that ``fxpipe calibrate`` writes
+right before the measurements (``--cached-profile`` reuses the last one), fp32 bytes,
+fused attention (CPU SDPA), 16 bytes of fp32 Adam state per parameter and no
 optimizer step (``train_step`` does not step it).
 """
 from __future__ import annotations
@@ -61,13 +61,13 @@ def figure(width: float = 6.4, height: float = 3.6, ncols: int = 1, nrows: int =
     return plt.subplots(nrows, ncols, figsize=(width, height))
 
 
-def save_plot(fig, name: str) -> str:
+def save_plot(fig, name: str, dpi: int = 90) -> str:
     """A small PNG (~100 dpi) in benchmarks/results."""
     import matplotlib.pyplot as plt
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, f"{name}.png")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 
@@ -159,8 +159,12 @@ def _worker(rank: int, world: int, port: int, runs: list, steps: int, out: str) 
             t = time.perf_counter()
             pm.train_step(batch)
             times.append(time.perf_counter() - t)
+        events = pm.last_stats.events
+        busy = sum(e - s for a, s, e in events if a.kind.is_compute)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, busy)
         results.append(dict(label=run.label, step_s=statistics.median(times), times=times,
-                            compile_s=compile_s))
+                            compile_s=compile_s, busy_s=gathered))
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
@@ -190,34 +194,42 @@ def measure(runs: Sequence[Run], steps: int = 3) -> dict[str, dict]:
 
 
 def compare(runs: Sequence[Run], measured: dict[str, dict], hw) -> list[list]:
-    """Rows: label, measured best and median step ms, predicted ms, error % vs the best.
+    """Rows: label, measured best and median step ms, predicted ms, measured and predicted
+    compute (busy) ms of the busiest rank, error % of the step vs the best.
 
     The best of the timed steps is the comparison point: this shared 2-core machine runs
-    other jobs, which only ever add time, and calibration takes best-of times too."""
+    other jobs, which only ever add time, and calibration takes best-of times too. The busy
+    columns separate a compute-speed error from a pipeline-structure one."""
     rows = []
     for run in runs:
         pred = predict_run(run, hw)
-        times = measured[run.label]["times"]
+        res = measured[run.label]
+        times = res["times"]
         best, med = min(times), statistics.median(times)
         rows.append([run.label, round(best * 1e3, 1), round(med * 1e3, 1), round(pred.iteration_s * 1e3, 1),
+                     round(max(res["busy_s"]) * 1e3, 1), round(max(pred.pipeline.busy) * 1e3, 1),
                      round(100 * (pred.iteration_s - best) / best, 1)])
     return rows
 
 
-MEASURED_HEADER = ["run", "measured best ms", "measured median ms", "predicted ms", "error vs best %"]
+MEASURED_HEADER = ["run", "measured best ms", "measured median ms", "predicted ms", "measured busy ms",
+                   "predicted busy ms", "error vs best %"]
 
 
 def measured_section(name: str, runs: Sequence[Run], steps: int, recalibrate: bool, what: str) -> list[list]:
     """Measure ``runs``, predict them on the calibrated profile, write results/<name>.md/csv."""
     hw = cpu_profile(recalibrate)
     start = time.perf_counter()
+    load = os.getloadavg()[0]
     got = measure(runs, steps)
     rows = compare(runs, got, hw)
     notes = (f"{what} fxpipe's GPT h={HIDDEN}, {HEADS} heads, s={SEQ}, V={VOCAB}, fp32, one thread per "
              f"process, gloo; {steps} timed steps after one warm-up (best and median). Prediction: the "
              f"planner on the calibrated profile `{os.path.relpath(PROFILE, os.path.dirname(HERE))}` "
              f"(no optimizer step). Mean |error| vs best: {mean_abs([r[-1] for r in rows]):.1f}%. "
-             f"Measured in {time.perf_counter() - start:.0f} s.")
+             f"Busy: compute time of the busiest rank in the last step. Load average "
+             f"{load:.1f} → {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores while measuring "
+             f"({time.perf_counter() - start:.0f} s).")
     print(write_table(name, MEASURED_HEADER, rows, notes))
     return rows
 
@@ -255,8 +267,10 @@ def common_args(description: str, measured: bool = True):
     ap = argparse.ArgumentParser(description=description)
     if measured:
         ap.add_argument("--no-measured", action="store_true", help="paper scale only (seconds)")
-        ap.add_argument("--steps", type=int, default=3, help="timed steps per measured run")
-        ap.add_argument("--recalibrate", action="store_true", help="re-run fxpipe calibrate first")
+        ap.add_argument("--steps", type=int, default=5, help="timed steps per measured run (best counts)")
+        ap.add_argument("--cached-profile", action="store_true",
+                        help="reuse results/cpu_profile.json instead of calibrating right before "
+                             "measuring (the default: this shared machine's load changes)")
     return ap.parse_args()
 
 
@@ -265,6 +279,8 @@ def measured_panel(ax, rows: list[list], title: str = "small GPT on this CPU (gl
     x = range(len(rows))
     ax.bar([i - 0.2 for i in x], [r[1] for r in rows], 0.4, label="measured (best)")
     ax.bar([i + 0.2 for i in x], [r[3] for r in rows], 0.4, label="predicted")
+    ax.scatter([i - 0.2 for i in x], [r[4] for r in rows], marker="_", s=200, color="k", zorder=3,
+               label="measured busy")
     ax.set_xticks(list(x), [r[0] for r in rows], rotation=30, fontsize=7, ha="right")
     ax.set_ylabel("ms per step")
     ax.set_title(f"{title}: mean |err| {mean_abs([r[-1] for r in rows]):.0f}%", fontsize=9)

@@ -39,7 +39,7 @@ def main() -> None:
     if not args.no_measured:
         runs = [Run(label=f"p={p} m={m}", layers=4 * p, pp=p, micro_batch=2, microbatches=m)
                 for m in (2, 8) for p in (1, 2)]
-        res = measured_section("paper_fig11_measured", runs, args.steps, args.recalibrate,
+        res = measured_section("paper_fig11_measured", runs, args.steps, not args.cached_profile,
                                "Weak scaling in p, 4 layers per pipeline rank:")
         measured_panel(bx, res)
     else:

@@ -44,7 +44,7 @@ def main() -> None:
         runs = [Run(label=f"{s} m={m}", layers=8, pp=2, micro_batch=2, microbatches=m, schedule=s,
                     chunks=2 if s == "interleaved" else 1)
                 for m in (2, 4, 8) for s in ("1f1b", "interleaved")]
-        measured_panel(bx, measured_section("paper_fig12_measured", runs, args.steps, args.recalibrate,
+        measured_panel(bx, measured_section("paper_fig12_measured", runs, args.steps, not args.cached_profile,
                                             "1F1B vs interleaved (v=2), p=2, 8 layers:"))
     else:
         bx.axis("off")

@@ -38,7 +38,7 @@ def main() -> None:
     if not args.no_measured:
         runs = [Run(label="p=1 d=2", layers=8, pp=1, dp=2, micro_batch=2, microbatches=4),
                 Run(label="p=2 d=1", layers=8, pp=2, dp=1, micro_batch=2, microbatches=8)]
-        measured_panel(bx, measured_section("paper_fig14_measured", runs, args.steps, args.recalibrate,
+        measured_panel(bx, measured_section("paper_fig14_measured", runs, args.steps, not args.cached_profile,
                                             "Data vs pipeline parallel on 2 processes, batch 16, 8 layers:"))
     else:
         bx.axis("off")

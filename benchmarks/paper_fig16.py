@@ -38,7 +38,7 @@ def main() -> None:
     if not args.no_measured:
         runs = [Run(label=f"b={b} m={32 // b}", layers=8, pp=2, micro_batch=b, microbatches=32 // b)
                 for b in bs]
-        measured_panel(bx, measured_section("paper_fig16_measured", runs, args.steps, args.recalibrate,
+        measured_panel(bx, measured_section("paper_fig16_measured", runs, args.steps, not args.cached_profile,
                                             "Micro-batch size at batch 32, p=2, 8 layers:"))
     else:
         bx.axis("off")

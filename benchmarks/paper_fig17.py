@@ -84,7 +84,7 @@ def main() -> None:
                           "The formula's 34 includes two 1-byte dropout masks, absent at dropout 0."))
         runs = [Run(label=f"recompute {rc}", layers=8, pp=2, micro_batch=2, microbatches=4, recompute=rc)
                 for rc in ("none", "full")]
-        measured_panel(bx, measured_section("paper_fig17_measured", runs, args.steps, args.recalibrate,
+        measured_panel(bx, measured_section("paper_fig17_measured", runs, args.steps, not args.cached_profile,
                                             "No recomputation vs full, p=2, 8 layers:"))
     else:
         bx.axis("off")

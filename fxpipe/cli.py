@@ -37,9 +37,15 @@ def _cmd_compile(args: argparse.Namespace) -> int:
                               layers=args.layers)
     program = capture(workload.model, workload.example_inputs, workload.loss_fn)
     captured = time.perf_counter() - start
-    program, timings = run_passes(program, None, skip=args.skip_pass, debug=args.debug)
+    from fxpipe.passes.tensor_parallel import TPConfig, render_sharding_report
+
+    tp_config = TPConfig(tp=args.tp, sp=args.sp, scatter_gather=not args.no_scatter_gather and None)
+    program, timings = run_passes(program, tp_config, skip=args.skip_pass, debug=args.debug)
     print(compile_summary(program, timings))
     print(f"capture      {captured:.2f} s on {device}")
+    if "tensor_parallel" in program.extra:
+        print()
+        print(render_sharding_report(program.extra["tensor_parallel"]))
     if args.pp > 1 or args.chunks:
         _print_partition(program, args)
     if args.graph:
@@ -114,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip a pass by name (repeatable)")
     p.add_argument("--debug", action="store_true",
                    help="lint the graph and check invariants after every pass")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size t; >1 prints the sharding report")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    p.add_argument("--no-scatter-gather", action="store_true",
+                   help="send full activations between stages instead of 1/t chunks (SC21 §4.1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline ranks p; >1 prints the stage table")
     p.add_argument("--chunks", type=int, default=None, help="stages per rank v (default: the schedule's)")
     p.add_argument("--schedule", default="1f1b", help="schedule whose in-flight microbatches size "

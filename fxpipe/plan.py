@@ -26,6 +26,9 @@ class StageValue:
     spec: TensorSpec
     requires_grad: bool
     """Whether a gradient flows back for it (False for integer or detached values)."""
+    tp_replicated: bool = False
+    """Value and gradient identical on every tensor-parallel rank: scatter-gather may
+    send each rank's 1/t chunk and all-gather on arrival (SC21 §4.1)."""
 
     @property
     def nbytes(self) -> int:

@@ -101,7 +101,8 @@ def _bubble(events: tuple, start: float, end: float) -> float:
 
 def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, Any]:
     """One rank of the job (what torchrun or the elastic launcher starts). ``stop``
-    catches SIGTERM/SIGINT; without one, handlers are installed for the process's life."""
+    catches SIGTERM/SIGINT from the first step on; without one, its handlers stay
+    installed for the process's life."""
     from fxpipe.data import ByteBatches, stdlib_corpus
     from fxpipe.models import build_workload
     from fxpipe.runtime.api import parallelize
@@ -125,7 +126,6 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
         start_step, extra = load_checkpoint(pm, opt, config.checkpoint_dir)
         sched.load_state_dict(extra["lr_scheduler"])
     last_saved = start_step if config.resume else None
-    stop = stop if stop is not None else _StopSignal()
     costs = pm.plan.program.costs.values()
     # Model FLOPs per step (Megatron's 72·B·s·l·h²(1 + s/6h + V/12lh) for a GPT, here
     # summed from the cost pass, so any model gets it): matmul forward + backward.
@@ -138,6 +138,8 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
               f"{config.steps} steps", flush=True)
     times, losses, bubbles = [], [], []
     t_start = time.perf_counter()
+    stop = stop if stop is not None else _StopSignal()
+    stop.install()
     for step in range(start_step, config.steps):
         if stop.agreed():
             break
@@ -202,11 +204,18 @@ class _StopSignal:
     The handler only records the signal; ranks then agree with an all-reduce, because
     a signal reaches each process at a different point and every rank must stop after
     the same step (a collective left half-done would hang). A repeated signal (the
-    elastic agent forwards the one the terminal already sent) is ignored."""
+    elastic agent forwards the one the terminal already sent) is ignored.
+
+    Installed when training starts, not before: during set-up there is nothing to
+    save, and a rank blocked there on a peer that crashed must die with the agent's
+    SIGTERM at once (a Python handler would run only after the blocked call returns)."""
 
     def __init__(self) -> None:
         self.received = 0
         """Written by the handler only: it may run between any two bytecodes of ``agreed``."""
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -221,6 +230,7 @@ class _StopSignal:
     def restore(self) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+        self._previous = {}
 
 
 def _save(pm: Any, opt: Any, sched: Any, step: int, config: TrainConfig) -> int:

@@ -101,7 +101,8 @@ def split_pass(program: Program, assignment: Mapping[str, int] | None = None,
         assert isinstance(t, torch.Tensor), f"only tensors cross stages, {name} is {type(t)}"
         values[name] = StageValue(name=name, producer=assignment[name], consumers=tuple(sorted(cons)),
                                   spec=TensorSpec(tuple(t.shape), t.dtype),
-                                  requires_grad=bool(t.requires_grad) or t.dtype.is_floating_point)
+                                  requires_grad=bool(t.requires_grad) or t.dtype.is_floating_point,
+                                  tp_replicated=bool(node.meta.get("fxpipe_tp_replicated", False)))
 
     stages = []
     param_stages: dict[str, list[int]] = {}

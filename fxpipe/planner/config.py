@@ -86,7 +86,7 @@ class ParallelConfig:
         return self.pp * self.chunks
 
     def label(self) -> str:
-        sp = "+sp" if self.sequence_parallel and self.tp > 1 else ""
+        sp = " sp" if self.sequence_parallel and self.tp > 1 else ""
         v = f" v={self.chunks}" if self.chunks > 1 else ""
         return (f"t={self.tp} p={self.pp} d={self.dp} b={self.micro_batch} m={self.num_microbatches}"
                 f"{v} {self.schedule.value} recompute={self.recompute.value}{sp}")

@@ -1,7 +1,7 @@
 """Text for ``fxpipe plan``: the ranking table and why the winner wins."""
 from __future__ import annotations
 
-from fxpipe.planner.config import ParallelConfig
+from fxpipe.planner.config import ParallelConfig, ScheduleKind
 from fxpipe.planner.predict import Prediction
 from fxpipe.planner.search import PlanResult
 from fxpipe.planner.work import Component
@@ -43,7 +43,8 @@ def _why(c: Component, a: Prediction, b: Prediction) -> str:
     if c is Component.TP_COMM:
         return f"tensor-parallel collectives on the critical rank (t={ca.tp}/{cb.tp})"
     if c is Component.RECOMPUTE:
-        return f"recomputation ({ca.recompute.value}/{cb.recompute.value})"
+        zb = " — zb-h1 reruns it in W as well" if ScheduleKind.ZB_H1 in (ca.schedule, cb.schedule) else ""
+        return f"recomputation ({ca.recompute.value}/{cb.recompute.value}){zb}"
     if c is Component.DP_SYNC:
         return f"gradient all-reduce after the schedule (d={ca.dp}/{cb.dp}, params per GPU)"
     if c is Component.P2P:

@@ -155,6 +155,7 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
                 partition: str = "ilp", memory_limit_gb: float | None = None,
                 precision: str = "fp32", loss_scaler: dict | None = None,
                 recompute: str = "none", sp: bool = False, seed: int = 0,
+                scatter_gather: bool | None = None,
                 timeout_s: float = 60.0, device: torch.device | None = None) -> ParallelModel:
     """Compile ``model`` for tensor × pipeline × data parallelism on this rank.
 
@@ -165,7 +166,8 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     fp32 master weights (see ``fxpipe.runtime.precision``). ``recompute``: none,
     selective (attention core) or full (whole layer), per stage (``passes/recompute.py``).
     ``tp``: tensor-parallel size (the automatic pass, ``passes/tensor_parallel``); ``sp``:
-    sequence parallelism; ``seed``: dropout seed (Megatron's RNG tracker offsets it per
+    sequence parallelism; ``scatter_gather``: send 1/tp chunks of replicated activations
+    between stages (default: on when tp > 1 and sp is off); ``seed``: dropout seed (Megatron's RNG tracker offsets it per
     tp rank inside sharded regions).
     """
     prec = Precision.parse(precision)
@@ -231,8 +233,10 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     runners = {s: StageRunner(plan, plan.stages[s], state, loss_scale=1.0 / microbatches, context=context)
                for s in my_stages}
     value_ids = {n: i for i, n in enumerate(sorted(plan.values))}
+    # Scatter-gather (SC21 §4.1): on by default with tp > 1 unless sequence parallel.
+    use_sg = tp > 1 and (not sp if scatter_gather is None else scatter_gather)
     transport = Transport(device=device, timeout=timeout, value_ids=value_ids,
-                          num_values=max(1, len(value_ids)))
+                          num_values=max(1, len(value_ids)), scatter_gather=tp_group if use_sg else None)
     executor = PipelineExecutor(plan, lowered, groups.pp_rank, runners, transport, groups.pp_peer)
     grad_sync = GradSync.build(plan, sched, groups, master.masters if master else state, timeout)
     return ParallelModel(plan, lowered, groups, state, executor, grad_sync, microbatches, device, master,

@@ -123,7 +123,7 @@ class PipelineExecutor:
         backward = a.kind is K.SEND_B
         for name, dst_stage, t in self.to_send.pop((a.kind, a.stage, a.microbatch), []):
             check_spec(self.plan.values[name], t, "gradient of" if backward else "activation")
-            self.transport.send(t, self.peer(self.rank_of(dst_stage)),
+            self.transport.send(self.plan.values[name], t, self.peer(self.rank_of(dst_stage)),
                                 self.transport.tag(backward, name, a.microbatch))
 
     def _post_recv_fwd(self, a: Action) -> None:
@@ -159,5 +159,6 @@ class PipelineExecutor:
         out: dict[str, torch.Tensor] = {}
         for work, name, buf in self.posted.pop(key, []):
             self.transport.wait(work)
-            out[name] = out[name] + buf if name in out else buf
+            full = self.transport.finish(self.plan.values[name], buf)
+            out[name] = out[name] + full if name in out else full
         return out

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.plan import StageValue
+from fxpipe.tp.group import TPGroup
+from fxpipe.tp.scatter_gather import gather_chunks, scatter_chunk
 
 
 class TransferError(RuntimeError):
@@ -45,17 +47,38 @@ class Transport:
     num_values: int
     group: Any = None
     """Process group the ranks below belong to (None: the default world group)."""
+    scatter_gather: TPGroup | None = None
+    """With tensor parallelism (SC21 §4.1): a value replicated over the tp group is sent
+    as this rank's 1/t chunk and all-gathered over the group on arrival."""
     _sends: list[Any] = field(default_factory=list)
+
+    def _chunked(self, value: StageValue) -> bool:
+        return self.scatter_gather is not None and value.tp_replicated
 
     def tag(self, backward: bool, value: str, mb: int) -> int:
         return (mb * self.num_values + self.value_ids[value]) * 2 + int(backward)
 
-    def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+    def send(self, value: StageValue, t: torch.Tensor, dst: int, tag: int) -> None:
+        if self._chunked(value):
+            g = self.scatter_gather
+            t = scatter_chunk(t, g.rank, g.size)
         self._sends.append(dist.isend(t.contiguous(), dst=dst, tag=tag, group=self.group))
 
     def recv(self, value: StageValue, src: int, tag: int) -> tuple[Any, torch.Tensor]:
-        buf = torch.empty(value.spec.shape, dtype=value.spec.dtype, device=self.device)
+        shape: tuple[int, ...] = value.spec.shape
+        if self._chunked(value):
+            numel = 1
+            for d in shape:
+                numel *= d
+            shape = (-(-numel // self.scatter_gather.size),)
+        buf = torch.empty(shape, dtype=value.spec.dtype, device=self.device)
         return dist.irecv(buf, src=src, tag=tag, group=self.group), buf
+
+    def finish(self, value: StageValue, buf: torch.Tensor) -> torch.Tensor:
+        """The full received tensor (all-gathering the chunks under scatter-gather)."""
+        if self._chunked(value):
+            return gather_chunks(buf, self.scatter_gather, value.spec.shape)
+        return buf
 
     def wait(self, work: Any) -> None:
         # Gloo honours a per-call timeout; a peer that died never completes its send.

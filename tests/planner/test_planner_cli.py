@@ -37,7 +37,7 @@ def test_calibrate_without_processes_writes_a_loadable_profile(tmp_path, capsys)
     args = _parse(add_calibrate_arguments, ["--output", str(out), "--no-distributed"])
     assert run_calibrate(args) == 0
     hw = Hardware.load(str(out))
-    assert hw.peak_flops > 1e9 and hw.memory_bw > 1e8 and hw.matmul_efficiency == 1.0
+    assert hw.peak_flops > 1e9 and hw.memory_bw > 1e8 and 0 < hw.matmul_efficiency <= 1
     plan_args = _parse(add_plan_arguments, ["--model", "gpt-tiny", "--gpus", "2", "--global-batch", "8",
                                             "--hardware", str(out)])
     assert run_plan(plan_args) == 0

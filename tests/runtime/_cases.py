@@ -55,7 +55,8 @@ def train_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
         # The schedule's own peak, from the simulator (independent of the executor).
         bound = simulate(pm.schedule).peak_in_flight[pm.groups.pp_rank]
         result = dict(case=case, losses=losses, peak=pm.last_stats.peak_in_flight, bound=bound,
-                      grads=grads)
+                      grads=grads, chunked=sum(v.tp_replicated for v in pm.plan.values.values()),
+                      scatter_gather=pm.executor.transport.scatter_gather is not None)
         full = pm.full_state_dict()
         if rank == 0:
             result["params"] = full

@@ -76,6 +76,10 @@ def _check(results_by_rank, index, references):
         assert r["peak"] <= r["bound"]
         for name, g in r["grads"].items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6)
+    case = rank0["case"]
+    if case.get("tp", 1) > 1 and case["pp"] > 1 and not case.get("sp"):
+        # Scatter-gather is on by default and the residual stream qualifies (SC21 §4.1).
+        assert rank0["scatter_gather"] and rank0["chunked"] > 0
     assert set(rank0["params"]) == set(ref_params)
     # Final parameters within 1e-5 relative, over the whole parameter vector. Per
     # element, AdamW normalises every gradient coordinate (m/sqrt(v)), so a coordinate

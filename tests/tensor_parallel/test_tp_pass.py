@@ -1,15 +1,14 @@
 """The pass as the driver runs it: lint-clean, priced by the cost pass, input untouched."""
 import pytest
 
-from fxpipe.passes import DEFAULT_PASSES, PassSpec, run_passes
+from fxpipe.passes import DEFAULT_PASSES, run_passes
 from fxpipe.passes.cost import total_cost
 from fxpipe.passes.tensor_parallel import TPConfig, TPResult, tensor_parallel_pass
 from fxpipe.tp.ops import OPS
 from tests.tensor_parallel._tp_helpers import captured, reference
 
-PASSES = (DEFAULT_PASSES[0],
-          PassSpec("tensor_parallel", tensor_parallel_pass, "shard blocks before pricing them"),
-          *DEFAULT_PASSES[1:])
+PASSES = DEFAULT_PASSES  # canonicalize -> tensor_parallel -> cost
+assert [p.name for p in PASSES] == ["canonicalize", "tensor_parallel", "cost"]
 
 
 def test_in_the_driver_with_lint():

@@ -20,7 +20,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import arg
-from fxpipe.passes.tensor_parallel.plan import Conversion, TPPlan
+from fxpipe.passes.tensor_parallel.plan import Conversion, TPPlan, is_sharded
 from fxpipe.passes.tensor_parallel.result import CollectiveKind, CollectiveSite
 from fxpipe.program import Program
 from fxpipe.tp.ops import OPS
@@ -42,6 +42,14 @@ class Rewritten:
     module_paths: dict[str, str]
     """Annotations of the old nodes, plus the inserted ones (layer of the block served)."""
     layers: dict[str, int]
+
+
+REPLICATED = "fxpipe_tp_replicated"
+"""Node meta key: True when the value *and its gradient* are identical on every TP
+rank, so scatter-gather may send 1/t of either between pipeline stages (SC21 §4.1).
+The outputs of f and of the sequence all-gather hold replicated values but feed
+column-parallel ops, whose gradients are per-rank partial sums: not eligible."""
+_REPLICATING = frozenset({CollectiveKind.G, CollectiveKind.GATHER})
 
 
 class _Builder:
@@ -75,6 +83,7 @@ class _Builder:
         where = self.program.module_paths.get(consumer) or consumer
         self.note(node, consumer if entering else producer, conv.kind,
                   purpose or f"{producer} -> {where}", conv.dim)
+        node.meta[REPLICATED] = conv.kind in _REPLICATING
         return node
 
     def convert(self, producer: fx.Node, consumer: fx.Node) -> fx.Node:
@@ -102,6 +111,10 @@ class _Builder:
             new = self.graph.create_node("call_function", target, self.map(args, node),
                                          self.map(kwargs, node), name=node.name)
         new.meta = copy.copy(node.meta)
+        lay = self.plan.layouts.get(node.name)
+        # Identical on every TP rank: a replicated layout that is not a partial sum.
+        new.meta[REPLICATED] = lay is not None and not isinstance(lay, list) and \
+            not is_sharded(lay) and node.name not in self.plan.partial
         self.env[node.name] = new
         if node.name in self.plan.partial:
             self.reduce(node)
@@ -136,8 +149,10 @@ class _Builder:
             bias_conv = self.plan.conversions.get((node.name, site.bias), [])
             for c in bias_conv:  # sequence parallel: the bias gradient is a per-shard sum
                 bias = self.collective(bias, c, site.bias, node.name)
+            replicated = value.meta.get(REPLICATED, False)
             value = self.graph.create_node("call_function", G.aten.add.Tensor, (value, bias),
                                            name=f"tp_bias_{node.name}")
+            value.meta[REPLICATED] = replicated
             self.note(value, node.name)
         self.env[node.name] = value
 
