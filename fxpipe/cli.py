@@ -76,6 +76,8 @@ def _print_partition(program, args: argparse.Namespace) -> None:
     print(f"pipeline     pp={args.pp} chunks={chunks} schedule={args.schedule} "
           f"microbatches={args.microbatches}")
     print(stage_table(program, assignment, result, hw.name))
+    if args.tp > 1:
+        print(_inter_stage_bytes(program, assignment, sched.num_stages, args))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(method=result.method.value, bottleneck_s=result.bottleneck_s,
@@ -83,6 +85,27 @@ def _print_partition(program, args: argparse.Namespace) -> None:
                            status=result.status.value, stages=stage_rows(program, assignment, result)),
                       f, indent=2)
         print(f"stage table  written to {args.json}")
+
+
+def _inter_stage_bytes(program, assignment, num_stages: int, args: argparse.Namespace) -> str:
+    """Bytes each tp rank sends between stages per step, with and without scatter-gather."""
+    from fxpipe.passes.split import split_pass
+    from fxpipe.report import human
+    from fxpipe.tp import inter_stage_bytes
+
+    plan = split_pass(program, assignment, num_stages)
+    totals = {}
+    for sg in (False, True):
+        per_mb = 0
+        for v in plan.values.values():
+            chunked = sg and v.tp_replicated
+            n = inter_stage_bytes(v.spec.shape, v.spec.dtype, args.tp, scatter_gather=chunked)
+            # forward activation, plus its gradient back when one flows
+            per_mb += n * len(v.consumers) * (2 if v.requires_grad else 1)
+        totals[sg] = per_mb * args.microbatches
+    saved = 1 - totals[True] / totals[False] if totals[False] else 0.0
+    return (f"inter-stage  {human(totals[False], 'B')} per step per tp rank without scatter-gather, "
+            f"{human(totals[True], 'B')} with (-{saved:.0%}; SC21 §4.1)")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -36,3 +36,18 @@ def test_compile_infeasible_memory_limit_names_smallest_limit(capsys):
     assert main(["compile", "--model", "gpt-tiny", "--pp", "2", "--memory-limit", "0.000001"]) == 2
     err = capsys.readouterr().err
     assert "smallest limit that fits" in err and "binds" in err
+
+
+def test_compile_tp_prints_sharding_report_and_scatter_gather_bytes(capsys):
+    assert main(["compile", "--model", "hf:llama", "--tp", "2", "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "sharded parameters" in out and "replicated parameters" in out
+    assert "2 all-reduce | 2 all-reduce" in out  # Megatron: per layer, 2 forward, 2 backward
+    line = next(l for l in out.splitlines() if l.startswith("inter-stage"))
+    assert "(-50%" in line  # tp=2: each rank sends half of a replicated activation
+
+
+def test_compile_heads_not_divisible_is_a_clear_error(capsys):
+    assert main(["compile", "--model", "gpt-tiny", "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "layer 0" in err and "4 attention heads" in err and "choose tp dividing 4" in err

@@ -61,6 +61,9 @@ class _Builder:
         self.sites: list[CollectiveSite] = []
         self.paths = dict(program.module_paths)
         self.layers = dict(program.layers)
+        # Under sequence parallelism the "replicated" regions of the plan hold sequence
+        # shards, so no copied value is identical across TP ranks.
+        self.sequence_parallel = any(c.kind is CollectiveKind.REDUCE_SCATTER_SEQ for c in reduce_kind.values())
 
     def note(self, new: fx.Node, like: str, kind: CollectiveKind | None = None, purpose: str = "",
              dim: int | None = None) -> None:
@@ -114,7 +117,7 @@ class _Builder:
         lay = self.plan.layouts.get(node.name)
         # Identical on every TP rank: a replicated layout that is not a partial sum.
         new.meta[REPLICATED] = lay is not None and not isinstance(lay, list) and \
-            not is_sharded(lay) and node.name not in self.plan.partial
+            not is_sharded(lay) and node.name not in self.plan.partial and not self.sequence_parallel
         self.env[node.name] = new
         if node.name in self.plan.partial:
             self.reduce(node)
