@@ -153,18 +153,20 @@ def _worker(rank: int, world: int, port: int, runs: list, steps: int, out: str) 
                 gm = apply_recompute(runner.stage.graph_module, pm.plan.program.layers, mode)
                 runner.stage = dataclasses.replace(runner.stage, graph_module=gm)
         pm.train_step(batch)  # warm-up
-        times = []
+        times, busy, cpu = [], [], []
         for _ in range(steps):
             dist.barrier()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             pm.train_step(batch)
             times.append(time.perf_counter() - t)
-        events = pm.last_stats.events
-        busy = sum(e - s for a, s, e in events if a.kind.is_compute)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, busy)
-        results.append(dict(label=run.label, step_s=statistics.median(times), times=times,
-                            compile_s=compile_s, busy_s=gathered))
+            cpu.append(time.process_time() - c)
+            busy.append(sum(e - s for a, s, e in pm.last_stats.events if a.kind.is_compute))
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, (times, busy, cpu))
+        best = min(range(steps), key=lambda i: max(r[0][i] for r in per_rank))
+        results.append(dict(label=run.label, times=[max(r[0][i] for r in per_rank) for i in range(steps)],
+                            busy_s=[r[1][best] for r in per_rank], cpu_s=[r[2][best] for r in per_rank],
+                            compile_s=compile_s))
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
@@ -207,13 +209,13 @@ def compare(runs: Sequence[Run], measured: dict[str, dict], hw) -> list[list]:
         times = res["times"]
         best, med = min(times), statistics.median(times)
         rows.append([run.label, round(best * 1e3, 1), round(med * 1e3, 1), round(pred.iteration_s * 1e3, 1),
-                     round(max(res["busy_s"]) * 1e3, 1), round(max(pred.pipeline.busy) * 1e3, 1),
-                     round(100 * (pred.iteration_s - best) / best, 1)])
+                     round(max(res["busy_s"]) * 1e3, 1), round(max(res["cpu_s"]) * 1e3, 1),
+                     round(max(pred.pipeline.busy) * 1e3, 1), round(100 * (pred.iteration_s - best) / best, 1)])
     return rows
 
 
 MEASURED_HEADER = ["run", "measured best ms", "measured median ms", "predicted ms", "measured busy ms",
-                   "predicted busy ms", "error vs best %"]
+                   "measured CPU ms", "predicted busy ms", "error vs best %"]
 
 
 def measured_section(name: str, runs: Sequence[Run], steps: int, recalibrate: bool, what: str) -> list[list]:
@@ -227,7 +229,8 @@ def measured_section(name: str, runs: Sequence[Run], steps: int, recalibrate: bo
              f"process, gloo; {steps} timed steps after one warm-up (best and median). Prediction: the "
              f"planner on the calibrated profile `{os.path.relpath(PROFILE, os.path.dirname(HERE))}` "
              f"(no optimizer step). Mean |error| vs best: {mean_abs([r[-1] for r in rows]):.1f}%. "
-             f"Busy: compute time of the busiest rank in the last step. Load average "
+             f"Busy: wall time of the busiest rank's compute actions in the best step; CPU: its "
+             f"process CPU time in that step (what other jobs cannot inflate). Load average "
              f"{load:.1f} → {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores while measuring "
              f"({time.perf_counter() - start:.0f} s).")
     print(write_table(name, MEASURED_HEADER, rows, notes))
