@@ -118,7 +118,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                          log_interval=args.log_interval, partition=args.partition,
                          timeline=None if args.timeline == "none" else args.timeline,
                          timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
-                         save_interval=args.save_interval, resume=args.resume, export=args.export)
+                         save_interval=args.save_interval, resume=args.resume, export=args.export,
+                         sp=args.sp, precision=args.precision, recompute=args.recompute)
     preflight(config)
     return launch(config)
 
@@ -166,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "torchrun, starts tp·pp·dp local worker processes itself.")
     p.add_argument("--model", default="gpt-small", help="model registry name (default: %(default)s)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: %(default)s)")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
     p.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default: %(default)s)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (default: %(default)s)")
     p.add_argument("--schedule", default="1f1b",
@@ -182,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="model init and data seed (default: %(default)s)")
     p.add_argument("--log-interval", type=int, default=10, help="steps between log lines (default: %(default)s)")
     p.add_argument("--partition", default="ilp", help="ilp, uniform, params, dp (default: %(default)s)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="fp32; bf16; fp16 with dynamic loss scaling (16-bit modes keep fp32 master "
+                        "weights) (default: %(default)s)")
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                   help="activation recomputation: selective = attention core, full = whole layer "
+                        "(default: %(default)s)")
     p.add_argument("--timeline", default="fxpipe-timeline",
                    help="path prefix for the last step's measured timeline (.json, .png); 'none' "
                         "to skip (default: %(default)s)")

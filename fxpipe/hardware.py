@@ -83,7 +83,8 @@ class Hardware:
     inter_node: Link
     """Per-device links between nodes (one NIC per GPU on DGX A100/H100)."""
     op_overhead_s: float = 0.0
-    """Seconds every kernel pays regardless of size (launch latency, eager dispatch)."""
+    """Seconds every kernel pays regardless of size: launch latency on a GPU; on a calibrated
+    CPU, eager dispatch plus fxpipe's fx + autograd bookkeeping per op."""
     source: str = ""
     """Where the numbers come from."""
 

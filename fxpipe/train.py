@@ -46,6 +46,12 @@ class TrainConfig:
     timeline: str | None = "fxpipe-timeline"
     """Path prefix for the measured timeline of the last step (.json Perfetto, .png); None: off."""
     timeout_s: float = 60.0
+    sp: bool = False
+    """Sequence parallelism (with tp > 1)."""
+    precision: str = "fp32"
+    """fp32, bf16, or fp16 with dynamic loss scaling; 16-bit modes keep fp32 masters."""
+    recompute: str = "none"
+    """Activation recomputation: none, selective (attention core), full (whole layer)."""
     checkpoint_dir: str | None = None
     """Directory of DCP checkpoints (docs/checkpoints.md); None: never save."""
     save_interval: int | None = None
@@ -117,7 +123,8 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
     pm = parallelize(w.model, tp=config.tp, pp=config.pp, dp=config.dp,
                      microbatches=config.microbatches, schedule=config.schedule, chunks=config.chunks,
                      example_inputs=first, loss_fn=w.loss_fn, partition=config.partition,
-                     timeout_s=config.timeout_s)
+                     timeout_s=config.timeout_s, sp=config.sp, precision=config.precision,
+                     recompute=config.recompute, seed=config.seed)
     rank = dist.get_rank()
     opt = torch.optim.AdamW(pm.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / config.warmup))
@@ -126,14 +133,16 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
         start_step, extra = load_checkpoint(pm, opt, config.checkpoint_dir)
         sched.load_state_dict(extra["lr_scheduler"])
     last_saved = start_step if config.resume else None
-    costs = pm.plan.program.costs.values()
-    # Model FLOPs per step (Megatron's 72·B·s·l·h²(1 + s/6h + V/12lh) for a GPT, here
-    # summed from the cost pass, so any model gets it): matmul forward + backward.
-    flops_per_step = sum(c.fwd_flops + c.bwd_flops for c in costs) * config.microbatches * config.dp
+    # Model FLOPs per step (Megatron's 72·B·s·l·h²(1 + s/6h + V/12lh) for a GPT, summed
+    # by the cost pass over the whole model, so any model gets it). Recomputation is
+    # hardware work, not model work: reported separately as hardware FLOP/s.
+    flops_per_step = pm.model_stats.flops_per_step
+    hw_flops_per_step = flops_per_step + _recomputed_flops(pm) * config.microbatches * config.dp
     tokens_per_step = config.batch * config.seq
     if rank == 0:
-        print(f"fxpipe run: {config.model}, {pm.plan.program.num_parameters() / 1e6:.2f}M parameters, "
-              f"tp={config.tp} pp={config.pp} dp={config.dp}, schedule {config.schedule}, "
+        print(f"fxpipe run: {config.model}, {pm.model_stats.num_parameters / 1e6:.2f}M parameters, "
+              f"tp={config.tp}{' (sp)' if config.sp else ''} pp={config.pp} dp={config.dp}, "
+              f"schedule {config.schedule}, {config.precision}, recompute {config.recompute}, "
               f"{config.microbatches} microbatches × {config.micro_batch_size} × {config.seq} tokens, "
               f"{config.steps} steps", flush=True)
     times, losses, bubbles = [], [], []
@@ -163,9 +172,13 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
             if (step + 1) % config.log_interval == 0 or step == 0:
                 ms = (t1 - t0) * 1e3
                 tflops = flops_per_step / (t1 - t0) / dist.get_world_size() / 1e12
+                hw = "" if hw_flops_per_step == flops_per_step else \
+                    f" ({hw_flops_per_step / (t1 - t0) / dist.get_world_size() / 1e12:.4f} hardware)"
+                skipped = f" | skipped: fp16 overflow, loss scale {pm.master.loss_scale:g}" \
+                    if pm.last_step_skipped else ""
                 print(f"iter {step + 1:5d} | loss {loss:.4f} | {ms:8.1f} ms/iter | "
-                      f"{tokens_per_step / (t1 - t0):9.0f} tokens/s | {tflops:.4f} TFLOP/s/process | "
-                      f"bubble {bubbles[-1]:.1%}", flush=True)
+                      f"{tokens_per_step / (t1 - t0):9.0f} tokens/s | {tflops:.4f} TFLOP/s/process{hw} | "
+                      f"bubble {bubbles[-1]:.1%}{skipped}", flush=True)
         if config.save_interval and (step + 1) % config.save_interval == 0:
             last_saved = _save(pm, opt, sched, step + 1, config)
     stopped = stop.agreed()  # again: a signal during the last step must stop every rank alike
@@ -241,6 +254,17 @@ def _save(pm: Any, opt: Any, sched: Any, step: int, config: TrainConfig) -> int:
     if dist.get_rank() == 0:
         print(f"checkpoint: {path}", flush=True)
     return step
+
+
+def _recomputed_flops(pm: Any) -> int:
+    """Forward matmul FLOPs re-run in backward by recompute regions, per microbatch, all
+    stages; per-rank costs × tp approximates the whole model's under tensor parallelism."""
+    from fxpipe.passes.recompute import regions_of
+
+    costs = pm.plan.program.costs
+    total = sum(costs[n].fwd_flops for st in pm.plan.stages for r in regions_of(st.graph_module)
+                for n in r.nodes if n in costs)
+    return total * pm.groups.mesh.tp
 
 
 def _write_timeline(pm: Any, config: TrainConfig) -> None:

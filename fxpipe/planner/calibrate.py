@@ -11,7 +11,9 @@
 - all of the above alone and by two processes at once; the profile keeps the loaded
   numbers (every core busy, as in a multi-rank run); compute is timed in thread CPU
   time (best of repeats), so other jobs on a shared machine do not slow the profile;
-- per-kernel overhead: a 1-element add (eager dispatch);
+- per-kernel overhead: a 1-element add (eager dispatch), then raised to what fxpipe's own
+  path costs (fx GraphModule + autograd): the value that makes the cost model reproduce
+  a tiny, overhead-bound GPT's measured step (``measure_framework_overhead``);
 - gloo, two fresh processes: ping-pong send/recv and all-reduce over 4 KB…8 MB (wall
   time, median of repeats); a least-squares line t = latency + bytes/bandwidth per
   collective (all-reduce on 2 ranks: t = S/busbw + 2·latency, the ring formula of
@@ -19,6 +21,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import platform
@@ -127,6 +130,42 @@ def measure_compute(threads: int) -> dict[str, Any]:
                 memory_efficiency=elementwise / peak_bw,
                 attention_flops=attention, attention_efficiency=min(1.0, attention / gemm),
                 op_overhead_s=overhead, threads=threads)
+
+
+def measure_framework_overhead(hw: Hardware) -> dict[str, float]:
+    """Per-kernel overhead of fxpipe's own path (fx GraphModule + autograd), from a tiny GPT
+    (h=32, 4 layers, 16 tokens) whose step is all overhead: the value that makes the
+    planner's cost model reproduce its measured forward + backward. The planner's time is
+    linear in ``op_overhead_s``, so two predictions give the slope."""
+    from fxpipe.capture import capture
+    from fxpipe.models.gpt import GPT, GPTConfig
+    from fxpipe.passes import run_passes
+    from fxpipe.planner.config import ParallelConfig, PlannerOptions
+    from fxpipe.planner.predict import predict
+    from fxpipe.planner.shapes import TransformerShape
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
+    x, y = torch.randint(0, 64, (1, 16)), torch.randint(0, 64, (1, 16))
+    prog, _ = run_passes(capture(GPT(cfg), (x, y)))
+    state = {k: t.detach().clone().requires_grad_(t.requires_grad) for k, t in prog.state.items()}
+    args = [state[p.canonical] for p in prog.params] + [x, y]
+
+    def step() -> None:
+        out = prog.graph_module(*args)
+        (out[prog.loss_output] if isinstance(out, (tuple, list)) else out).backward()
+
+    measured = 1.0 / _best_rate(step, 1.0, 0.3)
+    shape = TransformerShape(name="tiny", layers=4, hidden=32, heads=2, seq=16, vocab=64, dropout=False)
+    layout = ParallelConfig(tp=1, pp=1, dp=1, micro_batch=1, num_microbatches=1)
+
+    def model(overhead: float) -> float:
+        opts = PlannerOptions(hardware=dataclasses.replace(hw, op_overhead_s=overhead), dtype_bytes=4,
+                              fused_attention=True, optimizer=False)
+        return predict(shape, layout, opts).iteration_s
+
+    base, slope = model(0.0), (model(1e-6) - model(0.0)) / 1e-6
+    return dict(tiny_step_s=measured, op_overhead_s=max(hw.op_overhead_s, (measured - base) / slope))
 
 
 def _fit(sizes: list[int], times: list[float]) -> tuple[float, float]:
@@ -257,5 +296,11 @@ def calibrate(*, name: str = "cpu-measured", threads: int = 1, distributed: bool
         source=f"fxpipe calibrate, {platform.node()} {platform.machine()} "
                f"{datetime.date.today().isoformat()}, {threads} thread(s), torch {torch.__version__}"
                + (", compute measured by 2 processes at once" if distributed else ""))
+    framework = measure_framework_overhead(hw)
+    measurements["framework"] = framework
+    hw = dataclasses.replace(hw, op_overhead_s=framework["op_overhead_s"])
+    log(f"fxpipe   a tiny GPT's step {framework['tiny_step_s'] * 1e3:.2f} ms: per-kernel overhead "
+        f"{hw.op_overhead_s * 1e6:.1f} us (fx + autograd), kernel dispatch alone "
+        f"{compute['op_overhead_s'] * 1e6:.1f} us")
     log(f"calibrated in {time.perf_counter() - start:.1f} s")
     return hw, measurements

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxpipe.capture import capture
-from fxpipe.passes import run_passes
+from fxpipe.passes import canonicalize_pass, cost_pass, run_passes, total_cost
 from fxpipe.passes.tensor_parallel import TPConfig, shard_state, unshard_state
 from fxpipe.tp import DropoutRNG, ProcessGroupTP, tp_group_context
 from fxpipe.passes.recompute import RecomputeMode, apply_recompute
@@ -36,6 +36,15 @@ from fxpipe.runtime.transport import Transport
 from fxpipe.schedules.ir import Schedule
 from fxpipe.schedules.lowering import lower
 from fxpipe.schedules.registry import generate, get_spec
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """Whole-model numbers, counted before tensor parallelism shards the graph."""
+    num_parameters: int
+    flops_per_step: int
+    """Model FLOPs of one step over the global batch: matmul forward + backward, the
+    quantity of Megatron's 72·B·s·l·h²(1 + s/6h + V/12lh) (no recomputation)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,7 @@ class ParallelModel:
         specs = plan.program.input_specs
         self._mb_shapes = [s.shape for s in specs]
         self.last_stats: StepStats | None = None
+        self.model_stats: ModelStats | None = None
 
     # ---- parameters ----------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -191,8 +201,12 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     # Low precision: capture a low-precision copy, so every dtype in the plan is the
     # one that runs; the user's fp32 model provides the master weights.
     traced = model if prec is Precision.FP32 else copy.deepcopy(model).to(prec.dtype)
-    program = capture(traced, tuple(t[:mb_rows] for t in example), loss_fn)
-    program, _ = run_passes(program, TPConfig(tp=tp, sp=sp))
+    captured = capture(traced, tuple(t[:mb_rows] for t in example), loss_fn)
+    # Model FLOPs and size of the whole model (before tensor parallelism shards them).
+    whole = total_cost(cost_pass(canonicalize_pass(captured)))
+    stats = ModelStats(num_parameters=captured.num_parameters(),
+                       flops_per_step=(whole.fwd_flops + whole.bwd_flops) * microbatches * dp)
+    program, _ = run_passes(captured, TPConfig(tp=tp, sp=sp))
     program = retarget_device_pass(program, device)
     config = PartitionConfig(num_stages=sched.num_stages, stage_to_rank=sched.stage_ranks,
                              inflight=stage_inflight(sched), method=partition,
@@ -239,5 +253,7 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
                           num_values=max(1, len(value_ids)), scatter_gather=tp_group if use_sg else None)
     executor = PipelineExecutor(plan, lowered, groups.pp_rank, runners, transport, groups.pp_peer)
     grad_sync = GradSync.build(plan, sched, groups, master.masters if master else state, timeout)
-    return ParallelModel(plan, lowered, groups, state, executor, grad_sync, microbatches, device, master,
-                         specs)
+    pm = ParallelModel(plan, lowered, groups, state, executor, grad_sync, microbatches, device, master,
+                       specs)
+    pm.model_stats = stats
+    return pm

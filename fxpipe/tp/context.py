@@ -7,6 +7,7 @@ local heads) and the dropout stream. All of that comes from here::
     with tp_group_context(group, rng):
         loss = program.run(local_state, *batch)
     loss.backward()          # no context needed: backward uses what forward saved
+                             # (recomputed regions re-enter it themselves)
 
 Forward ops read the context; autograd nodes store the group on ``ctx`` during
 forward, so backward never depends on the context (on GPU, or with a pipeline
@@ -63,6 +64,14 @@ class DropoutRNG:
         for (device, sharded), s in state.items():
             self.generator(torch.device(device), sharded).set_state(s)
 
+    def restore(self, state: dict[tuple[str, bool], torch.Tensor]) -> None:
+        """Exactly the streams of ``state``: a generator created after it was taken is
+        dropped, so it is re-created from its seed and draws the same numbers again."""
+        for key in list(self._generators):
+            if key not in state:
+                del self._generators[key]
+        self.set_state(state)
+
 
 @dataclass(frozen=True)
 class TPContext:
@@ -96,3 +105,8 @@ def current_tp() -> TPContext:
             "a tensor-parallel graph op ran outside tp_group_context(...); wrap the call: "
             "`with fxpipe.tp.tp_group_context(group): program.run(state, *batch)`")
     return ctx
+
+
+def current_tp_or_none() -> TPContext | None:
+    """The current context, or None outside any (for code that works with and without TP)."""
+    return _CURRENT.get()

@@ -26,6 +26,7 @@ from fxpipe.passes.recompute import (RecomputeConfig, RecomputeMode, RecomputeWa
                                      recompute_pass, regions_of)
 from fxpipe.passes.split import split_pass
 from fxpipe.runtime.stage_runner import StageRunner
+from tests.passes._recompute_tp import loss_and_grads_per_rank, saved_bytes_per_rank, tp_program
 
 NONE, SELECTIVE, FULL = RecomputeMode.NONE, RecomputeMode.SELECTIVE, RecomputeMode.FULL
 aten = torch.ops.aten
@@ -278,6 +279,115 @@ def test_recompute_reduces_saved_bytes_in_order(name, dropout):
         assert none > sel > full, f"layer {layer}: {none} > {sel} > {full}"
     outside = {m: r.by_layer.get(None, 0) for m, r in by_mode.items()}
     assert len(set(outside.values())) == 1, "embeddings, head and loss are never recomputed"
+
+
+# ---- (d) tensor parallelism: the same check on every TP rank ----------------------------------------
+# The TP pass rewrites the captured graph; recompute is applied to the TP program's graph and
+# every rank of an emulated group (threads, tests/passes/_recompute_tp.py) is measured.
+TP = 2
+# h, heads and s divide by t = 2 for both shapes: gpt-tiny (s=64, h=64, a=4) and
+# gpt-small (s=128, h=256, a=8); sp splits the sequence, so s must divide too.
+TP_SHAPES = FORMULA_SHAPES
+SP_GATHERED = ("QKV projection input", "MLP input")
+"""The inputs of the column-parallel projections, which fxpipe keeps unsharded under sp."""
+
+
+def expected_fp32_cpu_tp(d: Dims, mode: RecomputeMode, dropout: float, *, t: int, sp: bool,
+                         norm_affine: int) -> float:
+    """``expected_fp32_cpu`` at (t, sp), plus what fxpipe's TP collectives really save, per rank.
+
+    Everything of ``expected_fp32_cpu`` holds (fp32, 4-byte masks, fused SDPA at p = 0 with
+    its logsumexp of the local a/t heads, LayerNorm mean/rstd on the rows it normalizes).
+    The TP graph adds, per collective (fxpipe/tp/ops.py):
+
+    - f (``copy_to_tp``) and g (``reduce_from_tp``) save nothing: their ``setup_context``
+      stores only the group (Megatron's f/g likewise). f's output is a copy of the norm
+      output, and the column-parallel linear saves that copy instead of the norm output:
+      it *is* the paper's "QKV projection input"/"MLP input" term, sbh, no extra term.
+    - A row-parallel bias is added after g: an add saves nothing.
+    - ``fxpipe_tp.dropout`` is ``x * dropout_mask(x)``: the mul keeps the mask, in x's dtype
+      (4 bytes), exactly as CPU ``aten.dropout`` does at t = 1. Without sp it runs on the
+      replicated sbh activation after g (the paper's unsharded mask terms); with sp on the
+      sequence shard, sbh/t. Attention dropout stays inside SDPA (math path, a/t heads).
+    - sp: ``gather_seq`` (all-gather forward, reduce-scatter backward) saves nothing itself,
+      but its output, the *full-sequence* tensor, is what the next column-parallel linear
+      saves: the two terms of ``SP_GATHERED`` cost sbh, not sbh/t. The paper's 34/t assumes
+      Megatron's linear, which saves only the local shard and all-gathers it again in
+      backward (megatron/core/tensor_parallel/layers.py,
+      LinearWithGradAccumulationAndAsyncCommunication: ``ctx.save_for_backward(input,
+      weight)`` with ``input`` the shard; backward re-gathers ``total_input``).
+    - sp: ``reduce_scatter_seq`` saves nothing; the norm weight and bias enter the sequence
+      shards through f so their gradient is all-reduced (docs/tensor_parallel.md), and f's
+      forward is a copy (custom ops may not alias their input): the norm saves that copy,
+      a storage that is not a parameter. 2 norms x ``norm_affine`` vectors x h x 4 bytes.
+    - FULL: only the region input is kept, the replicated layer input (sbh) or with sp its
+      sequence shard (sbh/t), as ``layer_bytes`` says; the collectives, f copies and gathers
+      inside the region are rerun in backward, not stored.
+    """
+    expected = expected_fp32_cpu(d, mode, dropout, t=t, sp=sp)
+    if sp and mode is not FULL:
+        gathered = sum(x.count for x in PAPER_TERMS if x.name in SP_GATHERED)
+        assert gathered == len(SP_GATHERED) == 2, "the table names both projection inputs"
+        expected += 4 * gathered * d.s * d.b * d.h * (1 - 1 / t)  # full, not 1/t, per rank
+        expected += 2 * norm_affine * d.h * 4  # f copies of the two norms' weight (and bias)
+    return expected
+
+
+@lru_cache(maxsize=None)
+def _tp_saved(name: str, seq: int, dropout: float, sp: bool, mode: RecomputeMode):
+    """(per-rank layer -> bytes, model config, layer indices): one emulated TP forward."""
+    prog, batch, cfg = tp_program(name, seq, dropout, tp=TP, sp=sp)
+    return tuple(saved_bytes_per_rank(prog, batch, mode)), cfg, sorted(set(prog.layers.values()))
+
+
+@pytest.mark.parametrize("mode", list(RecomputeMode), ids=lambda m: m.value)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("name,seq", TP_SHAPES)
+def test_tp_saved_bytes_per_layer_match_formula_on_every_rank(name, seq, dropout, sp, mode):
+    per_rank, cfg, layers = _tp_saved(name, seq, dropout, sp, mode)
+    d = Dims(s=seq, b=2, h=cfg.n_embd, a=cfg.n_head)
+    expected = expected_fp32_cpu_tp(d, mode, dropout, t=TP, sp=sp, norm_affine=2 if cfg.bias else 1)
+    assert len(per_rank) == TP and layers == [0, 1]
+    for rank, measured in enumerate(per_rank):
+        # SPMD: every rank holds the same shapes, so it saves the same bytes.
+        assert measured == per_rank[0], f"rank {rank} saves {measured}, rank 0 {per_rank[0]}"
+        for layer in layers:
+            assert measured[layer] == pytest.approx(expected, rel=0.10), \
+                f"rank {rank} layer {layer}: measured {measured[layer]} B, formula (adjusted) {expected:.0f} B"
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("name,seq", TP_SHAPES)
+def test_tp_selective_and_sequence_parallel_reduce_saved_bytes(name, seq, dropout):
+    saved = {(sp, mode): _tp_saved(name, seq, dropout, sp, mode)[0]
+             for sp in (False, True) for mode in RecomputeMode}
+    layers = _tp_saved(name, seq, dropout, False, NONE)[2]
+    for rank in range(TP):
+        for layer in layers:
+            at = {key: per_rank[rank][layer] for key, per_rank in saved.items()}
+            for sp in (False, True):
+                assert at[sp, NONE] > at[sp, SELECTIVE] > at[sp, FULL], f"sp={sp} layer {layer}: {at}"
+            for mode in RecomputeMode:
+                assert at[True, mode] < at[False, mode], f"{mode.value}: TP+SP < TP, layer {layer}: {at}"
+        for sp in (False, True):  # embeddings, head and loss are never recomputed
+            assert len({saved[sp, mode][rank][None] for mode in RecomputeMode}) == 1
+
+
+@pytest.mark.parametrize("mode", [SELECTIVE, FULL], ids=lambda m: m.value)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_tp_recompute_keeps_loss_and_gradients_with_tp_dropout(sp, mode):
+    """Residual-branch dropout p = 0.1 (``fxpipe_tp.dropout``), attention dropout off: the
+    emulated ranks share torch's global generator, so SDPA's own dropout is not replayable
+    across threads; the TP streams are per rank and must be."""
+    prog, batch, _ = tp_program("gpt-tiny", 64, 0.1, tp=TP, sp=sp, attn_dropout=False)
+    ref = loss_and_grads_per_rank(prog, batch, prog.graph_module)
+    out = loss_and_grads_per_rank(prog, batch, apply_recompute(prog.graph_module, prog.layers, mode))
+    for rank, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(out, ref)):
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+        assert grads.keys() == ref_grads.keys()
+        for k in ref_grads:
+            torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-5, atol=1e-7, msg=f"rank {rank}: {k}")
 
 
 # ---- pipeline stages: a layer cut across two stages, run by the StageRunner ----------------------
