@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Python standard library's source as byte-level text. Without "
                                    "torchrun, starts tp·pp·dp local worker processes itself.")
     p.add_argument("--model", default="gpt-small", help="model registry name (default: %(default)s)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: %(default)s)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default: %(default)s)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
     p.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default: %(default)s)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (default: %(default)s)")

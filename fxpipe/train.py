@@ -25,7 +25,7 @@ import torch.distributed as dist
 class TrainConfig:
     model: str = "gpt-small"
     """Model registry name (see ``fxpipe compile --help``)."""
-    tp: int = 1
+    tp: int = 2
     pp: int = 2
     dp: int = 1
     schedule: str = "1f1b"
@@ -173,11 +173,11 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
                 ms = (t1 - t0) * 1e3
                 tflops = flops_per_step / (t1 - t0) / dist.get_world_size() / 1e12
                 hw = "" if hw_flops_per_step == flops_per_step else \
-                    f" ({hw_flops_per_step / (t1 - t0) / dist.get_world_size() / 1e12:.4f} hardware)"
+                    f" ({hw_flops_per_step / (t1 - t0) / dist.get_world_size() / 1e12:.3g} hardware)"
                 skipped = f" | skipped: fp16 overflow, loss scale {pm.master.loss_scale:g}" \
                     if pm.last_step_skipped else ""
                 print(f"iter {step + 1:5d} | loss {loss:.4f} | {ms:8.1f} ms/iter | "
-                      f"{tokens_per_step / (t1 - t0):9.0f} tokens/s | {tflops:.4f} TFLOP/s/process{hw} | "
+                      f"{tokens_per_step / (t1 - t0):9.0f} tokens/s | {tflops:.3g} TFLOP/s/process{hw} | "
                       f"bubble {bubbles[-1]:.1%}{skipped}", flush=True)
         if config.save_interval and (step + 1) % config.save_interval == 0:
             last_saved = _save(pm, opt, sched, step + 1, config)
@@ -206,7 +206,7 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
     if rank == 0:
         print(f"done: loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} in {config.steps} steps, "
               f"{summary['wall_s']:.1f} s; median {summary['median_ms']:.1f} ms/iter, "
-              f"{summary['tokens_per_s']:.0f} tokens/s, {summary['tflops_per_process']:.4f} TFLOP/s/process, "
+              f"{summary['tokens_per_s']:.0f} tokens/s, {summary["tflops_per_process"]:.3g} TFLOP/s/process, "
               f"bubble {summary['bubble']:.1%}", flush=True)
     return summary
 

@@ -49,6 +49,8 @@ class Workload:
 
 GPT_CONFIGS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64),
+    # 8 heads of width 8: the smallest GPT that tp=8 can shard (`fxpipe run --tp 8 --pp 4`).
+    "gpt-nano": GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=8, n_embd=64),
     "gpt-small": GPTConfig(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=256),
     "gpt2-small": GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
     "gpt2-medium": GPTConfig(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024),

@@ -1,19 +1,23 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): save, resume in any layout, export.
 
-Every rank hands DCP a flat dict of tensors keyed by *original* parameter names,
-so the checkpoint does not depend on the layout that wrote it: a rank of another
-pp/dp layout asks for the names it holds and DCP reads them (it reshards by key).
+Every rank hands DCP a flat dict of *full* tensors keyed by *original* parameter
+names, so the checkpoint does not depend on the layout that wrote it: a rank of
+another tp/pp/dp layout asks for the names it holds, DCP reads them (it reshards by
+key), and the rank cuts its tensor-parallel shard (``shard_state``). Tensor-parallel
+shards are gathered over the tp group before saving (``ParallelModel.unshard_tp``).
 Keys (all tensors, so DCP reads them back with ``torch.load(weights_only=True)``):
 
-    model.<name>                      parameters and buffers, one per tied group
-    optim.state.<name>.<key>          torch.optim state (AdamW: step, exp_avg, exp_avg_sq)
+    model.<name>                      parameters (fp32 masters under mixed precision) and
+                                      buffers, one per tied group, full (unsharded) shape
+    optim.state.<name>.<key>          torch.optim state (AdamW: step, exp_avg, exp_avg_sq),
+                                      tensors of the parameter's shape full as well
     optim.param_groups.<name>.<key>   numeric hyper-parameters of the name's group (lr, betas, ...)
     rng.<rank>.<generator>            torch CPU/CUDA, python ``random`` and numpy states
 
 A name held by several ranks (data-parallel replicas, tied copies on the first and
-last stage) is written once: DCP's default planner deduplicates equal keys
-(``_dedup_save_plans``). The step, ``extra`` and the layout go to ``fxpipe.json``
-(JSON, never pickled). The directory protocol that makes saves atomic is in
+last stage, the tp ranks' identical gathered tensors) is written once: DCP's default
+planner deduplicates equal keys (``_dedup_save_plans``). The step, ``extra``, the
+layout and the fp16 loss scaler go to ``fxpipe.json`` (JSON, never pickled). The directory protocol that makes saves atomic is in
 ``checkpoint_files.py``; the user-facing story in docs/checkpoints.md.
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
+from fxpipe.passes.tensor_parallel import ShardKind, ShardSpec, shard_state
 from fxpipe.program import ParamKind, Program
 from fxpipe.runtime.checkpoint_files import (FORMAT, META_FILE, POINTER_FILE, SafeReader, commit,
                                              is_complete, latest_checkpoint, list_checkpoints, resolve,
@@ -56,11 +61,33 @@ def state_dict_names(program: Program) -> dict[str, str]:
             if p.kind is not ParamKind.CONSTANT and _is_persistent(p)}
 
 
-def _model_state(pm: Any) -> dict[str, torch.Tensor]:
+def _model_tensors(pm: Any) -> dict[str, torch.Tensor]:
+    """This rank's live model tensors by canonical name (tensor-parallel shards): the
+    fp32 masters for trained parameters under mixed precision (the compute copies are
+    refreshed from them at every ``train_step``), else ``pm.state``; buffers from ``pm.state``."""
     kinds = {p.canonical: p.kind for p in pm.plan.program.params}
-    # Plain (full) tensors. TP hook: a sharded name becomes a ShardedTensor with one
-    # local shard per index range of its ShardSpec (docs/checkpoints.md).
-    return {f"model.{n}": t.detach() for n, t in pm.state.items() if kinds[n] is not ParamKind.CONSTANT}
+    masters = pm.master.masters if pm.master is not None else {}
+    return {n: masters.get(n, t) for n, t in pm.state.items() if kinds[n] is not ParamKind.CONSTANT}
+
+
+def _gather_tp(pm: Any, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors from this rank's shards: collective over the tp group (every tp rank
+    calls it with the same names); identity without TP. Gathered on CPU (object
+    collectives pickle tensors, and a CUDA tensor would unpickle on the sender's device)."""
+    if pm.groups.mesh.tp == 1:
+        return local
+    return pm.unshard_tp({n: t.detach().cpu() for n, t in local.items()})
+
+
+def _model_state(pm: Any) -> dict[str, torch.Tensor]:
+    # Full tensors: every tp rank offers the same one under the same key, DCP writes it
+    # once. (Scalable follow-up: ShardedTensor chunks instead of a gather, docs/checkpoints.md.)
+    full = _gather_tp(pm, {n: t.detach() for n, t in _model_tensors(pm).items()})
+    return {f"model.{n}": t for n, t in full.items()}
+
+
+def _is_sharded(spec: ShardSpec | None) -> bool:
+    return spec is not None and spec.kind is not ShardKind.REPLICATED
 
 
 def _optimizer_names(pm: Any, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -82,12 +109,23 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, torch.Tensor) or (isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
-def _optimizer_state(optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
+def _optimizer_state(pm: Any, optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
     sd = optimizer.state_dict()
-    out = {}
+    by_key: dict[str, dict[str, torch.Tensor]] = {}  # state key -> parameter name -> tensor
     for index, entries in sd["state"].items():
         for key, value in entries.items():
-            out[f"optim.state.{names[index]}.{key}"] = torch.as_tensor(value)
+            by_key.setdefault(key, {})[names[index]] = torch.as_tensor(value)
+    out = {}
+    for key in sorted(by_key):  # the same order on every tp rank: one gather per key
+        tensors = by_key[key]
+        if pm.groups.mesh.tp > 1:
+            # Moments (exp_avg, exp_avg_sq) have the parameter's shape: gathered with its
+            # ShardSpec like the parameter. Scalars (step) are the same on every tp rank.
+            sharded = {n: t for n, t in tensors.items()
+                       if _is_sharded(spec := pm.specs.get(n)) and tuple(t.shape) == tuple(spec.local_shape)}
+            tensors = {**tensors, **_gather_tp(pm, sharded)}
+        for name, t in tensors.items():
+            out[f"optim.state.{name}.{key}"] = t
     for group in sd["param_groups"]:
         # Numbers only (lr, initial_lr, betas, eps, weight_decay): flags such as foreach
         # or fused describe how the optimizer was built, which the loader's run decides.
@@ -122,6 +160,16 @@ def _set_rng(loaded: Mapping[str, torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(loaded["cuda"], device)
 
 
+_SCALER_FIELDS = ("scale", "good_steps", "skipped")
+
+
+def _scaler_state(pm: Any) -> dict | None:
+    """fp16's dynamic loss scale (the same on every rank: overflow is all-reduced).
+    ``growth_interval``/``min_scale`` are configuration, which the loading run decides."""
+    scaler = pm.master.scaler if pm.master is not None else None
+    return None if scaler is None else {f: getattr(scaler, f) for f in _SCALER_FIELDS}
+
+
 # ---- save ------------------------------------------------------------------------------------
 def save_checkpoint(pm: Any, optimizer: torch.optim.Optimizer, step: int, directory: str | os.PathLike,
                     *, extra: dict | None = None, keep_last: int | None = 3) -> Path:
@@ -150,14 +198,17 @@ def save_checkpoint(pm: Any, optimizer: torch.optim.Optimizer, step: int, direct
         tmp.mkdir()
     dist.barrier()
     names = _optimizer_names(pm, optimizer)
-    state = {**_model_state(pm), **_optimizer_state(optimizer, names), **_rng_state(rank, pm.device)}
+    # Collectives over the tp group first (every rank, the same order), then DCP's.
+    state = {**_model_state(pm), **_optimizer_state(pm, optimizer, names), **_rng_state(rank, pm.device)}
     # DCP returns on every rank only after rank 0 wrote .metadata (its "finish" step).
     dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
     if rank == 0:
         mesh = pm.groups.mesh
         meta = dict(format=FORMAT, step=step, extra=extra_json, world_size=dist.get_world_size(),
                     mesh=dict(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp), source=pm.plan.program.source,
-                    state_dict=state_dict_names(pm.plan.program), torch=torch.__version__)
+                    precision=pm.master.precision.value if pm.master is not None else "fp32",
+                    loss_scaler=_scaler_state(pm), state_dict=state_dict_names(pm.plan.program),
+                    torch=torch.__version__)
         write_atomic(tmp / META_FILE, json.dumps(meta, indent=1).encode())
         commit(tmp, final)
         write_atomic(root / POINTER_FILE, (final.name + "\n").encode())
@@ -170,9 +221,11 @@ def save_checkpoint(pm: Any, optimizer: torch.optim.Optimizer, step: int, direct
 
 
 # ---- load ------------------------------------------------------------------------------------
-def _check_model(program: Program, saved: Mapping[str, Any], path: Path) -> None:
-    """The checkpoint must hold exactly this model's tensors, by name and shape."""
-    expected = {p.canonical: p.shape for p in program.params if p.kind is not ParamKind.CONSTANT}
+def _check_model(program: Program, specs: Mapping[str, ShardSpec], saved: Mapping[str, Any], path: Path) -> None:
+    """The checkpoint must hold exactly this model's tensors, by name and full shape
+    (after the TP pass ``ParamInfo.shape`` is the local shape: ``full_shape`` from the spec)."""
+    expected = {p.canonical: tuple(specs[p.canonical].full_shape) if p.canonical in specs else tuple(p.shape)
+                for p in program.params if p.kind is not ParamKind.CONSTANT}
     found = {k[len("model."):]: tuple(md.size) for k, md in saved.items() if k.startswith("model.")}
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
@@ -229,29 +282,58 @@ def load_checkpoint(pm: Any, optimizer: torch.optim.Optimizer | None, directory:
     """Restore parameters, optimizer state and RNG from the latest complete checkpoint
     in ``directory`` (or the one of ``step``); collective. Returns (step, extra).
 
-    Works for any pp/dp layout: each rank reads the names it holds. RNG states are
-    per rank, so they are restored rank by rank only when the layout is the one that
-    saved; otherwise every rank takes rank 0's (as a fresh run seeds all ranks alike)."""
+    Works for any tp/pp/dp layout: each rank reads the full tensors of the names it
+    holds and keeps its tensor-parallel shard. Under mixed precision the fp32 masters
+    are loaded (and the compute copies refreshed from them), and fp16's loss scaler is
+    restored when the checkpoint has one. RNG states are per rank, so they are restored
+    rank by rank only when the layout is the one that saved; otherwise every rank takes
+    rank 0's (as a fresh run seeds all ranks alike)."""
     path = resolve(directory, step)
     meta = json.loads((path / META_FILE).read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path / META_FILE} has format {meta.get('format')!r}, this fxpipe reads {FORMAT}")
     saved = SafeReader(path).read_metadata().state_dict_metadata
     program = pm.plan.program
-    _check_model(program, saved, path)
+    _check_model(program, pm.specs, saved, path)
     mesh = pm.groups.mesh
     same_layout = meta["mesh"] == dict(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp)
     rng_prefix = f"rng.{dist.get_rank() if same_layout else 0}."
+    live = _model_tensors(pm)
+    model = {k: t for k, t in _targets(saved, "model.").items() if k[len("model."):] in live}
     names = _optimizer_names(pm, optimizer) if optimizer is not None else []
     mine = set(names)
     optim = {k: t for k, t in _targets(saved, "optim.").items()
              if k.split(".", 2)[2].rsplit(".", 1)[0] in mine}
     rng = _targets(saved, rng_prefix)
-    dcp.load({**_model_state(pm), **optim, **rng}, storage_reader=SafeReader(path))
+    # Full tensors into CPU buffers (the checkpoint's dtypes), then this rank's shard.
+    dcp.load({**model, **optim, **rng}, storage_reader=SafeReader(path))
+    tp_rank = pm.groups.tp_rank
+    local = shard_state({k[len("model."):]: t for k, t in model.items()}, pm.specs, tp_rank)
+    with torch.no_grad():
+        for name, t in live.items():
+            t.copy_(local[name])  # casts (an fp32 checkpoint into bf16 buffers, and back)
+    if pm.master is not None:
+        pm.master.refresh()  # train_step does it too; now the compute copies match at once
+        if pm.master.scaler is not None and meta.get("loss_scaler"):
+            for field in _SCALER_FIELDS:
+                setattr(pm.master.scaler, field, type(getattr(pm.master.scaler, field))(meta["loss_scaler"][field]))
     if optimizer is not None:
-        _install_optimizer(optimizer, names, optim)
+        _install_optimizer(optimizer, names, _shard_optimizer_state(pm, optim))
     _set_rng({k[len(rng_prefix):]: v for k, v in rng.items()}, pm.device)
     return int(meta["step"]), meta["extra"]
+
+
+def _shard_optimizer_state(pm: Any, loaded: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's shard of every state tensor of a sharded parameter's full shape."""
+    out = dict(loaded)
+    for key, t in loaded.items():
+        if not key.startswith("optim.state."):
+            continue
+        name = key[len("optim.state."):].rsplit(".", 1)[0]
+        spec = pm.specs.get(name)
+        if _is_sharded(spec) and tuple(t.shape) == tuple(spec.full_shape):
+            out[key] = shard_state({name: t}, pm.specs, pm.groups.tp_rank)[name]
+    return out
 
 
 # ---- export ----------------------------------------------------------------------------------
@@ -269,7 +351,7 @@ def _consolidate_directory(directory: str | os.PathLike) -> dict[str, torch.Tens
 
 def _consolidate_model(pm: Any) -> dict[str, torch.Tensor]:
     program = pm.plan.program
-    params = pm.full_state_dict()  # collective over the pipeline group; TP: + unshard_state
+    params = pm.full_state_dict()  # collective over the tp (unshard_tp) and pipeline groups
     # Buffers are not trained: the Program's copy is current.
     return {name: params[c] if c in params else program.state[c].detach().cpu()
             for name, c in state_dict_names(program).items()}

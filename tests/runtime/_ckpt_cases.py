@@ -29,14 +29,16 @@ def batch(w, step: int) -> tuple[torch.Tensor, ...]:
     return w.batch_from_tokens(torch.randint(0, w.vocab_size, (BATCH, SEQ + 1), generator=gen))
 
 
-def build(name: str, pp: int, dp: int | None = None, *, seed: int = 0, layers: int = LAYERS):
+def build(name: str, pp: int, dp: int | None = None, *, tp: int = 1, seed: int = 0, layers: int = LAYERS,
+          **options):
     """(ParallelModel, workload, AdamW, LR schedule). The learning rate decays, so a
-    resume must restore the optimizer's param-group lr, not only its moments."""
+    resume must restore the optimizer's param-group lr, not only its moments.
+    ``options``: more ``parallelize`` arguments (precision, loss_scaler)."""
     from fxpipe.runtime.api import parallelize
 
     w = workload(name, seed=seed, layers=layers)
-    pm = parallelize(w.model, pp=pp, dp=dp, microbatches=MICROBATCHES, example_inputs=batch(w, 0),
-                     loss_fn=w.loss_fn, partition="uniform")
+    pm = parallelize(w.model, tp=tp, pp=pp, dp=dp, microbatches=MICROBATCHES, example_inputs=batch(w, 0),
+                     loss_fn=w.loss_fn, partition="uniform", **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     return pm, w, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
 
@@ -102,25 +104,84 @@ def world_pp2(rank: int, world: int, root: str, killed_dir: str) -> dict:
     train(pm, w, opt, sched, range(2))
     export_consolidated(pm, root_path / "hf_gpt2.pt")
     out["hf_eval_loss"] = pm.train_step(batch(w, EVAL_STEP))
+
+    for precision, scaler in (("bf16", None), ("fp16", FP16_SCALER)):
+        out[precision] = _precision_resume(root_path / precision, precision, scaler)
     return out
 
 
-def world_reshard(rank: int, world: int, root: str) -> list[dict]:
-    """World 4: the pp=2 checkpoint loaded into pp=4 and into dp=2 × pp=2."""
+# fp16: the first steps overflow (the scale halves, steps are skipped), then the scale
+# grows every 2 clean steps, so the scaler's state changes between save and resume.
+FP16_SCALER = {"scale": 2.0 ** 17, "growth_interval": 2}
+
+
+def _precision_resume(directory: Path, precision: str, scaler: dict | None) -> dict:
+    """Mixed precision: the uninterrupted run saving at SAVE_AT, then the same
+    ParallelModel rewound by loading (its masters, compute copies, optimizer, LR and
+    loss scale have all moved on since the save, so each must come from the checkpoint)."""
+    from dataclasses import asdict
+
+    from fxpipe.runtime.checkpoint import load_checkpoint, save_checkpoint
+
+    pm, w, opt, sched = build("gpt-tiny", pp=2, precision=precision, loss_scaler=scaler)
+    losses = train(pm, w, opt, sched, range(SAVE_AT))
+    save_checkpoint(pm, opt, SAVE_AT, directory, extra={"lr_scheduler": sched.state_dict()})
+    r = dict(scaler_saved=asdict(pm.master.scaler) if pm.master.scaler else None)
+    r["losses"] = losses + train(pm, w, opt, sched, range(SAVE_AT, STEPS))
+    r["masters"] = {n: t.detach().clone() for n, t in pm.named_parameters()}
+    r["scaler_end"] = asdict(pm.master.scaler) if pm.master.scaler else None
+    step, extra = load_checkpoint(pm, opt, directory)
+    sched.load_state_dict(extra["lr_scheduler"])
+    r["scaler_loaded"] = asdict(pm.master.scaler) if pm.master.scaler else None
+    r["resumed_losses"] = train(pm, w, opt, sched, range(step, STEPS))
+    r["resumed_masters"] = {n: t.detach().clone() for n, t in pm.named_parameters()}
+    r["scaler_resumed_end"] = asdict(pm.master.scaler) if pm.master.scaler else None
+    r["dtypes"] = {str(t.dtype) for t in pm.state.values()}
+    return r
+
+
+def _resume(rank: int, pm, w, opt, sched, directory: Path) -> dict:
+    """Load ``directory`` into a built ParallelModel, train to STEPS, report."""
     from fxpipe.runtime.checkpoint import load_checkpoint
 
-    results = []
-    for pp, dp in ((4, 1), (2, 2)):
-        _scramble_rng()
-        pm, w, opt, sched = build("gpt-tiny", pp=pp, dp=dp, seed=1)
-        step, extra = load_checkpoint(pm, opt, Path(root) / "run")
-        sched.load_state_dict(extra["lr_scheduler"])
-        r = dict(pp=pp, dp=dp, step=step, rng=rng_sample(), losses=train(pm, w, opt, sched, range(step, STEPS)))
-        params = pm.full_state_dict()
-        if rank == 0:
-            r["params"] = params
-        results.append(r)
-    return results
+    _scramble_rng()
+    step, extra = load_checkpoint(pm, opt, directory)
+    sched.load_state_dict(extra["lr_scheduler"])
+    r = dict(step=step, rng=rng_sample(), losses=train(pm, w, opt, sched, range(step, STEPS)))
+    params = pm.full_state_dict()
+    if rank == 0:
+        r["params"] = params
+    return r
+
+
+def world_reshard(rank: int, world: int, root: str) -> dict:
+    """World 4. The tensor-parallel run: tp=2 × pp=2, saving at SAVE_AT ("tp2"), its
+    export; then checkpoints across layouts, keyed (layout, checkpoint): the pp=2 one
+    ("run", from world_pp2) into tp=2 × pp=2, pp=4 and dp=2 × pp=2, and the tp=2 × pp=2
+    one into pp=4, tp=1 × dp=2 × pp=2 and tp=4. A ParallelModel loads several
+    checkpoints in turn (each load replaces its whole state): compiling dominates."""
+    from fxpipe.runtime.checkpoint import export_consolidated, save_checkpoint
+
+    root_path, out = Path(root), {}
+    pm, w, opt, sched = build("gpt-tiny", tp=2, pp=2)
+    losses = train(pm, w, opt, sched, range(SAVE_AT))
+    save_checkpoint(pm, opt, SAVE_AT, root_path / "tp2", extra={"lr_scheduler": sched.state_dict()})
+    tp_run = dict(losses=losses + train(pm, w, opt, sched, range(SAVE_AT, STEPS)))
+    params = pm.full_state_dict()
+    export_consolidated(pm, root_path / "gpt_tp2.pt")
+    tp_run["eval_loss"] = pm.train_step(batch(w, EVAL_STEP))
+    if rank == 0:
+        tp_run["params"] = params
+    out["tp2"] = tp_run
+    out[("tp2xpp2", "run")] = _resume(rank, pm, w, opt, sched, root_path / "run")
+
+    for layout, tp, pp, dp, checkpoints in (("pp4", 1, 4, 1, ("run", "tp2")),
+                                             ("dp2xpp2", 1, 2, 2, ("run", "tp2")),
+                                             ("tp4", 4, 1, 1, ("tp2",))):
+        pm, w, opt, sched = build("gpt-tiny", tp=tp, pp=pp, dp=dp, seed=1)
+        for name in checkpoints:
+            out[(layout, name)] = _resume(rank, pm, w, opt, sched, root_path / name)
+    return out
 
 
 def save_then_hang(directory: str, expected: str, store: str) -> None:

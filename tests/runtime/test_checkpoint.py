@@ -116,22 +116,81 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(world2):
         assert torch.equal(r["resumed_params"][name], p), name
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", [0, 1], ids=["pp4", "dp2xpp2"])
-def test_pp2_checkpoint_loads_into_another_layout(world2, world4, layout):
-    reference = world2[1][0]
+def _assert_resumed_like(world4, key, reference):
     for rank_results in world4:
-        r = rank_results[layout]
+        r = rank_results[key]
         assert r["step"] == cases.SAVE_AT
         assert r["losses"] == pytest.approx(reference["losses"][cases.SAVE_AT:], abs=1e-6, rel=0)
-        # Another layout: every rank takes rank 0's RNG streams (a fresh run seeds all alike).
-        assert r["rng"] == world2[1][0]["rng_after_save"]
-    params = world4[0][layout]["params"]
+    params = world4[0][key]["params"]
     assert set(params) == set(reference["params"])
     for name, p in params.items():
         # AdamW turns round-off of a different reduction order into lr-sized steps on
         # near-zero gradients (test_equivalence.py), so parameters match to 1e-5.
         torch.testing.assert_close(p, reference["params"][name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp4", "dp2xpp2", "tp2xpp2"])
+def test_pp2_checkpoint_loads_into_another_layout(world2, world4, layout):
+    _assert_resumed_like(world4, (layout, "run"), world2[1][0])
+    for rank_results in world4:
+        # Another layout: every rank takes rank 0's RNG streams (a fresh run seeds all alike).
+        assert rank_results[(layout, "run")]["rng"] == world2[1][0]["rng_after_save"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp4", "dp2xpp2", "tp4"])
+def test_tp_checkpoint_loads_into_another_layout(world4, layout):
+    """Saved at tp=2 × pp=2: full tensors, so tp=1 and tp=4 cut their own shards."""
+    _assert_resumed_like(world4, (layout, "tp2"), world4[0]["tp2"])
+
+
+@pytest.mark.slow
+def test_tp_checkpoint_holds_full_tensors_once(world2, world4):
+    index = SafeReader(latest_checkpoint(world2[0] / "tp2")).read_metadata().state_dict_metadata
+    full = cases.workload().model.state_dict()
+    model = {k[len("model."):]: md for k, md in index.items() if k.startswith("model.")}
+    assert set(model) == set(full) - {"lm_head.weight"}
+    for name, md in model.items():
+        assert tuple(md.size) == tuple(full[name].shape), name
+    moments = {k: md for k, md in index.items() if k.endswith((".exp_avg", ".exp_avg_sq"))}
+    assert len(moments) == 2 * len(model)
+    for key, md in moments.items():
+        assert tuple(md.size) == tuple(full[key[len("optim.state."):].rsplit(".", 1)[0]].shape), key
+    # Every tp rank offered the same full tensor; DCP wrote it once.
+    assert all(len(md.chunks) == 1 for md in index.values())
+
+
+@pytest.mark.slow
+def test_export_under_tp_loads_into_the_unmodified_model(world2, world4):
+    w = cases.workload(seed=5)
+    state = torch.load(world2[0] / "gpt_tp2.pt", weights_only=True)
+    w.model.load_state_dict(state, strict=True)
+    for name, p in world4[0]["tp2"]["params"].items():
+        assert torch.equal(state[name], p), name
+    x, y = cases.batch(w, cases.EVAL_STEP)
+    with torch.no_grad():
+        loss = w.model(x, y)
+    assert float(loss) == pytest.approx(world4[0]["tp2"]["eval_loss"], abs=1e-6, rel=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_resume_is_exact(world2, precision):
+    for r in (rank_results[precision] for rank_results in world2[1]):
+        assert r["resumed_losses"] == r["losses"][cases.SAVE_AT:]  # bitwise
+        assert set(r["resumed_masters"]) == set(r["masters"])
+        for name, m in r["masters"].items():
+            assert m.dtype == torch.float32 and torch.equal(r["resumed_masters"][name], m), name
+        assert str({"bf16": torch.bfloat16, "fp16": torch.float16}[precision]) in r["dtypes"]
+        assert r["scaler_loaded"] == r["scaler_saved"]
+        assert r["scaler_resumed_end"] == r["scaler_end"]
+        if precision == "fp16":
+            assert r["scaler_saved"]["skipped"] >= 1, "the first steps overflow"
+            assert r["scaler_saved"] != r["scaler_end"], "the scale moved on after the save"
+    index = SafeReader(latest_checkpoint(world2[0] / precision)).read_metadata().state_dict_metadata
+    assert {md.properties.dtype for k, md in index.items() if k.startswith("model.")} == {torch.float32}, \
+        "the fp32 masters are saved, not the 16-bit compute copies"
 
 
 @pytest.mark.slow
