@@ -206,7 +206,7 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
     if rank == 0:
         print(f"done: loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} in {config.steps} steps, "
               f"{summary['wall_s']:.1f} s; median {summary['median_ms']:.1f} ms/iter, "
-              f"{summary['tokens_per_s']:.0f} tokens/s, {summary["tflops_per_process"]:.3g} TFLOP/s/process, "
+              f"{summary['tokens_per_s']:.0f} tokens/s, {summary['tflops_per_process']:.3g} TFLOP/s/process, "
               f"bubble {summary['bubble']:.1%}", flush=True)
     return summary
 
