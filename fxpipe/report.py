@@ -80,8 +80,10 @@ def compile_summary(program: Program, timings: list[PassTiming] | None = None,
     lines.append(f"batch inputs " + ", ".join(f"{n}{list(s.shape)}:{str(s.dtype).replace('torch.', '')}"
                                              for n, s in zip(program.inputs, program.input_specs)))
     lines.append(f"graph        {len(program.graph.nodes)} nodes ({n_call} ATen ops)")
+    tp = program.extra.get("tensor_parallel")
+    where = f" per tp rank (tp={tp.config.tp})" if tp is not None else ""
     lines.append(f"parameters   {human(program.num_parameters())} in {len(trainable)} tensors "
-                 f"({human(param_bytes, 'B')})")
+                 f"({human(param_bytes, 'B')}){where}")
     for canonical, names in program.tied_groups.items():
         lines.append(f"tied group   {' = '.join(names)}")
     n_layers = len(set(program.layers.values()))
@@ -92,7 +94,7 @@ def compile_summary(program: Program, timings: list[PassTiming] | None = None,
         fwd = sum(c.fwd_flops for c in program.costs.values())
         bwd = sum(c.bwd_flops for c in program.costs.values())
         lines.append(f"FLOPs/step   {human(fwd + bwd)} (forward {human(fwd)}, backward {human(bwd)}; "
-                     f"matmuls, per batch)")
+                     f"matmuls, per batch{where})")
         rows = layer_rows(program)
         lines.append("")
         lines.append(f"{'block':<16}{'nodes':>7}{'params':>10}{'fwd FLOPs':>12}{'bwd FLOPs':>12}"

@@ -112,7 +112,7 @@ def world_pp2(rank: int, world: int, root: str, killed_dir: str) -> dict:
 
 # fp16: the first steps overflow (the scale halves, steps are skipped), then the scale
 # grows every 2 clean steps, so the scaler's state changes between save and resume.
-FP16_SCALER = {"scale": 2.0 ** 17, "growth_interval": 2}
+FP16_SCALER = {"scale": 2.0 ** 18, "growth_interval": 2}
 
 
 def _precision_resume(directory: Path, precision: str, scaler: dict | None) -> dict:
