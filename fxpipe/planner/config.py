@@ -127,9 +127,9 @@ class PlannerOptions:
     """Largest v for the interleaved schedule."""
     max_micro_batch: int = 16
     """Largest b to try."""
-    simulate_microbatches: int = 3
-    """Pipelines with m > this·p are simulated at two smaller m and extrapolated (exact
-    for 1F1B and ZB-H1; see ``pipeline.py``)."""
+    simulate_budget: int = 8000
+    """Pipelines with p·m·v above this are simulated at two smaller m and extrapolated
+    (exact for 1F1B and ZB-H1; see ``pipeline.py``)."""
 
     def __post_init__(self) -> None:
         if self.dtype_bytes not in (1, 2, 4):

@@ -106,7 +106,7 @@ def predict(shape: TransformerShape, cfg: ParallelConfig, options: PlannerOption
                                backward=tuple(stages.backward.tolist()),
                                weight=tuple(stages.weight.tolist()))
     timing = simulate_pipeline(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.chunks, durations,
-                               cap=options.simulate_microbatches)
+                               budget=options.simulate_budget)
     rank_params = stages.ranks(stages.params)
     ends = []
     for r in range(cfg.pp):

@@ -17,8 +17,9 @@ Keys (all tensors, so DCP reads them back with ``torch.load(weights_only=True)``
 A name held by several ranks (data-parallel replicas, tied copies on the first and
 last stage, the tp ranks' identical gathered tensors) is written once: DCP's default
 planner deduplicates equal keys (``_dedup_save_plans``). The step, ``extra``, the
-layout and the fp16 loss scaler go to ``fxpipe.json`` (JSON, never pickled). The directory protocol that makes saves atomic is in
-``checkpoint_files.py``; the user-facing story in docs/checkpoints.md.
+layout and the fp16 loss scaler go to ``fxpipe.json`` (JSON, never pickled). The
+directory protocol that makes saves atomic is in ``checkpoint_files.py``; the
+user-facing story in docs/checkpoints.md.
 """
 from __future__ import annotations
 
@@ -314,9 +315,10 @@ def load_checkpoint(pm: Any, optimizer: torch.optim.Optimizer | None, directory:
             t.copy_(local[name])  # casts (an fp32 checkpoint into bf16 buffers, and back)
     if pm.master is not None:
         pm.master.refresh()  # train_step does it too; now the compute copies match at once
-        if pm.master.scaler is not None and meta.get("loss_scaler"):
+        scaler, saved_scaler = pm.master.scaler, meta.get("loss_scaler")
+        if scaler is not None and saved_scaler:  # fp16 from fp16; else the run's own scaler
             for field in _SCALER_FIELDS:
-                setattr(pm.master.scaler, field, type(getattr(pm.master.scaler, field))(meta["loss_scaler"][field]))
+                setattr(scaler, field, type(getattr(scaler, field))(saved_scaler[field]))
     if optimizer is not None:
         _install_optimizer(optimizer, names, _shard_optimizer_state(pm, optim))
     _set_rng({k[len(rng_prefix):]: v for k, v in rng.items()}, pm.device)

@@ -29,7 +29,7 @@ def test_extrapolation_matches_direct_simulation(kind, p, v, tol):
     rng = np.random.default_rng(1)
     d = _durations(p * v, rng, 0.5)
     for m in (4 * p, 5 * p + 3, 7 * p):
-        got = simulate_pipeline(kind, p, m, v, d)
+        got = simulate_pipeline(kind, p, m, v, d, budget=1)  # force the extrapolation
         assert len(got.simulated) == 2 and max(got.simulated) < m
         direct = simulate(generate(kind.value, p, m, v), d)
         assert got.makespan == pytest.approx(direct.makespan, rel=tol)
@@ -41,6 +41,6 @@ def test_interleaved_extrapolation_is_exact_for_near_equal_stages():
     f = np.ones(p * v)
     f[0], f[-1] = 1.1, 1.3  # embedding and head make the ends heavier
     d = StageDurations(forward=f, backward=2 * f, weight=f)
-    got = simulate_pipeline(ScheduleKind.INTERLEAVED, p, 10 * p, v, d)
+    got = simulate_pipeline(ScheduleKind.INTERLEAVED, p, 10 * p, v, d, budget=1)
     direct = simulate(generate("interleaved", p, 10 * p, v), d)
     assert got.makespan == pytest.approx(direct.makespan, rel=1e-9)
