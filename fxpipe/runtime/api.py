@@ -256,4 +256,5 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     pm = ParallelModel(plan, lowered, groups, state, executor, grad_sync, microbatches, device, master,
                        specs)
     pm.model_stats = stats
+    pm.tp_rng = rng  # the TP dropout streams (Megatron's RNG tracker), e.g. for checkpoints
     return pm

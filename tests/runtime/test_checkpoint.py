@@ -252,7 +252,8 @@ def test_export_from_a_directory_and_each_tensor_stored_once(world2, tmp_path):
 # ---- fxpipe run --------------------------------------------------------------------------------
 def _start(*args: str, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "fxpipe", "run", "--model", "gpt-tiny", "--seq", "32",
-                             "--log-interval", "1", "--timeline", "none", "--partition", "uniform", *args],
+                             "--log-interval", "1", "--timeline", "none", "--partition", "uniform",
+                             "--tp", "1", *args],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 

@@ -27,7 +27,7 @@ def test_wrong_batch_shape_is_a_clear_error():
 def test_failing_worker_ends_the_job_with_its_error():
     start = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "fxpipe", "run", "--model", "tests.runtime._faulty:build",
-                          "--seq", "16", "--steps", "2", "--timeout", "60", "--timeline", "none"],
+                          "--seq", "16", "--steps", "2", "--timeout", "60", "--timeline", "none", "--tp", "1"],
                          capture_output=True, text=True, timeout=120)
     elapsed = time.perf_counter() - start
     assert res.returncode != 0
