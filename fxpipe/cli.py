@@ -25,13 +25,21 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: meta for gpt2-medium and larger, else cpu)")
 
 
+def _default_device(model: str) -> str:
+    """Meta (no weights allocated) for registry GPTs above ~300M parameters."""
+    from fxpipe.models.registry import GPT_CONFIGS
+
+    cfg = GPT_CONFIGS.get(model)
+    return "meta" if cfg is not None and cfg.num_params > 3e8 else "cpu"
+
+
 def _cmd_compile(args: argparse.Namespace) -> int:
     from fxpipe.capture import capture
     from fxpipe.models.registry import build_workload
     from fxpipe.passes import run_passes
     from fxpipe.report import compile_summary
 
-    device = args.device or ("meta" if args.model in ("gpt2-medium", "gpt3-175b") else "cpu")
+    device = args.device or _default_device(args.model)
     start = time.perf_counter()
     workload = build_workload(args.model, batch=args.batch, seq=args.seq, device=device,
                               layers=args.layers)
@@ -124,17 +132,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return launch(config)
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
-    print("fxpipe plan: the planner is not built yet (see the project's planner issue).",
-          file=sys.stderr)
-    return 2
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fxpipe", description="Compile and run an unmodified PyTorch model with tensor and "
                                    "pipeline parallelism.")
-    sub = parser.add_subparsers(dest="command", metavar="{compile,run,viz,plan}")
+    sub = parser.add_subparsers(dest="command", metavar="{compile,run,viz,plan,calibrate}")
     sub.required = True
 
     p = sub.add_parser("compile", help="capture a model, run the passes, print a summary")
@@ -217,8 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:  # schedules package not present in this build
         p.set_defaults(fn=lambda a: _missing("viz"))
 
+    from fxpipe.planner.cli import (add_calibrate_arguments, add_plan_arguments, run_calibrate,
+                                    run_plan)
+
     p = sub.add_parser("plan", help="search tp/pp/dp layouts with the simulator")
-    p.set_defaults(fn=_cmd_plan)
+    add_plan_arguments(p)
+    p.set_defaults(fn=run_plan)
+    p = sub.add_parser("calibrate", help="measure this machine's matmul, memory and gloo speeds")
+    add_calibrate_arguments(p)
+    p.set_defaults(fn=run_calibrate)
     return parser
 
 

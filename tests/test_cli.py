@@ -51,3 +51,9 @@ def test_compile_heads_not_divisible_is_a_clear_error(capsys):
     assert main(["compile", "--model", "gpt-tiny", "--tp", "3"]) == 2
     err = capsys.readouterr().err
     assert "layer 0" in err and "4 attention heads" in err and "choose tp dividing 4" in err
+
+
+def test_plan_is_wired(capsys):
+    assert main(["plan", "--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "TFLOP/s" in out and "searched" in out
