@@ -182,10 +182,11 @@ def _to_program(model: nn.Module, ep: torch.export.ExportedProgram,
         if spec.kind is InputKind.USER_INPUT:
             user_inputs.append(node.name)
             continue
+        persistent = True
         if spec.kind is InputKind.PARAMETER:
             kind, tensor = ParamKind.PARAMETER, ep.state_dict[spec.target]
         elif spec.kind is InputKind.BUFFER:
-            kind = ParamKind.BUFFER
+            kind, persistent = ParamKind.BUFFER, bool(spec.persistent)
             tensor = ep.state_dict[spec.target] if spec.persistent else ep.constants[spec.target]
         else:  # lifted tensor constants (e.g. a literal torch.tensor in forward)
             kind, tensor = ParamKind.CONSTANT, ep.constants[spec.target]
@@ -194,7 +195,7 @@ def _to_program(model: nn.Module, ep: torch.export.ExportedProgram,
         params.append(ParamInfo(name=name, node=node.name, shape=tuple(tensor.shape),
                                 dtype=tensor.dtype, kind=kind,
                                 requires_grad=kind is ParamKind.PARAMETER and tensor.requires_grad,
-                                tied_group=group))
+                                persistent=persistent, tied_group=group))
         state.setdefault(group or name, tensor)
         node.meta["fxpipe_fqn"] = name
     assert len(user_inputs) == len(inputs), "every batch tensor becomes one graph input"

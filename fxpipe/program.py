@@ -38,6 +38,8 @@ class ParamInfo:
     dtype: torch.dtype
     kind: ParamKind
     requires_grad: bool
+    persistent: bool = True
+    """False for buffers registered with ``persistent=False`` (not in ``state_dict()``)."""
     tied_group: str | None = None
     """Canonical name of the tied group this tensor belongs to (None: not tied).
     The canonical member is the first name in module registration order."""

@@ -121,3 +121,21 @@ def test_model_without_transformer_layers_captures():
     plain = nn.Linear(8, 1)
     prog2 = fxpipe.capture(plain, (x, torch.randn(4, 1)), loss_fn=lambda o, t: ((o - t) ** 2).mean())
     assert prog2.layers == {} and prog2.layer_container == ""
+
+
+def test_buffers_record_persistence():
+    class WithBuffers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(4))
+            self.register_buffer("cache", torch.ones(4), persistent=False)
+
+        def forward(self, x):
+            return (self.lin(x) * self.scale * self.cache).sum()
+
+    prog = fxpipe.capture(WithBuffers(), (torch.randn(2, 4),))
+    assert {p.name: p.persistent for p in prog.params if p.kind is ParamKind.BUFFER} == \
+        {"scale": True, "cache": False}
+    from fxpipe.runtime.checkpoint import state_dict_names
+    assert set(state_dict_names(prog)) == set(WithBuffers().state_dict())

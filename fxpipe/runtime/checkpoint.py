@@ -49,10 +49,8 @@ __all__ = ["export_consolidated", "latest_checkpoint", "list_checkpoints", "load
 
 # ---- what is saved ---------------------------------------------------------------------------
 def _is_persistent(info: Any) -> bool:
-    # ParamInfo does not record ``persistent`` yet (capture sees it: InputKind.BUFFER's
-    # spec.persistent). Until it does, buffers are treated as non-persistent: right for
-    # every registry model (their only buffers are rotary tables, persistent=False).
-    return info.kind is ParamKind.PARAMETER or bool(getattr(info, "persistent", False))
+    """In the model's ``state_dict()``: parameters and persistent buffers."""
+    return info.kind is ParamKind.PARAMETER or info.persistent
 
 
 def state_dict_names(program: Program) -> dict[str, str]:
