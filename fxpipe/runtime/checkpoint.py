@@ -135,7 +135,7 @@ def _optimizer_state(pm: Any, optimizer: torch.optim.Optimizer, names: list[str]
     return out
 
 
-def _rng_state(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+def _rng_state(rank: int, device: torch.device, tp_rng: Any = None) -> dict[str, torch.Tensor]:
     version, words, gauss = random.getstate()  # Mersenne Twister: 624 words + position
     assert version == 3, version
     _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
@@ -146,11 +146,17 @@ def _rng_state(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
            "numpy_rest": torch.tensor([pos, has_gauss, cached], dtype=torch.float64)}
     if device.type == "cuda":
         out["cuda"] = torch.cuda.get_rng_state(device)
+    if tp_rng is not None:  # the TP dropout streams (Megatron's RNG tracker), per rank
+        for (dev, sharded), state in tp_rng.get_state().items():
+            out[f"tp_{dev}_{int(sharded)}"] = state
     return {f"rng.{rank}.{k}": v for k, v in out.items()}
 
 
-def _set_rng(loaded: Mapping[str, torch.Tensor], device: torch.device) -> None:
+def _set_rng(loaded: Mapping[str, torch.Tensor], device: torch.device, tp_rng: Any = None) -> None:
     torch.set_rng_state(loaded["torch"])
+    if tp_rng is not None:
+        tp_rng.restore({(k.split("_")[1], k.split("_")[2] == "1"): v
+                        for k, v in loaded.items() if k.startswith("tp_")})
     has_gauss, gauss = loaded["python_gauss"].tolist()
     random.setstate((3, tuple(loaded["python"].tolist()), gauss if has_gauss else None))
     pos, flag, cached = loaded["numpy_rest"].tolist()
@@ -198,7 +204,8 @@ def save_checkpoint(pm: Any, optimizer: torch.optim.Optimizer, step: int, direct
     dist.barrier()
     names = _optimizer_names(pm, optimizer)
     # Collectives over the tp group first (every rank, the same order), then DCP's.
-    state = {**_model_state(pm), **_optimizer_state(pm, optimizer, names), **_rng_state(rank, pm.device)}
+    state = {**_model_state(pm), **_optimizer_state(pm, optimizer, names),
+             **_rng_state(rank, pm.device, getattr(pm, "tp_rng", None))}
     # DCP returns on every rank only after rank 0 wrote .metadata (its "finish" step).
     dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
     if rank == 0:
@@ -319,7 +326,10 @@ def load_checkpoint(pm: Any, optimizer: torch.optim.Optimizer | None, directory:
                 setattr(scaler, field, type(getattr(scaler, field))(saved_scaler[field]))
     if optimizer is not None:
         _install_optimizer(optimizer, names, _shard_optimizer_state(pm, optim))
-    _set_rng({k[len(rng_prefix):]: v for k, v in rng.items()}, pm.device)
+    # TP dropout streams are per tp rank: restored only into the layout that saved them
+    # (elsewhere they restart from the seed, as in a fresh run).
+    _set_rng({k[len(rng_prefix):]: v for k, v in rng.items()}, pm.device,
+             getattr(pm, "tp_rng", None) if same_layout else None)
     return int(meta["step"]), meta["extra"]
 
 

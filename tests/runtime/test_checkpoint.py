@@ -315,3 +315,21 @@ def test_ctrl_c_stops_at_a_step_boundary_and_saves(cli_runs):
     stopped = int(found.group(1))
     assert stopped >= 10 and max(_losses(out)) == stopped, "stopped at a step boundary"
     assert [s for s, _ in list_checkpoints(cli_runs["root"] / "stopped")] == [stopped]
+
+
+def test_tp_dropout_streams_round_trip_through_the_rng_state():
+    """The TP dropout generators (sharded and replicated streams) are saved per rank
+    and rewound on load, so a resumed tp>1 run draws the masks it would have drawn."""
+    from fxpipe.runtime.checkpoint import _rng_state, _set_rng
+    from fxpipe.tp import DropoutRNG
+
+    rng = DropoutRNG(seed=3, tp_rank=1)
+    cpu = torch.device("cpu")
+    for sharded in (False, True):
+        torch.rand(5, generator=rng.generator(cpu, sharded))
+    saved = {k[len("rng.0."):]: v.clone() for k, v in _rng_state(0, cpu, rng).items()}
+    expected = [torch.rand(5, generator=rng.generator(cpu, s)) for s in (False, True)]
+    _set_rng(saved, cpu, rng)
+    again = [torch.rand(5, generator=rng.generator(cpu, s)) for s in (False, True)]
+    assert all(torch.equal(a, b) for a, b in zip(expected, again))
+    assert not torch.equal(expected[0], expected[1]), "the two streams differ"
