@@ -203,10 +203,11 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     traced = model if prec is Precision.FP32 else copy.deepcopy(model).to(prec.dtype)
     captured = capture(traced, tuple(t[:mb_rows] for t in example), loss_fn)
     # Model FLOPs and size of the whole model (before tensor parallelism shards them).
-    whole = total_cost(cost_pass(canonicalize_pass(captured)))
+    canonical = canonicalize_pass(captured)
+    whole = total_cost(cost_pass(canonical))
     stats = ModelStats(num_parameters=captured.num_parameters(),
                        flops_per_step=(whole.fwd_flops + whole.bwd_flops) * microbatches * dp)
-    program, _ = run_passes(captured, TPConfig(tp=tp, sp=sp))
+    program, _ = run_passes(canonical, TPConfig(tp=tp, sp=sp), skip=["canonicalize"])
     program = retarget_device_pass(program, device)
     config = PartitionConfig(num_stages=sched.num_stages, stage_to_rank=sched.stage_ranks,
                              inflight=stage_inflight(sched), method=partition,

@@ -121,11 +121,14 @@ def reduce_scatter_seq(x: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
     return _group(tp).reduce_scatter(x, dim)
 
 
-@reduce_scatter_seq.register_fake
-def _(x, dim, tp):
+def _fake_split(x, dim, tp):
+    """Shape of this rank's 1/tp slice along ``dim`` (reduce-scatter and scatter alike)."""
     shape = list(x.shape)
     shape[dim] //= tp
     return x.new_empty(shape)
+
+
+reduce_scatter_seq.register_fake(_fake_split)
 
 
 reduce_scatter_seq.register_autograd(
@@ -140,11 +143,7 @@ def scatter(x: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
     return _chunk(x, dim, _group(tp))
 
 
-@scatter.register_fake
-def _(x, dim, tp):
-    shape = list(x.shape)
-    shape[dim] //= tp
-    return x.new_empty(shape)
+scatter.register_fake(_fake_split)
 
 
 scatter.register_autograd(
