@@ -15,14 +15,15 @@ directories, because rename(2) of a directory within one filesystem is atomic
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+from fxpipe.runtime.checkpoint_metadata import read_metadata
 
 FORMAT = 1
 META_FILE = "fxpipe.json"
@@ -56,7 +57,9 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         name = (root / POINTER_FILE).read_text().strip()
     except (FileNotFoundError, NotADirectoryError):
         name = ""
-    if name and is_complete(root / name):
+    # The pointer is read from disk: only a bare step directory name is followed (no
+    # path components, so it cannot point outside ``directory``).
+    if _STEP_DIR.match(name) and is_complete(root / name):
         return root / name
     found = list_checkpoints(root)
     return found[-1][1] if found else None
@@ -82,39 +85,19 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's reader, but ``.metadata`` is unpickled with an allow-list (DCP's own
-    dataclasses, torch.Size/dtype) instead of plain ``pickle.load``: together with
-    DCP loading tensors with ``weights_only=True``, no code runs from the files."""
+    """DCP's reader, but ``.metadata`` is read by ``checkpoint_metadata.read_metadata``
+    (exact allow-list unpickler + structural validation) instead of plain
+    ``pickle.load``: together with DCP loading tensors with ``weights_only=True``, no
+    code runs from the files."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        with open(Path(self.path) / ".metadata", "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
+        if kwargs.get("rank") is not None:
+            raise ValueError("fxpipe checkpoints have one index (.metadata), not one per rank")
+        metadata = read_metadata(self.path)
+        if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
-
-
-_SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                 "torch.distributed.checkpoint.planner")
-_SAFE_GLOBALS = {("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                 ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Python's "restricting globals" recipe (pickle docs): DCP's index holds only its own
-    dataclasses, torch.Size, dtypes/layouts and the checkpoint's path."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch":
-            obj = getattr(torch, name, None)
-            if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                return obj
-        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which a checkpoint "
-                                     f"index never needs; refusing to load it")
 
 
 def commit(tmp: Path, final: Path) -> None:
