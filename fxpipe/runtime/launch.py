@@ -21,9 +21,14 @@ def init_distributed(timeout: timedelta, device: torch.device | None = None) -> 
     NCCL with GPUs, gloo on CPU. A single process without torchrun's variables
     becomes a world of one, so tp=pp=dp=1 runs without a launcher."""
     device = device or default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if dist.is_initialized():
         return device
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # On GPUs both backends: NCCL for CUDA tensors, gloo for the CPU tensors of small
+    # control collectives (the mean loss, the stop signal, object broadcasts); one
+    # backend per device type, and every new_group inherits the pair.
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if "RANK" not in os.environ:
