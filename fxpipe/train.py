@@ -249,10 +249,14 @@ class _StopSignal:
 def _save(pm: Any, opt: Any, sched: Any, step: int, config: TrainConfig) -> int:
     from fxpipe.runtime.checkpoint import save_checkpoint
 
+    from fxpipe.runtime.checkpoint_size import checkpoint_size
+
+    start = time.perf_counter()
     path = save_checkpoint(pm, opt, step, config.checkpoint_dir, keep_last=config.keep_checkpoints,
                            extra={"lr_scheduler": sched.state_dict()})
     if dist.get_rank() == 0:
-        print(f"checkpoint: {path}", flush=True)
+        print(f"checkpoint: {path} in {time.perf_counter() - start:.2f} s, "
+              f"{checkpoint_size(path).describe()}", flush=True)
     return step
 
 

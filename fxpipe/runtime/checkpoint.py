@@ -1,16 +1,17 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): save, resume in any layout, export.
 
-Every rank hands DCP a flat dict of *full* tensors keyed by *original* parameter
-names, so the checkpoint does not depend on the layout that wrote it: a rank of
-another tp/pp/dp layout asks for the names it holds, DCP reads them (it reshards by
-key), and the rank cuts its tensor-parallel shard (``shard_state``). Tensor-parallel
-shards are gathered over the tp group before saving (``ParallelModel.unshard_tp``).
-Keys (all tensors, so DCP reads them back with ``torch.load(weights_only=True)``):
+Every rank hands DCP a flat dict keyed by *original* parameter names, of tensors of
+the *full* shape: replicated tensors as they are, tensor-parallel shards as
+ShardedTensors holding only this rank's ranges (``checkpoint_shards.py``), so the
+checkpoint does not depend on the layout that wrote it and no rank gathers a full
+tensor: a rank of another tp/pp/dp layout asks for the names it holds and its own
+ranges, and DCP reads the overlapping parts of the saved chunks (it reshards by key
+and offset). Keys (all tensors, so DCP reads them back with ``torch.load(weights_only=True)``):
 
     model.<name>                      parameters (fp32 masters under mixed precision) and
-                                      buffers, one per tied group, full (unsharded) shape
+                                      buffers, one per tied group, global (unsharded) shape
     optim.state.<name>.<key>          torch.optim state (AdamW: step, exp_avg, exp_avg_sq),
-                                      tensors of the parameter's shape full as well
+                                      tensors of the parameter's shape chunked as well
     optim.param_groups.<name>.<key>   numeric hyper-parameters of the name's group (lr, betas, ...)
     rng.<rank>.<generator>            torch CPU/CUDA, python ``random`` and numpy states
 
@@ -37,8 +38,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from fxpipe.passes.tensor_parallel import ShardKind, ShardSpec, shard_state
+from fxpipe.passes.tensor_parallel import ShardSpec
 from fxpipe.program import ParamKind, Program
+from fxpipe.runtime.checkpoint_shards import empty_chunks, is_sharded, wrap_state
 from fxpipe.runtime.checkpoint_files import (FORMAT, META_FILE, POINTER_FILE, SafeReader, commit,
                                              is_complete, latest_checkpoint, list_checkpoints, resolve,
                                              step_dirname, write_atomic)
@@ -69,24 +71,23 @@ def _model_tensors(pm: Any) -> dict[str, torch.Tensor]:
     return {n: masters.get(n, t) for n, t in pm.state.items() if kinds[n] is not ParamKind.CONSTANT}
 
 
-def _gather_tp(pm: Any, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Full tensors from this rank's shards: collective over the tp group (every tp rank
-    calls it with the same names); identity without TP. Gathered on CPU (object
-    collectives pickle tensors, and a CUDA tensor would unpickle on the sender's device)."""
+def _tp_ranks(pm: Any) -> list[int]:
+    """Global ranks of this rank's tp group, in tp order (tp is innermost in the mesh)."""
+    base = pm.groups.rank - pm.groups.tp_rank
+    return [base + t for t in range(pm.groups.mesh.tp)]
+
+
+def _chunked(pm: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """This rank's tensor-parallel shards as DCP chunks of the full shape (no gather;
+    ``checkpoint_shards.py``); everything else as it is."""
     if pm.groups.mesh.tp == 1:
-        return local
-    return pm.unshard_tp({n: t.detach().cpu() for n, t in local.items()})
+        return tensors
+    return wrap_state(tensors, pm.specs, pm.groups.tp_rank, _tp_ranks(pm), pm.groups.tp_group)
 
 
-def _model_state(pm: Any) -> dict[str, torch.Tensor]:
-    # Full tensors: every tp rank offers the same one under the same key, DCP writes it
-    # once. (Scalable follow-up: ShardedTensor chunks instead of a gather, docs/checkpoints.md.)
-    full = _gather_tp(pm, {n: t.detach() for n, t in _model_tensors(pm).items()})
-    return {f"model.{n}": t for n, t in full.items()}
-
-
-def _is_sharded(spec: ShardSpec | None) -> bool:
-    return spec is not None and spec.kind is not ShardKind.REPLICATED
+def _model_state(pm: Any) -> dict[str, Any]:
+    local = _chunked(pm, {n: t.detach() for n, t in _model_tensors(pm).items()})
+    return {f"model.{n}": t for n, t in local.items()}
 
 
 def _optimizer_names(pm: Any, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -115,15 +116,10 @@ def _optimizer_state(pm: Any, optimizer: torch.optim.Optimizer, names: list[str]
         for key, value in entries.items():
             by_key.setdefault(key, {})[names[index]] = torch.as_tensor(value)
     out = {}
-    for key in sorted(by_key):  # the same order on every tp rank: one gather per key
-        tensors = by_key[key]
-        if pm.groups.mesh.tp > 1:
-            # Moments (exp_avg, exp_avg_sq) have the parameter's shape: gathered with its
-            # ShardSpec like the parameter. Scalars (step) are the same on every tp rank.
-            sharded = {n: t for n, t in tensors.items()
-                       if _is_sharded(spec := pm.specs.get(n)) and tuple(t.shape) == tuple(spec.local_shape)}
-            tensors = {**tensors, **_gather_tp(pm, sharded)}
-        for name, t in tensors.items():
+    for key in sorted(by_key):
+        # Moments (exp_avg, exp_avg_sq) have the parameter's shape: chunked with its
+        # ShardSpec like the parameter. Scalars (step) are the same on every tp rank.
+        for name, t in _chunked(pm, by_key[key]).items():
             out[f"optim.state.{name}.{key}"] = t
     for group in sd["param_groups"]:
         # Numbers only (lr, initial_lr, betas, eps, weight_decay): flags such as foreach
@@ -251,6 +247,25 @@ def _targets(saved: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
             for k, md in saved.items() if k.startswith(prefix) and hasattr(md, "size")}
 
 
+def _local_targets(pm: Any, saved: Mapping[str, Any], prefix: str, name_of: Any,
+                   wanted: set[str]) -> dict[str, tuple[Any, torch.Tensor]]:
+    """Load targets for the saved keys under ``prefix`` whose parameter this rank
+    holds, as (what DCP fills, this rank's tensor): for a tensor-parallel parameter (and
+    its moments, of the full shape) a ShardedTensor of this rank's ranges viewing a
+    local-shape buffer, so no full tensor is ever built; otherwise one full tensor."""
+    out = {}
+    for key, md in saved.items():
+        if not key.startswith(prefix) or name_of(key) not in wanted:
+            continue
+        spec, shape, dtype = pm.specs.get(name_of(key)), tuple(md.size), md.properties.dtype
+        if pm.groups.mesh.tp > 1 and is_sharded(spec) and shape == tuple(spec.full_shape):
+            out[key] = empty_chunks(spec, pm.groups.tp_rank, _tp_ranks(pm), pm.groups.tp_group, dtype)
+        else:
+            full = torch.empty(shape, dtype=dtype)
+            out[key] = (full, full)
+    return out
+
+
 def _like(current: Any, loaded: torch.Tensor) -> Any:
     """A loaded hyper-parameter in the type the optimizer was built with."""
     if isinstance(current, torch.Tensor):
@@ -305,19 +320,17 @@ def load_checkpoint(pm: Any, optimizer: torch.optim.Optimizer | None, directory:
     same_layout = meta["mesh"] == dict(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp)
     rng_prefix = f"rng.{dist.get_rank() if same_layout else 0}."
     live = _model_tensors(pm)
-    model = {k: t for k, t in _targets(saved, "model.").items() if k[len("model."):] in live}
+    model = _local_targets(pm, saved, "model.", lambda key: key[len("model."):], set(live))
     names = _optimizer_names(pm, optimizer) if optimizer is not None else []
-    mine = set(names)
-    optim = {k: t for k, t in _targets(saved, "optim.").items()
-             if k.split(".", 2)[2].rsplit(".", 1)[0] in mine}
+    optim = _local_targets(pm, saved, "optim.", lambda key: key.split(".", 2)[2].rsplit(".", 1)[0], set(names))
     rng = _targets(saved, rng_prefix)
-    # Full tensors into CPU buffers (the checkpoint's dtypes), then this rank's shard.
-    dcp.load({**model, **optim, **rng}, storage_reader=SafeReader(path))
-    tp_rank = pm.groups.tp_rank
-    local = shard_state({k[len("model."):]: t for k, t in model.items()}, pm.specs, tp_rank)
+    # Into CPU buffers of the checkpoint's dtypes: this rank's tensor-parallel ranges
+    # only (DCP reads the overlapping parts of the saved chunks), full replicated tensors.
+    dcp.load({**{k: t for k, (t, _) in model.items()}, **{k: t for k, (t, _) in optim.items()}, **rng},
+             storage_reader=SafeReader(path))
     with torch.no_grad():
         for name, t in live.items():
-            t.copy_(local[name])  # casts (an fp32 checkpoint into bf16 buffers, and back)
+            t.copy_(model[f"model.{name}"][1])  # casts (an fp32 checkpoint into bf16 buffers, and back)
     if pm.master is not None:
         pm.master.refresh()  # train_step does it too; now the compute copies match at once
         scaler, saved_scaler = pm.master.scaler, meta.get("loss_scaler")
@@ -325,25 +338,12 @@ def load_checkpoint(pm: Any, optimizer: torch.optim.Optimizer | None, directory:
             for field in _SCALER_FIELDS:
                 setattr(scaler, field, type(getattr(scaler, field))(saved_scaler[field]))
     if optimizer is not None:
-        _install_optimizer(optimizer, names, _shard_optimizer_state(pm, optim))
+        _install_optimizer(optimizer, names, {k: local for k, (_, local) in optim.items()})
     # TP dropout streams are per tp rank: restored only into the layout that saved them
     # (elsewhere they restart from the seed, as in a fresh run).
     _set_rng({k[len(rng_prefix):]: v for k, v in rng.items()}, pm.device,
              getattr(pm, "tp_rng", None) if same_layout else None)
     return int(meta["step"]), meta["extra"]
-
-
-def _shard_optimizer_state(pm: Any, loaded: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This rank's shard of every state tensor of a sharded parameter's full shape."""
-    out = dict(loaded)
-    for key, t in loaded.items():
-        if not key.startswith("optim.state."):
-            continue
-        name = key[len("optim.state."):].rsplit(".", 1)[0]
-        spec = pm.specs.get(name)
-        if _is_sharded(spec) and tuple(t.shape) == tuple(spec.full_shape):
-            out[key] = shard_state({name: t}, pm.specs, pm.groups.tp_rank)[name]
-    return out
 
 
 # ---- export ----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ compiling dominate on a 2-core machine.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from pathlib import Path
@@ -140,12 +141,30 @@ def _precision_resume(directory: Path, precision: str, scaler: dict | None) -> d
     return r
 
 
+@contextlib.contextmanager
+def no_gather():
+    """Checkpoints never gather tensor-parallel shards: ``ParallelModel.unshard_tp``
+    (the only way fxpipe builds full tensors from shards) fails the case in this block."""
+    from fxpipe.runtime.api import ParallelModel
+
+    def refuse(self, local):
+        raise AssertionError("a checkpoint save/load gathered tensor-parallel shards")
+
+    saved = ParallelModel.unshard_tp
+    ParallelModel.unshard_tp = refuse
+    try:
+        yield
+    finally:
+        ParallelModel.unshard_tp = saved
+
+
 def _resume(rank: int, pm, w, opt, sched, directory: Path) -> dict:
     """Load ``directory`` into a built ParallelModel, train to STEPS, report."""
     from fxpipe.runtime.checkpoint import load_checkpoint
 
     _scramble_rng()
-    step, extra = load_checkpoint(pm, opt, directory)
+    with no_gather():
+        step, extra = load_checkpoint(pm, opt, directory)
     sched.load_state_dict(extra["lr_scheduler"])
     r = dict(step=step, rng=rng_sample(), losses=train(pm, w, opt, sched, range(step, STEPS)))
     params = pm.full_state_dict()
@@ -165,7 +184,8 @@ def world_reshard(rank: int, world: int, root: str) -> dict:
     root_path, out = Path(root), {}
     pm, w, opt, sched = build("gpt-tiny", tp=2, pp=2)
     losses = train(pm, w, opt, sched, range(SAVE_AT))
-    save_checkpoint(pm, opt, SAVE_AT, root_path / "tp2", extra={"lr_scheduler": sched.state_dict()})
+    with no_gather():
+        save_checkpoint(pm, opt, SAVE_AT, root_path / "tp2", extra={"lr_scheduler": sched.state_dict()})
     tp_run = dict(losses=losses + train(pm, w, opt, sched, range(SAVE_AT, STEPS)))
     params = pm.full_state_dict()
     export_consolidated(pm, root_path / "gpt_tp2.pt")

@@ -1,0 +1,93 @@
+"""Tensor-parallel shards as DCP chunks: checkpoints without gathering.
+
+A rank hands DCP its own shard of each tensor-parallel parameter (and of the Adam
+moments of that shape) as a ``ShardedTensor`` of the *full* shape, one local shard
+per index range of its ``ShardSpec`` (ranges may be non-contiguous: GPT-2's fused
+``c_attn``; vocabulary padding rows are left out). DCP stores each range as a chunk
+at its offset, so the checkpoint's keys and global shapes are the same whatever
+layout wrote it, and a loading rank of any tp asks for its own ranges: DCP reads the
+overlapping parts of whatever chunks were saved (``create_default_local_load_plan``).
+No rank ever materialises a full tensor of a sharded parameter, saving or loading.
+
+DTensor cannot express non-contiguous placements; DCP's chunk model can, and
+``ShardedTensor`` is the DCP-supported container for an arbitrary list of chunks.
+Data-parallel replicas and tied copies offer identical chunks under identical
+(key, offset) indexes, and DCP's default planner writes each once
+(``_dedup_save_plans``).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Mapping
+
+import torch
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+from fxpipe.passes.tensor_parallel import ShardKind, ShardSpec
+
+# torch marks ShardedTensor as deprecated in favour of DTensor, which cannot express
+# non-contiguous ranges (above); DCP still saves and reshards it. Silence that one note.
+warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
+
+
+def is_sharded(spec: ShardSpec | None) -> bool:
+    return spec is not None and spec.kind is not ShardKind.REPLICATED
+
+
+def _offsets(spec: ShardSpec, start: int) -> list[int]:
+    return [start if d == spec.dim else 0 for d in range(len(spec.full_shape))]
+
+
+def _sizes(spec: ShardSpec, length: int) -> list[int]:
+    return [length if d == spec.dim else s for d, s in enumerate(spec.full_shape)]
+
+
+def _global_metadata(spec: ShardSpec, tp_global_ranks: list[int], dtype: torch.dtype,
+                     device: torch.device) -> ShardedTensorMetadata:
+    """Every tp rank's ranges, placed on that rank's global rank (ShardedTensor's
+    placements name global ranks)."""
+    dev = "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
+    shards = [ShardMetadata(shard_offsets=_offsets(spec, a), shard_sizes=_sizes(spec, b - a),
+                            placement=f"rank:{g}/{dev}")
+              for t, g in enumerate(tp_global_ranks) for a, b in spec.ranges[t]]
+    return ShardedTensorMetadata(shards_metadata=shards, size=torch.Size(spec.full_shape),
+                                 tensor_properties=TensorProperties(dtype=dtype))
+
+
+def as_chunks(local: torch.Tensor, spec: ShardSpec, tp_rank: int, tp_global_ranks: list[int],
+              group) -> ShardedTensor:
+    """This rank's shard ``local`` (ranges in order, then padding) as a ShardedTensor of
+    the full shape. The local shards are views of ``local``: nothing is copied."""
+    assert spec.dim is not None
+    global_md = _global_metadata(spec, tp_global_ranks, local.dtype, local.device)
+    mine = [md for md in global_md.shards_metadata if md.placement.rank() == tp_global_ranks[tp_rank]]
+    shards, offset = [], 0
+    for md, (a, b) in zip(mine, spec.ranges[tp_rank]):
+        shards.append(Shard(tensor=local.narrow(spec.dim, offset, b - a), metadata=md))
+        offset += b - a
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, global_md, process_group=group)
+
+
+def empty_chunks(spec: ShardSpec, tp_rank: int, tp_global_ranks: list[int], group,
+                 dtype: torch.dtype) -> tuple[ShardedTensor, torch.Tensor]:
+    """A load target for this rank's ranges (on CPU, in the checkpoint's dtype) and the
+    local tensor its shards view: after ``dcp.load`` the tensor holds this rank's shard
+    with zero padding rows, exactly what ``shard_state`` cuts from a full tensor."""
+    local = torch.zeros(spec.local_shape, dtype=dtype)
+    return as_chunks(local, spec, tp_rank, tp_global_ranks, group), local
+
+
+def wrap_state(tensors: Mapping[str, torch.Tensor], specs: Mapping[str, ShardSpec], tp_rank: int,
+               tp_global_ranks: list[int], group) -> dict[str, torch.Tensor | ShardedTensor]:
+    """Sharded entries (whose shape is the spec's local shape) as ShardedTensors; the
+    rest (replicated tensors, scalars such as Adam's ``step``) as they are."""
+    out: dict[str, torch.Tensor | ShardedTensor] = {}
+    for name, t in tensors.items():
+        spec = specs.get(name)
+        if is_sharded(spec) and tuple(t.shape) == tuple(spec.local_shape):
+            out[name] = as_chunks(t.detach(), spec, tp_rank, tp_global_ranks, group)
+        else:
+            out[name] = t
+    return out
