@@ -207,8 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the latest checkpoint in --checkpoint-dir: model, optimizer, "
                         "RNG and data position; any tp/pp/dp layout")
     p.add_argument("--export", default=None, metavar="PATH",
-                   help="at the end, write one state_dict under the model's own parameter names "
-                        "(torch.save) that the unmodified model loads with load_state_dict")
+                   help="at the end, write the model's state_dict under its own parameter names, "
+                        "streamed one tensor at a time: a directory or *.safetensors gets safetensors "
+                        "(+ config.json for Hugging Face models: from_pretrained loads the directory), "
+                        "any other name one torch.save file for load_state_dict")
     p.set_defaults(fn=_cmd_run)
 
     p = sub.add_parser("viz", help="draw a pipeline schedule (ASCII, PNG/SVG Gantt, Perfetto JSON)")

@@ -191,7 +191,9 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
                   + ("; resume with --resume" if config.checkpoint_dir else ""), flush=True)
         return dict(signal=stopped, steps_done=done)
     if config.export:
-        export_consolidated(pm, config.export)
+        hf_config = getattr(w.model, "config", None)  # a Hugging Face model: config.json beside
+        export_consolidated(pm, config.export,
+                            hf_config=hf_config if hasattr(hf_config, "save_pretrained") else None)
         if rank == 0:
             print(f"consolidated state_dict: {config.export}", flush=True)
     if not losses:

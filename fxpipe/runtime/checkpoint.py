@@ -28,7 +28,6 @@ import json
 import os
 import random
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -42,7 +41,7 @@ from fxpipe.passes.tensor_parallel import ShardSpec
 from fxpipe.program import ParamKind, Program
 from fxpipe.runtime.checkpoint_shards import empty_chunks, is_sharded, wrap_state
 from fxpipe.runtime.checkpoint_files import (FORMAT, META_FILE, POINTER_FILE, SafeReader, commit,
-                                             is_complete, latest_checkpoint, list_checkpoints, resolve,
+                                             latest_checkpoint, list_checkpoints, resolve,
                                              step_dirname, write_atomic)
 
 __all__ = ["export_consolidated", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
@@ -347,41 +346,4 @@ def load_checkpoint(pm: Any, optimizer: torch.optim.Optimizer | None, directory:
 
 
 # ---- export ----------------------------------------------------------------------------------
-def _consolidate_directory(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
-    path = Path(directory)
-    path = path if is_complete(path) else resolve(path, None)
-    names = json.loads((path / META_FILE).read_text())["state_dict"]
-    saved = SafeReader(path).read_metadata().state_dict_metadata
-    tensors = {k: v for k, v in _targets(saved, "model.").items() if k[len("model."):] in names.values()}
-    with warnings.catch_warnings():  # DCP notes that it loads without a process group: intended
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, storage_reader=SafeReader(path), no_dist=True)
-    return {name: tensors[f"model.{canonical}"] for name, canonical in names.items()}
-
-
-def _consolidate_model(pm: Any) -> dict[str, torch.Tensor]:
-    program = pm.plan.program
-    params = pm.full_state_dict()  # collective over the tp (unshard_tp) and pipeline groups
-    # Buffers are not trained: the Program's copy is current.
-    return {name: params[c] if c in params else program.state[c].detach().cpu()
-            for name, c in state_dict_names(program).items()}
-
-
-def export_consolidated(source: Any, path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """One ``state_dict`` under the original model's names (every tied name present,
-    sharing one tensor), written with ``torch.save`` so that the unmodified model loads
-    it with ``model.load_state_dict(torch.load(path, weights_only=True))``.
-
-    ``source``: a checkpoint directory (root or ``step_*``; no process group needed)
-    or a ParallelModel (collective: call on every rank; global rank 0 writes)."""
-    from_model = not isinstance(source, (str, os.PathLike))
-    state = _consolidate_model(source) if from_model else _consolidate_directory(source)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, out)
-    if from_model:
-        dist.barrier()
-    return state
+from fxpipe.runtime.export import export_consolidated  # noqa: E402  (re-exported: docs/checkpoints.md)

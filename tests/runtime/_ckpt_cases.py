@@ -104,6 +104,7 @@ def world_pp2(rank: int, world: int, root: str, killed_dir: str) -> dict:
     pm, w, opt, sched = build("hf:gpt2", pp=2)
     train(pm, w, opt, sched, range(2))
     export_consolidated(pm, root_path / "hf_gpt2.pt")
+    export_consolidated(pm, root_path / "hf_gpt2_dir", hf_config=w.model.config)  # safetensors + config
     out["hf_eval_loss"] = pm.train_step(batch(w, EVAL_STEP))
 
     for precision, scaler in (("bf16", None), ("fp16", FP16_SCALER)):

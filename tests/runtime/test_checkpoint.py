@@ -3,6 +3,7 @@
 Worlds are spawned once per size and run several checks each (see _ckpt_cases.py):
 on a 2-core machine spawning and compiling cost far more than the checks.
 """
+import json
 import os
 import re
 import signal
@@ -234,6 +235,46 @@ def test_export_loads_into_the_unmodified_model(world2, name, file, key):
     with torch.no_grad():
         loss = w.model(x, y) if w.loss_fn is None else causal_lm_loss(w.model(x), y)
     assert float(loss) == pytest.approx(out[0][key], abs=1e-6, rel=0)
+
+
+@pytest.mark.slow
+def test_hf_export_directory_loads_with_from_pretrained(world2):
+    """The live export of an HF model as safetensors + config.json (streamed, tied
+    weights once): ``from_pretrained`` reproduces the trained model's loss."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    root, out = world2
+    path = root / "hf_gpt2_dir"
+    assert {"config.json", "model.safetensors"} <= {f.name for f in path.iterdir()}
+    with safe_open(path / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in set(f.keys()), "tied weights are stored once, as save_pretrained does"
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    w = cases.workload("hf:gpt2")
+    x, y = cases.batch(w, cases.EVAL_STEP)
+    with torch.no_grad():
+        loss = causal_lm_loss(model(x), y)
+    assert float(loss) == pytest.approx(out[0]["hf_eval_loss"], abs=1e-6, rel=0)
+
+
+@pytest.mark.slow
+def test_sharded_safetensors_export_equals_the_pt_export(world2, tmp_path):
+    """From a checkpoint directory, split into files of at most 40 KB with an index
+    (Hugging Face's layout): the same tensors as the torch.save export."""
+    from safetensors.torch import load_file
+
+    root, _ = world2
+    reference = export_consolidated(root / "keep", tmp_path / "m.pt")
+    files = export_consolidated(root / "keep", tmp_path / "st", max_shard_bytes=40_000)
+    index = json.loads((tmp_path / "st" / "model.safetensors.index.json").read_text())
+    assert len(files) > 2 and sorted(set(index["weight_map"].values())) == sorted(f.name for f in files)
+    loaded = {}
+    for f in files:
+        assert f.stat().st_size < 40_000 + 64 * 1024 or len(load_file(f)) == 1
+        loaded.update(load_file(f))
+    assert set(loaded) == set(reference) - {"lm_head.weight"}
+    for name, t in loaded.items():
+        assert torch.equal(t, reference[name]), name
 
 
 @pytest.mark.slow
