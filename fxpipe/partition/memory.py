@@ -18,7 +18,8 @@ from fxpipe.partition.cost import evaluate
 from fxpipe.partition.encoding import StageEncoding, solver_for
 from fxpipe.partition.problem import PartitionError, PartitionProblem
 
-GB = 1e9
+GIB = 2**30
+"""Bytes per GiB: the unit of ``--memory-limit`` (and of what the messages print)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,15 +48,15 @@ class MemoryLimitError(PartitionError):
     def __init__(self, problem: PartitionProblem, floor: MemoryFloor) -> None:
         self.floor = floor
         limit = problem.memory_limit_bytes
-        parts = ", ".join(f"stage {k}: {st / GB:.2f} GB static + {m} x {act / GB:.3f} GB activations"
+        parts = ", ".join(f"stage {k}: {st / GIB:.2f} GiB static + {m} x {act / GIB:.3f} GiB activations"
                           for k, st, act, m in floor.stage_memory)
-        smallest = (f"the smallest limit that fits is {floor.fitting_limit_bytes / GB:.3f} GB "
+        smallest = (f"the smallest limit that fits is {floor.fitting_limit_bytes / GIB:.3f} GiB "
                     f"({floor.fitting_limit_bytes} B)" if floor.proven else
-                    f"the smallest limit that fits is between {floor.lower_bound_bytes / GB:.3f} GB "
-                    f"(proven) and {floor.fitting_limit_bytes / GB:.3f} GB "
+                    f"the smallest limit that fits is between {floor.lower_bound_bytes / GIB:.3f} GiB "
+                    f"(proven) and {floor.fitting_limit_bytes / GIB:.3f} GiB "
                     f"({floor.fitting_limit_bytes} B, found)")
         super().__init__(
-            f"memory limit {limit / GB:.3f} GB ({limit} B) per rank cannot be met by any "
+            f"memory limit {limit / GIB:.3f} GiB ({limit} B) per rank cannot be met by any "
             f"stage assignment: {smallest}; at that optimum rank {floor.rank} binds ({parts}). "
             f"Raise the limit, use more pipeline stages, or hold fewer microbatches in flight "
             f"(recompute activations).")
