@@ -13,7 +13,7 @@ import networkx as nx
 
 from fxpipe.hardware import CPU, Hardware
 from fxpipe.partition import Method, PartitionError, PartitionProblem, PartitionResult, coarsen, partition
-from fxpipe.partition.memory import GIB
+from fxpipe.partition.memory import gib
 from fxpipe.passes.cost import VIEW_OPS
 from fxpipe.passes.split import side_values
 from fxpipe.program import ParamKind, Program
@@ -50,6 +50,9 @@ class PartitionConfig:
     def __post_init__(self) -> None:
         if len(self.stage_to_rank) != self.num_stages or len(self.inflight) != self.num_stages:
             raise ValueError("stage_to_rank and inflight need one entry per stage")
+        if self.method not in {m.value for m in Method}:
+            raise ValueError(f"unknown partition method {self.method!r}; valid methods: "
+                             f"{', '.join(m.value for m in Method)}")
 
 
 def stage_inflight(schedule: Schedule) -> tuple[int, ...]:
@@ -126,14 +129,14 @@ def over_limit_message(result: PartitionResult) -> str:
     limit = result.memory_limit_bytes
     over = [(r, b) for r, b in enumerate(result.rank_memory_bytes) if b > limit]
     ranks = "; ".join(
-        f"rank {r}: {b / GIB:.3f} GiB (" + ", ".join(
-            f"stage {c.stage}: {c.static_bytes / GIB:.3f} GiB static + {c.inflight} x "
-            f"{c.act_bytes / GIB:.3f} GiB activations" for c in result.stages if c.rank == r) + ")"
+        f"rank {r}: {gib(b)} (" + ", ".join(
+            f"stage {c.stage}: {gib(c.static_bytes)} static + {c.inflight} x "
+            f"{gib(c.act_bytes)} activations" for c in result.stages if c.rank == r) + ")"
         for r, b in over)
     why = ("found no contiguous split under it" if result.method is Method.DP
            else "does not take memory into account")
     return (f"partition {result.method.value!r} gives a plan over the memory limit of "
-            f"{limit / GIB:.3f} GiB per rank ({limit} B): {ranks}. {result.method.value} {why}; "
+            f"{gib(limit)} per rank ({limit} B): {ranks}. {result.method.value} {why}; "
             f"partition 'ilp' honours the limit (or reports the smallest "
             f"that fits). Raise the limit, use ilp, or allow_over_limit=True "
             f"(fxpipe compile --allow-over-limit) to see this plan anyway")
