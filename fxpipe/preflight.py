@@ -112,10 +112,19 @@ def _check_writable_file(path: Path, flag: str) -> None:
         raise PreflightError(f"{flag} {path} cannot be written (no write permission in {parent})")
 
 
+def latest_checkpoint_of(directory: str | None) -> Path | None:
+    from fxpipe.runtime import checkpoint_files
+
+    return checkpoint_files.latest_checkpoint(directory) if directory is not None else None
+
+
 def check_paths(config: "TrainConfig") -> None:
     if config.checkpoint_dir is not None:
         _check_writable_dir(Path(config.checkpoint_dir), "--checkpoint-dir",
                             "choose a directory that this user can write")
+    if config.resume and latest_checkpoint_of(config.checkpoint_dir) is None:
+        raise PreflightError(f"--resume: no complete checkpoint in {config.checkpoint_dir}; drop "
+                             f"--resume to start from step 0")
     if config.export is not None:
         _check_writable_file(Path(config.export), "--export")
     if config.timeline is not None:
@@ -185,9 +194,9 @@ def check_resume(program: "Program", directory: str | None) -> None:
     """The newest checkpoint must hold this model's tensors (by ``state_dict`` name);
     shapes are checked by the workers against DCP's index when they load."""
     from fxpipe.runtime.checkpoint import state_dict_names
-    from fxpipe.runtime.checkpoint_files import META_FILE, latest_checkpoint
+    from fxpipe.runtime.checkpoint_files import META_FILE
 
-    path = latest_checkpoint(directory) if directory is not None else None
+    path = latest_checkpoint_of(directory)
     if path is None:
         raise PreflightError(f"--resume: no complete checkpoint in {directory}; drop --resume to "
                              f"start from step 0")
