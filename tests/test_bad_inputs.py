@@ -278,3 +278,23 @@ def test_token_inputs_of_a_hf_model():
     w = build_workload("hf:llama", batch=2, seq=8)
     found = token_inputs(capture(w.model, w.example_inputs, w.loss_fn))
     assert (0, 128, TokenRole.EMBEDDING) in {(t.input_index, t.vocab_size, t.role) for t in found}
+
+
+def test_failed_ranks_are_summarised_in_one_line(tmp_path):
+    """The elastic launcher's ChildFailedError (per-rank error files as ``record`` writes
+    them) becomes one line: the first rank to fail, its error, the others' numbers."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def failure(rank: int, message: str, timestamp: int) -> ProcessFailure:
+        path = tmp_path / f"error_{rank}.json"
+        path.write_text(json.dumps({"message": {"message": message, "extraInfo": {
+            "py_callstack": "Traceback (most recent call last):\n  ...", "timestamp": str(timestamp)}}}))
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=1, error_file=str(path))
+
+    exc = ChildFailedError("_spawned_entry", {
+        0: failure(0, "PeerError: rank 0 receiving 'x' (microbatch 0) from rank 2: timed out", 20),
+        2: failure(2, "RuntimeError: CUDA out of\nmemory", 10),
+        3: ProcessFailure(local_rank=3, pid=103, exitcode=-15, error_file=str(tmp_path / "none"))})
+    line = fxpipe.train.summarize_failure(exc)
+    assert line == ("rank 2 failed: RuntimeError: CUDA out of memory (ranks 0, 3 failed too); "
+                    "add --debug for every failed rank's traceback")
