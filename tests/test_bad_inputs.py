@@ -206,7 +206,13 @@ def test_every_subcommand_is_covered_by_the_help_test():
 
 # ---- the API: parallelize and train_step in a world of one process ---------------------------
 @pytest.fixture
-def world_of_one():
+def world_of_one(monkeypatch):
+    """``parallelize`` makes a world of one from these (restored afterwards, so processes
+    that later tests start do not inherit them)."""
+    from tests.runtime._dist import _free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
