@@ -6,9 +6,33 @@ compiler logic lives in this file.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
 from typing import Sequence
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a size or count of zero is never meant)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -16,30 +40,23 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="registry name (gpt-tiny, gpt-small, gpt2-small, gpt2-medium, gpt3-175b, "
                         "hf:gpt2, hf:llama, hf:gpt_neox, hf:opt) or package.module:function "
                         "returning (model, batch[, loss_fn]) (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=2, help="sequences per batch B (default: %(default)s)")
-    p.add_argument("--seq", type=int, default=None,
+    p.add_argument("--batch", type=positive_int, default=2, help="sequences per batch B (default: %(default)s)")
+    p.add_argument("--seq", type=positive_int, default=None,
                    help="sequence length s (default: the model's own maximum)")
-    p.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    p.add_argument("--layers", type=positive_int, default=None, help="override the number of layers")
     p.add_argument("--device", default=None,
                    help="device to build the model on; 'meta' allocates no weights "
                         "(default: meta for gpt2-medium and larger, else cpu)")
-
-
-def _default_device(model: str) -> str:
-    """Meta (no weights allocated) for registry GPTs above ~300M parameters."""
-    from fxpipe.models.registry import GPT_CONFIGS
-
-    cfg = GPT_CONFIGS.get(model)
-    return "meta" if cfg is not None and cfg.num_params > 3e8 else "cpu"
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
     from fxpipe.capture import capture
     from fxpipe.models.registry import build_workload
     from fxpipe.passes import run_passes
+    from fxpipe.preflight import capture_device
     from fxpipe.report import compile_summary
 
-    device = args.device or _default_device(args.model)
+    device = args.device or capture_device(args.model)
     start = time.perf_counter()
     workload = build_workload(args.model, batch=args.batch, seq=args.seq, device=device,
                               layers=args.layers)
@@ -78,7 +95,8 @@ def _print_partition(program, args: argparse.Namespace) -> None:
     hw = get_hardware(args.hardware)
     config = PartitionConfig(num_stages=sched.num_stages, stage_to_rank=sched.stage_ranks,
                              inflight=stage_inflight(sched), method=args.partition,
-                             memory_limit_bytes=limit, hardware=hw, time_limit_s=args.time_limit)
+                             memory_limit_bytes=limit, hardware=hw, time_limit_s=args.time_limit,
+                             allow_over_limit=args.allow_over_limit)
     assignment, result = solve_partition(program, config)
     print()
     print(f"pipeline     pp={args.pp} chunks={chunks} schedule={args.schedule} "
@@ -117,7 +135,8 @@ def _inter_stage_bytes(program, assignment, num_stages: int, args: argparse.Name
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from fxpipe.train import TrainConfig, launch, preflight
+    from fxpipe.preflight import check_run
+    from fxpipe.train import TrainConfig, launch
 
     config = TrainConfig(model=args.model, tp=args.tp, pp=args.pp, dp=args.dp, schedule=args.schedule,
                          chunks=args.chunks, microbatches=args.microbatches,
@@ -128,8 +147,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
                          timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
                          save_interval=args.save_interval, resume=args.resume, export=args.export,
                          sp=args.sp, precision=args.precision, recompute=args.recompute)
-    preflight(config)
-    return launch(config)
+    # Everything checkable is checked here, before a worker starts (fxpipe/preflight.py).
+    # Under torchrun every rank is a worker already: the model is captured by each anyway.
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    check_run(config, model=not under_torchrun)
+    return launch(config, debug=args.debug)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,21 +167,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-pass", action="append", default=[], metavar="NAME",
                    help="skip a pass by name (repeatable)")
     p.add_argument("--debug", action="store_true",
-                   help="lint the graph and check invariants after every pass")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size t; >1 prints the sharding report")
+                   help="lint the graph and check invariants after every pass; full tracebacks")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size t; >1 prints the sharding report")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
     p.add_argument("--no-scatter-gather", action="store_true",
                    help="send full activations between stages instead of 1/t chunks (SC21 §4.1)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline ranks p; >1 prints the stage table")
-    p.add_argument("--chunks", type=int, default=None, help="stages per rank v (default: the schedule's)")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline ranks p; >1 prints the stage table")
+    p.add_argument("--chunks", type=positive_int, default=None, help="stages per rank v (default: the schedule's)")
     p.add_argument("--schedule", default="1f1b", help="schedule whose in-flight microbatches size "
                    "activation memory (default: %(default)s)")
-    p.add_argument("--microbatches", type=int, default=8, help="microbatches m (default: %(default)s)")
+    p.add_argument("--microbatches", type=positive_int, default=8, help="microbatches m (default: %(default)s)")
     p.add_argument("--partition", default="ilp", help="ilp, uniform, params, dp (default: %(default)s)")
-    p.add_argument("--memory-limit", type=float, default=None, metavar="GB",
-                   help="per-rank memory limit in GiB (default: none)")
+    p.add_argument("--memory-limit", type=positive_float, default=None, metavar="GIB",
+                   help="per-rank memory limit in GiB; every method must meet it, only ilp and dp "
+                        "take it into account (default: none)")
+    p.add_argument("--allow-over-limit", action="store_true",
+                   help="print a uniform/params plan that exceeds --memory-limit instead of "
+                        "refusing it (to compare methods)")
     p.add_argument("--hardware", default="cpu", help="cost model preset: cpu, a100 (default: %(default)s)")
-    p.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit, s (default: %(default)s)")
+    p.add_argument("--time-limit", type=positive_float, default=10.0, help="ILP time limit, s (default: %(default)s)")
     p.add_argument("--json", metavar="FILE", help="write the stage table as JSON")
     p.set_defaults(fn=_cmd_compile)
 
@@ -211,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "streamed one tensor at a time: a directory or *.safetensors gets safetensors "
                         "(+ config.json for Hugging Face models: from_pretrained loads the directory), "
                         "any other name one torch.save file for load_state_dict")
+    p.add_argument("--debug", action="store_true",
+                   help="on failure, print every failed rank's full traceback (default: one line)")
     p.set_defaults(fn=_cmd_run)
 
     p = sub.add_parser("viz", help="draw a pipeline schedule (ASCII, PNG/SVG Gantt, Perfetto JSON)")
@@ -230,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure this machine's matmul, memory and gloo speeds")
     add_calibrate_arguments(p)
     p.set_defaults(fn=run_calibrate)
+    for name in ("viz", "plan", "calibrate"):  # compile and run have their own --debug
+        sub.choices[name].add_argument("--debug", action="store_true",
+                                       help="print the full traceback of an error")
     return parser
 
 
@@ -239,13 +270,23 @@ def _missing(cmd: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from fxpipe.capture import CaptureError
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)
-    except (ValueError, TypeError) as exc:
-        # User errors carry their own fix hint; no traceback for them.
-        print(f"fxpipe {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, CaptureError, OSError) as exc:
+        # User errors carry their own fix hint; the traceback only with --debug.
+        if args.debug:
+            raise
+        print(f"fxpipe {args.command}: error: {_message(exc)}", file=sys.stderr)
         return 2
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.strerror or type(exc).__name__}: {exc.filename}"
+    return str(exc)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ run the same worker function.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -317,8 +318,10 @@ def _spawned_entry(config: TrainConfig) -> dict[str, Any]:
     return summary
 
 
-def launch(config: TrainConfig) -> int:
-    """Run the job: directly under torchrun, else spawn tp·pp·dp local workers."""
+def launch(config: TrainConfig, *, debug: bool = False) -> int:
+    """Run the job: directly under torchrun, else spawn tp·pp·dp local workers.
+    A failed worker is reported as one line naming its rank and error (``debug``:
+    also torch's own report with every failed rank's traceback)."""
     # A run stopped by a signal exits 128 + its number (130 Ctrl-C, 143 SIGTERM), as a
     # shell reports a signalled process, after saving when --checkpoint-dir is set.
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -333,33 +336,49 @@ def launch(config: TrainConfig) -> int:
                               rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
                               start_method="spawn")
     try:
-        elastic_launch(launch_cfg, _spawned_entry)(config)
+        with _quiet_launcher_logs(not debug):
+            elastic_launch(launch_cfg, _spawned_entry)(config)
     except ChildFailedError as exc:
         codes = {f.exitcode for f in exc.failures.values()}
         if len(codes) == 1 and codes <= {128 + signal.SIGINT, 128 + signal.SIGTERM}:
             return codes.pop()  # only the workers were signalled; they stopped cleanly
-        print(f"fxpipe run: a worker failed:\n{exc}", file=sys.stderr)
+        print(f"fxpipe run: {summarize_failure(exc)}", file=sys.stderr)
+        if debug:
+            print(exc, file=sys.stderr)
         return 1
     except SignalException as exc:  # the agent got it; its workers saved before it returned
         return 128 + int(exc.sigval)
     return 0
 
 
-def preflight(config: TrainConfig) -> None:
-    """Check what can be checked before any process starts (bad flags fail fast)."""
-    from fxpipe.models.registry import GPT_CONFIGS, model_names
-    from fxpipe.schedules.registry import generate, get_spec
+def summarize_failure(exc: Any) -> str:
+    """One line from the elastic launcher's ``ChildFailedError``: the first rank to fail
+    (by the timestamp of its error file) and its exception, then the other ranks."""
+    rank, failure = exc.get_first_failure()
+    message = failure.message
+    if isinstance(message, dict):  # the error file that ``record`` writes
+        message = message.get("message", "")
+    message = " ".join(str(message).split()) or f"exit code {failure.exitcode}"
+    others = sorted(r for r in exc.failures if r != rank)
+    also = f" (ranks {', '.join(map(str, others))} failed too)" if others else ""
+    return (f"rank {rank} failed: {message}{also}; "
+            f"add --debug for every failed rank's traceback")
 
-    if config.model not in model_names() and ":" not in config.model:
-        raise ValueError(f"unknown model {config.model!r}; valid names: {', '.join(model_names())}")
-    cfg = GPT_CONFIGS.get(config.model)
-    if cfg is not None and config.seq > cfg.block_size:
-        raise ValueError(f"--seq {config.seq} exceeds {config.model}'s block size {cfg.block_size}")
-    spec = get_spec(config.schedule)
-    generate(config.schedule, config.pp, config.microbatches,
-             config.chunks if config.chunks is not None else spec.default_chunks)
-    if config.resume:
-        from fxpipe.runtime.checkpoint import latest_checkpoint
-        if latest_checkpoint(config.checkpoint_dir) is None:
-            raise ValueError(f"--resume: no complete checkpoint in {config.checkpoint_dir}; "
-                             f"drop --resume to start from step 0")
+
+@contextlib.contextmanager
+def _quiet_launcher_logs(quiet: bool):
+    """The elastic agent logs each failed worker's whole traceback and every SIGTERM it
+    sends to the others; the launcher prints its own one-line summary instead."""
+    import logging
+
+    names = [n for n in list(logging.root.manager.loggerDict)
+             if n.startswith(("torch.distributed.elastic", "torch.multiprocessing"))] if quiet else []
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

@@ -18,7 +18,13 @@ from fxpipe.partition.cost import evaluate
 from fxpipe.partition.encoding import StageEncoding, solver_for
 from fxpipe.partition.problem import PartitionError, PartitionProblem
 
-GB = 1e9
+GIB = 2**30
+"""Bytes per GiB: the unit of ``--memory-limit`` (and of what the messages print)."""
+
+
+def gib(nbytes: float) -> str:
+    """Bytes in GiB, four significant digits (small models' stages are far below 1 GiB)."""
+    return f"{nbytes / GIB:.4g} GiB"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,15 +53,15 @@ class MemoryLimitError(PartitionError):
     def __init__(self, problem: PartitionProblem, floor: MemoryFloor) -> None:
         self.floor = floor
         limit = problem.memory_limit_bytes
-        parts = ", ".join(f"stage {k}: {st / GB:.2f} GB static + {m} x {act / GB:.3f} GB activations"
+        parts = ", ".join(f"stage {k}: {gib(st)} static + {m} x {gib(act)} activations"
                           for k, st, act, m in floor.stage_memory)
-        smallest = (f"the smallest limit that fits is {floor.fitting_limit_bytes / GB:.3f} GB "
+        smallest = (f"the smallest limit that fits is {gib(floor.fitting_limit_bytes)} "
                     f"({floor.fitting_limit_bytes} B)" if floor.proven else
-                    f"the smallest limit that fits is between {floor.lower_bound_bytes / GB:.3f} GB "
-                    f"(proven) and {floor.fitting_limit_bytes / GB:.3f} GB "
+                    f"the smallest limit that fits is between {gib(floor.lower_bound_bytes)} "
+                    f"(proven) and {gib(floor.fitting_limit_bytes)} "
                     f"({floor.fitting_limit_bytes} B, found)")
         super().__init__(
-            f"memory limit {limit / GB:.3f} GB ({limit} B) per rank cannot be met by any "
+            f"memory limit {gib(limit)} ({limit} B) per rank cannot be met by any "
             f"stage assignment: {smallest}; at that optimum rank {floor.rank} binds ({parts}). "
             f"Raise the limit, use more pipeline stages, or hold fewer microbatches in flight "
             f"(recompute activations).")

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import networkx as nx
 
 from fxpipe.hardware import CPU, Hardware
-from fxpipe.partition import Method, PartitionProblem, PartitionResult, coarsen, partition
+from fxpipe.partition import Method, PartitionError, PartitionProblem, PartitionResult, coarsen, partition
+from fxpipe.partition.memory import gib
 from fxpipe.passes.cost import VIEW_OPS
 from fxpipe.passes.split import side_values
 from fxpipe.program import ParamKind, Program
@@ -37,6 +38,10 @@ class PartitionConfig:
     """Multiplies every activation estimate: e.g. 1/tp for a model that will be
     tensor-parallel with sequence parallelism (Korthikanti et al. 2022), 0.5 for
     bf16 activations of an fp32 capture."""
+    allow_over_limit: bool = False
+    """Return a plan over ``memory_limit_bytes`` instead of raising (uniform, params and dp
+    may produce one: the first two ignore memory, dp falls back to the memory-blind
+    optimum); for comparison tables. The ILP always honours the limit or raises."""
     max_groups: int = 256
     time_limit_s: float = 10.0
     seed: int = 0
@@ -45,6 +50,9 @@ class PartitionConfig:
     def __post_init__(self) -> None:
         if len(self.stage_to_rank) != self.num_stages or len(self.inflight) != self.num_stages:
             raise ValueError("stage_to_rank and inflight need one entry per stage")
+        if self.method not in {m.value for m in Method}:
+            raise ValueError(f"unknown partition method {self.method!r}; valid methods: "
+                             f"{', '.join(m.value for m in Method)}")
 
 
 def stage_inflight(schedule: Schedule) -> tuple[int, ...]:
@@ -111,7 +119,27 @@ def solve_partition(program: Program, config: PartitionConfig) -> tuple[dict[str
         options = dict(time_limit_s=config.time_limit_s, seed=config.seed,
                        num_workers=config.num_workers)
     result = partition(problem, config.method, **options)
+    if not result.fits_memory and not config.allow_over_limit:
+        raise PartitionError(over_limit_message(result))
     return coarse.expand(result.stage_of), result
+
+
+def over_limit_message(result: PartitionResult) -> str:
+    """Why a plan over the limit is refused, with each rank's peak and its stages'."""
+    limit = result.memory_limit_bytes
+    over = [(r, b) for r, b in enumerate(result.rank_memory_bytes) if b > limit]
+    ranks = "; ".join(
+        f"rank {r}: {gib(b)} (" + ", ".join(
+            f"stage {c.stage}: {gib(c.static_bytes)} static + {c.inflight} x "
+            f"{gib(c.act_bytes)} activations" for c in result.stages if c.rank == r) + ")"
+        for r, b in over)
+    why = ("found no contiguous split under it" if result.method is Method.DP
+           else "does not take memory into account")
+    return (f"partition {result.method.value!r} gives a plan over the memory limit of "
+            f"{gib(limit)} per rank ({limit} B): {ranks}. {result.method.value} {why}; "
+            f"partition 'ilp' honours the limit (or reports the smallest "
+            f"that fits). Raise the limit, use ilp, or allow_over_limit=True "
+            f"(fxpipe compile --allow-over-limit) to see this plan anyway")
 
 
 def partition_pass(program: Program, config: PartitionConfig) -> Program:

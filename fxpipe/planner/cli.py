@@ -44,7 +44,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="data-parallel all-reduce after the backward or overlapped with the last "
                         "microbatch's (default: %(default)s)")
     p.add_argument("--balance", choices=[k.value for k in LayerBalance], default="fxpipe",
-                   help="layer split: fxpipe (any l) or megatron (l % (p·v) == 0) (default: %(default)s)")
+                   help="layer split: fxpipe (any l) or megatron (l %% (p·v) == 0) (default: %(default)s)")
     p.add_argument("--max-tp", type=int, default=None, help="largest t (default: any divisor of the heads)")
     p.add_argument("--max-chunks", type=int, default=4, help="largest interleaving v (default: %(default)s)")
     p.add_argument("--max-micro-batch", type=int, default=16, help="largest b (default: %(default)s)")

@@ -36,6 +36,7 @@ from fxpipe.runtime.transport import Transport
 from fxpipe.schedules.ir import Schedule
 from fxpipe.schedules.lowering import lower
 from fxpipe.schedules.registry import generate, get_spec
+from fxpipe.vocab import TokenInput, check_token_ids, token_inputs
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ class ParallelModel:
         self._mb_shapes = [s.shape for s in specs]
         self.last_stats: StepStats | None = None
         self.model_stats: ModelStats | None = None
+        self.token_inputs: tuple[TokenInput, ...] = ()
+        """Batch inputs that are token ids, with their vocabulary (``fxpipe/vocab.py``)."""
 
     # ---- parameters ----------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -130,6 +133,9 @@ class ParallelModel:
         """One schedule over all microbatches: gradients are left in ``.grad`` (zeroed
         first), averaged over data parallel and summed over tied copies. Returns the
         mean loss over the global batch, on every rank."""
+        # One max per token input: an id past the vocabulary is an IndexError at tp=1
+        # and silently wrong embeddings under vocabulary-parallel TP.
+        check_token_ids((batch,) if isinstance(batch, torch.Tensor) else batch, self.token_inputs)
         for t in self.parameters():
             t.grad = None
         if self.master is not None:
@@ -204,6 +210,8 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     captured = capture(traced, tuple(t[:mb_rows] for t in example), loss_fn)
     # Model FLOPs and size of the whole model (before tensor parallelism shards them).
     canonical = canonicalize_pass(captured)
+    tokens = token_inputs(canonical)  # before TP shards the embedding's rows
+    check_token_ids(example, tokens)
     whole = total_cost(cost_pass(canonical))
     stats = ModelStats(num_parameters=captured.num_parameters(),
                        flops_per_step=(whole.fwd_flops + whole.bwd_flops) * microbatches * dp)
@@ -257,5 +265,6 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     pm = ParallelModel(plan, lowered, groups, state, executor, grad_sync, microbatches, device, master,
                        specs)
     pm.model_stats = stats
+    pm.token_inputs = tokens
     pm.tp_rng = rng  # the TP dropout streams (Megatron's RNG tracker), e.g. for checkpoints
     return pm

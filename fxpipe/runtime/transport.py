@@ -31,6 +31,25 @@ class TransferError(RuntimeError):
     """A tensor about to cross ranks does not match the plan."""
 
 
+class PeerError(RuntimeError):
+    """A transfer with ``peer`` did not complete: the peer stalled (timed out) or went
+    away. The message names the peer, not just this rank, because the rank that
+    reports a hang is the one that was *waiting*, not the one that stopped."""
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A posted transfer and whom it is with (the global rank of the peer)."""
+    work: Any
+    peer: int
+    what: str
+    """'receiving activation 'x' of microbatch 2' and the like, for messages."""
+
+
 def check_spec(value: StageValue, t: torch.Tensor, what: str) -> None:
     if tuple(t.shape) != value.spec.shape or t.dtype != value.spec.dtype:
         raise TransferError(
@@ -62,9 +81,10 @@ class Transport:
         if self._chunked(value):
             g = self.scatter_gather
             t = scatter_chunk(t, g.rank, g.size)
-        self._sends.append(dist.isend(t.contiguous(), dst=dst, tag=tag, group=self.group))
+        self._sends.append(Pending(dist.isend(t.contiguous(), dst=dst, tag=tag, group=self.group), dst,
+                                   f"sending {self._describe(value, tag)} to rank {dst}"))
 
-    def recv(self, value: StageValue, src: int, tag: int) -> tuple[Any, torch.Tensor]:
+    def recv(self, value: StageValue, src: int, tag: int) -> tuple[Pending, torch.Tensor]:
         shape: tuple[int, ...] = value.spec.shape
         if self._chunked(value):
             numel = 1
@@ -72,7 +92,12 @@ class Transport:
                 numel *= d
             shape = (-(-numel // self.scatter_gather.size),)
         buf = torch.empty(shape, dtype=value.spec.dtype, device=self.device)
-        return dist.irecv(buf, src=src, tag=tag, group=self.group), buf
+        return Pending(dist.irecv(buf, src=src, tag=tag, group=self.group), src,
+                       f"receiving {self._describe(value, tag)} from rank {src}"), buf
+
+    def _describe(self, value: StageValue, tag: int) -> str:
+        mb, backward = tag // 2 // self.num_values, tag % 2  # inverts ``tag``
+        return f"{'the gradient of ' if backward else ''}{value.name!r} (microbatch {mb})"
 
     def finish(self, value: StageValue, buf: torch.Tensor) -> torch.Tensor:
         """The full received tensor (all-gathering the chunks under scatter-gather)."""
@@ -80,12 +105,22 @@ class Transport:
             return gather_chunks(buf, self.scatter_gather, value.spec.shape)
         return buf
 
-    def wait(self, work: Any) -> None:
+    def wait(self, pending: Pending) -> None:
         # Gloo honours a per-call timeout; a peer that died never completes its send.
-        if self.device.type == "cpu":
-            work.wait(self.timeout)
-        else:
-            work.wait()
+        try:
+            if self.device.type == "cpu":
+                pending.work.wait(self.timeout)
+            else:
+                pending.work.wait()
+        except RuntimeError as exc:
+            detail = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                why = (f"timed out after {self.timeout.total_seconds():g} s: rank {pending.peer} did "
+                       f"not answer (stopped, stuck or far slower; --timeout sets the wait)")
+            else:
+                why = f"rank {pending.peer} went away (it exited or crashed; see its own error)"
+            raise PeerError(f"rank {dist.get_rank()} {pending.what}: {why} [{detail}]",
+                            pending.peer) from exc
 
     def flush_sends(self) -> None:
         for work in self._sends:

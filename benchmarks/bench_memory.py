@@ -1,0 +1,136 @@
+"""Peak memory per process against the ideal world-size share.
+
+    python benchmarks/bench_memory.py [--model gpt2-medium] [--seq 64] [--steps 2]
+    python benchmarks/bench_memory.py --model gpt-1.7b --layouts 2,2,1 --meta
+
+For each (tp, pp, dp[, zero]) layout it spawns tp·pp·dp gloo processes (1 thread
+each) that build the model (``--meta``: on the meta device, materialised by fxpipe
+shard by shard), ``fxpipe.parallelize`` it, and train ``--steps`` AdamW steps; each
+reports its peak resident set size (``ru_maxrss``: everything the process ever held,
+Python and torch included). The one-process run (1,1,1) is the reference: the table
+gives each layout's largest per-process peak as a ratio to (one-process peak / world
+size) — 1.0 is a perfect split of everything, including the fixed cost of a Python
+process with torch loaded, which does not shrink. Writes
+benchmarks/results/memory.md (and .json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import socket
+import sys
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DEFAULT_LAYOUTS = ["1,1,1", "2,1,1", "1,2,1", "2,2,1", "1,1,2", "1,1,2,zero"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _batch(vocab: int, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (rows, seq + 1), generator=g)
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def _worker(rank: int, world: int, port: int, out: str, layout: dict, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import fxpipe
+    from fxpipe.models import build_workload
+    from fxpipe.models.registry import GPT_CONFIGS
+
+    cfg = GPT_CONFIGS[args.model]
+    rows = args.micro_batch * args.microbatches * layout["dp"]
+    batch = _batch(cfg.vocab_size, rows, args.seq)
+    start = time.perf_counter()
+    w = build_workload(args.model, batch=rows, seq=args.seq, device="meta" if args.meta else "cpu")
+    options = dict(zero=1) if layout["zero"] else {}
+    pm = fxpipe.parallelize(w.model, tp=layout["tp"], pp=layout["pp"], dp=layout["dp"],
+                            microbatches=args.microbatches, example_inputs=batch, loss_fn=w.loss_fn,
+                            partition="uniform", timeout_s=1800, **options)
+    del w
+    built = time.perf_counter() - start
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    losses = []
+    for _ in range(args.steps):
+        losses.append(pm.train_step(batch))
+        opt.step()
+    local = sum(t.numel() for t in pm.state.values())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(dict(rank=rank, peak=peak, losses=losses, local_elements=local, build_s=built), f)
+    torch.distributed.destroy_process_group()
+
+
+def _run(layout: dict, args: argparse.Namespace) -> list[dict]:
+    world = layout["tp"] * layout["pp"] * layout["dp"]
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_worker, args=(world, _free_port(), out, layout, args), nprocs=world,
+                           join=True, start_method="spawn")
+        return [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(world)]
+
+
+def _parse(text: str) -> dict:
+    parts = text.split(",")
+    tp, pp, dp = (int(p) for p in parts[:3])
+    return dict(tp=tp, pp=pp, dp=dp, zero="zero" in parts[3:], name=text)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt2-medium")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--meta", action="store_true", help="build the model on the meta device")
+    ap.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, help="tp,pp,dp[,zero] ...")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "memory"))
+    args = ap.parse_args()
+    rows = []
+    for text in args.layouts:
+        layout = _parse(text)
+        t = time.perf_counter()
+        per_rank = _run(layout, args)
+        peak = max(r["peak"] for r in per_rank)
+        rows.append(dict(layout=text, world=len(per_rank), peak_gib=peak / 2**30,
+                         peaks_gib=[round(r["peak"] / 2**30, 2) for r in per_rank],
+                         loss=per_rank[0]["losses"], seconds=time.perf_counter() - t))
+        print(rows[-1], flush=True)
+    ref = next((r for r in rows if r["layout"] == "1,1,1"), None)
+    lines = [f"# Peak resident memory per process: {args.model}, seq {args.seq}, "
+             f"{args.microbatches} microbatches of {args.micro_batch}, {args.steps} AdamW steps"
+             f"{', built on meta' if args.meta else ''}", "",
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo, "
+             f"1 thread per process. Ratio = largest per-process peak / (one-process peak / world size).", "",
+             "| tp,pp,dp | processes | peak per process (GiB) | largest | ratio to ideal share | losses |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['peak_gib'] / (ref['peak_gib'] / r['world']):.2f}" if ref else "n/a"
+        lines.append(f"| {r['layout']} | {r['world']} | {', '.join(map(str, r['peaks_gib']))} | "
+                     f"{r['peak_gib']:.2f} | {ratio} | {', '.join(f'{x:.4f}' for x in r['loss'])} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".md", "w") as f:
+        f.write(text)
+    with open(args.out + ".json", "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
