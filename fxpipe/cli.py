@@ -145,7 +145,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                          log_interval=args.log_interval, partition=args.partition,
                          timeline=None if args.timeline == "none" else args.timeline,
                          timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
-                         save_interval=args.save_interval, resume=args.resume, export=args.export,
+                         save_interval=args.save_interval, resume=args.resume, resume_from=args.resume_from,
+                         export=args.export,
                          sp=args.sp, precision=args.precision, recompute=args.recompute)
     # Everything checkable is checked here, before a worker starts (fxpipe/preflight.py).
     # Under torchrun every rank is a worker already: the model is captured by each anyway.
@@ -232,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir: model, optimizer, "
                         "RNG and data position; any tp/pp/dp layout")
+    p.add_argument("--resume-from", type=int, default=None, metavar="STEP",
+                   help="like --resume, but from the checkpoint of STEP (an error if it is missing or "
+                        "corrupt); without it --resume takes the newest intact checkpoint")
     p.add_argument("--export", default=None, metavar="PATH",
                    help="at the end, write the model's state_dict under its own parameter names, "
                         "streamed one tensor at a time: a directory or *.safetensors gets safetensors "

@@ -21,7 +21,6 @@ without a traceback and exits 2, as argparse does for a bad flag).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -118,13 +117,31 @@ def latest_checkpoint_of(directory: str | None) -> Path | None:
     return checkpoint_files.latest_checkpoint(directory) if directory is not None else None
 
 
+def _resume_path(config: "TrainConfig") -> Path | None:
+    """The checkpoint a resume starts from: that of --resume-from, or the newest."""
+    from fxpipe.runtime import checkpoint_files
+
+    if config.resume_from is None:
+        return latest_checkpoint_of(config.checkpoint_dir)
+    path = Path(config.checkpoint_dir) / checkpoint_files.step_dirname(config.resume_from)
+    return path if checkpoint_files.is_complete(path) else None
+
+
 def check_paths(config: "TrainConfig") -> None:
     if config.checkpoint_dir is not None:
         _check_writable_dir(Path(config.checkpoint_dir), "--checkpoint-dir",
                             "choose a directory that this user can write")
-    if config.resume and latest_checkpoint_of(config.checkpoint_dir) is None:
-        raise PreflightError(f"--resume: no complete checkpoint in {config.checkpoint_dir}; drop "
-                             f"--resume to start from step 0")
+    if config.checkpoint_dir is not None and Path(config.checkpoint_dir).is_dir():
+        from fxpipe.runtime.checkpoint_lock import CheckpointLockError, check_free
+        try:  # another job writing there would race this one's saves
+            check_free(config.checkpoint_dir)
+        except CheckpointLockError as exc:
+            raise PreflightError(str(exc)) from None
+    if config.resume and _resume_path(config) is None:
+        which = "no complete checkpoint" if config.resume_from is None else \
+            f"no complete checkpoint of step {config.resume_from}"
+        raise PreflightError(f"--resume: {which} in {config.checkpoint_dir}; drop --resume to start "
+                             f"from step 0")
     if config.export is not None:
         export = Path(config.export)
         if export.is_dir() or export.suffix == "":  # a safetensors directory (fxpipe/runtime/export.py)
@@ -172,7 +189,7 @@ def check_model(config: "TrainConfig") -> "Program":
     if config.partition != "ilp":
         _check_partition(program, config)
     if config.resume:
-        check_resume(program, config.checkpoint_dir)
+        check_resume(program, _resume_path(config))
     return program
 
 
@@ -194,22 +211,20 @@ def _show(names: list[str], limit: int = 4) -> str:
     return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
 
 
-def check_resume(program: "Program", directory: str | None) -> None:
-    """The newest checkpoint must hold this model's tensors (by ``state_dict`` name);
-    shapes are checked by the workers against DCP's index when they load."""
+def check_resume(program: "Program", path: Path | None) -> None:
+    """The checkpoint to resume from must hold this model's tensors (by ``state_dict``
+    name); shapes are checked by the workers against DCP's index when they load."""
     from fxpipe.runtime.checkpoint import state_dict_names
-    from fxpipe.runtime.checkpoint_files import META_FILE
+    from fxpipe.runtime.checkpoint_manifest import CorruptCheckpointError, read_manifest
 
-    path = latest_checkpoint_of(directory)
     if path is None:
-        raise PreflightError(f"--resume: no complete checkpoint in {directory}; drop --resume to "
-                             f"start from step 0")
+        raise PreflightError("--resume: no complete checkpoint; drop --resume to start from step 0")
     try:
-        meta: Any = json.loads((path / META_FILE).read_text())
+        meta: Any = read_manifest(path)  # type-checked
         saved = set(meta["state_dict"])
-        source = str(meta.get("source", "?"))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise PreflightError(f"--resume: cannot read {path / META_FILE}: {exc}") from None
+        source = meta["source"]
+    except CorruptCheckpointError as exc:
+        raise PreflightError(f"--resume: {exc}") from None
     ours = set(state_dict_names(program))
     missing, unexpected = sorted(ours - saved), sorted(saved - ours)
     if missing or unexpected:

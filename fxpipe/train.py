@@ -8,7 +8,6 @@ run the same worker function.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import signal
 import statistics
@@ -59,14 +58,21 @@ class TrainConfig:
     """Save every N steps when checkpoint_dir is set (always also at the end and on SIGTERM/SIGINT)."""
     resume: bool = False
     """Continue from the latest complete checkpoint in checkpoint_dir (model, optimizer, RNG, step)."""
+    resume_from: int | None = None
+    """Resume from the checkpoint of this step (implies ``resume``); an error if it is corrupt."""
     export: str | None = None
     """Write one consolidated state_dict under the model's own names here when the run completes."""
     keep_checkpoints: int = 3
     """Newest checkpoints kept in checkpoint_dir; older ones are deleted after each save."""
 
     def __post_init__(self) -> None:
-        if self.checkpoint_dir is None and (self.resume or self.save_interval is not None):
-            raise ValueError("--resume and --save-interval need --checkpoint-dir DIR")
+        if self.checkpoint_dir is None and (self.resume or self.resume_from is not None
+                                            or self.save_interval is not None):
+            raise ValueError("--resume, --resume-from and --save-interval need --checkpoint-dir DIR")
+        if self.resume_from is not None:
+            if self.resume_from < 0:
+                raise ValueError(f"--resume-from must be a step >= 0, got {self.resume_from}")
+            object.__setattr__(self, "resume", True)
         if self.save_interval is not None and self.save_interval < 1:
             raise ValueError(f"--save-interval must be >= 1, got {self.save_interval}")
         if self.global_batch is not None:
@@ -131,7 +137,7 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / config.warmup))
     start_step = 0
     if config.resume:  # batches are a function of (seed, step): the step is the data position
-        start_step, extra = load_checkpoint(pm, opt, config.checkpoint_dir)
+        start_step, extra = load_checkpoint(pm, opt, config.checkpoint_dir, step=config.resume_from)
         sched.load_state_dict(extra["lr_scheduler"])
     last_saved = start_step if config.resume else None
     # Model FLOPs per step (Megatron's 72·B·s·l·h²(1 + s/6h + V/12lh) for a GPT, summed

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -40,9 +40,13 @@ from torch.distributed.checkpoint import FileSystemWriter
 from fxpipe.passes.tensor_parallel import ShardSpec
 from fxpipe.program import ParamKind, Program
 from fxpipe.runtime.checkpoint_shards import empty_chunks, is_sharded, wrap_state
-from fxpipe.runtime.checkpoint_files import (FORMAT, META_FILE, POINTER_FILE, SafeReader, commit,
-                                             latest_checkpoint, list_checkpoints, resolve,
-                                             step_dirname, write_atomic)
+from fxpipe.runtime.checkpoint_files import (POINTER_FILE, SafeReader, commit, latest_checkpoint,
+                                             list_checkpoints, prune, remove_debris, resolve, step_dirname,
+                                             temporary, write_atomic)
+from fxpipe.runtime.checkpoint_lock import CheckpointLockError, acquire
+from fxpipe.runtime.checkpoint_manifest import (FORMAT, META_FILE, CorruptCheckpointError, digest, file_names,
+                                                read_manifest, verify)
+from fxpipe.runtime.checkpoint_metadata import UnsafeCheckpointError
 
 __all__ = ["export_consolidated", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
            "save_checkpoint", "state_dict_names", "step_dirname"]
@@ -175,7 +179,7 @@ def save_checkpoint(pm: Any, optimizer: torch.optim.Optimizer, step: int, direct
                     *, extra: dict | None = None, keep_last: int | None = 3) -> Path:
     """Save this job's state after ``step`` optimizer steps; collective (every rank calls).
 
-    Written to ``step_XXXXXXX.tmp`` and renamed to ``step_XXXXXXX`` by rank 0 once
+    Written to ``step_XXXXXXX.<job>.tmp`` and renamed to ``step_XXXXXXX`` by rank 0 once
     every rank's data and DCP's index are on disk; then ``latest`` is replaced and
     all but the newest ``keep_last`` checkpoints are removed (None: keep all).
     ``extra`` must be JSON-serialisable and the same on every rank (rank 0's is kept).
@@ -188,35 +192,59 @@ def save_checkpoint(pm: Any, optimizer: torch.optim.Optimizer, step: int, direct
         extra_json = json.loads(json.dumps(extra or {}))
     except TypeError as exc:
         raise TypeError(f"checkpoint extra must be JSON-serialisable: {exc}") from exc
+    names = _optimizer_names(pm, optimizer)
+    state = {**_model_state(pm), **_optimizer_state(pm, optimizer, names),
+             **_rng_state(dist.get_rank(), pm.device, getattr(pm, "tp_rng", None))}
+    mesh = pm.groups.mesh
+    meta = dict(step=step, extra=extra_json, world_size=dist.get_world_size(),
+                mesh=dict(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp), source=pm.plan.program.source,
+                precision=pm.master.precision.value if pm.master is not None else "fp32",
+                loss_scaler=_scaler_state(pm), state_dict=state_dict_names(pm.plan.program),
+                torch=torch.__version__)
+    return write_checkpoint(state, directory, step, meta, keep_last)
+
+
+def write_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: int, meta: dict[str, Any],
+                     keep_last: int | None) -> Path:
+    """The directory protocol of a save (docs/checkpoints.md), for any DCP state dict:
+    lock, this job's temporary, ``dcp.save``, per-rank digests, the manifest, the atomic
+    rename, ``latest``, the atomic prune. ``meta`` (rank 0's) goes into the manifest.
+    Collective."""
     rank, root = dist.get_rank(), Path(directory)
     final = root / step_dirname(step)
-    tmp = final.with_name(final.name + ".tmp")
+    status: list[Any] = [None, None]
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob("step_*.tmp"):  # left by a killed save
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    dist.barrier()
-    names = _optimizer_names(pm, optimizer)
-    # Collectives over the tp group first (every rank, the same order), then DCP's.
-    state = {**_model_state(pm), **_optimizer_state(pm, optimizer, names),
-             **_rng_state(rank, pm.device, getattr(pm, "tp_rng", None))}
+        try:  # the job's lock on the directory, then its own temporary
+            acquire(root)
+            remove_debris(root)  # only killed saves' and prunes' leftovers: we hold the lock
+            tmp = temporary(final)
+            tmp.mkdir()
+            status = [None, str(tmp)]
+        except (CheckpointLockError, OSError) as exc:
+            status = [exc, None]
+    dist.broadcast_object_list(status, src=0)  # every rank fails alike, none waits in a barrier
+    if status[0] is not None:
+        raise status[0]
+    tmp = Path(status[1])
     # DCP returns on every rank only after rank 0 wrote .metadata (its "finish" step).
     dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
+    # Each rank hashes the data file it wrote (DCP names rank r's files __r_*.distcp): the
+    # digests cost one read of the checkpoint in all, spread over the ranks.
+    files: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(files, {f.name: digest(f) for f in tmp.glob(f"__{rank}_*.distcp")})
     if rank == 0:
-        mesh = pm.groups.mesh
-        meta = dict(format=FORMAT, step=step, extra=extra_json, world_size=dist.get_world_size(),
-                    mesh=dict(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp), source=pm.plan.program.source,
-                    precision=pm.master.precision.value if pm.master is not None else "fp32",
-                    loss_scaler=_scaler_state(pm), state_dict=state_dict_names(pm.plan.program),
-                    torch=torch.__version__)
-        write_atomic(tmp / META_FILE, json.dumps(meta, indent=1).encode())
+        listed = {name: d for part in files for name, d in part.items()}
+        on_disk = {f.name for f in tmp.glob("*.distcp")}
+        if on_disk != set(listed):
+            raise RuntimeError(f"checkpoint {tmp}: data files {sorted(on_disk)} but the ranks hashed "
+                               f"{sorted(listed)}; not committing it")
+        listed[".metadata"] = digest(tmp / ".metadata")
+        manifest = dict(format=FORMAT, **meta, files=dict(sorted(listed.items())))
+        write_atomic(tmp / META_FILE, json.dumps(manifest, indent=1).encode())
         commit(tmp, final)
         write_atomic(root / POINTER_FILE, (final.name + "\n").encode())
         if keep_last is not None:
-            for _, old in list_checkpoints(root)[:-keep_last]:
-                if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
+            prune(root, keep_last, keep=final)
     dist.barrier()
     return final
 
@@ -297,6 +325,73 @@ def _install_optimizer(optimizer: torch.optim.Optimizer, names: list[str],
                                "param_groups": groups})
 
 
+def local_problems(path: Path, share: tuple[int, int] = (0, 1)) -> list[str]:
+    """Problems with checkpoint ``path`` seen by one process: its manifest, and the
+    digests of its share of the files (file i is read by share i mod n); share 0 also
+    validates DCP's index (allow-list and structure). Empty if intact."""
+    index, count = share
+    try:
+        meta = read_manifest(path)
+        problems = verify(path, meta, file_names(meta)[index::count])
+        if index == 0 and not problems:
+            SafeReader(path).read_metadata()
+        return problems
+    except (CorruptCheckpointError, UnsafeCheckpointError, OSError) as exc:
+        return [str(exc)]
+
+
+def candidates(directory: str | os.PathLike, step: int | None) -> list[Path]:
+    """What a resume tries, in order: the checkpoint of ``step``; or ``latest`` (else the
+    newest complete one), then older complete ones, newest first."""
+    root = Path(directory)
+    first = resolve(root, step)
+    return [first] + ([] if step is not None else
+                      [p for _, p in reversed(list_checkpoints(root)) if p != first])
+
+
+def pick_intact(paths: list[Path], problems_of: Any, strict: bool) -> tuple[Path, list[str]]:
+    """The first of ``paths`` without problems, and a note per corrupt one skipped; with
+    ``strict`` (an explicit step) a corrupt first choice is an error."""
+    skipped = []
+    for path in paths:
+        problems = problems_of(path)
+        if not problems:
+            return path, skipped
+        if strict:
+            raise CorruptCheckpointError(f"checkpoint {path} is corrupt: {'; '.join(problems[:4])}. Without "
+                                         f"--resume-from, --resume takes the newest intact checkpoint")
+        skipped.append(f"{path.name}: {problems[0]}")
+    raise CorruptCheckpointError(f"no intact checkpoint in {paths[0].parent}: " + "; ".join(skipped))
+
+
+def choose_intact(directory: str | os.PathLike, step: int | None) -> tuple[Path, dict]:
+    """The checkpoint to load and its manifest (``candidates`` / ``pick_intact``), every
+    file verified once, shared out over the ranks. Takes the directory's lock (this job
+    will save there). Collective."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    status: list[Any] = [None, None]
+    if rank == 0:
+        try:
+            acquire(directory)
+            status = [None, [str(p) for p in candidates(directory, step)]]
+        except (CheckpointLockError, FileNotFoundError) as exc:
+            status = [exc, None]
+    dist.broadcast_object_list(status, src=0)  # every rank fails alike, and tries the same paths
+    if status[0] is not None:
+        raise status[0]
+
+    def shared_problems(path: Path) -> list[str]:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, local_problems(path, (rank, world)))
+        return sorted({p for part in gathered for p in part})
+
+    path, skipped = pick_intact([Path(p) for p in status[1]], shared_problems, strict=step is not None)
+    if skipped and rank == 0:
+        warnings.warn(f"resuming from {path.name}: newer checkpoints are corrupt: " + "; ".join(skipped),
+                      stacklevel=3)
+    return path, read_manifest(path)
+
+
 def load_checkpoint(pm: Any, optimizer: torch.optim.Optimizer | None, directory: str | os.PathLike,
                     *, step: int | None = None) -> tuple[int, dict]:
     """Restore parameters, optimizer state and RNG from the latest complete checkpoint
@@ -308,10 +403,7 @@ def load_checkpoint(pm: Any, optimizer: torch.optim.Optimizer | None, directory:
     restored when the checkpoint has one. RNG states are per rank, so they are restored
     rank by rank only when the layout is the one that saved; otherwise every rank takes
     rank 0's (as a fresh run seeds all ranks alike)."""
-    path = resolve(directory, step)
-    meta = json.loads((path / META_FILE).read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path / META_FILE} has format {meta.get('format')!r}, this fxpipe reads {FORMAT}")
+    path, meta = choose_intact(directory, step)
     saved = SafeReader(path).read_metadata().state_dict_metadata
     program = pm.plan.program
     _check_model(program, pm.specs, saved, path)

@@ -1,16 +1,22 @@
 """The on-disk side of checkpoints: step directories, the ``latest`` pointer, atomic
 commits, and a DCP reader that never unpickles code.
 
+    DIR/.lock                  held (flock) by the job using the directory (checkpoint_lock.py)
     DIR/latest                 "step_0000006": replaced atomically (write beside + os.replace)
-    DIR/step_0000006/          a complete checkpoint: renamed from step_0000006.tmp only
+    DIR/step_0000006/          a complete checkpoint: renamed from step_0000006.<job>.tmp only
         .metadata              DCP's index, written by DCP's coordinator after every rank's data
         __<rank>_0.distcp      DCP's data, one file per rank
-        fxpipe.json            step, extra, layout, state_dict names
-    DIR/step_0000009.tmp/      a save in progress, or one killed: ignored, removed by the next save
+        fxpipe.json            manifest: every file with its size and SHA-256, step, extra,
+                               layout, state_dict names (checkpoint_manifest.py)
+    DIR/step_0000009.<job>.tmp/           a save in progress, or one killed: ignored
+    DIR/step_0000003.<job>.deleting.tmp/  a pruned checkpoint being removed: ignored
 
 A kill -9 at any instant leaves either the old or the new set of complete
 directories, because rename(2) of a directory within one filesystem is atomic
-(POSIX) and nothing is ever written into a directory that does not end in .tmp.
+(POSIX), nothing is ever written into a directory that does not end in .tmp, and
+nothing is deleted from one that does not either (pruning renames first). Only the
+job holding the directory's lock removes ``*.tmp`` debris, so it is never another
+live job's.
 """
 from __future__ import annotations
 
@@ -23,10 +29,12 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from fxpipe.runtime.checkpoint_lock import JOB_ID
+from fxpipe.runtime.checkpoint_manifest import FORMAT, META_FILE  # noqa: F401  (re-exported)
+from fxpipe.runtime.checkpoint_manifest import is_complete as _manifest_complete
+from fxpipe.runtime.checkpoint_manifest import why_incomplete as _why_incomplete
 from fxpipe.runtime.checkpoint_metadata import read_metadata
 
-FORMAT = 1
-META_FILE = "fxpipe.json"
 POINTER_FILE = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{7,})$")
 
@@ -36,8 +44,8 @@ def step_dirname(step: int) -> str:
 
 
 def is_complete(path: Path) -> bool:
-    # Only a renamed (committed) directory counts; both files are written before the rename.
-    return bool(_STEP_DIR.match(path.name)) and (path / META_FILE).is_file() and (path / ".metadata").is_file()
+    """A committed (renamed) step directory whose manifest's files are all present."""
+    return bool(_STEP_DIR.match(path.name)) and path.is_dir() and _manifest_complete(path)
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -54,7 +62,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     pointer is missing or dangling (a kill between the rename and the pointer update)."""
     root = Path(directory)
     try:
-        name = (root / POINTER_FILE).read_text().strip()
+        name = (root / POINTER_FILE).read_bytes()[:256].decode("ascii", "replace").strip()
     except (FileNotFoundError, NotADirectoryError):
         name = ""
     # The pointer is read from disk: only a bare step directory name is followed (no
@@ -100,11 +108,23 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+def temporary(final: Path) -> Path:
+    """This job's temporary directory for the save of ``final``."""
+    return final.with_name(f"{final.name}.{JOB_ID}.tmp")
+
+
+def remove_debris(root: Path) -> None:
+    """Remove ``*.tmp`` left by killed saves and prunes. Only call while holding the
+    directory's lock: then no other live job owns any of them."""
+    for stale in root.glob("step_*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def commit(tmp: Path, final: Path) -> None:
     """rename(2) of a directory is atomic; an older save of the same step is moved
     aside first (as ``*.tmp``, so a kill in between leaves only ignored debris)."""
     if final.exists():
-        aside = final.with_name(final.name + ".replaced.tmp")
+        aside = final.with_name(f"{final.name}.{JOB_ID}.replaced.tmp")
         os.rename(final, aside)
         os.rename(tmp, final)
         shutil.rmtree(aside, ignore_errors=True)
@@ -113,12 +133,25 @@ def commit(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
+def prune(root: Path, keep_last: int, keep: Path) -> None:
+    """Remove all but the newest ``keep_last`` complete checkpoints (never ``keep``):
+    each is first renamed out of the ``step_N`` namespace (atomic), then deleted, so a
+    kill mid-deletion leaves ignored debris, never a half-deleted "complete" step."""
+    for _, old in list_checkpoints(root)[:-keep_last]:
+        if old != keep:
+            doomed = old.with_name(f"{old.name}.{JOB_ID}.deleting.tmp")
+            os.rename(old, doomed)
+            _fsync_dir(root)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+
 def resolve(directory: str | os.PathLike, step: int | None) -> Path:
     root = Path(directory)
     path = latest_checkpoint(root) if step is None else root / step_dirname(step)
     if path is None or not is_complete(path):
         which = "no complete checkpoint" if step is None else f"no complete checkpoint for step {step}"
+        why = f": {_why_incomplete(path)}" if path is not None and path.is_dir() else ""
         steps = [s for s, _ in list_checkpoints(root)]
-        raise FileNotFoundError(f"{which} in {root} (complete: {steps or 'none'}); "
+        raise FileNotFoundError(f"{which} in {root}{why} (complete: {steps or 'none'}); "
                                 f"check --checkpoint-dir, or start without --resume")
     return path

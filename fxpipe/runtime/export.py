@@ -31,7 +31,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from fxpipe.runtime.checkpoint_files import META_FILE, SafeReader, is_complete, resolve
+from fxpipe.runtime.checkpoint_files import SafeReader, is_complete, resolve
+from fxpipe.runtime.checkpoint_manifest import CorruptCheckpointError, file_names, read_manifest, verify
 
 # safetensors dtype codes (the format's spec: huggingface/safetensors README).
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -69,10 +70,11 @@ class _Source:
 def _directory_source(directory: str | os.PathLike) -> _Source:
     path = Path(directory)
     path = path if is_complete(path) else resolve(path, None)
-    names = json.loads((path / META_FILE).read_text())["state_dict"]
-    if not isinstance(names, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()):
-        raise ValueError(f"{path / META_FILE}: 'state_dict' must map names to names")
-    return _Source(path, names)
+    meta = read_manifest(path)  # type-checked
+    problems = verify(path, meta, file_names(meta))
+    if problems:
+        raise CorruptCheckpointError(f"checkpoint {path} is corrupt: {'; '.join(problems)}")
+    return _Source(path, meta["state_dict"])
 
 
 # ---- the safetensors writer ----------------------------------------------------------------------

@@ -26,10 +26,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # ---- single process: the directory protocol ---------------------------------------------------
 def _fake_checkpoint(root: Path, step: int, suffix: str = "") -> Path:
+    """A directory with a well-formed manifest listing its one (empty) file."""
+    from fxpipe.runtime.checkpoint_manifest import digest
+
     path = root / (step_dirname(step) + suffix)
     path.mkdir(parents=True)
     (path / ".metadata").write_bytes(b"")
-    (path / "fxpipe.json").write_text("{}")
+    meta = dict(format=2, step=step, extra={}, mesh=dict(pp=1, dp=1, tp=1), state_dict={}, source="M",
+                precision="fp32", loss_scaler=None, files={".metadata": digest(path / ".metadata")})
+    (path / "fxpipe.json").write_text(json.dumps(meta))
     return path
 
 
@@ -75,7 +80,7 @@ def killed(tmp_path_factory):
         for line in proc.stdout:
             if line.strip() == "WRITTEN":
                 break
-        partial = directory / (step_dirname(2) + ".tmp")
+        partial = next(directory.glob(step_dirname(2) + ".*.tmp"), directory / "none")  # step_N.<job>.tmp
         state = dict(partial=partial.is_dir() and any(partial.glob("*.distcp")),
                      index_written=(partial / ".metadata").exists())
     finally:

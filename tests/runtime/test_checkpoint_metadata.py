@@ -11,6 +11,7 @@ import copy
 import copyreg
 import dataclasses
 import io
+import json
 import os
 import pickle
 import shlex
@@ -41,7 +42,11 @@ def ckpt(tmp_path: Path) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=True)
-    (path / "fxpipe.json").write_text('{"format": 1, "step": 3, "state_dict": {"w": "w", "b": "b"}}')
+    # Format 1 (no digests), so that a crafted index reaches the unpickler: with format 2
+    # a changed .metadata is refused earlier, by its digest.
+    (path / "fxpipe.json").write_text(json.dumps(dict(
+        format=1, step=3, extra={}, mesh=dict(pp=1, dp=1, tp=1), state_dict={"w": "w", "b": "b"},
+        source="M", precision="fp32", loss_scaler=None)))
     return path
 
 

@@ -1,0 +1,203 @@
+"""Checkpoint directories under faults: two jobs, kill -9 at any moment of a save or a
+prune, and corruption of every kind of file. The directory protocol is driven with a
+plain state dict by one-process children (tests/runtime/_ckpt_child.py), so each
+scenario costs a process start, not a model compile.
+
+What every scenario checks is the guarantee of docs/checkpoints.md: every checkpoint
+that ``list_checkpoints`` reports is intact (each file's digest matches, DCP loads it
+and it holds the values of its step), and a resume takes the newest intact one.
+"""
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from fxpipe.runtime import checkpoint_files
+from fxpipe.runtime.checkpoint import candidates, local_problems, pick_intact
+from fxpipe.runtime.checkpoint_files import SafeReader, latest_checkpoint, list_checkpoints, step_dirname
+from fxpipe.runtime.checkpoint_lock import CheckpointLockError, check_free
+from fxpipe.runtime.checkpoint_manifest import CorruptCheckpointError
+from tests.runtime._ckpt_child import state
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _child(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.runtime._ckpt_child", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _run(*args: str) -> str:
+    proc = _child(*args)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    return out.strip()
+
+
+def _loads_its_step(path: Path) -> None:
+    """Intact, and DCP reads back exactly the tensors of its step."""
+    assert local_problems(path) == [], path
+    step = int(path.name.split("_")[1])
+    expected = state(step)
+    targets = {k: torch.empty_like(v) for k, v in expected.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(targets, storage_reader=SafeReader(path), no_dist=True)
+    for k, v in expected.items():
+        assert torch.equal(targets[k], v), (path, k)
+
+
+def _resume_choice(root: Path, step: int | None = None) -> tuple[Path, list[str]]:
+    """What load_checkpoint picks (the same functions, one process checking every file)."""
+    return pick_intact(candidates(root, step), local_problems, strict=step is not None)
+
+
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("faults") / "ckpt"
+    assert _run("save", str(root), "1", "2", "3") == "OK"
+    return root
+
+
+@pytest.fixture
+def ckpt(three_steps, tmp_path) -> Path:
+    copy = tmp_path / "ckpt"
+    shutil.copytree(three_steps, copy)
+    return copy
+
+
+# ---- two jobs ---------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_second_job_is_refused_and_a_dead_holder_is_recovered(tmp_path):
+    root = tmp_path / "ckpt"
+    holder = _child("hold", str(root))
+    try:
+        assert holder.stdout.readline().strip() == "HELD"
+        out = _run("save", str(root), "2")
+        assert out.startswith("ERROR CheckpointLockError") and f"pid {holder.pid}" in out, out
+        with pytest.raises(CheckpointLockError, match=f"in use by another fxpipe job \\(pid {holder.pid}"):
+            check_free(root)  # what the launcher checks before spawning
+        assert [s for s, _ in list_checkpoints(root)] == [1], "the refused job touched nothing"
+        _loads_its_step(root / step_dirname(1))
+    finally:
+        holder.send_signal(signal.SIGKILL)  # dies holding the lock
+        holder.communicate(timeout=30)
+    check_free(root)  # the kernel released the dead job's lock
+    assert _run("save", str(root), "2") == "OK"
+    assert [s for s, _ in list_checkpoints(root)] == [1, 2]
+
+
+# ---- kill -9 anywhere in the save / prune cycle -------------------------------------------------
+@pytest.mark.slow
+def test_kill_at_any_moment_leaves_only_intact_checkpoints(tmp_path):
+    """A child saves steps 1, 2, 3 ... keeping the last 2 (each save prunes one), killed
+    at delays spread over a whole save-and-prune cycle; the next child continues in the
+    same directory (clearing the debris, taking over the dead one's lock)."""
+    root = tmp_path / "ckpt"
+    proc = _child("loop", str(root))
+    t0 = time.perf_counter()
+    lines = [proc.stdout.readline() for _ in range(3)]  # three cycles: time one
+    cycle = (time.perf_counter() - t0) / 3
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert all(line.startswith("SAVED") for line in lines), lines
+    seen_debris = False
+    for fraction in (0.0, 0.15, 0.3, 0.45, 0.6, 0.75, 0.9, 1.05):
+        proc = _child("loop", str(root))
+        assert proc.stdout.readline().startswith("SAVED")  # a cycle starts now
+        time.sleep(cycle * fraction)
+        proc.kill()
+        proc.communicate(timeout=30)
+        seen_debris |= any(root.glob("*.tmp"))
+        found = list_checkpoints(root)
+        assert found, "a complete checkpoint always survives"
+        for _, path in found:
+            _loads_its_step(path)
+        newest, _ = _resume_choice(root)
+        assert newest == found[-1][1]
+    assert seen_debris, "some kills landed inside a save or a prune"
+
+
+def test_half_deleted_checkpoint_is_never_listed(ckpt, monkeypatch):
+    """Pruning renames a checkpoint out of the step_N namespace before deleting it: a
+    kill in the middle of the deletion leaves debris, not a 'complete' step with half
+    its files (what deleting in place left)."""
+    def dies_halfway(path, ignore_errors=False):
+        next(Path(path).glob("*.distcp")).unlink()
+        raise KeyboardInterrupt  # the kill
+
+    monkeypatch.setattr(checkpoint_files.shutil, "rmtree", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint_files.prune(ckpt, keep_last=2, keep=ckpt / step_dirname(3))
+    assert [s for s, _ in list_checkpoints(ckpt)] == [2, 3]
+    assert len(list(ckpt.glob("step_0000001.*.deleting.tmp"))) == 1
+
+
+def test_manifest_lists_every_file_and_a_missing_one_makes_it_incomplete(ckpt):
+    path = ckpt / step_dirname(3)
+    next(path.glob("*.distcp")).unlink()
+    assert [s for s, _ in list_checkpoints(ckpt)] == [1, 2]
+    assert latest_checkpoint(ckpt) == ckpt / step_dirname(2), "latest names an incomplete one: fall back"
+
+
+# ---- corruption of each kind of file ---------------------------------------------------------------
+def _zeros_inside(f: Path) -> None:
+    data = bytearray(f.read_bytes())
+    n = min(2048, len(data) // 2)  # 2 KB of zeros inside (half of a smaller file), size unchanged
+    start = len(data) // 4
+    data[start:start + n] = bytes(n)
+    f.write_bytes(bytes(data))
+
+
+def _garbage(f: Path) -> None:
+    f.write_bytes(b"\x00garbage" * 10)
+
+
+@pytest.mark.parametrize("target,damage,message", [
+    ("__0_0.distcp", _zeros_inside, "__0_0.distcp does not match its SHA-256"),
+    ("__0_0.distcp", lambda f: f.write_bytes(f.read_bytes()[:-10]), None),  # truncated: incomplete
+    (".metadata", _zeros_inside, ".metadata does not match its SHA-256"),
+    ("fxpipe.json", _garbage, None),  # unreadable manifest: not a checkpoint at all
+    ("fxpipe.json", lambda f: f.write_text(f.read_text().replace('"step": 3', '"step": "3"')), None),
+])
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(ckpt, target, damage, message):
+    damage(ckpt / step_dirname(3) / target)
+    path, skipped = _resume_choice(ckpt)
+    assert path == ckpt / step_dirname(2)
+    _loads_its_step(path)
+    if message is not None:  # listed as complete, found corrupt when verified: named
+        assert len(skipped) == 1 and message in skipped[0] and skipped[0].startswith(step_dirname(3)), skipped
+        with pytest.raises(CorruptCheckpointError, match=message.split(" ")[0].replace(".", r"\.")):
+            _resume_choice(ckpt, step=3)  # --resume-from 3: an error, not a silent fallback
+    else:  # not even complete: skipped without reading it; asked for, the error names the file
+        assert 3 not in [s for s, _ in list_checkpoints(ckpt)]
+        with pytest.raises(FileNotFoundError, match=f"step 3 .*{target.replace('.', '[.]')}"):
+            _resume_choice(ckpt, step=3)
+
+
+def test_corrupt_latest_pointer_falls_back_to_the_newest(ckpt):
+    (ckpt / "latest").write_bytes(b"\xff\xfe../../etc\n")
+    assert latest_checkpoint(ckpt) == ckpt / step_dirname(3)
+    (ckpt / "latest").write_text(step_dirname(1) + "\n")  # a valid but older pointer wins
+    assert _resume_choice(ckpt)[0] == ckpt / step_dirname(1)
+
+
+def test_every_checkpoint_corrupt_is_a_clear_error(ckpt):
+    for s in (1, 2, 3):
+        _zeros_inside(ckpt / step_dirname(s) / "__0_0.distcp")
+    with pytest.raises(CorruptCheckpointError, match="no intact checkpoint in .*step_0000003: .*SHA-256"):
+        _resume_choice(ckpt)
+
+
+def test_resume_from_a_step_that_is_not_there(ckpt):
+    with pytest.raises(FileNotFoundError, match=r"no complete checkpoint for step 7 .*\[1, 2, 3\]"):
+        _resume_choice(ckpt, step=7)
