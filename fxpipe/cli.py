@@ -147,7 +147,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                          timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
                          save_interval=args.save_interval, resume=args.resume, resume_from=args.resume_from,
                          export=args.export,
-                         sp=args.sp, precision=args.precision, recompute=args.recompute)
+                         sp=args.sp, precision=args.precision, recompute=args.recompute,
+                         zero=args.zero)
     # Everything checkable is checked here, before a worker starts (fxpipe/preflight.py).
     # Under torchrun every rank is a worker already: the model is captured by each anyway.
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -216,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="fp32; bf16; fp16 with dynamic loss scaling (16-bit modes keep fp32 master "
                         "weights) (default: %(default)s)")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1],
+                   help="1: ZeRO stage 1 - shard optimizer state and fp32 masters over the --dp "
+                        "replicas (gradients reduced to each tensor's owner, parameters broadcast)")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="activation recomputation: selective = attention core, full = whole layer "
                         "(default: %(default)s)")

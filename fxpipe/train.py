@@ -52,6 +52,8 @@ class TrainConfig:
     """fp32, bf16, or fp16 with dynamic loss scaling; 16-bit modes keep fp32 masters."""
     recompute: str = "none"
     """Activation recomputation: none, selective (attention core), full (whole layer)."""
+    zero: int = 0
+    """1: ZeRO stage 1, optimizer state and fp32 masters sharded over data parallel."""
     checkpoint_dir: str | None = None
     """Directory of DCP checkpoints (docs/checkpoints.md); None: never save."""
     save_interval: int | None = None
@@ -131,7 +133,8 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
                      microbatches=config.microbatches, schedule=config.schedule, chunks=config.chunks,
                      example_inputs=first, loss_fn=w.loss_fn, partition=config.partition,
                      timeout_s=config.timeout_s, sp=config.sp, precision=config.precision,
-                     recompute=config.recompute, seed=config.seed)
+                     recompute=config.recompute, seed=config.seed,
+                     zero=config.zero)
     rank = dist.get_rank()
     opt = torch.optim.AdamW(pm.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / config.warmup))

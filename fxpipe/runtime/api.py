@@ -33,6 +33,7 @@ from fxpipe.runtime.precision import LossScaler, MasterWeights, Precision
 from fxpipe.runtime.mesh import Mesh, MeshGroups, build_groups, resolve_dp
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport
+from fxpipe.runtime.zero import ZeroPartition
 from fxpipe.schedules.ir import Schedule
 from fxpipe.schedules.lowering import lower
 from fxpipe.schedules.registry import generate, get_spec
@@ -77,15 +78,32 @@ class ParallelModel:
         self.model_stats: ModelStats | None = None
         self.token_inputs: tuple[TokenInput, ...] = ()
         """Batch inputs that are token ids, with their vocabulary (``fxpipe/vocab.py``)."""
+        self.zero: ZeroPartition | None = grad_sync.zero
+        """ZeRO-1: which data-parallel replica owns (steps) each trainable tensor."""
 
     # ---- parameters ----------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's trainable tensors under their original (canonical) names (the
-        fp32 masters under mixed precision)."""
+        fp32 masters under mixed precision); under ZeRO-1 only those this data-parallel
+        replica owns, so an optimizer built on them holds a 1/dp share of the state."""
         tensors = self.master.masters if self.master is not None else self.state
         for name, t in tensors.items():
-            if t.requires_grad:
+            if t.requires_grad and self.owns(name):
                 yield name, t
+
+    def owns(self, name: str) -> bool:
+        """Whether this replica's optimizer steps ``name`` (always, without ZeRO)."""
+        return self.zero is None or name not in self.zero.owner or self.zero.owns(name)
+
+    def sync_parameters(self) -> None:
+        """Bring every copy of the parameters up to date after an optimizer step: the
+        compute copies from the fp32 masters (mixed precision), then, under ZeRO-1, each
+        owner's values to the other data-parallel replicas. ``train_step`` and
+        checkpoint saves call it; call it before reading ``state`` yourself."""
+        if self.master is not None:
+            self.master.refresh()
+        if self.zero is not None:
+            self.zero.broadcast_parameters({n: self.state[n] for n in self.zero.owner})
 
     def parameters(self) -> Iterator[torch.Tensor]:
         for _, t in self.named_parameters():
@@ -138,8 +156,8 @@ class ParallelModel:
         check_token_ids((batch,) if isinstance(batch, torch.Tensor) else batch, self.token_inputs)
         for t in self.parameters():
             t.grad = None
+        self.sync_parameters()
         if self.master is not None:
-            self.master.refresh()
             for runner in self.executor.runners.values():
                 runner.loss_scale = self.master.loss_scale / self.num_microbatches
         self.executor.run(self._microbatches(batch))
@@ -172,7 +190,7 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
                 precision: str = "fp32", loss_scaler: dict | None = None,
                 recompute: str = "none", sp: bool = False, seed: int = 0,
                 scatter_gather: bool | None = None,
-                timeout_s: float = 60.0, device: torch.device | None = None) -> ParallelModel:
+                zero: int = 0, timeout_s: float = 60.0, device: torch.device | None = None) -> ParallelModel:
     """Compile ``model`` for tensor × pipeline × data parallelism on this rank.
 
     ``example_inputs`` is one global batch as ``train_step`` will receive it (every
@@ -182,7 +200,8 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     fp32 master weights (see ``fxpipe.runtime.precision``). ``recompute``: none,
     selective (attention core) or full (whole layer), per stage (``passes/recompute.py``).
     ``tp``: tensor-parallel size (the automatic pass, ``passes/tensor_parallel``); ``sp``:
-    sequence parallelism; ``scatter_gather``: send 1/tp chunks of replicated activations
+    sequence parallelism; ``zero=1``: ZeRO stage 1 over data parallel (``runtime/zero.py``:
+    ``parameters()`` then yields this replica's share); ``scatter_gather``: send 1/tp chunks of replicated activations
     between stages (default: on when tp > 1 and sp is off); ``seed``: dropout seed (Megatron's RNG tracker offsets it per
     tp rank inside sharded regions).
     """
@@ -192,6 +211,9 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     world = dist.get_world_size()
     dp = resolve_dp(world, tp, pp, dp)
     mesh = Mesh(tp=tp, dp=dp, pp=pp)
+    if zero not in (0, 1):
+        raise ValueError(f"zero must be 0 (off) or 1 (optimizer state and fp32 masters sharded over "
+                         f"data parallel), got {zero}")
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     example = tuple(example_inputs) if not isinstance(example_inputs, torch.Tensor) else (example_inputs,)
@@ -242,10 +264,15 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     local = shard_state({n: program.state[n] for n in names}, specs, groups.tp_rank)
     state = {n: t.detach().to(device).clone().requires_grad_(program.state[n].requires_grad)
              for n, t in local.items()}
+    # ZeRO-1 (runtime/zero.py): each data-parallel replica owns a balanced share of the
+    # trainable tensors; only the owner keeps optimizer state and an fp32 master.
+    partition = ZeroPartition.build(groups, {n: t for n, t in state.items() if t.requires_grad}) \
+        if zero and dp > 1 else None
     master = None
     if prec is not Precision.FP32:
         originals = dict(model.named_parameters())
-        full32 = {n: originals[n].detach().float() for n, t in state.items() if t.requires_grad}
+        full32 = {n: originals[n].detach().float() for n, t in state.items()
+                  if t.requires_grad and (partition is None or partition.owns(n))}
         masters = {n: t.to(device).clone().requires_grad_(True)
                    for n, t in shard_state(full32, specs, groups.tp_rank).items()}
         master = MasterWeights(prec, state, masters,
@@ -261,7 +288,8 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     transport = Transport(device=device, timeout=timeout, value_ids=value_ids,
                           num_values=max(1, len(value_ids)), scatter_gather=tp_group if use_sg else None)
     executor = PipelineExecutor(plan, lowered, groups.pp_rank, runners, transport, groups.pp_peer)
-    grad_sync = GradSync.build(plan, sched, groups, master.masters if master else state, timeout)
+    holders = {**master.masters, **master.loose} if master else state
+    grad_sync = GradSync.build(plan, sched, groups, holders, timeout, like=state, zero=partition)
     pm = ParallelModel(plan, lowered, groups, state, executor, grad_sync, microbatches, device, master,
                        specs)
     pm.model_stats = stats

@@ -74,6 +74,12 @@ def _model_tensors(pm: Any) -> dict[str, torch.Tensor]:
     return {n: masters.get(n, t) for n, t in pm.state.items() if kinds[n] is not ParamKind.CONSTANT}
 
 
+def _saved_model_tensors(pm: Any) -> dict[str, torch.Tensor]:
+    """What this rank writes: under ZeRO-1 a trained tensor only by its owner (the one
+    with its fp32 master); DCP merges the ranks' keys."""
+    return {n: t for n, t in _model_tensors(pm).items() if pm.owns(n)}
+
+
 def _tp_ranks(pm: Any) -> list[int]:
     """Global ranks of this rank's tp group, in tp order (tp is innermost in the mesh)."""
     base = pm.groups.rank - pm.groups.tp_rank
@@ -89,7 +95,8 @@ def _chunked(pm: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def _model_state(pm: Any) -> dict[str, Any]:
-    local = _chunked(pm, {n: t.detach() for n, t in _model_tensors(pm).items()})
+    pm.sync_parameters()  # after an optimizer step, every copy current (ZeRO-1: the owners')
+    local = _chunked(pm, {n: t.detach() for n, t in _saved_model_tensors(pm).items()})
     return {f"model.{n}": t for n, t in local.items()}
 
 

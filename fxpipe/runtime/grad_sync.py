@@ -5,7 +5,7 @@
    only its own stages' gradient, so the copies' gradients are summed (all-reduce
    over exactly those ranks) and the copies stay identical after the optimizer step.
 2. Data parallel: every gradient averaged over the dp group (gloo has no AVG op:
-   sum, then divide).
+   sum, then divide); with ZeRO-1, reduced onto its owner only (``zero.py``).
 Gradients are flattened into one buffer per collective to pay latency once.
 """
 from __future__ import annotations
@@ -37,13 +37,21 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group: Any, scale: float = 1.0
 @dataclass
 class GradSync:
     groups: MeshGroups
-    state: dict[str, torch.Tensor]
+    state: dict[str, Any]
+    """Canonical name -> what holds its gradient in ``.grad``: the trainable leaf (fp32),
+    its fp32 master (mixed precision), or a holder (ZeRO-1 under mixed precision: a
+    parameter this rank does not own has no master, only an fp32 gradient)."""
+    like: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Canonical name -> a tensor of the gradient's shape (the compute leaf)."""
     tied: list[tuple[str, Any]] = field(default_factory=list)
     """(canonical name, process group over the pp ranks holding it) for this rank."""
+    zero: Any = None
+    """A ``ZeroPartition``: reduce each gradient onto its data-parallel owner."""
 
     @staticmethod
     def build(plan: PipelinePlan, schedule: Schedule, groups: MeshGroups,
-              state: dict[str, torch.Tensor], timeout: timedelta) -> "GradSync":
+              state: dict[str, Any], timeout: timedelta, like: dict[str, torch.Tensor] | None = None,
+              zero: Any = None) -> "GradSync":
         mesh = groups.mesh
         tied = []
         # Every rank creates every group in the same order (new_group is collective).
@@ -56,19 +64,29 @@ class GradSync:
             group = subgroup(families, groups.rank, timeout)
             if groups.pp_rank in pp_ranks:
                 tied.append((name, group))
-        return GradSync(groups, state, tied)
+        like = like if like is not None else {n: t for n, t in state.items() if isinstance(t, torch.Tensor)}
+        return GradSync(groups, state, like, tied, zero)
+
+    def _grad(self, name: str) -> torch.Tensor:
+        holder = self.state[name]
+        if holder.grad is None:
+            holder.grad = torch.zeros(self.like[name].shape, dtype=self._dtype(holder, name),
+                                      device=self.like[name].device)
+        return holder.grad
+
+    def _dtype(self, holder: Any, name: str) -> torch.dtype:
+        return holder.dtype if isinstance(holder, torch.Tensor) else torch.float32
 
     def sync(self) -> None:
         for name, group in self.tied:
-            t = self.state[name]
-            if t.grad is None:
-                t.grad = torch.zeros_like(t)
-            _all_reduce_flat([t.grad], group)
-        if self.groups.mesh.dp > 1:
-            grads = []
-            for t in self.state.values():
-                if t.requires_grad:
-                    if t.grad is None:
-                        t.grad = torch.zeros_like(t)
-                    grads.append(t.grad)
-            _all_reduce_flat(grads, self.groups.dp_group, 1.0 / self.groups.mesh.dp)
+            _all_reduce_flat([self._grad(name)], group)
+        if self.groups.mesh.dp == 1:
+            return
+        trainable = [n for n, h in self.state.items() if not isinstance(h, torch.Tensor) or h.requires_grad]
+        if self.zero is not None:
+            grads = {n: self._grad(n) for n in trainable}
+            owned = self.zero.reduce_gradients(grads, grads)
+            for n in trainable:
+                self.state[n].grad = owned.get(n)  # None on the replicas that do not own it
+            return
+        _all_reduce_flat([self._grad(n) for n in trainable], self.groups.dp_group, 1.0 / self.groups.mesh.dp)

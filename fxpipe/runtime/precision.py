@@ -62,6 +62,12 @@ class LossScaler:
                 self.scale *= 2
 
 
+class _GradHolder:
+    """Only a ``.grad``: where a gradient accumulates in fp32 before it is reduced onto
+    the replica that owns the parameter's master (ZeRO-1)."""
+    grad: torch.Tensor | None = None
+
+
 @dataclass
 class MasterWeights:
     """fp32 masters for the low-precision leaves the graph reads."""
@@ -71,15 +77,20 @@ class MasterWeights:
     masters: dict[str, torch.Tensor]
     """Canonical name -> fp32 leaf the optimizer updates."""
     scaler: LossScaler | None = None
+    loose: dict[str, Any] = field(default_factory=dict)
+    """Canonical name -> fp32 gradient holder (``.grad``) of a trained leaf without a
+    master: under ZeRO-1 another data-parallel replica owns its master."""
     _hooks: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name, low in self.compute.items():
             if low.requires_grad:
+                if name not in self.masters:
+                    self.loose[name] = _GradHolder()
                 self._hooks.append(low.register_post_accumulate_grad_hook(self._make_hook(name)))
 
     def _make_hook(self, name: str):
-        master = self.masters[name]
+        master = self.masters.get(name, self.loose.get(name))
 
         def hook(low: torch.Tensor) -> None:
             g = low.grad.float()

@@ -1,0 +1,102 @@
+"""ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", §5.1): optimizer state — and, under mixed precision, the
+fp32 master weights — partitioned over the data-parallel group.
+
+Partitioning is by whole parameter, balanced by size (largest first onto the least
+loaded rank, ties to the lower rank): the scheme of torch's
+``ZeroRedundancyOptimizer``. A parameter's optimizer state then lives whole on one
+rank, so a checkpoint keeps its layout-independent keys (``optim.state.<name>.*``,
+written by the owner) and loads into any layout, ZeRO or not. The price against a
+flat-buffer partition (Megatron's distributed optimizer) is granularity: the largest
+tensor bounds the balance.
+
+Per step, with ``dp`` replicas of a stage:
+- after the backward, each gradient is *reduced* (sum, then ÷dp) onto its owner —
+  the bytes of a reduce-scatter — instead of all-reduced; other replicas drop it;
+- the owner's optimizer steps only what it owns (``ParallelModel.parameters()`` yields
+  only those, so ``torch.optim.AdamW(pm.parameters())`` holds a 1/dp share of the
+  state: the user's optimizer class, unchanged);
+- before the next forward, owners broadcast their updated parameters (in the compute
+  precision) to the other replicas — the all-gather of parameters.
+Collectives are coalesced into one flat buffer per owner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from fxpipe.runtime.mesh import MeshGroups
+
+
+def assign_owners(sizes: Mapping[str, int], dp: int) -> dict[str, int]:
+    """Data-parallel rank owning each parameter: greedy largest-first onto the least
+    loaded rank (deterministic: every replica computes the same answer)."""
+    load = [0] * dp
+    owners = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = min(range(dp), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += sizes[name]
+    return owners
+
+
+@dataclass
+class ZeroPartition:
+    groups: MeshGroups
+    owner: dict[str, int]
+    """Trainable canonical name -> the data-parallel rank whose optimizer steps it."""
+
+    @staticmethod
+    def build(groups: MeshGroups, trainable: Mapping[str, torch.Tensor]) -> "ZeroPartition":
+        return ZeroPartition(groups, assign_owners({n: t.numel() for n, t in trainable.items()}, groups.mesh.dp))
+
+    def owns(self, name: str) -> bool:
+        return self.owner[name] == self.groups.dp_rank
+
+    def _global(self, dp_rank: int) -> int:
+        g = self.groups
+        return g.mesh.rank(pp=g.pp_rank, dp=dp_rank, tp=g.tp_rank)
+
+    def _by_owner(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[int, list[str]]]:
+        names: dict[int, list[str]] = {}
+        for name in sorted(tensors):
+            names.setdefault(self.owner[name], []).append(name)
+        return sorted(names.items())
+
+    @torch.no_grad()
+    def reduce_gradients(self, grads: dict[str, torch.Tensor | None], like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Sum each gradient onto its owner and divide by dp; returns the owned ones
+        (missing gradients count as zeros, so every replica sends the same buffers)."""
+        dp = self.groups.mesh.dp
+        owned = {}
+        for rank, names in self._by_owner(like):
+            tensors = [grads[n] if grads.get(n) is not None else torch.zeros_like(like[n]) for n in names]
+            flat = _flatten_dense_tensors(tensors)
+            dist.reduce(flat, dst=self._global(rank), group=self.groups.dp_group)
+            if rank == self.groups.dp_rank:
+                flat.mul_(1.0 / dp)
+                owned.update(zip(names, _unflatten_dense_tensors(flat, tensors)))
+        return owned
+
+    @torch.no_grad()
+    def broadcast_parameters(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Every replica receives the owners' current values (in the tensors' dtype)."""
+        for rank, names in self._by_owner(tensors):
+            parts = [tensors[n] for n in names]
+            flat = _flatten_dense_tensors(parts)
+            dist.broadcast(flat, src=self._global(rank), group=self.groups.dp_group)
+            if rank != self.groups.dp_rank:
+                for t, new in zip(parts, _unflatten_dense_tensors(flat, parts)):
+                    t.copy_(new)
+
+    def shares(self, sizes: Mapping[str, int]) -> list[int]:
+        """Elements owned by each data-parallel rank."""
+        out = [0] * self.groups.mesh.dp
+        for name, n in sizes.items():
+            out[self.owner[name]] += n
+        return out
+

@@ -1,0 +1,49 @@
+"""ZeRO-1 cases, run inside one spawned world of 4 (importable by the children)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.runtime._ckpt_cases import SAVE_AT, STEPS, build, no_gather, train
+
+STEP_RANGE = range(STEPS)
+
+
+def _run(zero: int, *, pp: int, dp: int, tp: int = 1, precision: str = "fp32") -> dict:
+    pm, w, opt, sched = build("gpt-tiny", pp=pp, dp=dp, tp=tp, zero=zero, precision=precision)
+    losses = train(pm, w, opt, sched, STEP_RANGE)
+    pm.sync_parameters()
+    params = pm.full_state_dict() if pm.master is None else None
+    masters = {n: t.detach().clone() for n, t in pm.named_parameters()}
+    state_elems = sum(t.numel() for s in opt.state.values() for t in s.values() if t.dim() > 0)
+    return dict(losses=losses, params=params, masters=masters, state_elems=state_elems,
+                replicas=(pm.groups.pp_rank, pm.groups.tp_rank),
+                owned=sorted(n for n, _ in pm.named_parameters()),
+                trainable=sorted(n for n, t in pm.state.items() if t.requires_grad))
+
+
+def world_zero(rank: int, world: int, root: str) -> dict:
+    """dp=2 × pp=2 and tp=2 × dp=2: ZeRO-1 against plain data parallel, fp32 and bf16; a
+    ZeRO-1 checkpoint resumed without ZeRO and in another layout."""
+    from fxpipe.runtime.checkpoint import load_checkpoint, save_checkpoint
+
+    out = {}
+    for key, kwargs in (("dp2pp2", dict(pp=2, dp=2)), ("tp2dp2", dict(pp=1, dp=2, tp=2))):
+        out[(key, 0)] = _run(0, **kwargs)
+        out[(key, 1)] = _run(1, **kwargs)
+    out[("bf16", 0)] = _run(0, pp=2, dp=2, precision="bf16")
+    out[("bf16", 1)] = _run(1, pp=2, dp=2, precision="bf16")
+
+    # Save under ZeRO-1 at SAVE_AT; resume into plain dp=2 × pp=2 and into ZeRO-1 at dp=4.
+    directory = Path(root) / "zero"
+    pm, w, opt, sched = build("gpt-tiny", pp=2, dp=2, zero=1)
+    train(pm, w, opt, sched, range(SAVE_AT))
+    with no_gather():
+        save_checkpoint(pm, opt, SAVE_AT, directory, extra={"lr_scheduler": sched.state_dict()})
+    for key, kwargs in (("resume_plain", dict(pp=2, dp=2, zero=0)), ("resume_tp2dp2", dict(pp=1, dp=2, tp=2, zero=1))):
+        pm, w, opt, sched = build("gpt-tiny", seed=1, **kwargs)
+        step, extra = load_checkpoint(pm, opt, directory)
+        sched.load_state_dict(extra["lr_scheduler"])
+        out[key] = dict(step=step, losses=train(pm, w, opt, sched, range(step, STEPS)))
+    return out
