@@ -64,6 +64,17 @@ class _Specs:
             reason = "vocab-parallel LM head (cross-entropy over vocabulary shards)"
         else:
             kind = ShardKind.COLUMN
+            shared = own == ALL
+            if shared.any() and self.by_node[proj.weight].requires_grad:
+                # Channels every rank computes inside a projection whose other channels are
+                # split (the one k/v head of multi-query attention in a fused QKV linear):
+                # each rank's consumers are its own heads, so each rank's gradient of those
+                # weight columns is a partial sum that no collective reduces. Refuse the
+                # split; the projection stays replicated, which is correct (and reported).
+                raise LayoutFailure(ids, f"{self.describe(name)} mixes channels split over tp ranks "
+                                         f"with {int(shared.sum())} channels every rank computes and "
+                                         f"uses for its own heads (their weight gradients would be "
+                                         f"partial per rank): kept replicated")
             held = [np.flatnonzero((own == r) | (own == ALL)) for r in range(self.tp)]
             ranges, local = tuple(ranges_of(h) for h in held), len(held[0])
             reason = f"column-parallel: output channels of {self.describe(name)}"
@@ -137,7 +148,9 @@ class _Specs:
         for name, weight in self.plan.vocab_embedding.items():
             self.embedding(name, weight)
         self.others()
-        return self.unify()
+        specs = self.unify()
+        check_gradient_invariant(specs, str)
+        return specs
 
     def unify(self) -> dict[str, ShardSpec]:
         groups = self.program.tied_groups
@@ -184,6 +197,33 @@ class _DropLookups(Exception):
     def __init__(self, lookups: list[str]) -> None:
         super().__init__(lookups)
         self.lookups = lookups
+
+
+def check_gradient_invariant(specs: dict[str, ShardSpec], describe: Callable[[str], str]) -> None:
+    """Every parameter's gradient is either sharded consistently with its value or the
+    same on every rank (docs/tensor_parallel.md, "The gradient invariant").
+
+    The pass only splits Megatron blocks: a column-parallel weight's rows feed only this
+    rank's heads / FFN channels (f's backward all-reduce makes the input gradient whole),
+    a row-parallel weight's columns read only this rank's channels, a vocabulary shard
+    only this rank's rows; everything else is replicated and computed identically on
+    every rank (f / g / gather conversions keep replicated values and their gradients
+    identical). That argument holds when each index of a split dim belongs to exactly
+    one rank; an index on several ranks gets a partial gradient on each, which nothing
+    sums. So: the ranks' ranges must be disjoint, and must cover the dim."""
+    for name, spec in specs.items():
+        if spec.kind is ShardKind.REPLICATED:
+            continue
+        size = spec.full_shape[spec.dim]
+        counts = np.bincount(np.concatenate([np.asarray(spec.indices(r), dtype=np.int64)
+                                             for r in range(spec.tp)]), minlength=size)
+        dup, missing = np.flatnonzero(counts > 1), np.flatnonzero(counts == 0)
+        if dup.size or missing.size:
+            raise ValueError(
+                f"tensor parallelism cannot prove {describe(name)}'s gradient correct: its {spec.kind.value} "
+                f"shards {'overlap at ' + str(dup[:8].tolist()) if dup.size else 'miss ' + str(missing[:8].tolist())} "
+                f"(indices held by several ranks get partial gradients that nothing sums). Please report "
+                f"this model; tp=1 trains it correctly")
 
 
 def build_specs(program: Program, prov: Provenance, asg: Assignment, plan: TPPlan,
