@@ -47,7 +47,7 @@ def _batch(vocab: int, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]
 def _worker(rank: int, world: int, port: int, out: str, layout: dict, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     import fxpipe
     from fxpipe.models import build_workload
     from fxpipe.models.registry import GPT_CONFIGS
@@ -97,6 +97,7 @@ def main() -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--meta", action="store_true", help="build the model on the meta device")
+    ap.add_argument("--threads", type=int, default=1, help="threads per process (0: cores / processes)")
     ap.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, help="tp,pp,dp[,zero] ...")
     ap.add_argument("--out", default=os.path.join(RESULTS, "memory"))
     args = ap.parse_args()
@@ -115,7 +116,7 @@ def main() -> int:
              f"{args.microbatches} microbatches of {args.micro_batch}, {args.steps} AdamW steps"
              f"{', built on meta' if args.meta else ''}", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo, "
-             f"1 thread per process. Ratio = largest per-process peak / (one-process peak / world size).", "",
+             f"{args.threads or 'cores/processes'} thread(s) per process. Ratio = largest per-process peak / (one-process peak / world size).", "",
              "| tp,pp,dp | processes | peak per process (GiB) | largest | ratio to ideal share | losses |",
              "|---|---|---|---|---|---|"]
     for r in rows:
