@@ -46,7 +46,7 @@ def _batch(vocab: int, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def _worker(rank: int, world: int, port: int, out: str, layout: dict, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), CUDA_VISIBLE_DEVICES="")  # host memory, gloo, also on a GPU machine
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     import fxpipe
     from fxpipe.models import build_workload
@@ -60,7 +60,7 @@ def _worker(rank: int, world: int, port: int, out: str, layout: dict, args: argp
     options = dict(zero=1) if layout["zero"] else {}
     pm = fxpipe.parallelize(w.model, tp=layout["tp"], pp=layout["pp"], dp=layout["dp"],
                             microbatches=args.microbatches, example_inputs=batch, loss_fn=w.loss_fn,
-                            partition="uniform", timeout_s=1800, **options)
+                            partition="uniform", timeout_s=1800, device=torch.device("cpu"), **options)
     del w
     built = time.perf_counter() - start
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)

@@ -25,6 +25,12 @@ def init_distributed(timeout: timedelta, device: torch.device | None = None) -> 
         device = torch.device("cuda", torch.cuda.current_device())
     if dist.is_initialized():
         return device
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if device.type == "cuda" and local > torch.cuda.device_count():
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected") after a long start.
+        raise ValueError(f"{local} processes on this node but {torch.cuda.device_count()} GPU(s): one "
+                         f"process per GPU; launch --nproc-per-node {torch.cuda.device_count()} (or hide the "
+                         f"GPUs with CUDA_VISIBLE_DEVICES= to train on CPU with gloo)")
     # On GPUs both backends: NCCL for CUDA tensors, gloo for the CPU tensors of small
     # control collectives (the mean loss, the stop signal, object broadcasts); one
     # backend per device type, and every new_group inherits the pair.
