@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxpipe.capture import capture
+from fxpipe.init import materialize_tensor, record_init
+from fxpipe.program import ParamKind
 from fxpipe.passes import canonicalize_pass, cost_pass, run_passes, total_cost
 from fxpipe.passes.tensor_parallel import TPConfig, shard_state, unshard_state
 from fxpipe.tp import DropoutRNG, ProcessGroupTP, tp_group_context
@@ -190,7 +192,8 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
                 precision: str = "fp32", loss_scaler: dict | None = None,
                 recompute: str = "none", sp: bool = False, seed: int = 0,
                 scatter_gather: bool | None = None,
-                zero: int = 0, timeout_s: float = 60.0, device: torch.device | None = None) -> ParallelModel:
+                zero: int = 0, init_fn: Callable[[nn.Module], None] | None = None,
+                timeout_s: float = 60.0, device: torch.device | None = None) -> ParallelModel:
     """Compile ``model`` for tensor × pipeline × data parallelism on this rank.
 
     ``example_inputs`` is one global batch as ``train_step`` will receive it (every
@@ -229,7 +232,9 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     # Low precision: capture a low-precision copy, so every dtype in the plan is the
     # one that runs; the user's fp32 model provides the master weights.
     traced = model if prec is Precision.FP32 else copy.deepcopy(model).to(prec.dtype)
-    captured = capture(traced, tuple(t[:mb_rows] for t in example), loss_fn)
+    # A meta-device model (deferred init) is traced with meta inputs of the batch's shapes.
+    on_meta = any(t.is_meta for t in model.parameters())
+    captured = capture(traced, tuple(t[:mb_rows].to("meta") if on_meta else t[:mb_rows] for t in example), loss_fn)
     # Model FLOPs and size of the whole model (before tensor parallelism shards them).
     canonical = canonicalize_pass(captured)
     tokens = token_inputs(canonical)  # before TP shards the embedding's rows
@@ -260,21 +265,37 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     names = dict.fromkeys(n for s in my_stages for n in plan.stage_params(s))
     tp_result = program.extra.get("tensor_parallel")
     specs = tp_result.specs if tp_result is not None else {}
-    # Each tp rank keeps its shard of every sharded tensor (ShardSpec index ranges).
-    local = shard_state({n: program.state[n] for n in names}, specs, groups.tp_rank)
+    deferred = any(program.state[n].is_meta for n in names)
+    if deferred:
+        # A meta-device model (fxpipe/init.py): replay its own init rules for this rank's
+        # shards only, in fp32 (the masters under mixed precision), at their local shape.
+        rules = record_init(model, init_fn)
+        full32 = {n: materialize_tensor(rules, n, seed, specs.get(n), groups.tp_rank, torch.float32, device)
+                  for n in names}
+        local = {n: t.to(program.state[n].dtype) for n, t in full32.items()}
+    else:
+        # Each tp rank keeps its shard of every sharded tensor (ShardSpec index ranges).
+        local = shard_state({n: program.state[n] for n in names}, specs, groups.tp_rank)
     state = {n: t.detach().to(device).clone().requires_grad_(program.state[n].requires_grad)
              for n, t in local.items()}
+    # The shards are taken: the plan keeps parameter shapes only (meta), so no full copy
+    # of the model stays alive in this process (buffers and constants are small).
+    kinds = {p.canonical: p.kind for p in program.params}
+    plan = dataclasses.replace(plan, program=plan.program.replace(state={
+        n: t.to("meta") if kinds.get(n) is ParamKind.PARAMETER else t for n, t in plan.program.state.items()}))
     # ZeRO-1 (runtime/zero.py): each data-parallel replica owns a balanced share of the
     # trainable tensors; only the owner keeps optimizer state and an fp32 master.
     partition = ZeroPartition.build(groups, {n: t for n, t in state.items() if t.requires_grad}) \
         if zero and dp > 1 else None
     master = None
     if prec is not Precision.FP32:
-        originals = dict(model.named_parameters())
-        full32 = {n: originals[n].detach().float() for n, t in state.items()
-                  if t.requires_grad and (partition is None or partition.owns(n))}
-        masters = {n: t.to(device).clone().requires_grad_(True)
-                   for n, t in shard_state(full32, specs, groups.tp_rank).items()}
+        owned = [n for n, t in state.items() if t.requires_grad and (partition is None or partition.owns(n))]
+        if deferred:
+            shards32 = {n: full32[n] for n in owned}
+        else:
+            originals = dict(model.named_parameters())
+            shards32 = shard_state({n: originals[n].detach().float() for n in owned}, specs, groups.tp_rank)
+        masters = {n: t.to(device).clone().requires_grad_(True) for n, t in shards32.items()}
         master = MasterWeights(prec, state, masters,
                                LossScaler(**(loss_scaler or {})) if prec is Precision.FP16 else None)
     tp_group = ProcessGroupTP(groups.tp_group)
