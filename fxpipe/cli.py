@@ -148,7 +148,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                          save_interval=args.save_interval, resume=args.resume, resume_from=args.resume_from,
                          export=args.export,
                          sp=args.sp, precision=args.precision, recompute=args.recompute,
-                         zero=args.zero)
+                         zero=args.zero, init_from=args.init_from)
     # Everything checkable is checked here, before a worker starts (fxpipe/preflight.py).
     # Under torchrun every rank is a worker already: the model is captured by each anyway.
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -217,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="fp32; bf16; fp16 with dynamic loss scaling (16-bit modes keep fp32 master "
                         "weights) (default: %(default)s)")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="take the weights from a Hugging Face directory (save_pretrained: "
+                        "model.safetensors or its sharded index); each rank reads only its shards")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1],
                    help="1: ZeRO stage 1 - shard optimizer state and fp32 masters over the --dp "
                         "replicas (gradients reduced to each tensor's owner, parameters broadcast)")

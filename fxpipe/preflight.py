@@ -128,6 +128,12 @@ def _resume_path(config: "TrainConfig") -> Path | None:
 
 
 def check_paths(config: "TrainConfig") -> None:
+    if config.init_from is not None:
+        from fxpipe.weights import WeightsDir
+        try:  # names and shapes are checked against the model by the workers, before any step
+            WeightsDir(config.init_from)
+        except (OSError, ValueError) as exc:
+            raise PreflightError(f"--init-from: {exc}") from None
     if config.checkpoint_dir is not None:
         _check_writable_dir(Path(config.checkpoint_dir), "--checkpoint-dir",
                             "choose a directory that this user can write")

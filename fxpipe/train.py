@@ -54,6 +54,8 @@ class TrainConfig:
     """Activation recomputation: none, selective (attention core), full (whole layer)."""
     zero: int = 0
     """1: ZeRO stage 1, optimizer state and fp32 masters sharded over data parallel."""
+    init_from: str | None = None
+    """A Hugging Face safetensors directory to take the weights from (each rank reads its shards)."""
     checkpoint_dir: str | None = None
     """Directory of DCP checkpoints (docs/checkpoints.md); None: never save."""
     save_interval: int | None = None
@@ -134,7 +136,7 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
                      example_inputs=first, loss_fn=w.loss_fn, partition=config.partition,
                      timeout_s=config.timeout_s, sp=config.sp, precision=config.precision,
                      recompute=config.recompute, seed=config.seed,
-                     zero=config.zero)
+                     zero=config.zero, weights=config.init_from)
     rank = dist.get_rank()
     opt = torch.optim.AdamW(pm.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / config.warmup))

@@ -100,8 +100,28 @@ def test_parameter_without_init_is_named():
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_world(4, cases.world_meta)
+def hf_dir(tmp_path_factory):
+    """A Hugging Face GPT-2 written by save_pretrained, and its loss on the batch."""
+    w = build_workload("hf:gpt2", batch=cases.BATCH, seq=cases.SEQ, seed=7)
+    path = tmp_path_factory.mktemp("hf") / "gpt2"
+    w.model.save_pretrained(path)
+    x, y = cases.batch("hf:gpt2")
+    with torch.no_grad():
+        losses = [float(w.loss_fn(w.model(a), b)) for a, b in zip(x.chunk(cases.MICRO), y.chunk(cases.MICRO))]
+    return path, sum(losses) / len(losses)
+
+
+@pytest.fixture(scope="module")
+def world4(hf_dir):
+    return run_world(4, cases.world_meta, str(hf_dir[0]))
+
+
+@pytest.mark.slow
+def test_hf_directory_loads_slice_by_slice_into_any_layout(world4, hf_dir):
+    for rank_results in world4:
+        assert rank_results[-1]["loss"] == pytest.approx(hf_dir[1], rel=1e-6)
+    message = world4[0][-1]["mismatch"]
+    assert "do not match the model: missing: transformer.h.2." in message, message
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
 
 import contextlib
+import os
 import copy
 import dataclasses
 
@@ -184,6 +185,19 @@ class ParallelModel:
         return float(total) / (self.num_microbatches * self.groups.mesh.dp)
 
 
+def _stored_weights(program, specs: dict, directory) -> dict:
+    """Canonical name -> (WeightsDir, stored name) for every parameter, checked against
+    the model's names and full shapes first (one error listing every mismatch)."""
+    from fxpipe.weights import WeightsDir
+
+    wd = WeightsDir(directory)
+    names = {p.name: p.canonical for p in program.params if p.kind is not ParamKind.CONSTANT}
+    full = {p.canonical: tuple(specs[p.canonical].full_shape) if p.canonical in specs else tuple(p.shape)
+            for p in program.params}
+    required = {p.canonical for p in program.params if p.kind is ParamKind.PARAMETER}
+    return {c: (wd, s) for c, s in wd.check(names, full, required).items()}
+
+
 def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = None,
                 microbatches: int, schedule: str = "1f1b", chunks: int | None = None,
                 example_inputs: Sequence[torch.Tensor],
@@ -193,6 +207,7 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
                 recompute: str = "none", sp: bool = False, seed: int = 0,
                 scatter_gather: bool | None = None,
                 zero: int = 0, init_fn: Callable[[nn.Module], None] | None = None,
+                weights: str | os.PathLike | None = None,
                 timeout_s: float = 60.0, device: torch.device | None = None) -> ParallelModel:
     """Compile ``model`` for tensor × pipeline × data parallelism on this rank.
 
@@ -203,7 +218,10 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     fp32 master weights (see ``fxpipe.runtime.precision``). ``recompute``: none,
     selective (attention core) or full (whole layer), per stage (``passes/recompute.py``).
     ``tp``: tensor-parallel size (the automatic pass, ``passes/tensor_parallel``); ``sp``:
-    sequence parallelism; ``zero=1``: ZeRO stage 1 over data parallel (``runtime/zero.py``:
+    sequence parallelism; ``weights``: a Hugging Face safetensors directory to take the
+    parameters from (each rank reads its shards only, ``fxpipe/weights.py``); a model built
+    on the meta device is otherwise initialised shard by shard by its own init scheme
+    (``fxpipe/init.py``, ``init_fn`` to override; ``seed`` seeds it); ``zero=1``: ZeRO stage 1 over data parallel (``runtime/zero.py``:
     ``parameters()`` then yields this replica's share); ``scatter_gather``: send 1/tp chunks of replicated activations
     between stages (default: on when tp > 1 and sp is off); ``seed``: dropout seed (Megatron's RNG tracker offsets it per
     tp rank inside sharded regions).
@@ -265,13 +283,22 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     names = dict.fromkeys(n for s in my_stages for n in plan.stage_params(s))
     tp_result = program.extra.get("tensor_parallel")
     specs = tp_result.specs if tp_result is not None else {}
-    deferred = any(program.state[n].is_meta for n in names)
+    deferred = weights is not None or any(program.state[n].is_meta for n in names)
     if deferred:
-        # A meta-device model (fxpipe/init.py): replay its own init rules for this rank's
-        # shards only, in fp32 (the masters under mixed precision), at their local shape.
-        rules = record_init(model, init_fn)
-        full32 = {n: materialize_tensor(rules, n, seed, specs.get(n), groups.tp_rank, torch.float32, device)
-                  for n in names}
+        # This rank's shards only, in fp32 (the masters under mixed precision), at their
+        # local shape: read from a Hugging Face directory (fxpipe/weights.py), else
+        # replayed from the model's own init rules (fxpipe/init.py; a meta-device model).
+        stored = _stored_weights(program, specs, weights) if weights is not None else {}
+        on_meta_names = [n for n in names if n not in stored and program.state[n].is_meta]
+        rules = record_init(model, init_fn) if on_meta_names else None
+        full32 = {}
+        for n in names:
+            if n in stored:
+                full32[n] = stored[n][0].read(stored[n][1], specs.get(n), groups.tp_rank, torch.float32).to(device)
+            elif program.state[n].is_meta:
+                full32[n] = materialize_tensor(rules, n, seed, specs.get(n), groups.tp_rank, torch.float32, device)
+            else:  # a buffer of a materialised model that the directory does not hold
+                full32[n] = shard_state({n: program.state[n]}, specs, groups.tp_rank)[n].float()
         local = {n: t.to(program.state[n].dtype) for n, t in full32.items()}
     else:
         # Each tp rank keeps its shard of every sharded tensor (ShardSpec index ranges).
