@@ -19,6 +19,7 @@ from typing import Mapping
 import torch
 from safetensors import safe_open
 
+from fxpipe.mismatch import raise_if_mismatched
 from fxpipe.passes.tensor_parallel.specs import ShardKind, ShardSpec
 
 INDEX = "model.safetensors.index.json"
@@ -60,16 +61,11 @@ class WeightsDir:
         for name, canonical in names.items():
             if name in self.shapes:
                 source.setdefault(canonical, name)
-        missing = sorted(c for c in required if c not in source)
-        unexpected = sorted(k for k in self.shapes if k not in names)
-        shapes = [f"{c}: file {self.shapes[s]} vs model {tuple(full_shapes[c])}" for c, s in sorted(source.items())
-                  if tuple(self.shapes[s]) != tuple(full_shapes[c])]
-        if missing or unexpected or shapes:
-            def show(xs: list[str]) -> str:
-                return ", ".join(xs[:8]) + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "") if xs else "none"
-            raise ValueError(f"weights {self.directory} do not match the model: missing: {show(missing)}; "
-                             f"unexpected: {show(unexpected)}; shape mismatches: {show(shapes)}. Was it saved "
-                             f"from another model or config?")
+        raise_if_mismatched(
+            f"weights {self.directory} do not match the model",
+            sorted(c for c in required if c not in source), sorted(k for k in self.shapes if k not in names),
+            [f"{c}: file {self.shapes[s]} vs model {tuple(full_shapes[c])}" for c, s in sorted(source.items())
+             if tuple(self.shapes[s]) != tuple(full_shapes[c])])
         return source
 
     def read(self, stored: str, spec: ShardSpec | None, tp_rank: int, dtype: torch.dtype) -> torch.Tensor:

@@ -188,12 +188,12 @@ class ParallelModel:
 def _stored_weights(program, specs: dict, directory) -> dict:
     """Canonical name -> (WeightsDir, stored name) for every parameter, checked against
     the model's names and full shapes first (one error listing every mismatch)."""
+    from fxpipe.mismatch import full_shapes
     from fxpipe.weights import WeightsDir
 
     wd = WeightsDir(directory)
     names = {p.name: p.canonical for p in program.params if p.kind is not ParamKind.CONSTANT}
-    full = {p.canonical: tuple(specs[p.canonical].full_shape) if p.canonical in specs else tuple(p.shape)
-            for p in program.params}
+    full = full_shapes(program, specs)
     required = {p.canonical for p in program.params if p.kind is ParamKind.PARAMETER}
     return {c: (wd, s) for c, s in wd.check(names, full, required).items()}
 

@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from fxpipe.passes.tensor_parallel import ShardSpec
+from fxpipe.mismatch import full_shapes, raise_if_mismatched
 from fxpipe.program import ParamKind, Program
 from fxpipe.runtime.checkpoint_shards import empty_chunks, is_sharded, wrap_state
 from fxpipe.runtime.checkpoint_files import (POINTER_FILE, SafeReader, commit, latest_checkpoint,
@@ -260,19 +261,13 @@ def write_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: 
 def _check_model(program: Program, specs: Mapping[str, ShardSpec], saved: Mapping[str, Any], path: Path) -> None:
     """The checkpoint must hold exactly this model's tensors, by name and full shape
     (after the TP pass ``ParamInfo.shape`` is the local shape: ``full_shape`` from the spec)."""
-    expected = {p.canonical: tuple(specs[p.canonical].full_shape) if p.canonical in specs else tuple(p.shape)
-                for p in program.params if p.kind is not ParamKind.CONSTANT}
+    expected = full_shapes(program, specs)
     found = {k[len("model."):]: tuple(md.size) for k, md in saved.items() if k.startswith("model.")}
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
-    shapes = [f"{n}: checkpoint {found[n]} vs model {expected[n]}"
-              for n in sorted(set(expected) & set(found)) if tuple(found[n]) != tuple(expected[n])]
-    if missing or unexpected or shapes:
-        def show(xs: list[str]) -> str:
-            return ", ".join(xs[:8]) + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "") if xs else "none"
-        raise ValueError(f"checkpoint {path} does not match this model ({program.source}): "
-                         f"missing keys: {show(missing)}; unexpected keys: {show(unexpected)}; "
-                         f"shape mismatches: {show(shapes)}. Was it saved from another model or config?")
+    raise_if_mismatched(
+        f"checkpoint {path} does not match this model ({program.source})",
+        sorted(set(expected) - set(found)), sorted(set(found) - set(expected)),
+        [f"{n}: checkpoint {found[n]} vs model {expected[n]}"
+         for n in sorted(set(expected) & set(found)) if tuple(found[n]) != tuple(expected[n])])
 
 
 def _targets(saved: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
