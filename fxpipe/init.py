@@ -1,8 +1,9 @@
 """Deferred initialisation: a model built on the meta device, materialised shard by shard.
 
 ``record_init(model)`` runs the model's own init scheme — every submodule's
-``reset_parameters()``, then the model's ``_init_weights`` over its modules (the
-Hugging Face and nanoGPT convention), or a user ``init_fn(model)`` — on the *meta*
+``reset_parameters()``, then the model's ``init_weights()`` (Hugging Face's, fxpipe's
+GPT) or else its per-module ``_init_weights`` (nanoGPT's convention), or a user
+``init_fn(model)`` instead — on the *meta*
 model under a dispatch mode that records, for every parameter and buffer, the
 in-place ATen ops applied to it (``normal_``, ``uniform_``, ``fill_``, ``zero_``,
 ``mul_`` ...) with their scalar arguments. Those arguments were computed by the
@@ -71,9 +72,10 @@ def _run_model_init(model: nn.Module, init_fn: Callable[[nn.Module], None] | Non
     for module in model.modules():
         if callable(getattr(module, "reset_parameters", None)):
             module.reset_parameters()
-    init_weights = getattr(model, "_init_weights", None)
-    if callable(init_weights):
-        model.apply(init_weights)
+    if callable(getattr(model, "init_weights", None)):  # the whole scheme (Hugging Face's, ours)
+        model.init_weights()
+    elif callable(getattr(model, "_init_weights", None)):  # a per-module rule (nanoGPT convention)
+        model.apply(model._init_weights)
 
 
 def record_init(model: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> InitRules:

@@ -106,11 +106,15 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying (Press & Wolf 2017)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """The whole init scheme in one method (also what deferred init replays, fxpipe/init.py)."""
         self.apply(self._init_weights)
         # GPT-2 scales the residual projections by 1/sqrt(2l) at init.
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
