@@ -32,8 +32,8 @@ def _fake_checkpoint(root: Path, step: int, suffix: str = "") -> Path:
     path = root / (step_dirname(step) + suffix)
     path.mkdir(parents=True)
     (path / ".metadata").write_bytes(b"")
-    meta = dict(format=2, step=step, extra={}, mesh=dict(pp=1, dp=1, tp=1), state_dict={}, source="M",
-                precision="fp32", loss_scaler=None, files={".metadata": digest(path / ".metadata")})
+    meta = dict(format=2, step=step, extra={}, world_size=1, mesh=dict(pp=1, dp=1, tp=1), state_dict={},
+                source="M", precision="fp32", loss_scaler=None, files={".metadata": digest(path / ".metadata")})
     (path / "fxpipe.json").write_text(json.dumps(meta))
     return path
 
