@@ -55,6 +55,8 @@ def test_partial_and_dangling_checkpoints_are_ignored(tmp_path):
     (["--resume"], "need --checkpoint-dir"),
     (["--save-interval", "2"], "need --checkpoint-dir"),
     (["--checkpoint-dir", "x", "--save-interval", "0"], "--save-interval must be >= 1"),
+    (["--resume-from", "3"], "need --checkpoint-dir"),
+    (["--checkpoint-dir", "x", "--resume-from", "-1"], "--resume-from must be a step >= 0, got -1"),
 ])
 def test_bad_checkpoint_flags_fail_fast(capsys, argv, message):
     assert main(["run", *argv]) == 2
@@ -64,6 +66,9 @@ def test_bad_checkpoint_flags_fail_fast(capsys, argv, message):
 def test_resume_without_checkpoint_fails_fast(capsys, tmp_path):
     assert main(["run", "--checkpoint-dir", str(tmp_path), "--resume"]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
+    _fake_checkpoint(tmp_path, 1)
+    assert main(["run", "--checkpoint-dir", str(tmp_path), "--resume-from", "7"]) == 2
+    assert "no complete checkpoint of step 7" in capsys.readouterr().err
 
 
 # ---- spawned worlds ---------------------------------------------------------------------------
