@@ -55,7 +55,8 @@ def _other_model(tmp: Path, monkeypatch) -> None:
     # gpt-nano's names: 4 layers where gpt-tiny has 2.
     names = {f"transformer.h.{i}.ln_1.weight": f"transformer.h.{i}.ln_1.weight" for i in range(4)}
     names["transformer.wte.weight"] = "transformer.wte.weight"
-    _checkpoint(tmp, monkeypatch, json.dumps(dict(format=1, step=3, source="GPT", state_dict=names, extra={},
+    _checkpoint(tmp, monkeypatch, json.dumps(dict(format=1, step=3, world_size=1, source="GPT", state_dict=names,
+                                                  extra={},
                                                   mesh=dict(pp=1, dp=1, tp=1), precision="fp32",
                                                   loss_scaler=None)))
 

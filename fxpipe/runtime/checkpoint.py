@@ -36,21 +36,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fxpipe.passes.tensor_parallel import ShardSpec
 from fxpipe.mismatch import full_shapes, raise_if_mismatched
 from fxpipe.program import ParamKind, Program
 from fxpipe.runtime.checkpoint_shards import empty_chunks, is_sharded, wrap_state
-from fxpipe.runtime.checkpoint_files import (POINTER_FILE, SafeReader, commit, latest_checkpoint,
-                                             list_checkpoints, prune, remove_debris, resolve, step_dirname,
-                                             temporary, write_atomic)
+from fxpipe.runtime.checkpoint_files import (POINTER_FILE, SafeReader, commit, committed, latest_checkpoint,
+                                             list_checkpoints, prune, read_pointer, remove_debris, resolve,
+                                             step_dirname, temporary, write_atomic)
 from fxpipe.runtime.checkpoint_lock import CheckpointLockError, acquire
-from fxpipe.runtime.checkpoint_manifest import (FORMAT, META_FILE, CorruptCheckpointError, digest, file_names,
-                                                read_manifest, verify)
+from fxpipe.runtime.checkpoint_manifest import (FORMAT, META_FILE, SCALER_FIELDS, CheckpointFallbackWarning,
+                                                CorruptCheckpointError, digest, file_names, read_manifest, verify)
 from fxpipe.runtime.checkpoint_metadata import UnsafeCheckpointError
 
-__all__ = ["export_consolidated", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
-           "save_checkpoint", "state_dict_names", "step_dirname"]
+__all__ = ["CheckpointFallbackWarning", "CorruptCheckpointError", "export_consolidated", "latest_checkpoint",
+           "list_checkpoints", "load_checkpoint", "save_checkpoint", "state_dict_names", "step_dirname"]
 
 
 # ---- what is saved ---------------------------------------------------------------------------
@@ -172,7 +173,7 @@ def _set_rng(loaded: Mapping[str, torch.Tensor], device: torch.device, tp_rng: A
         torch.cuda.set_rng_state(loaded["cuda"], device)
 
 
-_SCALER_FIELDS = ("scale", "good_steps", "skipped")
+_SCALER_FIELDS = SCALER_FIELDS  # checked in the manifest (checkpoint_manifest.py)
 
 
 def _scaler_state(pm: Any) -> dict | None:
@@ -336,25 +337,39 @@ def local_problems(path: Path, share: tuple[int, int] = (0, 1)) -> list[str]:
         meta = read_manifest(path)
         problems = verify(path, meta, file_names(meta)[index::count])
         if index == 0 and not problems:
-            SafeReader(path).read_metadata()
+            md = SafeReader(path).read_metadata()
+            unlisted = sorted({i.relative_path for i in md.storage_data.values()} - set(meta.get("files", ())))
+            if meta["format"] == FORMAT and unlisted:  # data that no digest covers
+                problems.append(f"{path / '.metadata'} refers to {unlisted[:4]}, which {path / META_FILE} "
+                                f"does not list")
         return problems
     except (CorruptCheckpointError, UnsafeCheckpointError, OSError) as exc:
         return [str(exc)]
 
 
-def candidates(directory: str | os.PathLike, step: int | None) -> list[Path]:
-    """What a resume tries, in order: the checkpoint of ``step``; or ``latest`` (else the
-    newest complete one), then older complete ones, newest first."""
+def candidates(directory: str | os.PathLike, step: int | None) -> tuple[list[Path], list[str]]:
+    """What a resume tries, in order, and notes for the warning: the checkpoint of
+    ``step``; or the one ``latest`` names, then every other ``step_N`` directory newest
+    first. Incomplete ones are tried too (they fail at once, without reading any data)
+    so that a resume names what it skipped: a renamed directory is complete unless a
+    file was lost or damaged after the save."""
     root = Path(directory)
-    first = resolve(root, step)
-    return [first] + ([] if step is not None else
-                      [p for _, p in reversed(list_checkpoints(root)) if p != first])
+    if step is not None:
+        return [resolve(root, step)], []
+    found = [p for _, p in reversed(committed(root))]
+    if not found:
+        resolve(root, None)  # raises FileNotFoundError naming the directory
+    target, note = read_pointer(root)
+    first = [target] if target in found else []
+    return first + [p for p in found if p != target], [note] if note else []
 
 
-def pick_intact(paths: list[Path], problems_of: Any, strict: bool) -> tuple[Path, list[str]]:
-    """The first of ``paths`` without problems, and a note per corrupt one skipped; with
-    ``strict`` (an explicit step) a corrupt first choice is an error."""
-    skipped = []
+def pick_intact(paths: list[Path], problems_of: Any, strict: bool,
+                notes: list[str] | tuple[str, ...] = ()) -> tuple[Path, list[str]]:
+    """The first of ``paths`` without problems, and ``notes`` plus a note per damaged
+    one skipped (each naming a file); with ``strict`` (an explicit step) a damaged
+    first choice is an error."""
+    skipped = list(notes)
     for path in paths:
         problems = problems_of(path)
         if not problems:
@@ -371,13 +386,14 @@ def choose_intact(directory: str | os.PathLike, step: int | None) -> tuple[Path,
     file verified once, shared out over the ranks. Takes the directory's lock (this job
     will save there). Collective."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    status: list[Any] = [None, None]
+    status: list[Any] = [None, None, None]
     if rank == 0:
         try:
             acquire(directory)
-            status = [None, [str(p) for p in candidates(directory, step)]]
+            paths, notes = candidates(directory, step)
+            status = [None, [str(p) for p in paths], notes]
         except (CheckpointLockError, FileNotFoundError) as exc:
-            status = [exc, None]
+            status = [exc, None, None]
     dist.broadcast_object_list(status, src=0)  # every rank fails alike, and tries the same paths
     if status[0] is not None:
         raise status[0]
@@ -387,11 +403,24 @@ def choose_intact(directory: str | os.PathLike, step: int | None) -> tuple[Path,
         dist.all_gather_object(gathered, local_problems(path, (rank, world)))
         return sorted({p for part in gathered for p in part})
 
-    path, skipped = pick_intact([Path(p) for p in status[1]], shared_problems, strict=step is not None)
+    path, skipped = pick_intact([Path(p) for p in status[1]], shared_problems, strict=step is not None,
+                                notes=status[2])
     if skipped and rank == 0:
-        warnings.warn(f"resuming from {path.name}: newer checkpoints are corrupt: " + "; ".join(skipped),
+        warnings.warn(f"resuming from {path}, skipping: " + "; ".join(skipped), CheckpointFallbackWarning,
                       stacklevel=3)
     return path, read_manifest(path)
+
+
+def read_dcp(tensors: dict[str, torch.Tensor], path: Path, *, no_dist: bool = False) -> None:
+    """``dcp.load`` from ``path`` with the safe reader. DCP reports a failed read (a
+    file changed after the digests were checked, or a format-1 checkpoint without
+    digests) as ``CheckpointException``, which derives from BaseException, not
+    Exception: turned into a ``CorruptCheckpointError`` naming the checkpoint. The
+    failure is gathered by DCP, so every rank raises it alike."""
+    try:
+        dcp.load(tensors, storage_reader=SafeReader(path), no_dist=no_dist)
+    except CheckpointException as exc:
+        raise CorruptCheckpointError(f"checkpoint {path} could not be read: {str(exc)[:600]}") from None
 
 
 def load_checkpoint(pm: Any, optimizer: torch.optim.Optimizer | None, directory: str | os.PathLike,
@@ -419,8 +448,7 @@ def load_checkpoint(pm: Any, optimizer: torch.optim.Optimizer | None, directory:
     rng = _targets(saved, rng_prefix)
     # Into CPU buffers of the checkpoint's dtypes: this rank's tensor-parallel ranges
     # only (DCP reads the overlapping parts of the saved chunks), full replicated tensors.
-    dcp.load({**{k: t for k, (t, _) in model.items()}, **{k: t for k, (t, _) in optim.items()}, **rng},
-             storage_reader=SafeReader(path))
+    read_dcp({**{k: t for k, (t, _) in model.items()}, **{k: t for k, (t, _) in optim.items()}, **rng}, path)
     with torch.no_grad():
         for name, t in live.items():
             t.copy_(model[f"model.{name}"][1])  # casts (an fp32 checkpoint into bf16 buffers, and back)

@@ -57,19 +57,42 @@ def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def committed(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Every directory named ``step_N`` (renamed, so once complete), oldest first,
+    complete or not: a resume reports the ones it skips."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+
+
+def read_pointer(directory: str | os.PathLike) -> tuple[Path | None, str | None]:
+    """The step directory ``latest`` names, and what is wrong with the pointer (None
+    if it is missing, which a kill before the first pointer write leaves, or usable).
+    The pointer is read from disk: only a bare step directory name is followed (no
+    path components, so it cannot point outside ``directory``)."""
+    root = Path(directory)
+    try:
+        raw = (root / POINTER_FILE).read_bytes()[:256]
+    except (FileNotFoundError, NotADirectoryError):
+        return None, None
+    except OSError as exc:
+        return None, f"{root / POINTER_FILE} is unreadable ({exc})"
+    name = raw.decode("ascii", "replace").strip()
+    if not _STEP_DIR.match(name):
+        return None, f"{root / POINTER_FILE} does not name a step directory ({name[:64]!r})"
+    if not (root / name).is_dir():
+        return None, f"{root / POINTER_FILE} names {name}, which does not exist"
+    return root / name, None
+
+
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     """The checkpoint the ``latest`` pointer names, or the newest complete one if the
     pointer is missing or dangling (a kill between the rename and the pointer update)."""
-    root = Path(directory)
-    try:
-        name = (root / POINTER_FILE).read_bytes()[:256].decode("ascii", "replace").strip()
-    except (FileNotFoundError, NotADirectoryError):
-        name = ""
-    # The pointer is read from disk: only a bare step directory name is followed (no
-    # path components, so it cannot point outside ``directory``).
-    if _STEP_DIR.match(name) and is_complete(root / name):
-        return root / name
-    found = list_checkpoints(root)
+    target, _ = read_pointer(directory)
+    if target is not None and is_complete(target):
+        return target
+    found = list_checkpoints(directory)
     return found[-1][1] if found else None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,17 @@ FORMAT = 2
 META_FILE = "fxpipe.json"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _FILE_NAME = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
+MAX_MANIFEST_BYTES = 64 << 20
+"""A manifest larger than this is refused before parsing (a GPT-3-sized one is ~100 KB)."""
+SCALER_FIELDS = ("scale", "good_steps", "skipped")
 
 
 class CorruptCheckpointError(ValueError):
     """A checkpoint whose files are missing, truncated, altered or malformed."""
+
+
+class CheckpointFallbackWarning(UserWarning):
+    """A resume skipped damaged checkpoints (or an unusable ``latest``) for an older one."""
 
 
 def digest(path: Path, chunk: int = 1 << 22) -> dict[str, Any]:
@@ -39,35 +47,71 @@ def _fail(path: Path, what: str) -> None:
     raise CorruptCheckpointError(f"{path / META_FILE}: {what}")
 
 
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"non-finite number {name}")  # NaN/Infinity: not JSON (RFC 8259), json accepts them
+
+
+def _is_count(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _is_finite(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _scaler_ok(v: Any) -> bool:
+    # fp16's loss scaler (runtime/precision.py), restored field by field on load.
+    return v is None or (isinstance(v, dict) and set(v) == set(SCALER_FIELDS) and _is_finite(v["scale"])
+                         and v["scale"] > 0 and _is_count(v["good_steps"]) and _is_count(v["skipped"]))
+
+
+_CHECKS = {
+    "step": _is_count,
+    "extra": lambda v: isinstance(v, dict),
+    "world_size": lambda v: type(v) is int and v >= 1,
+    "mesh": lambda v: isinstance(v, dict) and set(v) == {"pp", "dp", "tp"}
+    and all(type(x) is int and x >= 1 for x in v.values()),
+    "state_dict": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
+                                                        for k, x in v.items()),
+    "source": lambda v: isinstance(v, str),
+    "precision": lambda v: v in ("fp32", "bf16", "fp16"),
+    "loss_scaler": _scaler_ok,
+}
+_FILES_CHECK = {"files": lambda v: isinstance(v, dict) and ".metadata" in v and all(
+    isinstance(k, str) and _FILE_NAME.match(k) and isinstance(e, dict) and set(e) == {"bytes", "sha256"}
+    and _is_count(e["bytes"]) and isinstance(e["sha256"], str) and _HEX64.match(e["sha256"])
+    for k, e in v.items())}
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
-    """The parsed and type-checked manifest of checkpoint directory ``path``."""
+    """The parsed and type-checked manifest of checkpoint directory ``path``. It is
+    read from disk, so every field is checked before anything uses it (a size cap
+    first; no NaN, no runaway nesting), and the step must be its directory's."""
+    f = path / META_FILE
     try:
-        meta = json.loads((path / META_FILE).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptCheckpointError(f"{path / META_FILE} is not readable JSON ({exc})") from None
+        size = f.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"{f} is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
+        meta = json.loads(f.read_bytes().decode("utf-8"), parse_constant=_refuse_constant)
+    except CorruptCheckpointError:
+        raise
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise CorruptCheckpointError(f"{f} is not readable JSON ({type(exc).__name__}: "
+                                     f"{str(exc)[:200]})") from None
     if not isinstance(meta, dict):
         _fail(path, "is not a JSON object")
     fmt = meta.get("format")
-    if fmt not in (1, FORMAT):
-        _fail(path, f"has format {fmt!r}; this fxpipe reads 1 and {FORMAT}")
-    checks = {"step": lambda v: type(v) is int and v >= 0,
-              "extra": lambda v: isinstance(v, dict),
-              "mesh": lambda v: isinstance(v, dict) and set(v) == {"pp", "dp", "tp"}
-              and all(type(x) is int and x >= 1 for x in v.values()),
-              "state_dict": lambda v: isinstance(v, dict)
-              and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
-              "source": lambda v: isinstance(v, str),
-              "precision": lambda v: v in ("fp32", "bf16", "fp16"),
-              "loss_scaler": lambda v: v is None or (isinstance(v, dict) and all(
-                  isinstance(x, (int, float)) and not isinstance(x, bool) for x in v.values()))}
-    if fmt == FORMAT:
-        checks["files"] = lambda v: isinstance(v, dict) and ".metadata" in v and all(
-            isinstance(k, str) and _FILE_NAME.match(k) and isinstance(e, dict)
-            and type(e.get("bytes")) is int and e["bytes"] >= 0
-            and isinstance(e.get("sha256"), str) and _HEX64.match(e["sha256"]) for k, e in v.items())
+    if type(fmt) is not int or fmt not in (1, FORMAT):
+        _fail(path, f"has format {str(fmt)[:32]!r}; this fxpipe reads 1 and {FORMAT}")
+    checks = {**_CHECKS, **(_FILES_CHECK if fmt == FORMAT else {})}
     for key, ok in checks.items():
         if key not in meta or not ok(meta[key]):
             _fail(path, f"field {key!r} is missing or malformed")
+    if meta["mesh"]["pp"] * meta["mesh"]["dp"] * meta["mesh"]["tp"] != meta["world_size"]:
+        _fail(path, f"mesh {meta['mesh']} does not multiply to its world size {meta['world_size']}")
+    named = re.match(r"^step_(\d+)$", path.name)
+    if named and int(named.group(1)) != meta["step"]:
+        _fail(path, f"says step {meta['step']}, but it is in {path.name}")
     return meta
 
 

@@ -45,7 +45,8 @@ MAX_SHARD_BYTES = 5 * 2**30
 def _quiet_load(tensors: dict[str, torch.Tensor], path: Path) -> None:
     with warnings.catch_warnings():  # DCP notes that it loads without a process group: intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, storage_reader=SafeReader(path), no_dist=True)
+        from fxpipe.runtime.checkpoint import read_dcp
+        read_dcp(tensors, path, no_dist=True)
 
 
 class _Source:

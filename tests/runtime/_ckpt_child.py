@@ -4,6 +4,9 @@ state dict (no model: cheap to start), for the fault tests. Usage:
     python -m tests.runtime._ckpt_child hold DIR          save step 1, print HELD, sleep
     python -m tests.runtime._ckpt_child save DIR STEP...  save those steps, print OK / the error
     python -m tests.runtime._ckpt_child loop DIR          save steps n+1, n+2, ... (keep_last=2) forever
+    python -m tests.runtime._ckpt_child choose DIR latest|STEP...
+                                                          what a resume (of the newest / of STEP) picks:
+                                                          CHOSE <dir> / WARN <category>: ... / ERROR ...
 """
 from __future__ import annotations
 
@@ -41,6 +44,20 @@ def main(mode: str, directory: str, *steps: str) -> None:
             print("OK", flush=True)
         except Exception as exc:
             print(f"ERROR {type(exc).__name__}: {exc}", flush=True)
+    elif mode == "choose":  # the collective choice load_checkpoint makes, warnings included
+        import warnings
+
+        from fxpipe.runtime.checkpoint import choose_intact
+        for which in steps:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    path, _ = choose_intact(directory, None if which == "latest" else int(which))
+                    print(f"CHOSE {path.name}", flush=True)
+                except Exception as exc:
+                    print(f"ERROR {type(exc).__name__}: {exc}", flush=True)
+            for w in caught:
+                print(f"WARN {w.category.__name__}: {w.message}", flush=True)
     elif mode == "loop":  # continues after the newest checkpoint, as a resumed job would
         from fxpipe.runtime.checkpoint_files import list_checkpoints
         step = max((s for s, _ in list_checkpoints(directory)), default=0) + 1

@@ -32,8 +32,8 @@ def _fake_checkpoint(root: Path, step: int, suffix: str = "") -> Path:
     path = root / (step_dirname(step) + suffix)
     path.mkdir(parents=True)
     (path / ".metadata").write_bytes(b"")
-    meta = dict(format=2, step=step, extra={}, mesh=dict(pp=1, dp=1, tp=1), state_dict={}, source="M",
-                precision="fp32", loss_scaler=None, files={".metadata": digest(path / ".metadata")})
+    meta = dict(format=2, step=step, extra={}, world_size=1, mesh=dict(pp=1, dp=1, tp=1), state_dict={},
+                source="M", precision="fp32", loss_scaler=None, files={".metadata": digest(path / ".metadata")})
     (path / "fxpipe.json").write_text(json.dumps(meta))
     return path
 
@@ -55,6 +55,8 @@ def test_partial_and_dangling_checkpoints_are_ignored(tmp_path):
     (["--resume"], "need --checkpoint-dir"),
     (["--save-interval", "2"], "need --checkpoint-dir"),
     (["--checkpoint-dir", "x", "--save-interval", "0"], "--save-interval must be >= 1"),
+    (["--resume-from", "3"], "need --checkpoint-dir"),
+    (["--checkpoint-dir", "x", "--resume-from", "-1"], "--resume-from must be a step >= 0, got -1"),
 ])
 def test_bad_checkpoint_flags_fail_fast(capsys, argv, message):
     assert main(["run", *argv]) == 2
@@ -64,6 +66,9 @@ def test_bad_checkpoint_flags_fail_fast(capsys, argv, message):
 def test_resume_without_checkpoint_fails_fast(capsys, tmp_path):
     assert main(["run", "--checkpoint-dir", str(tmp_path), "--resume"]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
+    _fake_checkpoint(tmp_path, 1)
+    assert main(["run", "--checkpoint-dir", str(tmp_path), "--resume-from", "7"]) == 2
+    assert "no complete checkpoint of step 7" in capsys.readouterr().err
 
 
 # ---- spawned worlds ---------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def ckpt(tmp_path: Path) -> Path:
     # Format 1 (no digests), so that a crafted index reaches the unpickler: with format 2
     # a changed .metadata is refused earlier, by its digest.
     (path / "fxpipe.json").write_text(json.dumps(dict(
-        format=1, step=3, extra={}, mesh=dict(pp=1, dp=1, tp=1), state_dict={"w": "w", "b": "b"},
+        format=1, step=3, extra={}, world_size=1, mesh=dict(pp=1, dp=1, tp=1), state_dict={"w": "w", "b": "b"},
         source="M", precision="fp32", loss_scaler=None)))
     return path
 
