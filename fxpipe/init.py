@@ -172,7 +172,27 @@ def _row_block(shape: tuple[int, ...]) -> tuple[int, int]:
     return rows, -(-shape[0] // rows) if shape[0] else 0
 
 
-def _block_values(rules: InitRules, name: str, seed: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+def _view_values(rules: InitRules, name: str, seed: int, dtype: torch.dtype) -> dict[int, tuple]:
+    """For each op applied through a view: the flat positions it covers and the values
+    it writes (random ops: drawn once for the whole view, from the view's own stream).
+    Computed once per tensor, not per block: O(view size)."""
+    out = {}
+    for i, op in enumerate(rules.ops[name]):
+        if op.view is None:
+            continue
+        offset, vshape, vstride = op.view
+        positions = torch.full((), offset, dtype=torch.long)
+        for size, stride in zip(vshape, vstride):
+            positions = positions.unsqueeze(-1) + torch.arange(size) * stride
+        values = torch.zeros(positions.numel(), dtype=dtype)
+        if op.op in _RANDOM or op.op in ("fill_", "zero_"):
+            _apply(values, op, _generator(seed, name, f"view/{i}"))
+        out[i] = (positions.reshape(-1), values)
+    return out
+
+
+def _block_values(rules: InitRules, name: str, seed: int, b: int, dtype: torch.dtype,
+                  views: dict[int, tuple]) -> torch.Tensor:
     """Block ``b`` of tensor ``name`` (rows [b·r, (b+1)·r) of dim 0), fully replayed."""
     shape = rules.shapes[name]
     rows, _ = _row_block(shape)
@@ -189,19 +209,15 @@ def _block_values(rules: InitRules, name: str, seed: int, b: int, dtype: torch.d
         if op.view is None:
             _apply(out, op, _generator(seed, name, f"{b}/{i}"))
             continue
-        # An op on a view: the flat positions it covers that fall in this block.
-        offset, vshape, vstride = op.view
-        flat = torch.arange(max(1, int(torch.tensor(shape).prod().item()) if shape else 1))
-        covered = flat.as_strided(vshape, vstride, offset).reshape(-1)
-        values = torch.zeros(covered.numel(), dtype=dtype)
-        _apply(values, op, _generator(seed, name, f"view/{i}"))
+        covered, values = views[i]  # an op on a view: the positions of it in this block
         inside = (covered >= lo * row_numel) & (covered < hi * row_numel)
+        at = covered[inside] - lo * row_numel
         if op.op in _RANDOM or op.op in ("fill_", "zero_"):
-            out.view(-1)[covered[inside] - lo * row_numel] = values[inside]
+            out.view(-1)[at] = values[inside]
         else:  # arithmetic on the current values
-            sel = out.view(-1)[covered[inside] - lo * row_numel]
+            sel = out.view(-1)[at]
             _apply(sel, op, None)
-            out.view(-1)[covered[inside] - lo * row_numel] = sel
+            out.view(-1)[at] = sel
     return out
 
 
@@ -213,29 +229,29 @@ def materialize_tensor(rules: InitRules, name: str, seed: int, spec: ShardSpec |
     if name in rules.computed:
         return rules.computed[name].to(device=device, dtype=dtype)
     shape = rules.shapes[name]
-    _, blocks = _row_block(shape)
-    rows, _ = _row_block(shape)
+    rows, blocks = _row_block(shape)
+    views = _view_values(rules, name, seed, dtype)
     split = spec is not None and spec.kind is not ShardKind.REPLICATED
     if not split:
         if not shape:
-            return _block_values(rules, name, seed, 0, dtype).to(device)
+            return _block_values(rules, name, seed, 0, dtype, views).to(device)
         out = torch.empty(shape, dtype=dtype, device=device)
         for b in range(blocks):
-            out[b * rows:(b + 1) * rows] = _block_values(rules, name, seed, b, dtype)
+            out[b * rows:(b + 1) * rows] = _block_values(rules, name, seed, b, dtype, views)
         return out
     out = torch.zeros(spec.local_shape, dtype=dtype, device=device)
     if spec.dim == 0:
         pos = 0
         for a, z in spec.ranges[tp_rank]:  # only the blocks these rows fall in
             for b in range(a // rows, -(-z // rows)):
-                vals = _block_values(rules, name, seed, b, dtype)
+                vals = _block_values(rules, name, seed, b, dtype, views)
                 lo, hi = max(a, b * rows), min(z, (b + 1) * rows)
                 out[pos:pos + hi - lo] = vals[lo - b * rows:hi - b * rows]
                 pos += hi - lo
         return out
     index = torch.tensor(spec.indices(tp_rank), dtype=torch.long)
     for b in range(blocks):  # every row, keeping this rank's indices of dim `spec.dim`
-        vals = _block_values(rules, name, seed, b, dtype)
+        vals = _block_values(rules, name, seed, b, dtype, views)
         out[b * rows:(b + 1) * rows].narrow(spec.dim, 0, index.numel()).copy_(
             vals.index_select(spec.dim, index))
     return out

@@ -92,11 +92,3 @@ class ZeroPartition:
             if rank != self.groups.dp_rank:
                 for t, new in zip(parts, _unflatten_dense_tensors(flat, parts)):
                     t.copy_(new)
-
-    def shares(self, sizes: Mapping[str, int]) -> list[int]:
-        """Elements owned by each data-parallel rank."""
-        out = [0] * self.groups.mesh.dp
-        for name, n in sizes.items():
-            out[self.owner[name]] += n
-        return out
-
