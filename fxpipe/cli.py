@@ -61,6 +61,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     workload = build_workload(args.model, batch=args.batch, seq=args.seq, device=device,
                               layers=args.layers)
     program = capture(workload.model, workload.example_inputs, workload.loss_fn)
+    args._example = workload.example_inputs if device != "meta" else None
     captured = time.perf_counter() - start
     from fxpipe.passes.tensor_parallel import TPConfig, render_sharding_report
 
@@ -80,6 +81,29 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _measured_config(program, config, sched, args: argparse.Namespace):
+    """The partition config with costs measured in this process (or read from a profile)."""
+    import torch
+
+    from fxpipe.costs import apply_profile, measured_profile
+    from fxpipe.costs.profile import device_name
+
+    if args.tp > 1 and args.costs == "measure":
+        raise ValueError("--costs measure times the graph with its tensor-parallel collectives, which "
+                         "needs the tp ranks: measure with `fxpipe run --costs measure` (it caches the "
+                         "profile) and pass the file, or use --costs model here")
+    if any(t.is_meta for t in program.state.values()) and args.costs == "measure":
+        raise ValueError(f"--costs measure runs the model, but {args.model} was built on the meta device "
+                         f"(no weights); add --device cpu (needs the memory) or use --costs model")
+    device = torch.device("cpu")
+    state_for = lambda names: {n: program.state[n].detach().clone().requires_grad_(  # noqa: E731
+        program.state[n].requires_grad) for n in names}
+    profile, probe, fine = measured_profile(program, config, args.costs, device=device, state_for=state_for,
+                                            batch=args._example)
+    measured = apply_profile(config, profile, probe, fine, sched.splits_backward)
+    return measured, f"measured: {device_name(device)}"
+
+
 def _print_partition(program, args: argparse.Namespace) -> None:
     import json
 
@@ -97,11 +121,14 @@ def _print_partition(program, args: argparse.Namespace) -> None:
                              inflight=stage_inflight(sched), method=args.partition,
                              memory_limit_bytes=limit, hardware=hw, time_limit_s=args.time_limit,
                              allow_over_limit=args.allow_over_limit)
+    hw_name = hw.name
+    if args.costs != "model":
+        config, hw_name = _measured_config(program, config, sched, args)
     assignment, result = solve_partition(program, config)
     print()
     print(f"pipeline     pp={args.pp} chunks={chunks} schedule={args.schedule} "
           f"microbatches={args.microbatches}")
-    print(stage_table(program, assignment, result, hw.name))
+    print(stage_table(program, assignment, result, hw_name))
     if args.tp > 1:
         print(_inter_stage_bytes(program, assignment, sched.num_stages, args))
     if args.json:
@@ -142,7 +169,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                          chunks=args.chunks, microbatches=args.microbatches,
                          micro_batch_size=args.micro_batch_size, global_batch=args.global_batch,
                          seq=args.seq, steps=args.steps, lr=args.lr, seed=args.seed,
-                         log_interval=args.log_interval, partition=args.partition,
+                         log_interval=args.log_interval, partition=args.partition, costs=args.costs,
                          timeline=None if args.timeline == "none" else args.timeline,
                          timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
                          save_interval=args.save_interval, resume=args.resume, resume_from=args.resume_from,
@@ -187,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print a uniform/params plan that exceeds --memory-limit instead of "
                         "refusing it (to compare methods)")
     p.add_argument("--hardware", default="cpu", help="cost model preset: cpu, a100 (default: %(default)s)")
+    p.add_argument("--costs", default="model", metavar="model|measure|PATH",
+                   help="what the partition balances: the --hardware model's estimate, times measured "
+                        "on this machine (cached), or a saved cost profile (default: %(default)s)")
     p.add_argument("--time-limit", type=positive_float, default=10.0, help="ILP time limit, s (default: %(default)s)")
     p.add_argument("--json", metavar="FILE", help="write the stage table as JSON")
     p.set_defaults(fn=_cmd_compile)
@@ -214,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="model init and data seed (default: %(default)s)")
     p.add_argument("--log-interval", type=int, default=10, help="steps between log lines (default: %(default)s)")
     p.add_argument("--partition", default="ilp", help="ilp, uniform, params, dp (default: %(default)s)")
+    p.add_argument("--costs", default="measure", metavar="measure|model|PATH",
+                   help="what the partition balances: forward/backward times of the graph measured "
+                        "on the workers before training (cached on disk), the CPU cost model, or a "
+                        "saved cost profile (default: %(default)s)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="fp32; bf16; fp16 with dynamic loss scaling (16-bit modes keep fp32 master "
                         "weights) (default: %(default)s)")

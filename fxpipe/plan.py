@@ -29,6 +29,11 @@ class StageValue:
     tp_replicated: bool = False
     """Value and gradient identical on every tensor-parallel rank: scatter-gather may
     send each rank's 1/t chunk and all-gather on arrival (SC21 §4.1)."""
+    stride: tuple[int, ...] | None = None
+    """The producer's strides when they are not row-major (a transposed attention
+    output, a slice of a fused QKV projection); None for contiguous values. The consumer's graph may rely
+    on it — export drops a ``contiguous()`` that was a no-op at capture, so a ``view``
+    can follow a ``transpose`` — so the receiver restores it."""
 
     @property
     def nbytes(self) -> int:

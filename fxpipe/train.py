@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpipe.runtime.balance import BalanceMeter, balance, balance_table
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -66,6 +68,8 @@ class TrainConfig:
     """Resume from the checkpoint of this step (implies ``resume``); an error if it is corrupt."""
     export: str | None = None
     """Write one consolidated state_dict under the model's own names here when the run completes."""
+    costs: str = "measure"
+    """What the partitioner balances: measure (time the graph here first, cached), model, or a profile path."""
     keep_checkpoints: int = 3
     """Newest checkpoints kept in checkpoint_dir; older ones are deleted after each save."""
 
@@ -136,7 +140,7 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
                      example_inputs=first, loss_fn=w.loss_fn, partition=config.partition,
                      timeout_s=config.timeout_s, sp=config.sp, precision=config.precision,
                      recompute=config.recompute, seed=config.seed,
-                     zero=config.zero, weights=config.init_from)
+                     zero=config.zero, weights=config.init_from, costs=config.costs)
     rank = dist.get_rank()
     opt = torch.optim.AdamW(pm.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / config.warmup))
@@ -158,6 +162,7 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
               f"{config.microbatches} microbatches × {config.micro_batch_size} × {config.seq} tokens, "
               f"{config.steps} steps", flush=True)
     times, losses, bubbles = [], [], []
+    meter = BalanceMeter()
     t_start = time.perf_counter()
     stop = stop if stop is not None else _StopSignal()
     stop.install()
@@ -174,6 +179,8 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
         t1 = time.perf_counter()
         if not torch.isfinite(torch.tensor(loss)):
             raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or check the data")
+        if step > start_step or config.steps - start_step == 1:  # the first step warms up
+            meter.add(pm.last_stats.events)
         bubble = torch.tensor([_bubble(pm.last_stats.events, t0, t1)], dtype=torch.float64)
         dist.all_reduce(bubble)
         times.append(t1 - t0)
@@ -212,8 +219,9 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
         if rank == 0:
             print(f"the checkpoint is at step {start_step} >= --steps {config.steps}: nothing to train", flush=True)
         return dict(steps_done=start_step)
-    _write_timeline(pm, config)
-    summary = dict(first_loss=losses[0], final_loss=losses[-1], median_ms=statistics.median(times) * 1e3,
+    imbalance = _report_balance(pm, meter)
+    _write_timeline(pm, config, imbalance)
+    summary = dict(imbalance=imbalance, first_loss=losses[0], final_loss=losses[-1], median_ms=statistics.median(times) * 1e3,
                    tokens_per_s=tokens_per_step / statistics.median(times),
                    tflops_per_process=flops_per_step / statistics.median(times) / dist.get_world_size() / 1e12,
                    bubble=statistics.median(bubbles), wall_s=time.perf_counter() - t_start)
@@ -221,7 +229,7 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
         print(f"done: loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} in {config.steps} steps, "
               f"{summary['wall_s']:.1f} s; median {summary['median_ms']:.1f} ms/iter, "
               f"{summary['tokens_per_s']:.0f} tokens/s, {summary['tflops_per_process']:.3g} TFLOP/s/process, "
-              f"bubble {summary['bubble']:.1%}", flush=True)
+              f"bubble {summary['bubble']:.1%}, stage imbalance {imbalance:.3f}", flush=True)
     return summary
 
 
@@ -285,7 +293,17 @@ def _recomputed_flops(pm: Any) -> int:
     return total * pm.groups.mesh.tp
 
 
-def _write_timeline(pm: Any, config: TrainConfig) -> None:
+def _report_balance(pm: Any, meter: "BalanceMeter") -> float:
+    """Per-stage predicted vs measured F/B (rank 0 prints); the measured imbalance."""
+    summaries = [None] * pm.groups.mesh.pp
+    dist.all_gather_object(summaries, meter.summary(), group=pm.groups.pp_group)
+    rows, imbalance = balance(pm.partition, summaries) if pm.partition is not None else ([], 1.0)
+    if dist.get_rank() == 0 and rows:
+        print(balance_table(rows, imbalance), flush=True)
+    return imbalance
+
+
+def _write_timeline(pm: Any, config: TrainConfig, imbalance: float = 1.0) -> None:
     """Gather the last step's per-action times from every pipeline rank; rank 0 draws them."""
     if config.timeline is None:
         return
@@ -301,7 +319,8 @@ def _write_timeline(pm: Any, config: TrainConfig) -> None:
     per_rank = [[(a, (s - t0) * 1e3, (e - t0) * 1e3) for a, s, e in rank if a.kind.is_compute]
                 for rank in events]
     timeline = Timeline.from_events(per_rank, unit="ms", num_chunks=pm.schedule.num_chunks,
-                                    title=f"measured {config.schedule} p={config.pp} m={config.microbatches}")
+                                    title=f"measured {config.schedule} p={config.pp} m={config.microbatches}, "
+                                          f"stage imbalance {imbalance:.2f}")
     render_trace(timeline, config.timeline + ".json")
     render_gantt(timeline, config.timeline + ".png")
     print(f"timeline of the last step: {config.timeline}.json (Perfetto), {config.timeline}.png", flush=True)

@@ -8,6 +8,7 @@ method (CP-SAT ILP by default) and writes ``Program.stages``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import networkx as nx
 
@@ -42,6 +43,11 @@ class PartitionConfig:
     """Return a plan over ``memory_limit_bytes`` instead of raising (uniform, params and dp
     may produce one: the first two ignore memory, dp falls back to the memory-blind
     optimum); for comparison tables. The ILP always honours the limit or raises."""
+    node_times: Mapping[Any, tuple[float, float]] | None = None
+    """Measured (fwd, bwd) seconds per fine node (``fxpipe.costs``); None: the hardware
+    model's estimate from FLOPs and bytes."""
+    link: tuple[float, float] | None = None
+    """Measured (latency s, bandwidth B/s) between pipeline ranks; None: the hardware's."""
     max_groups: int = 256
     time_limit_s: float = 10.0
     seed: int = 0
@@ -92,7 +98,9 @@ def build_problem_graph(program: Program, config: PartitionConfig) -> nx.DiGraph
         # Parameter *count* once per tensor (the DeepSpeed baseline balances counts).
         count = sum(p.numel for p in read if p.canonical not in counted)
         counted.update(p.canonical for p in read)
-        g.add_node(node.name, fwd=hw.forward_s(cost), bwd=hw.backward_s(cost),
+        fwd, bwd = (config.node_times[node.name] if config.node_times is not None
+                    else (hw.forward_s(cost), hw.backward_s(cost)))
+        g.add_node(node.name, fwd=fwd, bwd=bwd,
                    static_bytes=static,
                    act_bytes=0 if node.target in VIEW_OPS else cost.out_bytes * config.activation_scale,
                    out_bytes=cost.out_bytes, params=count,
@@ -112,8 +120,8 @@ def solve_partition(program: Program, config: PartitionConfig) -> tuple[dict[str
     problem = PartitionProblem(graph=coarse.graph, num_stages=config.num_stages,
                                stage_to_rank=config.stage_to_rank, inflight=config.inflight,
                                memory_limit_bytes=config.memory_limit_bytes,
-                               bandwidth_bytes_per_s=config.hardware.p2p_bw,
-                               latency_s=config.hardware.p2p_latency)
+                               bandwidth_bytes_per_s=config.link[1] if config.link else config.hardware.p2p_bw,
+                               latency_s=config.link[0] if config.link else config.hardware.p2p_latency)
     options = {}
     if Method(config.method) is Method.ILP:
         options = dict(time_limit_s=config.time_limit_s, seed=config.seed,

@@ -41,6 +41,18 @@ def side_values(program: Program) -> set[str]:
     return free
 
 
+def _layout(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides of a non-row-major value (None if contiguous, or broadcast: a stride
+    of 0 cannot be written into). Ops such as attention give outputs in their inputs'
+    layout, and a later ``view`` in the graph may rely on it, so slices of a fused
+    projection keep their gaps too."""
+    if t.is_contiguous() or t.numel() <= 1:
+        return None
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        return None
+    return tuple(t.stride())
+
+
 def normalize_assignment(program: Program, assignment: Mapping[str, int]) -> dict[str, int]:
     """Move tuple projections next to their producer; check stages are ordered."""
     stage = dict(assignment)
@@ -102,7 +114,8 @@ def split_pass(program: Program, assignment: Mapping[str, int] | None = None,
         values[name] = StageValue(name=name, producer=assignment[name], consumers=tuple(sorted(cons)),
                                   spec=TensorSpec(tuple(t.shape), t.dtype),
                                   requires_grad=bool(t.requires_grad) or t.dtype.is_floating_point,
-                                  tp_replicated=bool(node.meta.get("fxpipe_tp_replicated", False)))
+                                  tp_replicated=bool(node.meta.get("fxpipe_tp_replicated", False)),
+                                  stride=_layout(t))
 
     stages = []
     param_stages: dict[str, list[int]] = {}

@@ -19,6 +19,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxpipe.capture import capture
+from fxpipe.costs import apply_profile, measured_profile, parse_costs
+from fxpipe.partition import Method
 from fxpipe.init import materialize_tensor, record_init
 from fxpipe.program import ParamKind
 from fxpipe.passes import canonicalize_pass, cost_pass, run_passes, total_cost
@@ -82,6 +84,8 @@ class ParallelModel:
         self.token_inputs: tuple[TokenInput, ...] = ()
         """Batch inputs that are token ids, with their vocabulary (``fxpipe/vocab.py``)."""
         self.zero: ZeroPartition | None = grad_sync.zero
+        self.partition = None
+        """The partitioner's result (``PartitionResult``): per-stage predicted times and memory."""
         """ZeRO-1: which data-parallel replica owns (steps) each trainable tensor."""
 
     # ---- parameters ----------------------------------------------------------------------
@@ -207,7 +211,7 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
                 recompute: str = "none", sp: bool = False, seed: int = 0,
                 scatter_gather: bool | None = None,
                 zero: int = 0, init_fn: Callable[[nn.Module], None] | None = None,
-                weights: str | os.PathLike | None = None,
+                weights: str | os.PathLike | None = None, costs: str = "measure",
                 timeout_s: float = 60.0, device: torch.device | None = None) -> ParallelModel:
     """Compile ``model`` for tensor × pipeline × data parallelism on this rank.
 
@@ -224,7 +228,10 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     (``fxpipe/init.py``, ``init_fn`` to override; ``seed`` seeds it); ``zero=1``: ZeRO stage 1 over data parallel (``runtime/zero.py``:
     ``parameters()`` then yields this replica's share); ``scatter_gather``: send 1/tp chunks of replicated activations
     between stages (default: on when tp > 1 and sp is off); ``seed``: dropout seed (Megatron's RNG tracker offsets it per
-    tp rank inside sharded regions).
+    tp rank inside sharded regions). ``costs``: what the partitioner balances —
+    ``"measure"`` (default: the graph's groups timed on the ranks' devices before
+    partitioning, cached on disk; ``fxpipe/costs``), ``"model"`` (the CPU preset's
+    FLOP/byte estimate) or the path of a saved cost profile.
     """
     prec = Precision.parse(precision)
     timeout = timedelta(seconds=timeout_s)
@@ -266,11 +273,52 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
                              inflight=stage_inflight(sched), method=partition,
                              memory_limit_bytes=None if memory_limit_gb is None
                              else int(memory_limit_gb * 2**30))
+    tp_result = program.extra.get("tensor_parallel")
+    specs = tp_result.specs if tp_result is not None else {}
+    built: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    rules: list = []
+
+    def local_tensors(names) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """This rank's shard of each parameter/buffer in ``names`` at its local shape, on
+        ``device``, and its fp32 copy where one was built (the masters under mixed
+        precision): read from a Hugging Face directory (fxpipe/weights.py), replayed from
+        the model's own init rules (fxpipe/init.py; a meta-device model), or sliced from
+        the captured state (ShardSpec index ranges). Built once per name."""
+        todo = [n for n in names if n not in built]
+        stored = _stored_weights(program, specs, weights) if weights is not None and todo else {}
+        if not rules and any(n not in stored and program.state[n].is_meta for n in todo):
+            rules.append(record_init(model, init_fn))
+        for n in todo:
+            f32 = None
+            if n in stored:
+                f32 = stored[n][0].read(stored[n][1], specs.get(n), groups.tp_rank, torch.float32).to(device)
+            elif program.state[n].is_meta:
+                f32 = materialize_tensor(rules[0], n, seed, specs.get(n), groups.tp_rank, torch.float32, device)
+            elif weights is not None:  # a buffer of a materialised model that the directory does not hold
+                f32 = shard_state({n: program.state[n]}, specs, groups.tp_rank)[n].float()
+            t = f32.to(program.state[n].dtype) if f32 is not None else \
+                shard_state({n: program.state[n]}, specs, groups.tp_rank)[n]
+            built[n] = (t.detach().to(device).clone().requires_grad_(program.state[n].requires_grad), f32)
+        return {n: built[n] for n in names}
+
+    tp_group = ProcessGroupTP(groups.tp_group)
+    rng = DropoutRNG(seed, groups.tp_rank)
+    context = (lambda: tp_group_context(tp_group, rng)) if tp > 1 else contextlib.nullcontext
+    source = parse_costs(costs)
+    if source != "model" and sched.num_stages > 1 and Method(partition) in (Method.ILP, Method.DP):
+        # Balance measured times (fxpipe/costs): each rank times a share of the graph.
+        first_mb = tuple(t[:mb_rows].to(device) for t in example)
+        profile, probe, fine = measured_profile(
+            program, config, source, device=device, batch=first_mb, mesh=mesh, groups=groups,
+            context=context, state_for=lambda names: {n: t for n, (t, _) in local_tensors(names).items()})
+        config = apply_profile(config, profile, probe, fine, sched.splits_backward)
     # Rank 0 solves and everyone takes its answer: a time-limited solver need not
     # return the same assignment on every rank, and ranks must agree exactly.
-    box = [dict(partition_pass(program, config).stages) if dist.get_rank() == 0 else None]
+    result = partition_pass(program, config) if dist.get_rank() == 0 else None
+    box = [(dict(result.stages), result.extra["partition"]) if result is not None else None]
     dist.broadcast_object_list(box, src=0)
-    plan = split_pass(program, box[0], num_stages=sched.num_stages)
+    assignment, partition_result = box[0]
+    plan = split_pass(program, assignment, num_stages=sched.num_stages)
     mode = RecomputeMode.parse(recompute)
     if mode is not RecomputeMode.NONE:
         # Per stage, after the split: a layer cut across two stages is recomputed piecewise.
@@ -281,30 +329,12 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
 
     my_stages = sched.stages_of_rank(groups.pp_rank)
     names = dict.fromkeys(n for s in my_stages for n in plan.stage_params(s))
-    tp_result = program.extra.get("tensor_parallel")
-    specs = tp_result.specs if tp_result is not None else {}
     deferred = weights is not None or any(program.state[n].is_meta for n in names)
-    if deferred:
-        # This rank's shards only, in fp32 (the masters under mixed precision), at their
-        # local shape: read from a Hugging Face directory (fxpipe/weights.py), else
-        # replayed from the model's own init rules (fxpipe/init.py; a meta-device model).
-        stored = _stored_weights(program, specs, weights) if weights is not None else {}
-        on_meta_names = [n for n in names if n not in stored and program.state[n].is_meta]
-        rules = record_init(model, init_fn) if on_meta_names else None
-        full32 = {}
-        for n in names:
-            if n in stored:
-                full32[n] = stored[n][0].read(stored[n][1], specs.get(n), groups.tp_rank, torch.float32).to(device)
-            elif program.state[n].is_meta:
-                full32[n] = materialize_tensor(rules, n, seed, specs.get(n), groups.tp_rank, torch.float32, device)
-            else:  # a buffer of a materialised model that the directory does not hold
-                full32[n] = shard_state({n: program.state[n]}, specs, groups.tp_rank)[n].float()
-        local = {n: t.to(program.state[n].dtype) for n, t in full32.items()}
-    else:
-        # Each tp rank keeps its shard of every sharded tensor (ShardSpec index ranges).
-        local = shard_state({n: program.state[n] for n in names}, specs, groups.tp_rank)
-    state = {n: t.detach().to(device).clone().requires_grad_(program.state[n].requires_grad)
-             for n, t in local.items()}
+    mine = local_tensors(names)
+    state = {n: t for n, (t, _) in mine.items()}
+    for t in state.values():
+        t.grad = None
+    built.clear()  # tensors timed by the cost profile and not needed here are dropped
     # The shards are taken: the plan keeps parameter shapes only (meta), so no full copy
     # of the model stays alive in this process (buffers and constants are small).
     kinds = {p.canonical: p.kind for p in program.params}
@@ -318,16 +348,14 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     if prec is not Precision.FP32:
         owned = [n for n, t in state.items() if t.requires_grad and (partition is None or partition.owns(n))]
         if deferred:
-            shards32 = {n: full32[n] for n in owned}
+            shards32 = {n: mine[n][1] if mine[n][1] is not None else
+                        shard_state({n: program.state[n]}, specs, groups.tp_rank)[n].float() for n in owned}
         else:
             originals = dict(model.named_parameters())
             shards32 = shard_state({n: originals[n].detach().float() for n in owned}, specs, groups.tp_rank)
         masters = {n: t.to(device).clone().requires_grad_(True) for n, t in shards32.items()}
         master = MasterWeights(prec, state, masters,
                                LossScaler(**(loss_scaler or {})) if prec is Precision.FP16 else None)
-    tp_group = ProcessGroupTP(groups.tp_group)
-    rng = DropoutRNG(seed, groups.tp_rank)
-    context = (lambda: tp_group_context(tp_group, rng)) if tp > 1 else contextlib.nullcontext
     runners = {s: StageRunner(plan, plan.stages[s], state, loss_scale=1.0 / microbatches, context=context)
                for s in my_stages}
     value_ids = {n: i for i, n in enumerate(sorted(plan.values))}
@@ -341,6 +369,7 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     pm = ParallelModel(plan, lowered, groups, state, executor, grad_sync, microbatches, device, master,
                        specs)
     pm.model_stats = stats
+    pm.partition = partition_result
     pm.token_inputs = tokens
     pm.tp_rng = rng  # the TP dropout streams (Megatron's RNG tracker), e.g. for checkpoints
     return pm

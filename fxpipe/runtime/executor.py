@@ -159,6 +159,6 @@ class PipelineExecutor:
         out: dict[str, torch.Tensor] = {}
         for work, name, buf in self.posted.pop(key, []):
             self.transport.wait(work)
-            full = self.transport.finish(self.plan.values[name], buf)
+            full = self.transport.finish(self.plan.values[name], buf, backward=key[0] is K.RECV_B)
             out[name] = out[name] + full if name in out else full
         return out

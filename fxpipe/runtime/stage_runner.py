@@ -18,13 +18,14 @@ from typing import Callable, ContextManager, Mapping, Sequence
 import torch
 
 from fxpipe.plan import PipelinePlan, Stage
+from fxpipe.runtime.backward_split import BackwardSplit
 
 
 @dataclass
 class _Saved:
     inputs: dict[str, torch.Tensor]
     outputs: tuple[torch.Tensor, ...]
-    grad_outputs: tuple[torch.Tensor | None, ...] | None = None
+    split: BackwardSplit | None = None
     """Kept between the input-gradient (I) and weight-gradient (W) halves."""
 
 
@@ -101,26 +102,19 @@ class StageRunner:
 
     def backward_input(self, mb: int, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Input-gradient half (I) of the zero-bubble split (Qi et al. 2024): only the
-        gradients the previous stage waits for; the graph is retained for W."""
+        gradients the previous stage waits for; the weight-gradient work is left in
+        the graph for W (``backward_split.py``)."""
         saved, outs, gouts = self._grad_pairs(mb, grads)
-        leaves = [t for t in saved.inputs.values() if t.requires_grad]
-        if outs and leaves:
-            with self.context():
-                got = torch.autograd.grad(outs, leaves, gouts, retain_graph=True, allow_unused=True)
-            for leaf, g in zip(leaves, got):
-                leaf.grad = g
-        saved.grad_outputs = tuple(gouts)
-        return self._input_grads(saved)
+        names = [n for n, t in saved.inputs.items() if t.requires_grad]
+        saved.split = BackwardSplit(outs, gouts, [saved.inputs[n] for n in names], self.params)
+        with self.context():  # recomputed regions re-run forward ops in backward
+            got = saved.split.backward_input()
+        return {n: g for n, g in zip(names, got) if g is not None}
 
     def backward_weight(self, mb: int) -> None:
         """Weight-gradient half (W): accumulate parameter gradients, free the microbatch.
-
-        Computed by a second autograd pass restricted to the parameters; it re-walks
-        the shared part of the graph, which the fused B avoids (a known cost)."""
+        Runs only what I left owed, never the input-gradient work again."""
         saved = self.saved.pop(mb)
-        assert saved.grad_outputs is not None, f"W of microbatch {mb} before its I"
-        outs = list(saved.outputs) if self.stage.is_last else \
-            [t for t in saved.outputs if t.requires_grad][:len(saved.grad_outputs)]
-        if outs and self.params:
-            with self.context():
-                torch.autograd.backward(outs, list(saved.grad_outputs), inputs=self.params)
+        assert saved.split is not None, f"W of microbatch {mb} before its I"
+        with self.context():
+            saved.split.backward_weight()

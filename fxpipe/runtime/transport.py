@@ -99,10 +99,14 @@ class Transport:
         mb, backward = tag // 2 // self.num_values, tag % 2  # inverts ``tag``
         return f"{'the gradient of ' if backward else ''}{value.name!r} (microbatch {mb})"
 
-    def finish(self, value: StageValue, buf: torch.Tensor) -> torch.Tensor:
-        """The full received tensor (all-gathering the chunks under scatter-gather)."""
+    def finish(self, value: StageValue, buf: torch.Tensor, backward: bool = False) -> torch.Tensor:
+        """The full received tensor (all-gathering the chunks under scatter-gather), in
+        the producer's memory layout for activations (``StageValue.stride``)."""
         if self._chunked(value):
-            return gather_chunks(buf, self.scatter_gather, value.spec.shape)
+            buf = gather_chunks(buf, self.scatter_gather, value.spec.shape)
+        if value.stride is not None and not backward:
+            laid = torch.empty_strided(value.spec.shape, value.stride, dtype=buf.dtype, device=buf.device)
+            buf = laid.copy_(buf)
         return buf
 
     def wait(self, pending: Pending) -> None:

@@ -21,6 +21,8 @@ def _cases(pp):
         cases += [dict(model="gpt-tiny", pp=2, schedule="1f1b", recompute="full"),
                   dict(model="hf:llama", pp=2, schedule="zb-h1", recompute="selective"),
                   dict(model="hf:gpt2", pp=2, schedule="interleaved", chunks=2, recompute="full")]
+        # ZB-V: two stages per rank in a V, backward split into I and W.
+        cases += [dict(model=m, pp=2, schedule="zb-v", chunks=2) for m in MODELS]
     return cases
 
 
@@ -32,6 +34,8 @@ def _tp_cases():
     cases += [dict(model=m, pp=2, tp=2, schedule=s, chunks=c) for m in MODELS
               for s, c in (("1f1b", None), ("interleaved", 2))]
     cases += [dict(model=m, pp=2, tp=2, sp=True, schedule="1f1b") for m in ("gpt-tiny", "hf:llama")]
+    # Split backward under TP: the collectives' backward runs in I or W, in one order.
+    cases += [dict(model="hf:gpt2", pp=2, tp=2, schedule="zb-h1")]
     return cases
 
 

@@ -1,0 +1,130 @@
+"""Measured costs for the partitioner: ``costs="measure" | "model" | PATH``.
+
+``measured_profile`` times the probe groups of the captured graph on the ranks'
+devices (``measure.py``), probes the pipeline link (``link.py``) and caches the
+result on disk keyed by graph, shapes, device and layout (``profile.py``); a second
+run with the same key pays nothing. ``apply_profile`` turns a profile into the
+per-node times and link parameters the partition pass optimises.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.costs.link import probe_link
+from fxpipe.costs.measure import GroupTimes, chunks, time_groups
+from fxpipe.costs.profile import (CostProfile, ProfileError, cache_path, check_usable, device_name,
+                                  profile_key)
+from fxpipe.partition import Coarsening, coarsen
+
+__all__ = ["CostProfile", "GroupTimes", "ProfileError", "apply_profile", "measured_profile",
+           "parse_costs", "probe_groups"]
+
+PROBE_GROUPS = 64
+"""Probe groups timed per model: fine enough that the ILP's cuts fall between or
+inside groups whose time is known, coarse enough that each timing is well above the
+timer's and Python's per-call overhead."""
+
+
+def parse_costs(costs: str) -> str:
+    """'measure', 'model' or a path; anything else is an error naming the choices."""
+    if not isinstance(costs, str) or not costs:
+        raise ValueError(f"costs must be 'measure', 'model' or the path of a cost profile, got {costs!r}")
+    return costs
+
+
+def probe_groups(program, config) -> tuple:
+    """(fine graph with cost-model times, its coarsening into probe groups)."""
+    from fxpipe.passes.partition import build_problem_graph
+
+    fine = build_problem_graph(program, config)
+    return fine, coarsen(fine, min(PROBE_GROUPS, config.max_groups, fine.number_of_nodes()))
+
+
+def _log(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"fxpipe: {msg}", file=sys.stderr, flush=True)
+
+
+def measured_profile(program, config, source: str, *, device: torch.device,
+                     state_for: Callable[[Sequence[str]], Mapping[str, torch.Tensor]],
+                     batch: Sequence[torch.Tensor], mesh=None, groups=None, context=None,
+                     repeats: int = 3, use_cache: bool = True) -> tuple[CostProfile, Coarsening, object]:
+    """The cost profile for ``program`` on this device: from ``source`` (a path), the cache,
+    or measured now. Collective when torch.distributed is initialised (every rank calls it).
+
+    ``state_for(names)`` returns this rank's (sharded) parameters for ``names``;
+    ``batch`` is one microbatch on ``device``; ``mesh``/``groups`` place this rank."""
+    from fxpipe.passes.split import split_pass
+
+    fine, probe = probe_groups(program, config)
+    dims = (mesh.tp, mesh.dp, mesh.pp) if mesh is not None else (1, 1, 1)
+    dev = device_name(device)
+    key = profile_key(program, probe, dev, dims)
+    n = len(probe.members)
+    if source != "measure":
+        profile = CostProfile.load(source)
+        check_usable(profile, key, dev, n, f"cost profile {source}")
+        _log(f"costs: using {source} ({n} groups measured on {profile.device})")
+        return profile, probe, fine
+    distributed = dist.is_initialized()
+    box: list = [None]
+    path = cache_path(key)
+    if use_cache and (not distributed or dist.get_rank() == 0) and path.exists():
+        try:
+            cached = CostProfile.load(path)
+            check_usable(cached, key, dev, n, f"cached profile {path}")
+            box = [cached]
+        except ProfileError as e:  # stale, foreign or damaged: measure again
+            _log(f"costs: ignoring {e}")
+    if distributed:
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        _log(f"costs: reusing {path} ({n} groups)")
+        return box[0], probe, fine
+
+    plan = split_pass(program, probe.expand({g: g for g in range(n)}), num_stages=n)
+    weights = [sum(probe.graph.nodes[g][k] for k in ("fwd", "bwd")) for g in range(n)]
+    cells = dims[1] * dims[2]
+    cell = groups.pp_rank * dims[1] + groups.dp_rank if groups is not None else 0
+    mine = chunks(weights, cells)
+    mine = mine[cell] if cell < len(mine) else range(0)
+    names = list(dict.fromkeys(p for g in mine for p in plan.stage_params(g)))
+    _log(f"costs: timing {n} groups of the graph on {dev} over {cells} cell(s) of the mesh")
+    state = state_for(names)
+    times = time_groups(plan, mine, state, batch, device, repeats=repeats, context=context,
+                       progress=_log)
+    del state
+    gathered = [times]
+    if distributed:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, times)
+    per_group: dict[int, list] = {}
+    for part in gathered:
+        for g, t in part.items():
+            per_group.setdefault(g, []).append(t)
+    missing = [g for g in range(n) if g not in per_group]
+    assert not missing, f"probe groups {missing} were timed by no rank"
+    # tp ranks of a cell time the same groups together: the slowest is what the step waits for.
+    rows = tuple(tuple(max(t[i] for t in per_group[g]) for i in range(4)) for g in range(n))
+    latency, bandwidth = 0.0, float("inf")
+    if distributed and groups is not None and dims[2] > 1:
+        latency, bandwidth = probe_link(groups.mesh.rank(pp=1, dp=0, tp=0), device)
+    profile = CostProfile(key=key, device=dev, groups=rows, latency_s=latency,
+                          bandwidth_bytes_per_s=bandwidth)
+    if use_cache and (not distributed or dist.get_rank() == 0):
+        try:
+            _log(f"costs: saved {profile.save(path)}")
+        except OSError as e:
+            _log(f"costs: could not cache the profile at {path} ({e})")
+    return profile, probe, fine
+
+
+def apply_profile(config, profile: CostProfile, probe: Coarsening, fine, split_backward: bool):
+    """The partition config with measured node times and link parameters."""
+    times = profile.node_times(fine, probe, split_backward)
+    return dataclasses.replace(config, node_times=times, link=(profile.latency_s, profile.bandwidth_bytes_per_s))

@@ -1,0 +1,136 @@
+"""Time the captured graph's coarse groups on this rank's device.
+
+The graph is cut into *probe groups* (``fxpipe.partition.coarsen`` of the fine
+DAG, the same unit the ILP chooses between) and each group becomes a one-group
+stage run by the real :class:`~fxpipe.runtime.stage_runner.StageRunner`: forward,
+fused backward (B), and the zero-bubble halves I and W, with the microbatch's real
+shapes, after a warm-up, median of ``repeats``. Groups run in order, so each one
+sees real activations from the one before and real gradients from the ones after.
+
+Spread over ranks: the groups are cut into one contiguous chunk per (pp, dp) cell of
+the mesh, balanced on the cost model; the tp ranks of a cell time their chunk
+together (the graph's tensor-parallel collectives need all of them). A rank builds
+only the parameters of its chunk, so profiling holds a 1/(pp·dp) share of the
+model. A chunk's first group receives synthetic activations (random floats,
+zero integers) and its last group synthetic gradients: timing depends on shapes,
+not values. All ranks time at once, as they will train — contention included.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from fxpipe.plan import PipelinePlan
+from fxpipe.program import TensorSpec
+from fxpipe.runtime.stage_runner import StageRunner
+
+PHASES = ("fwd", "bwd", "input", "weight")
+"""What is timed per group: forward, fused backward, its input- and weight-gradient halves."""
+
+
+@dataclass(frozen=True)
+class GroupTimes:
+    """Median seconds per probe group, one tuple entry per group (NaN where not timed here)."""
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    input: tuple[float, ...]
+    weight: tuple[float, ...]
+
+
+def chunks(weights: Sequence[float], parts: int) -> list[range]:
+    """Contiguous ranges of indices with near-equal total weight (at least one each,
+    while there are enough indices)."""
+    n = len(weights)
+    parts = max(1, min(parts, n))
+    total = sum(weights) or 1.0
+    bounds, acc, k = [0], 0.0, 1
+    for i, w in enumerate(weights):
+        acc += w
+        left_items, left_parts = n - (i + 1), parts - k
+        if k < parts and (acc >= total * k / parts or left_items == left_parts) and left_items >= left_parts:
+            bounds.append(i + 1)
+            k += 1
+    bounds.append(n)
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _synthetic(spec: TensorSpec, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    if spec.dtype.is_floating_point:
+        return torch.randn(spec.shape, generator=gen, dtype=torch.float32).to(device=device, dtype=spec.dtype)
+    if spec.dtype == torch.bool:
+        return torch.ones(spec.shape, dtype=torch.bool, device=device)
+    return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+
+
+class _Clock:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def time_groups(plan: PipelinePlan, groups: range, state: Mapping[str, torch.Tensor],
+                batch: Sequence[torch.Tensor], device: torch.device, *, repeats: int = 3,
+                warmup: int = 1, context: Callable = None,
+                progress: Callable[[str], None] | None = None) -> dict[int, tuple[float, float, float, float]]:
+    """(fwd, bwd, input, weight) median seconds of each stage in ``groups`` of ``plan``
+    (a plan with one stage per probe group); ``state`` holds their parameters."""
+    import contextlib
+    ctx = context or contextlib.nullcontext
+    runners = {g: StageRunner(plan, plan.stages[g], state, loss_scale=1.0, context=ctx) for g in groups}
+    gen = torch.Generator().manual_seed(0)
+    clock = _Clock(device)
+    samples: dict[int, dict[str, list[float]]] = {g: {p: [] for p in PHASES} for g in groups}
+
+    def forward_all(record: bool) -> None:
+        values: dict[str, torch.Tensor] = {}
+        for g in groups:
+            st = plan.stages[g]
+            received = {n: values[n] if n in values else _synthetic(plan.values[n].spec, device, gen)
+                        for n in st.inputs}
+            t = clock()
+            sends = runners[g].forward(0, batch, received)
+            if record:
+                samples[g]["fwd"].append(clock() - t)
+            values.update(sends)
+
+    def backward_all(record: bool, split: bool) -> None:
+        grads: dict[str, torch.Tensor] = {}
+        halves = []
+        for g in reversed(groups):
+            st = plan.stages[g]
+            mine = {}
+            for n in st.outputs:
+                if not plan.values[n].requires_grad:
+                    continue
+                mine[n] = grads[n] if n in grads else _synthetic(plan.values[n].spec, device, gen)
+            t = clock()
+            got = runners[g].backward_input(0, mine) if split else runners[g].backward(0, mine)
+            if record:
+                samples[g]["input" if split else "bwd"].append(clock() - t)
+            for n, v in got.items():
+                grads[n] = grads[n] + v if n in grads else v
+            halves.append(g)
+        for g in halves if split else ():  # W after every I, as the split schedules run them
+            t = clock()
+            runners[g].backward_weight(0)
+            if record:
+                samples[g]["weight"].append(clock() - t)
+
+    for i in range(warmup + repeats):
+        record = i >= warmup
+        for split in (False, True):
+            forward_all(record)
+            backward_all(record, split)
+        if progress is not None and record:
+            progress(f"costs: timed {len(groups)} groups, repeat {i - warmup + 1}/{repeats}")
+    for t in state.values():
+        t.grad = None
+    return {g: tuple(statistics.median(samples[g][p]) for p in PHASES) for g in groups}
