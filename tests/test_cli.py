@@ -32,6 +32,20 @@ def test_compile_prints_stage_table(capsys, tmp_path):
     assert sum(r["params"] for r in rows) > 0 and all(r["nodes"] > 0 for r in rows)
 
 
+def test_compile_on_measured_costs(capsys, tmp_path, monkeypatch):
+    """--costs measure times the graph here and prints the stage table on those times;
+    the cached profile is then accepted as a path, and refused under another layout."""
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+    assert main(["compile", "--model", "gpt-tiny", "--layers", "2", "--pp", "2", "--costs", "measure"]) == 0
+    out = capsys.readouterr().out
+    assert "times on 'measured: cpu:" in out
+    (profile,) = (tmp_path / "costs").iterdir()
+    assert main(["compile", "--model", "gpt-tiny", "--layers", "2", "--pp", "2", "--costs", str(profile)]) == 0
+    assert main(["compile", "--model", "gpt-tiny", "--layers", "2", "--batch", "4", "--pp", "2",
+                 "--costs", str(profile)]) == 2
+    assert "another graph, batch shape or layout" in capsys.readouterr().err
+
+
 def test_compile_infeasible_memory_limit_names_smallest_limit(capsys):
     assert main(["compile", "--model", "gpt-tiny", "--pp", "2", "--memory-limit", "0.000001"]) == 2
     err = capsys.readouterr().err

@@ -41,4 +41,10 @@ def test_short_run_trains(tmp_path):
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+) \|", out.stdout)]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, out.stdout
     assert "tokens/s" in out.stdout and "TFLOP/s/process" in out.stdout and "bubble" in out.stdout
+    # Per-stage predicted vs measured times, one row per stage (tp=2 x pp=2: two stages).
+    table = re.search(r"stage balance.*?\n(?:.*\n){1}((?:\s+\d+\s+\d+(?:\s+[0-9.]+){5}\n){2})"
+                      r"measured imbalance .*: ([0-9.]+)", out.stdout)
+    assert table, out.stdout
+    assert float(table.group(2)) >= 1.0
+    assert "costs: timing" in out.stderr or "costs: reusing" in out.stderr
     assert (tmp_path / "tl.json").exists() and (tmp_path / "tl.png").exists()

@@ -30,6 +30,7 @@ from fxpipe.passes.recompute import RecomputeMode, apply_recompute
 from fxpipe.passes.device import retarget_device_pass
 from fxpipe.passes.partition import PartitionConfig, partition_pass, stage_inflight
 from fxpipe.passes.split import split_pass
+from fxpipe.passes.split_matmul import split_matmul_pass
 from fxpipe.plan import PipelinePlan
 from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.grad_sync import GradSync
@@ -269,6 +270,10 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
                        flops_per_step=(whole.fwd_flops + whole.bwd_flops) * microbatches * dp)
     program, _ = run_passes(canonical, TPConfig(tp=tp, sp=sp), skip=["canonicalize"])
     program = retarget_device_pass(program, device)
+    if sched.num_stages > 1 and Method(partition) in (Method.ILP, Method.DP):
+        # No single op may outweigh a stage's share (an LM head over a large vocabulary):
+        # cut such matmuls into output-feature blocks the partitioner can spread.
+        program = cost_pass(split_matmul_pass(program, sched.num_stages))
     config = PartitionConfig(num_stages=sched.num_stages, stage_to_rank=sched.stage_ranks,
                              inflight=stage_inflight(sched), method=partition,
                              memory_limit_bytes=None if memory_limit_gb is None

@@ -20,6 +20,12 @@ def init_distributed(timeout: timedelta, device: torch.device | None = None) -> 
 
     NCCL with GPUs, gloo on CPU. A single process without torchrun's variables
     becomes a world of one, so tp=pp=dp=1 runs without a launcher."""
+    if device is None and dist.is_initialized() and torch.cuda.is_available():
+        # The caller made the process group: CUDA tensors need a backend for them.
+        # gloo lists CUDA ("cpu:gloo,cuda:gloo") but cannot send CUDA tensors point to point.
+        pairs = dict(p.split(":", 1) for p in dist.get_backend_config().split(",") if ":" in p)
+        if pairs.get("cuda", dist.get_backend()) == "gloo":
+            device = torch.device("cpu")  # a gloo-only group: train on CPU, as the caller chose
     device = device or default_device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
