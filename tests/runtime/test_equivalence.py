@@ -12,6 +12,7 @@ from tests.runtime._dist import run_world
 from tests._shared import FIVE_MODELS
 
 MODELS = ["gpt-tiny", "hf:gpt2", "hf:llama"]
+SHARED = "tests.runtime._shared_weights:workload"  # a weight applied in two stages
 SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("zb-h1", None)]
 
 
@@ -23,6 +24,8 @@ def _cases(pp):
                   dict(model="hf:gpt2", pp=2, schedule="interleaved", chunks=2, recompute="full")]
         # ZB-V: two stages per rank in a V, backward split into I and W.
         cases += [dict(model=m, pp=2, schedule="zb-v", chunks=2) for m in MODELS]
+        # One Linear used in both stages: its two partial gradients must be summed.
+        cases += [dict(model=SHARED, pp=2, schedule="1f1b")]
     return cases
 
 
@@ -50,7 +53,7 @@ def _id(c):
 
 @pytest.fixture(scope="module")
 def references():
-    return {m: reference(m) for m in FIVE_MODELS}
+    return {m: reference(m) for m in (*FIVE_MODELS, SHARED)}
 
 
 @pytest.fixture(scope="module")
