@@ -13,6 +13,7 @@ from tests._shared import FIVE_MODELS
 
 MODELS = ["gpt-tiny", "hf:gpt2", "hf:llama"]
 SHARED = "tests.runtime._shared_weights:workload"  # a weight applied in two stages
+WIDE = "tests.runtime._wide_vocab:workload"  # an untied LM head cut into blocks over both stages
 SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("zb-h1", None)]
 
 
@@ -26,6 +27,7 @@ def _cases(pp):
         cases += [dict(model=m, pp=2, schedule="zb-v", chunks=2) for m in MODELS]
         # One Linear used in both stages: its two partial gradients must be summed.
         cases += [dict(model=SHARED, pp=2, schedule="1f1b")]
+        cases += [dict(model=WIDE, pp=2, schedule="1f1b"), dict(model=WIDE, pp=2, schedule="zb-h1")]
     return cases
 
 
@@ -53,7 +55,7 @@ def _id(c):
 
 @pytest.fixture(scope="module")
 def references():
-    return {m: reference(m) for m in (*FIVE_MODELS, SHARED)}
+    return {m: reference(m) for m in (*FIVE_MODELS, SHARED, WIDE)}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,22 @@
+"""A Llama (untied LM head) whose vocabulary projection outweighs half the model.
+
+At pp=2 the split-matmul pass cuts the LM head into output-feature blocks and the
+partitioner may place them on both stages, so the untied head's weight gets partial
+gradients on two ranks that the runtime must sum. Loaded by name,
+``tests.runtime._wide_vocab:workload``, like any user model.
+"""
+from __future__ import annotations
+
+import torch
+
+from fxpipe.losses import causal_lm_loss
+from fxpipe.models.hf import _llama
+
+VOCAB, WIDTH, LAYERS, HEADS = 2048, 32, 2, 4
+
+
+def workload(batch: int = 8, seq: int = 16):
+    torch.manual_seed(0)
+    model = _llama(layers=LAYERS, hidden=WIDTH, heads=HEADS, vocab=VOCAB, seq=seq)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return model, (ids, ids.clone()), causal_lm_loss
