@@ -1,7 +1,10 @@
 """``fxpipe.parallelize``: compile a model for this rank's place in the mesh and train it.
 
-Every rank runs the same call (launched by torchrun or ``fxpipe run``). Each builds
-the same Program and plan deterministically, so no plan is broadcast.
+Every rank runs the same call (launched by torchrun or ``fxpipe run``). Each captures
+the same Program; with measured costs each times a share of it and all see every
+time; global rank 0 solves the partition and broadcasts the assignment (a
+time-limited solver need not agree with itself), from which every rank splits the
+same plan.
 """
 from __future__ import annotations
 
