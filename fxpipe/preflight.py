@@ -62,6 +62,13 @@ def check_flags(config: "TrainConfig") -> None:
     methods = [m.value for m in Method]
     if config.partition not in methods:
         raise PreflightError(f"unknown --partition {config.partition!r}; valid: {', '.join(methods)}")
+    if config.costs not in ("measure", "model"):
+        from fxpipe.costs import CostProfile, ProfileError
+        try:
+            CostProfile.load(config.costs)
+        except ProfileError as e:
+            raise PreflightError(f"--costs {config.costs}: {e}; use --costs measure (times the graph on "
+                                 f"the workers and caches it) or --costs model") from None
     if config.sp and config.tp == 1:
         raise PreflightError("--sp needs --tp > 1: sequence parallelism splits the sequence over "
                              "the tensor-parallel group")

@@ -33,6 +33,10 @@ def _a_file(tmp: Path) -> None:
     (tmp / "afile").write_text("x")
 
 
+def _garbage_profile(tmp: Path) -> None:
+    (tmp / "profile.json").write_text('{"format": 1, "groups": [[NaN, 0, 0, 0]]}')
+
+
 def _readonly(tmp: Path, monkeypatch) -> None:
     # The tests may run as root, for whom every directory is writable: simulate the permission.
     (tmp / "ro").mkdir()
@@ -105,6 +109,10 @@ CASES = [
     ("run-timeline-missing-dir", RUN + ["--timeline", "{tmp}/nope/t"], ["--timeline", "nope does not exist"], None),
     ("run-resume-empty", RUN + ["--checkpoint-dir", "{tmp}/ck", "--resume"],
      ["--resume: no complete checkpoint", "drop --resume"], _empty_ckpt),
+    ("run-costs-typo", RUN + ["--costs", "mesure"],
+     ["--costs mesure", "not a readable cost profile", "--costs measure"], None),
+    ("run-costs-garbage-profile", RUN + ["--costs", "{tmp}/profile.json"],
+     ["--costs", "non-finite number NaN", "--costs model"], _garbage_profile),
     # -- fxpipe run: the model (captured once in the launcher)
     ("run-model-unknown", RUN + ["--model", "gpt-huge"], ["unknown model 'gpt-huge'", "gpt-tiny", "hf:gpt2"], None),
     ("run-model-hf-unknown", RUN + ["--model", "hf:bert"], ["unknown Hugging Face family 'bert'", "hf:llama"], None),
@@ -233,6 +241,7 @@ API_CASES = [
     ("partition-unknown", dict(partition="greedy"), ["unknown partition method 'greedy'", "ilp, uniform"]),
     ("precision-unknown", dict(precision="fp8"), ["fp8"]),
     ("recompute-unknown", dict(recompute="most"), ["most"]),
+    ("costs-unknown", dict(costs="mesure"), ["costs must be 'measure', 'model' or the path", "'mesure' (no such file)"]),
     ("over-limit-uniform", dict(partition="uniform", memory_limit_gb=1e-5),
      ["'uniform' gives a plan over the memory limit of 1e-05 GiB", "'ilp' honours the limit"]),
     ("example-ids-over-vocab", dict(example_inputs="vocab"),

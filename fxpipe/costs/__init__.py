@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.costs.link import probe_link
-from fxpipe.costs.measure import GroupTimes, chunks, time_groups
+from fxpipe.costs.measure import chunks, time_groups
 from fxpipe.costs.profile import (CostProfile, ProfileError, cache_path, check_usable, device_name,
                                   profile_key)
 from fxpipe.partition import Coarsening, coarsen
 
-__all__ = ["CostProfile", "GroupTimes", "ProfileError", "apply_profile", "measured_profile",
+__all__ = ["CostProfile", "ProfileError", "apply_profile", "measured_profile",
            "parse_costs", "probe_groups"]
 
 PROBE_GROUPS = 64
@@ -30,11 +30,17 @@ inside groups whose time is known, coarse enough that each timing is well above 
 timer's and Python's per-call overhead."""
 
 
-def parse_costs(costs: str) -> str:
-    """'measure', 'model' or a path; anything else is an error naming the choices."""
-    if not isinstance(costs, str) or not costs:
-        raise ValueError(f"costs must be 'measure', 'model' or the path of a cost profile, got {costs!r}")
-    return costs
+def parse_costs(costs) -> str:
+    """'measure', 'model' or the path of an existing profile; anything else is an error
+    naming the choices."""
+    import os
+
+    if isinstance(costs, os.PathLike):
+        costs = os.fspath(costs)
+    if isinstance(costs, str) and (costs in ("measure", "model") or os.path.isfile(costs)):
+        return costs
+    raise ValueError(f"costs must be 'measure', 'model' or the path of a cost profile file, got {costs!r}"
+                     + (" (no such file)" if isinstance(costs, str) else ""))
 
 
 def probe_groups(program, config) -> tuple:
@@ -52,13 +58,13 @@ def _log(msg: str) -> None:
 
 def measured_profile(program, config, source: str, *, device: torch.device,
                      state_for: Callable[[Sequence[str]], Mapping[str, torch.Tensor]],
-                     batch: Sequence[torch.Tensor], mesh=None, groups=None, context=None,
+                     batch: Sequence[torch.Tensor], mesh=None, mesh_groups=None, context=None,
                      repeats: int = 3, use_cache: bool = True) -> tuple[CostProfile, Coarsening, object]:
     """The cost profile for ``program`` on this device: from ``source`` (a path), the cache,
     or measured now. Collective when torch.distributed is initialised (every rank calls it).
 
     ``state_for(names)`` returns this rank's (sharded) parameters for ``names``;
-    ``batch`` is one microbatch on ``device``; ``mesh``/``groups`` place this rank."""
+    ``batch`` is one microbatch on ``device``; ``mesh``/``mesh_groups`` place this rank."""
     from fxpipe.passes.split import split_pass
 
     fine, probe = probe_groups(program, config)
@@ -90,7 +96,7 @@ def measured_profile(program, config, source: str, *, device: torch.device,
     plan = split_pass(program, probe.expand({g: g for g in range(n)}), num_stages=n)
     weights = [sum(probe.graph.nodes[g][k] for k in ("fwd", "bwd")) for g in range(n)]
     cells = dims[1] * dims[2]
-    cell = groups.pp_rank * dims[1] + groups.dp_rank if groups is not None else 0
+    cell = mesh_groups.pp_rank * dims[1] + mesh_groups.dp_rank if mesh_groups is not None else 0
     mine = chunks(weights, cells)
     mine = mine[cell] if cell < len(mine) else range(0)
     names = list(dict.fromkeys(p for g in mine for p in plan.stage_params(g)))
@@ -112,8 +118,8 @@ def measured_profile(program, config, source: str, *, device: torch.device,
     # tp ranks of a cell time the same groups together: the slowest is what the step waits for.
     rows = tuple(tuple(max(t[i] for t in per_group[g]) for i in range(4)) for g in range(n))
     latency, bandwidth = 0.0, float("inf")
-    if distributed and groups is not None and dims[2] > 1:
-        latency, bandwidth = probe_link(groups.mesh.rank(pp=1, dp=0, tp=0), device)
+    if distributed and mesh_groups is not None and dims[2] > 1:
+        latency, bandwidth = probe_link(mesh_groups.mesh.rank(pp=1, dp=0, tp=0), device)
     profile = CostProfile(key=key, device=dev, groups=rows, latency_s=latency,
                           bandwidth_bytes_per_s=bandwidth)
     if use_cache and (not distributed or dist.get_rank() == 0):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -30,15 +29,6 @@ from fxpipe.runtime.stage_runner import StageRunner
 
 PHASES = ("fwd", "bwd", "input", "weight")
 """What is timed per group: forward, fused backward, its input- and weight-gradient halves."""
-
-
-@dataclass(frozen=True)
-class GroupTimes:
-    """Median seconds per probe group, one tuple entry per group (NaN where not timed here)."""
-    fwd: tuple[float, ...]
-    bwd: tuple[float, ...]
-    input: tuple[float, ...]
-    weight: tuple[float, ...]
 
 
 def chunks(weights: Sequence[float], parts: int) -> list[range]:

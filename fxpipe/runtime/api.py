@@ -317,7 +317,7 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
         # Balance measured times (fxpipe/costs): each rank times a share of the graph.
         first_mb = tuple(t[:mb_rows].to(device) for t in example)
         profile, probe, fine = measured_profile(
-            program, config, source, device=device, batch=first_mb, mesh=mesh, groups=groups,
+            program, config, source, device=device, batch=first_mb, mesh=mesh, mesh_groups=groups,
             context=context, state_for=lambda names: {n: t for n, (t, _) in local_tensors(names).items()})
         config = apply_profile(config, profile, probe, fine, sched.splits_backward)
     # Rank 0 solves and everyone takes its answer: a time-limited solver need not
