@@ -79,6 +79,8 @@ class ParallelModel:
         self._mb_shapes = [s.shape for s in specs]
         self.last_stats: StepStats | None = None
         self.model_stats: ModelStats | None = None
+        self.compiled_stages: tuple = ()
+        """``compile=True``: one ``runtime.compiled.StageCompile`` per stage of this rank."""
         self.token_inputs: tuple[TokenInput, ...] = ()
         """Batch inputs that are token ids, with their vocabulary (``fxpipe/vocab.py``)."""
         self.zero: ZeroPartition | None = grad_sync.zero
@@ -198,6 +200,29 @@ def _stored_weights(program, specs: dict, directory) -> dict:
     return {c: (wd, s) for c, s in wd.check(names, full, required).items()}
 
 
+def _compile_runners(runners: dict, plan: PipelinePlan, state: dict, groups: MeshGroups,
+                     context: Callable, device: torch.device) -> tuple:
+    """Compile this rank's stages (``runtime/compiled.py``) and hand them to their runners."""
+    from fxpipe.runtime.compiled import compile_stages, example_args
+
+    def agree(ok: bool) -> bool:
+        # Ranks of one TP group run one graph: all compiled or all eager, never mixed.
+        if groups.mesh.tp == 1:
+            return ok
+        flag = torch.tensor([int(ok)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=groups.tp_group)
+        return bool(flag.item())
+
+    work = {s: (plan.stages[s].graph_module, example_args(plan, plan.stages[s], state, device))
+            for s in runners}
+    first = groups.tp_rank == 0 and groups.dp_rank == 0  # one progress line per stage
+    fns, records = compile_stages(work, context=context, agree=agree,
+                                  log=(lambda line: print(line, flush=True)) if first else None)
+    for s, runner in runners.items():
+        runner.compiled = fns[s] if fns[s] is not plan.stages[s].graph_module else None
+    return tuple(records)
+
+
 def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = None,
                 microbatches: int, schedule: str = "1f1b", chunks: int | None = None,
                 example_inputs: Sequence[torch.Tensor],
@@ -208,7 +233,8 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
                 scatter_gather: bool | None = None,
                 zero: int = 0, init_fn: Callable[[nn.Module], None] | None = None,
                 weights: str | os.PathLike | None = None,
-                timeout_s: float = 60.0, device: torch.device | None = None) -> ParallelModel:
+                timeout_s: float = 60.0, device: torch.device | None = None,
+                compile: bool = False) -> ParallelModel:
     """Compile ``model`` for tensor × pipeline × data parallelism on this rank.
 
     ``example_inputs`` is one global batch as ``train_step`` will receive it (every
@@ -224,7 +250,9 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     (``fxpipe/init.py``, ``init_fn`` to override; ``seed`` seeds it); ``zero=1``: ZeRO stage 1 over data parallel (``runtime/zero.py``:
     ``parameters()`` then yields this replica's share); ``scatter_gather``: send 1/tp chunks of replicated activations
     between stages (default: on when tp > 1 and sp is off); ``seed``: dropout seed (Megatron's RNG tracker offsets it per
-    tp rank inside sharded regions).
+    tp rank inside sharded regions). ``compile``: compile each of this rank's stages with
+    AOTAutograd + TorchInductor before the first step (one progress line per stage; a stage
+    Inductor rejects runs eagerly with a warning; ``runtime/compiled.py``).
     """
     prec = Precision.parse(precision)
     timeout = timedelta(seconds=timeout_s)
@@ -330,6 +358,7 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     context = (lambda: tp_group_context(tp_group, rng)) if tp > 1 else contextlib.nullcontext
     runners = {s: StageRunner(plan, plan.stages[s], state, loss_scale=1.0 / microbatches, context=context)
                for s in my_stages}
+    compiled = _compile_runners(runners, plan, state, groups, context, device) if compile else ()
     value_ids = {n: i for i, n in enumerate(sorted(plan.values))}
     # Scatter-gather (SC21 §4.1): on by default with tp > 1 unless sequence parallel.
     use_sg = tp > 1 and (not sp if scatter_gather is None else scatter_gather)
@@ -341,6 +370,7 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     pm = ParallelModel(plan, lowered, groups, state, executor, grad_sync, microbatches, device, master,
                        specs)
     pm.model_stats = stats
+    pm.compiled_stages = compiled
     pm.token_inputs = tokens
     pm.tp_rng = rng  # the TP dropout streams (Megatron's RNG tracker), e.g. for checkpoints
     return pm
