@@ -131,6 +131,11 @@ def _inductor(gm: fx.GraphModule, example_args: Sequence[torch.Tensor]) -> Calla
     import torch._functorch.config as functorch_config
     from torch._inductor.compile_fx import compile_fx
 
+    # Donated buffers let the compiled backward overwrite saved tensors, which forbids
+    # retain_graph — and the zero-bubble I half keeps the graph for W. AOTAutograd checks
+    # this flag again at every backward, so it is turned off for the process, not only
+    # while compiling (it costs some memory reuse in compiled backwards, nothing else).
+    functorch_config.donated_buffer = False
     patch = {}
     if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
         patch["force_non_lazy_backward_lowering"] = True  # compile backward now, not at step 1
