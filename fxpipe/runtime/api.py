@@ -205,13 +205,16 @@ def _compile_runners(runners: dict, plan: PipelinePlan, state: dict, groups: Mes
     """Compile this rank's stages (``runtime/compiled.py``) and hand them to their runners."""
     from fxpipe.runtime.compiled import compile_stages, example_args
 
-    def agree(ok: bool) -> bool:
-        # Ranks of one TP group run one graph: all compiled or all eager, never mixed.
-        if groups.mesh.tp == 1:
-            return ok
-        flag = torch.tensor([int(ok)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=groups.tp_group)
-        return bool(flag.item())
+    def agree(ok: dict[int, bool]) -> dict[int, bool]:
+        # Every rank running a stage (its TP group and DP replicas) runs it compiled or
+        # every one eagerly, never mixed. Also the barrier after compiling: compile times
+        # differ per stage, and the first step's transfers would time out waiting for a
+        # peer still compiling — hence a group of its own with a long timeout.
+        group = dist.new_group(backend="gloo", timeout=timedelta(hours=2))
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, ok, group=group)
+        dist.destroy_process_group(group)
+        return {s: all(o.get(s, True) for o in everyone) for s in ok}
 
     work = {s: (plan.stages[s].graph_module, example_args(plan, plan.stages[s], state, device))
             for s in runners}

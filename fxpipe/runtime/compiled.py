@@ -168,30 +168,34 @@ def compile_stage(gm: fx.GraphModule, example_args: Sequence[torch.Tensor], *,
 
 
 def compile_stages(stages: dict[int, tuple[fx.GraphModule, Sequence[torch.Tensor]]], *,
-                   context: Callable, agree: Callable[[bool], bool] = lambda ok: ok,
+                   context: Callable,
+                   agree: Callable[[dict[int, bool]], dict[int, bool]] = lambda ok: ok,
                    log: Callable[[str], None] | None = print,
                    compiler: Callable | None = None) -> tuple[dict[int, Callable], list[StageCompile]]:
     """Compile each ``stage index -> (graph_module, example_args)``; return the callables
     (the compiled function, or the GraphModule itself when it fell back) and a record per
-    stage. ``context`` is entered while tracing (TP ops save their group in forward);
-    ``agree(ok)`` is True only if every rank running the same graph compiled it (the TP
-    group must agree: compiled and eager code may order independent collectives
-    differently). ``log`` prints one progress line per stage (None: silent)."""
-    fns, records = {}, []
+    stage. ``context`` is entered while tracing (TP ops save their group in forward).
+    ``agree({stage: compiled})`` returns, per stage, whether every rank running that
+    stage compiled it: the ranks of a TP group must not mix compiled and eager code,
+    which may order independent collectives differently. ``log`` prints one progress
+    line per stage (None: silent)."""
+    fns, records, reasons, seconds = {}, [], {}, {}
     for index, (gm, args) in stages.items():
         start = time.perf_counter()
         with context():
-            fn, reason = compile_stage(gm, args, compiler=compiler)
-        seconds = time.perf_counter() - start
-        if not agree(reason is None):
-            fn, reason = gm, reason or "another rank of its tensor-parallel group could not compile it"
-        record = StageCompile(index, reason is None, seconds, reason)
+            fns[index], reasons[index] = compile_stage(gm, args, compiler=compiler)
+        seconds[index] = time.perf_counter() - start
+        if log is not None and reasons[index] is None:
+            log(f"fxpipe compile: {StageCompile(index, True, seconds[index]).line()}")
+    agreed = agree({i: r is None for i, r in reasons.items()})
+    for index, (gm, _) in stages.items():
+        reason = reasons[index]
+        if reason is None and not agreed[index]:
+            fns[index], reason = gm, "another rank running it could not compile it"
+        record = StageCompile(index, reason is None, seconds[index], reason)
         if reason is not None:
             warnings.warn(CompileFallbackWarning(f"fxpipe compile: {record.line()}; running it eagerly"),
                           stacklevel=2)
-        elif log is not None:
-            log(f"fxpipe compile: {record.line()}")
-        fns[index] = fn
         records.append(record)
     return fns, records
 
