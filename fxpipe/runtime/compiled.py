@@ -122,8 +122,12 @@ def inline_recompute_regions(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:200] if text else ''}".rstrip(": ")
+    """The exception's type and first sentence: the warning must stay one line."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    if len(text) > 160 and ". " in text:
+        text = text[:text.index(". ") + 1]
+    return f"{type(exc).__name__}: {text[:240]}".rstrip(": ")
 
 
 def _inductor(gm: fx.GraphModule, example_args: Sequence[torch.Tensor]) -> Callable:

@@ -88,7 +88,7 @@ def test_stage_that_cannot_compile_runs_eagerly_with_a_warning():
     torch.testing.assert_close(w.grad, expected)
 
 
-def test_a_rank_of_the_tp_group_failing_makes_every_rank_eager():
+def test_a_stage_failing_on_another_rank_runs_eagerly_everywhere():
     """Compiled and eager code may order independent collectives differently, so the
     ranks of one TP group agree: one failure sends them all to eager."""
     gm = _stage_with_untraceable_op()
