@@ -176,7 +176,7 @@ def cuda(steps: int) -> str:
         torch.cuda.reset_peak_memory_stats()
         r = _train(w, compile, steps, sync=torch.cuda.synchronize, tp=1, pp=1, precision=precision, device=dev)
         gpu, peak = _peak(precision)
-        flops = r["pm"].model_stats.flops_per_step
+        flops = r.pop("pm").model_stats.flops_per_step  # the model itself is freed below
         rows.append((compile, r, flops / (r["step_ms"] / 1e3) / 1e12, gpu, peak,
                      torch.cuda.max_memory_allocated() / 2**30))
         del r, w
