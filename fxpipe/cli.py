@@ -180,7 +180,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                          save_interval=args.save_interval, resume=args.resume, resume_from=args.resume_from,
                          export=args.export,
                          sp=args.sp, precision=args.precision, recompute=args.recompute,
-                         zero=args.zero, init_from=args.init_from)
+                         zero=args.zero, init_from=args.init_from, compile=args.compile)
     # Everything checkable is checked here, before a worker starts (fxpipe/preflight.py).
     # Under torchrun every rank is a worker already: the model is captured by each anyway.
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -265,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="activation recomputation: selective = attention core, full = whole layer "
                         "(default: %(default)s)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile each pipeline stage with AOTAutograd + TorchInductor before the "
+                        "first step (C++ kernels on CPU, Triton on GPU; a stage that cannot be "
+                        "compiled runs eagerly with a warning; Inductor's disk cache is reused)")
     p.add_argument("--timeline", default="fxpipe-timeline",
                    help="path prefix for the last step's measured timeline (.json, .png); 'none' "
                         "to skip (default: %(default)s)")

@@ -6,7 +6,7 @@ stage index; read by the runtime, which never looks at the full graph again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -64,11 +64,14 @@ class Stage:
     """Compute nodes assigned to this stage (recomputed side values excluded)."""
 
     def call(self, state: Mapping[str, torch.Tensor], canonical: Mapping[str, str],
-             batch: Sequence[torch.Tensor], received: Mapping[str, torch.Tensor]) -> tuple:
+             batch: Sequence[torch.Tensor], received: Mapping[str, torch.Tensor],
+             fn: Callable | None = None) -> tuple:
+        """Run the stage; ``fn`` replaces the GraphModule with a function of the same
+        arguments and results (the compiled stage, ``fxpipe/runtime/compiled.py``)."""
         args = [state[canonical[p]] for p in self.params]
         args += [batch[i] for i in self.batch_inputs]
         args += [received[n] for n in self.inputs]
-        out = self.graph_module(*args)
+        out = (fn or self.graph_module)(*args)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 

@@ -54,6 +54,8 @@ class TrainConfig:
     """fp32, bf16, or fp16 with dynamic loss scaling; 16-bit modes keep fp32 masters."""
     recompute: str = "none"
     """Activation recomputation: none, selective (attention core), full (whole layer)."""
+    compile: bool = False
+    """Compile every pipeline stage with AOTAutograd + TorchInductor before the first step."""
     zero: int = 0
     """1: ZeRO stage 1, optimizer state and fp32 masters sharded over data parallel."""
     init_from: str | None = None
@@ -140,7 +142,8 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
                      example_inputs=first, loss_fn=w.loss_fn, partition=config.partition,
                      timeout_s=config.timeout_s, sp=config.sp, precision=config.precision,
                      recompute=config.recompute, seed=config.seed,
-                     zero=config.zero, weights=config.init_from, costs=config.costs)
+                     zero=config.zero, weights=config.init_from, costs=config.costs,
+                     compile=config.compile)
     rank = dist.get_rank()
     opt = torch.optim.AdamW(pm.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / config.warmup))
@@ -159,6 +162,7 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
         print(f"fxpipe run: {config.model}, {pm.model_stats.num_parameters / 1e6:.2f}M parameters, "
               f"tp={config.tp}{' (sp)' if config.sp else ''} pp={config.pp} dp={config.dp}, "
               f"schedule {config.schedule}, {config.precision}, recompute {config.recompute}, "
+              f"{'compiled (Inductor), ' if config.compile else ''}"
               f"{config.microbatches} microbatches × {config.micro_batch_size} × {config.seq} tokens, "
               f"{config.steps} steps", flush=True)
     times, losses, bubbles = [], [], []

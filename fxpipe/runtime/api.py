@@ -85,6 +85,8 @@ class ParallelModel:
         self._mb_shapes = [s.shape for s in specs]
         self.last_stats: StepStats | None = None
         self.model_stats: ModelStats | None = None
+        self.compiled_stages: tuple = ()
+        """``compile=True``: one ``runtime.compiled.StageCompile`` per stage of this rank."""
         self.token_inputs: tuple[TokenInput, ...] = ()
         """Batch inputs that are token ids, with their vocabulary (``fxpipe/vocab.py``)."""
         self.zero: ZeroPartition | None = grad_sync.zero
@@ -206,6 +208,32 @@ def _stored_weights(program, specs: dict, directory) -> dict:
     return {c: (wd, s) for c, s in wd.check(names, full, required).items()}
 
 
+def _compile_runners(runners: dict, plan: PipelinePlan, state: dict, groups: MeshGroups,
+                     context: Callable, device: torch.device) -> tuple:
+    """Compile this rank's stages (``runtime/compiled.py``) and hand them to their runners."""
+    from fxpipe.runtime.compiled import compile_stages, example_args
+
+    def agree(ok: dict[int, bool]) -> dict[int, bool]:
+        # Every rank running a stage (its TP group and DP replicas) runs it compiled or
+        # every one eagerly, never mixed. Also the barrier after compiling: compile times
+        # differ per stage, and the first step's transfers would time out waiting for a
+        # peer still compiling — hence a group of its own with a long timeout.
+        group = dist.new_group(backend="gloo", timeout=timedelta(hours=2))
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, ok, group=group)
+        dist.destroy_process_group(group)
+        return {s: all(o.get(s, True) for o in everyone) for s in ok}
+
+    work = {s: (plan.stages[s].graph_module, example_args(plan, plan.stages[s], state, device))
+            for s in runners}
+    first = groups.tp_rank == 0 and groups.dp_rank == 0  # one progress line per stage
+    fns, records = compile_stages(work, context=context, agree=agree,
+                                  log=(lambda line: print(line, flush=True)) if first else None)
+    for s, runner in runners.items():
+        runner.compiled = fns[s] if fns[s] is not plan.stages[s].graph_module else None
+    return tuple(records)
+
+
 def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = None,
                 microbatches: int, schedule: str = "1f1b", chunks: int | None = None,
                 example_inputs: Sequence[torch.Tensor],
@@ -216,7 +244,8 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
                 scatter_gather: bool | None = None,
                 zero: int = 0, init_fn: Callable[[nn.Module], None] | None = None,
                 weights: str | os.PathLike | None = None, costs: str = "measure",
-                timeout_s: float = 60.0, device: torch.device | None = None) -> ParallelModel:
+                timeout_s: float = 60.0, device: torch.device | None = None,
+                compile: bool = False) -> ParallelModel:
     """Compile ``model`` for tensor × pipeline × data parallelism on this rank.
 
     ``example_inputs`` is one global batch as ``train_step`` will receive it (every
@@ -235,7 +264,9 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     tp rank inside sharded regions). ``costs``: what the partitioner balances —
     ``"measure"`` (default: the graph's groups timed on the ranks' devices before
     partitioning, cached on disk; ``fxpipe/costs``), ``"model"`` (the CPU preset's
-    FLOP/byte estimate) or the path of a saved cost profile.
+    FLOP/byte estimate) or the path of a saved cost profile. ``compile``: compile each of this rank's stages with
+    AOTAutograd + TorchInductor before the first step (one progress line per stage; a stage
+    Inductor rejects runs eagerly with a warning; ``runtime/compiled.py``).
     """
     prec = Precision.parse(precision)
     timeout = timedelta(seconds=timeout_s)
@@ -366,6 +397,7 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
                                LossScaler(**(loss_scaler or {})) if prec is Precision.FP16 else None)
     runners = {s: StageRunner(plan, plan.stages[s], state, loss_scale=1.0 / microbatches, context=context)
                for s in my_stages}
+    compiled = _compile_runners(runners, plan, state, groups, context, device) if compile else ()
     value_ids = {n: i for i, n in enumerate(sorted(plan.values))}
     # Scatter-gather (SC21 §4.1): on by default with tp > 1 unless sequence parallel.
     use_sg = tp > 1 and (not sp if scatter_gather is None else scatter_gather)
@@ -378,6 +410,7 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
                        specs)
     pm.model_stats = stats
     pm.partition = partition_result
+    pm.compiled_stages = compiled
     pm.token_inputs = tokens
     pm.tp_rng = rng  # the TP dropout streams (Megatron's RNG tracker), e.g. for checkpoints
     return pm

@@ -41,6 +41,9 @@ class StageRunner:
     context: Callable[[], ContextManager] = contextlib.nullcontext
     """Entered around every forward (the tensor-parallel group and dropout RNG: the
     graph's collectives resolve their group from it; backward needs none)."""
+    compiled: Callable | None = None
+    """The stage compiled by Inductor (``parallelize(compile=True)``); None: the GraphModule.
+    Either way the outputs carry an ordinary autograd graph."""
     saved: dict[int, _Saved] = field(default_factory=dict)
     peak_in_flight: int = 0
     losses: dict[int, float] = field(default_factory=dict)
@@ -64,7 +67,7 @@ class StageRunner:
                 t = t.detach().requires_grad_(True)
             inputs[name] = t
         with torch.enable_grad(), self.context():
-            out = self.stage.call(self.state, self._canonical, batch, inputs)
+            out = self.stage.call(self.state, self._canonical, batch, inputs, self.compiled)
         sends = dict(zip(self.stage.outputs, out[:len(self.stage.outputs)]))
         if self.stage.is_last:
             loss = out[-1]

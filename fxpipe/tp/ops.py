@@ -20,12 +20,18 @@ group, and a group of the wrong size is caught at run time.
 | gather | all-gather | keep own chunk | sharded -> replicated consumer |
 
 Identity forwards return a copy: custom ops may not alias their inputs.
+
+Every backward is itself one of these ops (f <-> g, gather_seq <-> reduce_scatter_seq,
+scatter <-> gather), called with ``ctx.group`` made current: eager backward behaves as
+before, and AOTAutograd (``parallelize(compile=True)``, ``fxpipe/runtime/compiled.py``)
+traces it into the compiled backward graph as an opaque op that reads the group current
+when that graph runs (the StageRunner enters the TP context around every backward).
 """
 from __future__ import annotations
 
 import torch
 
-from fxpipe.tp.context import current_tp
+from fxpipe.tp.context import current_tp, current_tp_or_none, tp_group_context
 from fxpipe.tp.group import ReduceOp, TPGroup
 
 NS = "fxpipe_tp"
@@ -45,7 +51,17 @@ def _save_group(ctx, inputs, output) -> None:
 
 def _save_group_dim(ctx, inputs, output) -> None:
     ctx.group = _group()
-    ctx.dim = inputs[1]
+    ctx.dim, ctx.tp = inputs[1], inputs[2]
+
+
+def _in_group(ctx, op, *args) -> torch.Tensor:
+    """``op(*args)`` with the group forward saw made current (eager backward may run
+    outside any context, e.g. on autograd's device thread). Under AOTAutograd this
+    runs at trace time and only records ``op``; the context is re-read at run time."""
+    current = current_tp_or_none()
+    rng = current.rng if current is not None and current.group is ctx.group else None
+    with tp_group_context(ctx.group, rng):
+        return op(*args)
 
 
 def _chunk(t: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
@@ -66,7 +82,7 @@ def _(x):
     return torch.empty_like(x)
 
 
-copy_to_tp.register_autograd(lambda ctx, g: ctx.group.all_reduce(g), setup_context=_save_group)
+copy_to_tp.register_autograd(lambda ctx, g: _in_group(ctx, reduce_from_tp, g), setup_context=_save_group)
 
 
 @torch.library.custom_op(f"{NS}::reduce_from_tp", mutates_args=())
@@ -110,7 +126,7 @@ def _(x, dim, tp):
 
 
 gather_seq.register_autograd(
-    lambda ctx, g: (ctx.group.reduce_scatter(g, ctx.dim), None, None),
+    lambda ctx, g: (_in_group(ctx, reduce_scatter_seq, g, ctx.dim, ctx.tp), None, None),
     setup_context=_save_group_dim)
 
 
@@ -132,7 +148,7 @@ reduce_scatter_seq.register_fake(_fake_split)
 
 
 reduce_scatter_seq.register_autograd(
-    lambda ctx, g: (ctx.group.all_gather(g, ctx.dim), None, None),
+    lambda ctx, g: (_in_group(ctx, gather_seq, g, ctx.dim, ctx.tp), None, None),
     setup_context=_save_group_dim)
 
 
@@ -147,7 +163,7 @@ scatter.register_fake(_fake_split)
 
 
 scatter.register_autograd(
-    lambda ctx, g: (ctx.group.all_gather(g, ctx.dim), None, None),
+    lambda ctx, g: (_in_group(ctx, gather, g, ctx.dim, ctx.tp), None, None),
     setup_context=_save_group_dim)
 
 
@@ -166,7 +182,7 @@ def _(x, dim, tp):
 
 
 gather.register_autograd(
-    lambda ctx, g: (_chunk(g, ctx.dim, ctx.group), None, None),
+    lambda ctx, g: (_in_group(ctx, scatter, g, ctx.dim, ctx.tp), None, None),
     setup_context=_save_group_dim)
 
 

@@ -1,0 +1,56 @@
+"""Compiled-vs-eager training cases run inside spawned gloo workers (importable by the children)."""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import torch
+
+from tests.runtime._cases import BATCH, MICROBATCHES, SEQ
+from fxpipe.models import build_workload
+
+STEPS = 2
+LAYERS = 2
+"""Two layers: Inductor compiles one kernel per distinct fused op and shape, so more
+layers add trace time but hardly any C++ compilation (the expensive part)."""
+
+
+def _train(case: dict, compile: bool) -> dict:
+    from fxpipe.runtime.api import parallelize
+
+    w = build_workload(case["model"], batch=BATCH, seq=SEQ, layers=LAYERS, seed=0)
+    pm = parallelize(w.model, pp=case.get("pp", 1), tp=case.get("tp", 1), sp=case.get("sp", False),
+                     microbatches=MICROBATCHES, schedule=case.get("schedule", "1f1b"),
+                     example_inputs=w.example_inputs, loss_fn=w.loss_fn, partition="uniform",
+                     recompute=case.get("recompute", "none"), precision=case.get("precision", "fp32"),
+                     compile=compile)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        losses.append(pm.train_step(w.example_inputs))
+        if step == 0:
+            grads = pm.unshard_tp({n: t.grad.clone() for n, t in pm.named_parameters()})
+        opt.step()
+    return dict(losses=losses, grads=grads, compiled=[(r.stage, r.compiled, r.reason) for r in pm.compiled_stages])
+
+
+def compiled_vs_eager(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Each case trained eagerly, then with ``compile=True``; both results returned."""
+    import torch._inductor.config as inductor_config
+
+    # Scalar C++ kernels: these tests check how stages are compiled (collectives, I/W,
+    # recompute tags), not Inductor's vectoriser, and on a cold cache probing the CPU's
+    # vector ISAs costs more compiles than the stages themselves (CI budget).
+    inductor_config.cpp.vec_isa_ok = False
+    out = []
+    for case in cases:
+        start = time.perf_counter()
+        eager = _train(case, compile=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = _train(case, compile=True)
+        fallbacks = [str(w.message) for w in caught if "fxpipe compile" in str(w.message)]
+        out.append(dict(case=case, eager=eager, compiled=compiled, fallbacks=fallbacks,
+                        seconds=time.perf_counter() - start, pid=os.getpid()))
+    return out
