@@ -23,7 +23,6 @@ region per piece).
 from __future__ import annotations
 
 import copy
-import enum
 import operator
 import warnings
 from dataclasses import dataclass
@@ -33,6 +32,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
+
+from fxpipe.recompute_mode import RecomputeMode  # noqa: F401  (re-exported: the mode lives torch-free)
 
 from fxpipe.program import NodeCost, Program
 from fxpipe.tp.context import TPContext, current_tp_or_none, tp_group_context
@@ -48,22 +49,6 @@ REGION_KEY = "fxpipe_recompute"
 
 class RecomputeWarning(UserWarning):
     """Recomputation was asked for but there is nothing to recompute."""
-
-
-class RecomputeMode(enum.Enum):
-    NONE = "none"
-    SELECTIVE = "selective"
-    """Attention core only (Korthikanti et al. 2022 §4.1)."""
-    FULL = "full"
-    """Whole transformer layer; only its input is kept."""
-
-    @classmethod
-    def parse(cls, name: str) -> "RecomputeMode":
-        try:
-            return cls(name.lower())
-        except ValueError:
-            raise ValueError(f"unknown recompute mode {name!r}; valid: "
-                             f"{', '.join(m.value for m in cls)}") from None
 
 
 @dataclass(frozen=True, kw_only=True)

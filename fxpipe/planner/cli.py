@@ -11,7 +11,7 @@ import argparse
 import json
 
 from fxpipe.hardware import PRESETS, get_hardware
-from fxpipe.passes.recompute import RecomputeMode
+from fxpipe.recompute_mode import RecomputeMode
 from fxpipe.planner.config import DPOverlap, LayerBalance, PlannerOptions, ScheduleKind
 
 

@@ -5,7 +5,7 @@ import enum
 from dataclasses import dataclass
 
 from fxpipe.hardware import A100, Hardware
-from fxpipe.passes.recompute import RecomputeMode
+from fxpipe.recompute_mode import RecomputeMode
 
 
 class ScheduleKind(enum.Enum):

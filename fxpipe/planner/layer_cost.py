@@ -28,7 +28,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from fxpipe.hardware import Collective, Hardware
-from fxpipe.passes.recompute import RecomputeMode
+from fxpipe.recompute_mode import RecomputeMode
 from fxpipe.planner.config import PlannerOptions
 from fxpipe.planner.shapes import TransformerShape
 from fxpipe.planner.work import Component as C

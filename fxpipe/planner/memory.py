@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxpipe.passes.recompute import RecomputeMode
+from fxpipe.recompute_mode import RecomputeMode
 from fxpipe.planner.shapes import TransformerShape
 
 

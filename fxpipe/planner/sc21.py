@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxpipe.passes.recompute import RecomputeMode
+from fxpipe.recompute_mode import RecomputeMode
 from fxpipe.planner.config import DPOverlap, LayerBalance, ParallelConfig, PlannerOptions, ScheduleKind
 from fxpipe.planner.shapes import TransformerShape, shape_from_registry
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxpipe.passes.recompute import RecomputeMode
+from fxpipe.recompute_mode import RecomputeMode
 
 
 @dataclass(frozen=True, kw_only=True)
