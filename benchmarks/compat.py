@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 from compat_cells import Cell, capture_cell, classify, compare, train_parallel  # noqa: E402
-from compat_families import NotBuildable, build, family_names, reference  # noqa: E402
+from compat_families import NotBuildable, build, eager_loss, family_names, reference  # noqa: E402
 from compat_render import render  # noqa: E402
 from compat_world import run_jobs  # noqa: E402
 
@@ -50,13 +50,14 @@ def local_phase(families: list[str], rows: dict, refs: dict) -> None:
     for i, mt in enumerate(families, 1):
         start = time.perf_counter()
         try:
-            build(mt)
+            with torch.no_grad():
+                eager_loss(build(mt))  # a family that fails eagerly is no test of fxpipe
         except NotBuildable as exc:
             rows[mt] = {"built": False, "reason": str(exc)}
             log(f"[build {i}/{len(families)}] {mt}: not built ({exc})")
             continue
         except Exception as exc:
-            rows[mt] = {"built": False, "reason": f"eager model fails: {classify(exc).detail}"}
+            rows[mt] = {"built": False, "reason": f"eager forward fails: {classify(exc).detail}"}
             log(f"[build {i}/{len(families)}] {mt}: eager model fails")
             continue
         cap, tp_analysis = capture_cell(mt)
