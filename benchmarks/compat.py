@@ -21,8 +21,10 @@ Writes ``benchmarks/results/compat.json`` and ``docs/compatibility.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
 
@@ -45,31 +47,57 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def local_phase(families: list[str], rows: dict, refs: dict) -> None:
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """TimeoutError in this (main) thread after ``seconds``: a family whose capture runs
+    away must not stop the others."""
+    def expire(signum, frame):
+        raise TimeoutError(f"no result within {seconds:.0f} s")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def local_phase(families: list[str], rows: dict, refs: dict, timeout_s: float) -> None:
     """Build, capture and TP-analyse each family here; keep the one-process reference."""
     for i, mt in enumerate(families, 1):
         start = time.perf_counter()
         try:
-            with torch.no_grad():
-                eager_loss(build(mt))  # a family that fails eagerly is no test of fxpipe
-        except NotBuildable as exc:
-            rows[mt] = {"built": False, "reason": str(exc)}
-            log(f"[build {i}/{len(families)}] {mt}: not built ({exc})")
-            continue
-        except Exception as exc:
-            rows[mt] = {"built": False, "reason": f"eager forward fails: {classify(exc).detail}"}
-            log(f"[build {i}/{len(families)}] {mt}: eager model fails")
-            continue
-        cap, tp_analysis = capture_cell(mt)
-        row = rows[mt] = {"built": True, "capture": cap.to_json()}
-        if cap.status != "pass":
-            for col in COLUMNS:
-                row[col] = Cell("skipped", "capture did not pass").to_json()
-        else:
-            refs[mt] = reference(mt, lr=0.1)
-            row["tp_analysis"] = tp_analysis.to_json() if tp_analysis else None
-        log(f"[capture {i}/{len(families)}] {mt}: {cap.status} {cap.detail} "
-            f"({time.perf_counter() - start:.1f} s)")
+            with _time_limit(timeout_s):
+                _local_family(mt, rows, refs)
+        except TimeoutError as exc:
+            rows[mt] = {"built": True, "capture": Cell("timeout", str(exc)).to_json(),
+                        **{col: Cell("skipped", "capture did not pass").to_json() for col in COLUMNS}}
+            refs.pop(mt, None)
+        log(f"[capture {i}/{len(families)}] {mt}: " + (
+            f"{rows[mt]['capture']['status']} {rows[mt]['capture']['detail']}" if rows[mt]["built"]
+            else f"not built ({rows[mt]['reason']})") + f" ({time.perf_counter() - start:.1f} s)")
+
+
+def _local_family(mt: str, rows: dict, refs: dict) -> None:
+    try:
+        with torch.no_grad():
+            eager_loss(build(mt))  # a family that fails eagerly is no test of fxpipe
+    except NotBuildable as exc:
+        rows[mt] = {"built": False, "reason": str(exc)}
+        return
+    except TimeoutError:
+        raise
+    except Exception as exc:
+        rows[mt] = {"built": False, "reason": f"eager forward fails: {classify(exc).detail}"}
+        return
+    cap, tp_analysis = capture_cell(mt)
+    row = rows[mt] = {"built": True, "capture": cap.to_json()}
+    if cap.status != "pass":
+        for col in COLUMNS:
+            row[col] = Cell("skipped", "capture did not pass").to_json()
+    else:
+        refs[mt] = reference(mt, lr=0.1)
+        row["tp_analysis"] = tp_analysis.to_json() if tp_analysis else None
 
 
 def parallel_phase(world: int, columns: list[str], families: list[str], rows: dict, refs: dict,
@@ -127,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--families", help="comma-separated model types (default: all)")
     ap.add_argument("--merge", action="store_true", help="keep other families' rows from the JSON")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per family and column")
+    ap.add_argument("--capture-timeout", type=float, default=120.0,
+                    help="seconds per family for build + capture + reference in this process")
     ap.add_argument("--columns", default=",".join(COLUMNS), help="parallel columns to run")
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--out", default=DOC)
@@ -141,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         rows: dict = {}
         refs: dict = {}
         t0 = time.perf_counter()
-        local_phase(families, rows, refs)
+        local_phase(families, rows, refs, args.capture_timeout)
         columns = args.columns.split(",")
         for world in sorted({COLUMNS[c][0] * COLUMNS[c][1] for c in columns}):
             cols = [c for c in columns if COLUMNS[c][0] * COLUMNS[c][1] == world]

@@ -55,6 +55,8 @@ def _first_line(exc: BaseException) -> str:
 
 def classify(exc: BaseException) -> Cell:
     """``refused`` for fxpipe's own explicit errors, ``error`` for everything else."""
+    if isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError):
+        return Cell("timeout", _first_line(exc.__cause__ or exc))
     if isinstance(exc, fxpipe.CaptureError):
         cause = exc.__cause__ or exc
         return Cell("refused", f"CaptureError ({type(cause).__name__}: {_first_line(cause)})")
