@@ -23,6 +23,7 @@ import torch
 
 import fxpipe
 from compat_families import build, eager_loss
+from compat_render import generic_reason as _generic
 
 RTOL = 1e-4
 """Losses: |got - ref| <= RTOL·|ref|. Gradients, per tensor: max|got - ref| <= RTOL·scale,
@@ -81,12 +82,6 @@ def replicated_matrices(tp_result: Any) -> list[tuple[int, str]]:
             continue
         reasons[_generic(spec.reason)] += 1
     return [(n, r) for r, n in reasons.most_common()]
-
-
-def _generic(reason: str) -> str:
-    """A reason without the layer number, so equal causes in every layer group together."""
-    import re
-    return re.sub(r"\.\d+\.", ".N.", reason)
 
 
 def capture_cell(model_type: str) -> tuple[Cell, Cell | None]:

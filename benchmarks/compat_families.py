@@ -100,6 +100,9 @@ def tiny_config(model_type: str) -> Any:
             kwargs[k] = v
     if getattr(default, "qk_rope_head_dim", None):
         kwargs["head_dim"] = kwargs["qk_rope_head_dim"]  # latent attention: rotary on head_dim
+    if getattr(default, "kv_lora_rank", None) and "num_key_value_heads" in kwargs:
+        # Latent attention expands k/v to every head: fewer kv heads would be grouped twice.
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
     if "num_key_value_heads" in fields and getattr(default, "num_key_value_heads", None) is None:
         kwargs.pop("num_key_value_heads", None)  # a family without GQA: keep multi-head
     for k, v in default.to_dict().items():

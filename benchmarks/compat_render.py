@@ -1,6 +1,7 @@
 """docs/compatibility.md from the results JSON of ``compat.py``."""
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 COLUMNS = ("capture", "tp2", "pp2", "tp2xpp2")
@@ -9,13 +10,29 @@ MARK = {"pass": "✅ pass", "replicated": "✅ replicated", "mismatch": "❌ **M
         "refused": "⛔ refused", "error": "💥 error", "timeout": "⏱ timeout", "skipped": "— skipped"}
 
 
+def generic_reason(reason: str) -> str:
+    """A reason without layer numbers and graph node names, so that the same cause in
+    every layer is counted once."""
+    reason = re.sub(r"\.\d+\.", ".N.", reason)
+    reason = re.sub(r"\blayer \d+", "layer N", reason)
+    return re.sub(r" \(\w+\)", "", reason)
+
+
+def _regroup(pairs: list) -> list:
+    counts: Counter = Counter()
+    for n, r in pairs:
+        counts[generic_reason(r)] += n
+    return [(n, r) for r, n in counts.most_common()]
+
+
 def _cell(cell: dict | None) -> str:
     if not cell:
         return "not run"
     text = MARK.get(cell["status"], cell["status"])
     if cell["status"] == "replicated":
-        total = sum(n for n, _ in cell["replicated"])
-        reasons = "; ".join(f"{n}× {r}" for n, r in cell["replicated"])
+        pairs = _regroup(cell["replicated"])
+        total = sum(n for n, _ in pairs)
+        reasons = "; ".join(f"{n}× {r}" for n, r in pairs)
         text += f" ({total} matrices): {reasons}"
     elif cell["status"] != "pass" and cell.get("detail"):
         text += ": " + cell["detail"]
