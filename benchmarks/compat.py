@@ -40,6 +40,7 @@ from compat_world import run_jobs  # noqa: E402
 
 COLUMNS = {"tp2": (2, 1), "pp2": (1, 2), "tp2xpp2": (2, 2)}
 RESULTS = os.path.join(HERE, "results", "compat.json")
+NOTES = os.path.join(HERE, "compat_notes.md")
 DOC = os.path.join(os.path.dirname(HERE), "docs", "compatibility.md")
 
 
@@ -181,8 +182,12 @@ def main(argv: list[str] | None = None) -> None:
         os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
         with open(RESULTS, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
+    notes = ""
+    if os.path.exists(NOTES):
+        with open(NOTES) as f:
+            notes = f.read()
     with open(args.out, "w") as f:
-        f.write(render(data))
+        f.write(render(data, notes))
     log(f"wrote {os.path.relpath(args.out)} and {os.path.relpath(RESULTS)}")
 
 

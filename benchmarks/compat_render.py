@@ -39,7 +39,8 @@ def _cell(cell: dict | None) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def render(data: dict) -> str:
+def render(data: dict, notes: str = "") -> str:
+    """The page; ``notes`` (markdown, kept by hand in compat_notes.md) is appended."""
     rows, meta = data["rows"], data.get("meta", {})
     built = {k: v for k, v in sorted(rows.items()) if v.get("built")}
     unbuilt = {k: v for k, v in sorted(rows.items()) if not v.get("built")}
@@ -98,8 +99,8 @@ def render(data: dict) -> str:
             ".venv/bin/python benchmarks/compat.py --families llama,opt --merge   # some, merged",
             ".venv/bin/python benchmarks/compat.py --render-only         # this page from the JSON",
             "```", "",
-            "Raw results: `benchmarks/results/compat.json`. Known defects and notes follow.", ""]
-    notes = data.get("notes")
+            "Raw results: `benchmarks/results/compat.json`; the notes below are kept by hand in",
+            "`benchmarks/compat_notes.md`.", ""]
     if notes:
-        out += ["## Notes", "", notes.strip(), ""]
+        out += [notes.strip(), ""]
     return "\n".join(out)
