@@ -82,7 +82,9 @@ def family_names() -> list[str]:
 
 
 def _dropout_field(name: str, value: Any) -> bool:
-    return isinstance(value, float) and ("dropout" in name or "pdrop" in name
+    # Jitter (random noise on router logits or inputs) is dropout's kind: training-mode
+    # randomness that no two runs share.
+    return isinstance(value, float) and ("dropout" in name or "pdrop" in name or "jitter" in name
                                          or name.endswith("drop_prob") or name == "drop_path_rate")
 
 

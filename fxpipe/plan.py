@@ -74,8 +74,9 @@ class PipelinePlan:
     stages: tuple[Stage, ...]
     values: Mapping[str, StageValue]
     tied_stages: Mapping[str, tuple[int, ...]]
-    """Canonical name of each tied group -> the stages holding a copy. When there is
-    more than one, the runtime all-reduces the group's gradient over them
+    """Canonical name of each tied group, and of every trainable parameter read by more
+    than one stage (a module applied in several places), -> the stages holding a copy.
+    When there is more than one, the runtime all-reduces its gradient over them
     (Megatron's embedding group)."""
     param_stages: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     """Canonical parameter name -> stages that use it."""

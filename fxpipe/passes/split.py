@@ -7,8 +7,9 @@ Rules (DESIGN.md, "side inputs", "skip connections", "tied parameters"):
 - any other value produced in stage a and read in stage b > a becomes an output of
   a and an input of b, sent directly (skip connections included);
 - ``getitem`` on a multi-output op stays with its producer, so only tensors cross;
-- parameters are placeholders of every stage that reads them; a tied group read by
-  several stages is reported in ``PipelinePlan.tied_stages`` for gradient sync;
+- parameters are placeholders of every stage that reads them; a tied group or a
+  parameter read by several stages (one module applied in several places) is
+  reported in ``PipelinePlan.tied_stages`` for gradient sync;
 - the loss is the last stage's final output.
 """
 from __future__ import annotations
@@ -113,7 +114,12 @@ def split_pass(program: Program, assignment: Mapping[str, int] | None = None,
         stages.append(stage)
         for p in used_params:
             param_stages.setdefault(p, []).append(k)
+    # A trainable tensor read by several stages gets a partial gradient on each, to be
+    # summed by the runtime: tied names (embedding / LM head), and equally one module
+    # applied in several places (weights shared across layers, a recurrent block).
+    trainable = {p.canonical for p in program.trainable()}
     tied = {g: tuple(param_stages.get(g, ())) for g in program.tied_groups}
+    tied.update({g: tuple(s) for g, s in param_stages.items() if len(s) > 1 and g in trainable})
     annotated = program.replace(stages={n.name: assignment[n.name] for n in compute})
     return PipelinePlan(program=annotated, stages=tuple(stages), values=values,
                         tied_stages=tied, param_stages={k: tuple(v) for k, v in param_stages.items()})

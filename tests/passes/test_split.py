@@ -69,6 +69,15 @@ def test_tied_embedding_group_lists_both_ends():
     assert last.is_last and not first.is_last
 
 
+def test_parameter_reused_across_stages_is_synced():
+    """One Linear applied in the first and the last stage: both copies' gradients must be
+    summed, like a tied embedding (regression: HF hrm_text reuses its blocks)."""
+    _, _, plan = _plan("tests.runtime._shared_weights:workload", 2, 1)
+    assert plan.tied_stages["shared.weight"] == (0, 1)
+    assert plan.tied_stages["shared.bias"] == (0, 1)
+    assert not any(n.startswith("layers.") for n in plan.tied_stages), "one-stage params stay local"
+
+
 def test_loss_on_last_stage_only():
     _, _, plan = _plan("gpt-tiny", 2, 2)
     assert [s.is_last for s in plan.stages] == [False, False, False, True]

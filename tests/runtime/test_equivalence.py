@@ -12,6 +12,7 @@ from tests.runtime._dist import run_world
 from tests._shared import FIVE_MODELS
 
 MODELS = ["gpt-tiny", "hf:gpt2", "hf:llama"]
+SHARED = "tests.runtime._shared_weights:workload"  # a weight applied in two stages
 SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("zb-h1", None)]
 
 
@@ -21,6 +22,8 @@ def _cases(pp):
         cases += [dict(model="gpt-tiny", pp=2, schedule="1f1b", recompute="full"),
                   dict(model="hf:llama", pp=2, schedule="zb-h1", recompute="selective"),
                   dict(model="hf:gpt2", pp=2, schedule="interleaved", chunks=2, recompute="full")]
+        # One Linear used in both stages: its two partial gradients must be summed.
+        cases += [dict(model=SHARED, pp=2, schedule="1f1b")]
     return cases
 
 
@@ -46,7 +49,7 @@ def _id(c):
 
 @pytest.fixture(scope="module")
 def references():
-    return {m: reference(m) for m in FIVE_MODELS}
+    return {m: reference(m) for m in (*FIVE_MODELS, SHARED)}
 
 
 @pytest.fixture(scope="module")
