@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import time
+from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -102,7 +103,7 @@ def _local_family(mt: str, rows: dict, refs: dict) -> None:
 
 
 def parallel_phase(world: int, columns: list[str], families: list[str], rows: dict, refs: dict,
-                   timeout_s: float) -> None:
+                   timeout_s: float, save: Callable[[], None]) -> None:
     jobs, keys = [], []
     for mt in families:
         row = rows.get(mt, {})
@@ -145,6 +146,7 @@ def parallel_phase(world: int, columns: list[str], families: list[str], rows: di
                         cell = Cell("replicated", replicated=reps)
         cell.seconds = seconds
         rows[mt][col] = cell.to_json()
+        save()
         log(f"[{col} {index + 1}/{len(jobs)}] {mt}: {cell.status} {cell.detail} ({seconds:.1f} s)")
 
     if jobs:
@@ -169,19 +171,25 @@ def main(argv: list[str] | None = None) -> None:
     if not args.render_only:
         torch.set_num_threads(max(1, (os.cpu_count() or 1)))
         families = args.families.split(",") if args.families else family_names()
-        rows: dict = {}
+        rows: dict = data["rows"]  # filled in place, saved after every cell
         refs: dict = {}
         t0 = time.perf_counter()
+        old_meta = data.get("meta")
+
+        def save() -> None:
+            data["meta"] = _meta(time.perf_counter() - t0, old_meta, bool(args.merge))
+            os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+            with open(RESULTS + ".tmp", "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(RESULTS + ".tmp", RESULTS)
+
         local_phase(families, rows, refs, args.capture_timeout)
+        save()
         columns = args.columns.split(",")
         for world in sorted({COLUMNS[c][0] * COLUMNS[c][1] for c in columns}):
             cols = [c for c in columns if COLUMNS[c][0] * COLUMNS[c][1] == world]
-            parallel_phase(world, cols, families, rows, refs, args.timeout)
-        data["rows"].update(rows)
-        data["meta"] = _meta(time.perf_counter() - t0, data.get("meta"), bool(args.merge))
-        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-        with open(RESULTS, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
+            parallel_phase(world, cols, families, rows, refs, args.timeout, save)
+        save()
     notes = ""
     if os.path.exists(NOTES):
         with open(NOTES) as f:
