@@ -1,0 +1,104 @@
+"""Run many jobs in one spawned gloo world, with a time limit per job.
+
+Starting a world costs each process a torch + transformers import, so one world
+runs every family of a world size (as ``tests/runtime/_dist.py`` does for tests).
+Each rank writes one result file per job; the parent watches them. A job that
+does not finish in time, or that ends differently on different ranks (some
+failed, others did not: the process groups may hold stale messages), ends the
+world; the parent records the job and starts a fresh world for the rest.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, outdir: str, fn: Callable, jobs: list) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    # Our own group for the after-job handshake: independent of whatever the job's
+    # groups are still waiting for.
+    control = dist.new_group(backend="gloo")
+    for index, job in enumerate(jobs):
+        try:
+            result: Any = ("ok", fn(*job))
+        except BaseException as exc:  # every failure is a result of the job
+            result = ("exc", exc, traceback.format_exc())
+        path = os.path.join(outdir, f"{index}.{rank}.pkl")
+        try:
+            blob = pickle.dumps(result)
+        except Exception:  # an unpicklable exception: keep its text
+            blob = pickle.dumps(("exc", RuntimeError(repr(result[1])[:300]), result[-1]))
+        with open(path + ".tmp", "wb") as f:
+            f.write(blob)
+        os.replace(path + ".tmp", path)
+        kinds: list[Any] = [None] * world
+        dist.all_gather_object(kinds, result[0], group=control)
+        if len(set(kinds)) > 1:
+            os._exit(0)  # ranks disagree: the parent starts a fresh world
+    os._exit(0)
+
+
+def run_jobs(world: int, fn: Callable, jobs: list[tuple], timeout_s: float,
+             on_done: Callable[[int, list], None]) -> None:
+    """``fn(*job)`` on every rank of a ``world``-process gloo world, for each job in order.
+
+    ``on_done(index, per_rank)`` is called as each job ends; ``per_rank`` holds
+    ('ok', value) or ('exc', exception, traceback text) per rank, or is None
+    for a job that timed out (or whose world died)."""
+    start = 0
+    ctx = mp.get_context("spawn")
+    while start < len(jobs):
+        pending = jobs[start:]
+        with tempfile.TemporaryDirectory() as outdir:
+            port = _free_port()
+            procs = [ctx.Process(target=_worker, args=(r, world, port, outdir, fn, pending), daemon=True)
+                     for r in range(world)]
+            for p in procs:
+                p.start()
+            done, deadline = 0, time.monotonic() + timeout_s + 60  # + start-up
+            while done < len(pending):
+                files = [os.path.join(outdir, f"{done}.{r}.pkl") for r in range(world)]
+                if all(os.path.exists(f) for f in files):
+                    per_rank = []
+                    for f in files:
+                        with open(f, "rb") as fh:
+                            per_rank.append(pickle.load(fh))
+                    on_done(start + done, per_rank)
+                    done += 1
+                    deadline = time.monotonic() + timeout_s
+                    kinds = {r[0] for r in per_rank}
+                    if len(kinds) > 1:
+                        break
+                    continue
+                if time.monotonic() > deadline or not any(p.is_alive() for p in procs):
+                    on_done(start + done, None)
+                    done += 1
+                    break
+                time.sleep(0.2)
+            for p in procs:  # only the processes started above
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        start += done
+        sys.stdout.flush()
