@@ -18,6 +18,12 @@ Which ops: ``aten.linear`` (weight [out, in]) and ``aten.addmm`` / ``aten.mm`` w
 right operand is [in, out] (Conv1D-style layers), chosen by structure and cost only:
 an op whose matmul FLOPs exceed 1/(2S) of the model's is cut into
 ceil(share · 2S) blocks (at most 8), so each block is at most half a stage's share.
+Finer blocks balance better but cost more here: every block's weight slice has its
+own backward, which builds a zero gradient of the whole weight and adds its block
+into it (measured on GPT-2's 50257×256 head at pp=2: 3 blocks, imbalance 1.14 and a
+1.52x speed-up; 10 blocks, imbalance 1.04 but the profile's work per microbatch
+743 ms instead of 576 and a 1.21x speed-up). Coalescing the blocks each stage was
+given into one slice after partitioning would keep both; not built yet.
 """
 from __future__ import annotations
 
