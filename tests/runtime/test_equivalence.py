@@ -28,6 +28,8 @@ def _cases(pp):
         # One Linear used in both stages: its two partial gradients must be summed.
         cases += [dict(model=SHARED, pp=2, schedule="1f1b")]
         cases += [dict(model=WIDE, pp=2, schedule="1f1b"), dict(model=WIDE, pp=2, schedule="zb-h1")]
+        # The default path: costs measured on the ranks, the ILP on those.
+        cases += [dict(model="hf:llama", pp=2, schedule="1f1b", costs="measure")]
     return cases
 
 
@@ -50,7 +52,8 @@ def _world4_cases():
 
 def _id(c):
     return (f"{c['model']}-tp{c.get('tp', 1)}-pp{c['pp']}-{c['schedule']}"
-            + ("-sp" if c.get("sp") else "") + (f"-{c['recompute']}" if "recompute" in c else ""))
+            + ("-sp" if c.get("sp") else "") + (f"-{c['recompute']}" if "recompute" in c else "")
+            + (f"-costs-{c['costs']}" if "costs" in c else ""))
 
 
 @pytest.fixture(scope="module")
