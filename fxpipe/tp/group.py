@@ -83,14 +83,17 @@ class ProcessGroupTP:
         # The flat collectives work along dim 0: move ``dim`` first and back.
         src = t.detach().movedim(dim, 0).contiguous()
         out = src.new_empty((src.shape[0] * self._size, *src.shape[1:]))
-        self._dist.all_gather_into_tensor(out, src, group=self.group)  # torch >= 2.0 (all_gather_single: 2.13+)
+        # all_gather_single from torch 2.13 (its predecessor warns there); older: *_into_tensor.
+        gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
+        gather(out, src, group=self.group)
         return out.movedim(0, dim).contiguous()
 
     def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         src = t.detach().movedim(dim, 0).contiguous()
         assert src.shape[0] % self._size == 0, (tuple(t.shape), dim, self._size)
         out = src.new_empty((src.shape[0] // self._size, *src.shape[1:]))
-        self._dist.reduce_scatter_tensor(out, src, group=self.group)
+        scatter = getattr(self._dist, "reduce_scatter_single", None) or self._dist.reduce_scatter_tensor
+        scatter(out, src, group=self.group)
         return out.movedim(0, dim).contiguous()
 
     def __repr__(self) -> str:
