@@ -200,6 +200,14 @@ def single_process(steps: int) -> float:
     return statistics.median(times)
 
 
+def write_result(name: str, text: str) -> None:
+    """Print ``text`` and write it to benchmarks/results/``name``."""
+    print(text)
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, name), "w") as f:
+        f.write(text)
+
+
 def main() -> None:
     from fxpipe.runtime.balance import balance, balance_table
 
@@ -236,11 +244,7 @@ def main() -> None:
         f"- fxpipe setup (capture, cost measurement, partition, split): {max(r['setup'] for r in res):.1f} s",
         f"- torch.distributed.pipelining set up as: {res[0]['how']}",
         "", "```", balance_table(rows, imbalance), "```", ""]
-    text = "\n".join(lines)
-    print(text)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"runtime_pp{args.pp}.md"), "w") as f:
-        f.write(text)
+    write_result(f"runtime_pp{args.pp}.md", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -33,9 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench_runtime import LAYERS, M, SEQ, workload
+from bench_runtime import LAYERS, M, SEQ, workload, write_result
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SCHEDULES = [("1f1b", None), ("interleaved", 2), ("zb-h1", None)]
 
 
@@ -69,7 +68,7 @@ def worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
 def predict(schedule, steps_by_rank, held_out: int):
     """Simulated makespan of ``held_out`` from the other steps' per-stage medians, and its
     measured makespan."""
-    from fxpipe.schedules.ir import Action, ActionKind
+    from fxpipe.schedules.ir import Action
     from fxpipe.schedules.simulate import StageDurations, simulate
 
     n = schedule.num_stages
@@ -91,7 +90,6 @@ def predict(schedule, steps_by_rank, held_out: int):
     sim = simulate(schedule.compute_only(), StageDurations(forward=med["F"], backward=backward, weight=weight))
     events = [e for rank in steps_by_rank for e in rank[held_out]]
     measured = (max(e for _, _, e in events) - min(s for _, s, _ in events)) * 1e3
-    del ActionKind
     return sim.makespan, measured
 
 
@@ -129,11 +127,7 @@ def main() -> None:
         model = model_only(r["schedule"], r["partition"])
         lines.append(f"| {name} | {measured:.1f} | {sim:.1f} | {abs(sim - measured) / measured:.1%} | "
                      f"{model:.1f} | {abs(model - measured) / measured:.1%} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"sim_validation_pp{args.pp}.md"), "w") as f:
-        f.write(text)
+    write_result(f"sim_validation_pp{args.pp}.md", "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -123,10 +123,9 @@ def _print_partition(program, args: argparse.Namespace) -> None:
                              allow_over_limit=args.allow_over_limit)
     hw_name = hw.name
     if sched.num_stages > 1 and args.partition in ("ilp", "dp"):
-        from fxpipe.passes import cost_pass
         from fxpipe.passes.split_matmul import split_matmul_pass
 
-        program = cost_pass(split_matmul_pass(program, sched.num_stages))
+        program = split_matmul_pass(program, sched.num_stages)
     if args.costs != "model":
         config, hw_name = _measured_config(program, config, sched, args)
     assignment, result = solve_partition(program, config)

@@ -38,16 +38,16 @@ def _round_trip(peer: int, first: bool, n: int, device: torch.device, repeats: i
 def probe_link(peer_of_rank0: int | None, device: torch.device, repeats: int = 5) -> tuple[float, float]:
     """(latency s, bandwidth B/s) between rank 0 and ``peer_of_rank0`` (collective over
     the world; (0, inf) when there is no peer)."""
+    if peer_of_rank0 is None:
+        return 0.0, math.inf
     rank = dist.get_rank()
     box: list = [None]
-    if peer_of_rank0 is not None and rank in (0, peer_of_rank0):
+    if rank in (0, peer_of_rank0):
         first = rank == 0
         other = peer_of_rank0 if first else 0
         small = _round_trip(other, first, SMALL, device, repeats) / 2
         large = _round_trip(other, first, LARGE, device, repeats) / 2
         bandwidth = LARGE * 4 / max(large - small, 1e-9)
         box = [(small, bandwidth)]
-    if peer_of_rank0 is None:
-        return 0.0, math.inf
     dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -88,15 +88,6 @@ class CostProfile:
                     times[n] = (total * share, prev[1]) if key == "fwd" else (prev[0], total * share)
         return times
 
-    def weight_fraction(self, stage_groups: Sequence[Sequence[int]]) -> list[float]:
-        """Per stage, W / (I + W) measured over its groups (for the simulator)."""
-        out = []
-        for gs in stage_groups:
-            i = sum(self.groups[g][2] for g in gs)
-            w = sum(self.groups[g][3] for g in gs)
-            out.append(w / (i + w) if i + w > 0 else 0.5)
-        return out
-
     # ---- files ---------------------------------------------------------------------------
     def _payload(self) -> dict:
         return dict(format=FORMAT, key=self.key, device=self.device, groups=[list(g) for g in self.groups],

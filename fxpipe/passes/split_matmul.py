@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from fxpipe.passes.cost import cost_pass
 from fxpipe.program import Program
 
 aten = torch.ops.aten
@@ -106,8 +107,8 @@ def _split_one(graph: fx.Graph, node: fx.Node, k: int, names: dict, src: str) ->
 
 def split_matmul_pass(program: Program, num_stages: int) -> Program:
     """Cut every matmul heavier than 1/(2·num_stages) of the model's matmul FLOPs into
-    output-feature blocks (module docstring). Needs the cost pass's annotations; the
-    returned Program needs them again (run ``cost_pass``)."""
+    output-feature blocks (module docstring). Needs the cost pass's annotations and
+    returns them for the rewritten graph."""
     if num_stages < 2 or not program.costs:
         return program
     costs = program.costs
@@ -145,4 +146,4 @@ def split_matmul_pass(program: Program, num_stages: int) -> Program:
         layers.pop(name, None)
     gm.graph.lint()
     gm.recompile()
-    return program.replace(graph_module=gm, module_paths=paths, layers=layers, costs={})
+    return cost_pass(program.replace(graph_module=gm, module_paths=paths, layers=layers, costs={}))

@@ -304,10 +304,12 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
                        flops_per_step=(whole.fwd_flops + whole.bwd_flops) * microbatches * dp)
     program, _ = run_passes(canonical, TPConfig(tp=tp, sp=sp), skip=["canonicalize"])
     program = retarget_device_pass(program, device)
-    if sched.num_stages > 1 and Method(partition) in (Method.ILP, Method.DP):
+    # Only the ILP and dp partitions balance time; uniform and params ignore it.
+    balances_time = sched.num_stages > 1 and Method(partition) in (Method.ILP, Method.DP)
+    if balances_time:
         # No single op may outweigh a stage's share (an LM head over a large vocabulary):
         # cut such matmuls into output-feature blocks the partitioner can spread.
-        program = cost_pass(split_matmul_pass(program, sched.num_stages))
+        program = split_matmul_pass(program, sched.num_stages)
     config = PartitionConfig(num_stages=sched.num_stages, stage_to_rank=sched.stage_ranks,
                              inflight=stage_inflight(sched), method=partition,
                              memory_limit_bytes=None if memory_limit_gb is None
@@ -344,7 +346,7 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     rng = DropoutRNG(seed, groups.tp_rank)
     context = (lambda: tp_group_context(tp_group, rng)) if tp > 1 else contextlib.nullcontext
     source = parse_costs(costs)
-    if source != "model" and sched.num_stages > 1 and Method(partition) in (Method.ILP, Method.DP):
+    if source != "model" and balances_time:
         # Balance measured times (fxpipe/costs): each rank times a share of the graph.
         first_mb = tuple(t[:mb_rows].to(device) for t in example)
         profile, probe, fine = measured_profile(
@@ -371,8 +373,6 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     deferred = weights is not None or any(program.state[n].is_meta for n in names)
     mine = local_tensors(names)
     state = {n: t for n, (t, _) in mine.items()}
-    for t in state.values():
-        t.grad = None
     built.clear()  # tensors timed by the cost profile and not needed here are dropped
     # The shards are taken: the plan keeps parameter shapes only (meta), so no full copy
     # of the model stays alive in this process (buffers and constants are small).

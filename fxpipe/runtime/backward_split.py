@@ -30,8 +30,9 @@ e.g. tied embedding and LM head) makes the engine ambiguous: asked for the
 gradient arriving at that node from one boundary, it also follows the input-side
 path to the other and counts its share twice. Such a boundary is instead applied
 directly (its function called on the captured gradient), which recomputes its
-input-side output once — the only duplicated work, and only for shared weights. The same design underlies
-torch.distributed.pipelining's ``stage_backward_weight``.
+input-side output once — the only duplicated work, and only for shared weights.
+torch.distributed.pipelining's ``stage_backward_weight`` splits its backward in a
+related way (intermediate nodes captured in I, weight gradients from them in W).
 """
 from __future__ import annotations
 
@@ -49,9 +50,8 @@ def _graph(roots: Sequence[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
     order: list[Node] = []
     parents: dict[Node, list[Node]] = {}
     seen: set[Node] = set()
-    stack = [r for r in roots]
-    for r in roots:
-        seen.add(r)
+    stack = list(dict.fromkeys(roots))  # two outputs may share a grad_fn
+    seen.update(stack)
     while stack:
         node = stack.pop()
         order.append(node)
@@ -108,13 +108,12 @@ class BackwardSplit:
         self._roots = [(get_gradient_edge(t), g if g is not None else torch.ones_like(t))
                        for t, g in pairs]
         root_nodes = [e.node for e, _ in self._roots]
-        _, parents = _graph(root_nodes)
+        nodes, parents = _graph(root_nodes)
         leaves = [get_gradient_edge(t).node for t in self.inputs if t.requires_grad]
         weights = [get_gradient_edge(t).node for t in self.params if t.requires_grad]
         closure = _ancestors([n for n in leaves if n in parents], parents)
         self._weighty = _ancestors([n for n in weights if n in parents], parents)
         self._closure = closure
-        nodes, _ = _graph(root_nodes)
         found = []
         for node in nodes:  # discovery order: the same on every rank of a TP group
             if node not in closure:

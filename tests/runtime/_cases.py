@@ -32,6 +32,18 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str
     return losses, {n: p.detach().clone() for n, p in w.model.named_parameters()}, grads
 
 
+def train(pm, w, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``steps`` of AdamW on ``pm``: per-step losses and the first step's full gradients."""
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    losses, grads = [], {}
+    for step in range(steps):
+        losses.append(pm.train_step(w.example_inputs))
+        if step == 0:
+            grads = pm.unshard_tp({n: t.grad.clone() for n, t in pm.named_parameters()})
+        opt.step()
+    return losses, grads
+
+
 def train_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Each case: dict(model, pp, schedule, chunks). Returns losses, parameters, stats."""
     from fxpipe.runtime.api import parallelize
@@ -48,13 +60,7 @@ def train_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
                          # The matrix checks the runtime on fixed cuts; measured costs move
                          # the cuts run to run (they have their own tests and cases below).
                          costs=case.get("costs", "model"))
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-        losses, grads = [], {}
-        for step in range(STEPS):
-            losses.append(pm.train_step(w.example_inputs))
-            if step == 0:
-                grads = pm.unshard_tp({n: t.grad.clone() for n, t in pm.named_parameters()})
-            opt.step()
+        losses, grads = train(pm, w)
         # The schedule's own peak, from the simulator (independent of the executor).
         bound = simulate(pm.schedule).peak_in_flight[pm.groups.pp_rank]
         result = dict(case=case, losses=losses, peak=pm.last_stats.peak_in_flight, bound=bound,

@@ -5,9 +5,7 @@ import os
 import time
 import warnings
 
-import torch
-
-from tests.runtime._cases import BATCH, MICROBATCHES, SEQ
+from tests.runtime._cases import BATCH, MICROBATCHES, SEQ, train
 from fxpipe.models import build_workload
 
 STEPS = 2
@@ -25,13 +23,7 @@ def _train(case: dict, compile: bool) -> dict:
                      example_inputs=w.example_inputs, loss_fn=w.loss_fn, partition="uniform",
                      recompute=case.get("recompute", "none"), precision=case.get("precision", "fp32"),
                      compile=compile)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    losses, grads = [], {}
-    for step in range(STEPS):
-        losses.append(pm.train_step(w.example_inputs))
-        if step == 0:
-            grads = pm.unshard_tp({n: t.grad.clone() for n, t in pm.named_parameters()})
-        opt.step()
+    losses, grads = train(pm, w, STEPS)
     return dict(losses=losses, grads=grads, compiled=[(r.stage, r.compiled, r.reason) for r in pm.compiled_stages])
 
 
