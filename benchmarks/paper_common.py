@@ -107,13 +107,13 @@ def cpu_profile(recalibrate: bool = False):
 def predict_run(run: Run, hw):
     """The planner's prediction for ``run`` on the calibrated CPU profile."""
     from fxpipe.passes.recompute import RecomputeMode
-    from fxpipe.planner import ParallelConfig, PlannerOptions, ScheduleKind, TransformerShape, predict
+    from fxpipe.planner import CandidateLayout, PlannerOptions, ScheduleKind, TransformerShape, predict
 
     shape = TransformerShape(name=run.label, layers=run.layers, hidden=HIDDEN, heads=HEADS, seq=SEQ,
                              vocab=VOCAB, dropout=False)
     opts = PlannerOptions(hardware=hw, dtype_bytes=4, fused_attention=True, optimizer=False,
                           bytes_per_param=16, grad_bytes=4)
-    cfg = ParallelConfig(tp=1, pp=run.pp, dp=run.dp, micro_batch=run.micro_batch,
+    cfg = CandidateLayout(tp=1, pp=run.pp, dp=run.dp, micro_batch=run.micro_batch,
                          num_microbatches=run.microbatches, chunks=run.chunks,
                          schedule=ScheduleKind.parse(run.schedule),
                          recompute=RecomputeMode.parse(run.recompute))
@@ -261,8 +261,8 @@ def paper_options(**kw):
 
 def paper_config(*, t: int, p: int, d: int = 1, b: int = 1, B: int, v: int = 1, recompute: str = "full"):
     from fxpipe.passes.recompute import RecomputeMode
-    from fxpipe.planner import ParallelConfig, ScheduleKind
-    return ParallelConfig(tp=t, pp=p, dp=d, micro_batch=b, num_microbatches=B // (d * b), chunks=v,
+    from fxpipe.planner import CandidateLayout, ScheduleKind
+    return CandidateLayout(tp=t, pp=p, dp=d, micro_batch=b, num_microbatches=B // (d * b), chunks=v,
                           schedule=ScheduleKind.INTERLEAVED if v > 1 else ScheduleKind.ONE_F_ONE_B,
                           recompute=RecomputeMode.parse(recompute))
 

@@ -20,7 +20,7 @@ from paper_common import figure, save_plot, write_table
 
 from fxpipe.hardware import V100
 from fxpipe.passes.recompute import RecomputeMode
-from fxpipe.planner import LayerBalance, ParallelConfig, PlannerOptions, TransformerShape, predict
+from fxpipe.planner import LayerBalance, CandidateLayout, PlannerOptions, TransformerShape, predict
 
 STRATEGIES = ("baseline", "SP", "selective", "SP+selective", "full")
 # (model, tp, pp) -> seq -> ((time ms, peak MB) per strategy in STRATEGIES order), seed 002.
@@ -71,7 +71,7 @@ def main() -> None:
             for name in STRATEGIES:
                 rc, sp = strategy(name)
                 b = MICRO_BATCH[model]
-                cfg = ParallelConfig(tp=t, pp=p, dp=d, micro_batch=b,
+                cfg = CandidateLayout(tp=t, pp=p, dp=d, micro_batch=b,
                                      num_microbatches=GLOBAL_BATCH // (b * d), recompute=rc,
                                      sequence_parallel=sp)
                 preds.append(predict(shape, cfg, opts))

@@ -9,7 +9,6 @@ import argparse
 import math
 import os
 import sys
-import time
 from typing import Sequence
 
 
@@ -49,39 +48,61 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: meta for gpt2-medium and larger, else cpu)")
 
 
+def _layout(args: argparse.Namespace):
+    """The ``ParallelConfig`` of ``fxpipe compile``'s or ``fxpipe run``'s flags."""
+    from fxpipe.config import ParallelConfig
+
+    fields = dict(tp=args.tp, pp=args.pp, sp=args.sp, schedule=args.schedule, chunks=args.chunks,
+                  microbatches=args.microbatches, partition=args.partition, costs=args.costs)
+    for flag, name in (("dp", "dp"), ("seed", "seed"), ("precision", "precision"), ("recompute", "recompute"),
+                       ("zero", "zero"), ("compile", "compile"), ("timeout", "timeout_s"),
+                       ("memory_limit", "memory_limit_gb"), ("allow_over_limit", "allow_over_limit"),
+                       ("hardware", "hardware"), ("time_limit", "time_limit_s")):
+        if hasattr(args, flag):
+            fields[name] = getattr(args, flag)
+    if getattr(args, "no_scatter_gather", False):
+        fields["scatter_gather"] = False
+    return ParallelConfig(**fields)
+
+
 def _cmd_compile(args: argparse.Namespace) -> int:
-    from fxpipe.capture import capture
+    from fxpipe.compiler import CompileHooks, compile_pipeline
     from fxpipe.models.registry import build_workload
-    from fxpipe.passes import run_passes
+    from fxpipe.passes.tensor_parallel import render_sharding_report
     from fxpipe.preflight import capture_device
     from fxpipe.report import compile_summary
 
+    layout = _layout(args)
     device = args.device or capture_device(args.model)
-    start = time.perf_counter()
     workload = build_workload(args.model, batch=args.batch, seq=args.seq, device=device,
                               layers=args.layers)
-    program = capture(workload.model, workload.example_inputs, workload.loss_fn)
-    args._example = workload.example_inputs if device != "meta" else None
-    captured = time.perf_counter() - start
-    from fxpipe.passes.tensor_parallel import TPConfig, render_sharding_report
+    pipelined = args.pp > 1 or args.chunks
+    measured: list[str] = []
 
-    tp_config = TPConfig(tp=args.tp, sp=args.sp, scatter_gather=not args.no_scatter_gather and None)
-    program, timings = run_passes(program, tp_config, skip=args.skip_pass, debug=args.debug)
-    print(compile_summary(program, timings))
-    print(f"capture      {captured:.2f} s on {device}")
-    if "tensor_parallel" in program.extra:
+    def measure(program, config, ctx):
+        config, name = _measured_config(program, config, ctx, workload, args)
+        measured.append(name)
+        return config
+
+    # The same pipeline parallelize runs (fxpipe/compiler.py); one stage needs no partition.
+    result = compile_pipeline(workload.model, workload.example_inputs, layout, loss_fn=workload.loss_fn,
+                              hooks=CompileHooks(measure=measure), skip=args.skip_pass, debug=args.debug,
+                              until=None if pipelined else "cost")
+    print(compile_summary(result.program, list(result.timings)))
+    print(f"capture      {result.capture_s:.2f} s on {device}")
+    if "tensor_parallel" in result.program.extra:
         print()
-        print(render_sharding_report(program.extra["tensor_parallel"]))
-    if args.pp > 1 or args.chunks:
-        _print_partition(program, args)
+        print(render_sharding_report(result.program.extra["tensor_parallel"]))
+    if pipelined:
+        _print_partition(result, measured[0] if measured else layout.hardware, args)
     if args.graph:
         with open(args.graph, "w") as f:
-            f.write(str(program.graph))
+            f.write(str(result.program.graph))
         print(f"graph text   written to {args.graph}")
     return 0
 
 
-def _measured_config(program, config, sched, args: argparse.Namespace):
+def _measured_config(program, config, ctx, workload, args: argparse.Namespace):
     """The partition config with costs measured in this process (or read from a profile)."""
     import torch
 
@@ -99,58 +120,38 @@ def _measured_config(program, config, sched, args: argparse.Namespace):
     state_for = lambda names: {n: program.state[n].detach().clone().requires_grad_(  # noqa: E731
         program.state[n].requires_grad) for n in names}
     profile, probe, fine = measured_profile(program, config, args.costs, device=device, state_for=state_for,
-                                            batch=args._example)
-    measured = apply_profile(config, profile, probe, fine, sched.splits_backward)
+                                            batch=workload.example_inputs)
+    measured = apply_profile(config, profile, probe, fine, ctx.schedule.splits_backward)
     return measured, f"measured: {device_name(device)}"
 
 
-def _print_partition(program, args: argparse.Namespace) -> None:
+def _print_partition(result, hw_name: str, args: argparse.Namespace) -> None:
     import json
 
-    from fxpipe.hardware import get_hardware
-    from fxpipe.passes.partition import PartitionConfig, solve_partition, stage_inflight
     from fxpipe.report import stage_rows, stage_table
-    from fxpipe.schedules.registry import generate, get_spec
 
-    spec = get_spec(args.schedule)
-    chunks = args.chunks or spec.default_chunks
-    sched = generate(args.schedule, args.pp, args.microbatches, chunks)
-    limit = None if args.memory_limit is None else int(args.memory_limit * 2**30)
-    hw = get_hardware(args.hardware)
-    config = PartitionConfig(num_stages=sched.num_stages, stage_to_rank=sched.stage_ranks,
-                             inflight=stage_inflight(sched), method=args.partition,
-                             memory_limit_bytes=limit, hardware=hw, time_limit_s=args.time_limit,
-                             allow_over_limit=args.allow_over_limit)
-    hw_name = hw.name
-    if sched.num_stages > 1 and args.partition in ("ilp", "dp"):
-        from fxpipe.passes.split_matmul import split_matmul_pass
-
-        program = split_matmul_pass(program, sched.num_stages)
-    if args.costs != "model":
-        config, hw_name = _measured_config(program, config, sched, args)
-    assignment, result = solve_partition(program, config)
+    layout, program, partition = result.config, result.program, result.partition
+    assignment = dict(program.stages)
     print()
-    print(f"pipeline     pp={args.pp} chunks={chunks} schedule={args.schedule} "
-          f"microbatches={args.microbatches}")
-    print(stage_table(program, assignment, result, hw_name))
-    if args.tp > 1:
-        print(_inter_stage_bytes(program, assignment, sched.num_stages, args))
+    print(f"pipeline     pp={layout.pp} chunks={layout.chunks} schedule={layout.schedule.value} "
+          f"microbatches={layout.microbatches}")
+    print(stage_table(program, assignment, partition, hw_name))
+    if layout.tp > 1:
+        print(_inter_stage_bytes(result.plan, args))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(method=result.method.value, bottleneck_s=result.bottleneck_s,
-                           balance_ratio=result.balance_ratio, gap=result.gap,
-                           status=result.status.value, stages=stage_rows(program, assignment, result)),
+            json.dump(dict(method=partition.method.value, bottleneck_s=partition.bottleneck_s,
+                           balance_ratio=partition.balance_ratio, gap=partition.gap,
+                           status=partition.status.value, stages=stage_rows(program, assignment, partition)),
                       f, indent=2)
         print(f"stage table  written to {args.json}")
 
 
-def _inter_stage_bytes(program, assignment, num_stages: int, args: argparse.Namespace) -> str:
+def _inter_stage_bytes(plan, args: argparse.Namespace) -> str:
     """Bytes each tp rank sends between stages per step, with and without scatter-gather."""
-    from fxpipe.passes.split import split_pass
     from fxpipe.report import human
     from fxpipe.tp import inter_stage_bytes
 
-    plan = split_pass(program, assignment, num_stages)
     totals = {}
     for sg in (False, True):
         per_mb = 0
@@ -166,20 +167,17 @@ def _inter_stage_bytes(program, assignment, num_stages: int, args: argparse.Name
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from fxpipe.preflight import check_run
+    from fxpipe.preflight import check_flags, check_run
     from fxpipe.train import TrainConfig, launch
 
-    config = TrainConfig(model=args.model, tp=args.tp, pp=args.pp, dp=args.dp, schedule=args.schedule,
-                         chunks=args.chunks, microbatches=args.microbatches,
-                         micro_batch_size=args.micro_batch_size, global_batch=args.global_batch,
-                         seq=args.seq, steps=args.steps, lr=args.lr, seed=args.seed,
-                         log_interval=args.log_interval, partition=args.partition, costs=args.costs,
+    check_flags(args)  # by flag name, before the configs refuse the same values by field
+    config = TrainConfig(model=args.model, parallel=_layout(args), micro_batch_size=args.micro_batch_size,
+                         global_batch=args.global_batch, seq=args.seq, steps=args.steps, lr=args.lr,
+                         log_interval=args.log_interval,
                          timeline=None if args.timeline == "none" else args.timeline,
-                         timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
-                         save_interval=args.save_interval, resume=args.resume, resume_from=args.resume_from,
-                         export=args.export,
-                         sp=args.sp, precision=args.precision, recompute=args.recompute,
-                         zero=args.zero, init_from=args.init_from, compile=args.compile)
+                         checkpoint_dir=args.checkpoint_dir, save_interval=args.save_interval,
+                         resume=args.resume, resume_from=args.resume_from, export=args.export,
+                         init_from=args.init_from)
     # Everything checkable is checked here, before a worker starts (fxpipe/preflight.py).
     # Under torchrun every rank is a worker already: the model is captured by each anyway.
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -198,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--graph", metavar="FILE", help="write the compiled ATen graph as text")
     p.add_argument("--skip-pass", action="append", default=[], metavar="NAME",
-                   help="skip a pass by name (repeatable)")
+                   help="skip a pass of the compile pipeline by name (repeatable; names: fxpipe/compiler.py)")
     p.add_argument("--debug", action="store_true",
                    help="lint the graph and check invariants after every pass; full tracebacks")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size t; >1 prints the sharding report")

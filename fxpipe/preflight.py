@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from fxpipe.compiler import CompileResult
     from fxpipe.program import Program
     from fxpipe.train import TrainConfig
 
@@ -40,49 +41,54 @@ class PreflightError(ValueError):
     """A problem found before spawning workers; the message is the whole report."""
 
 
-def check_run(config: "TrainConfig", *, model: bool = True) -> "Program | None":
-    """Every check above, cheapest first; ``model=False`` skips capturing the model.
-    Returns the program the model check compiled (tensor-parallel, costed), or None."""
-    check_flags(config)
+def check_run(config: "TrainConfig", *, model: bool = True) -> "CompileResult | None":
+    """The file-system and model checks, cheapest first (``check_flags`` runs on the flags,
+    before the config exists); ``model=False`` skips capturing the model. Returns what
+    the model check compiled (tensor-parallel, costed), or None."""
     check_paths(config)
     return check_model(config) if model else None
 
 
 # ---- 1. flags --------------------------------------------------------------------------------
-def check_flags(config: "TrainConfig") -> None:
+def check_flags(args: Any) -> None:
+    """``fxpipe run``'s flags (an argparse namespace) checked by name, so every message
+    says which flag to change; ``ParallelConfig`` would refuse the same values by field."""
     from fxpipe.models.registry import GPT_CONFIGS
     from fxpipe.partition import Method
     from fxpipe.schedules.registry import generate, get_spec
 
-    if not math.isfinite(config.timeout_s) or config.timeout_s <= 0:
-        raise PreflightError(f"--timeout must be a positive number of seconds, got {config.timeout_s}; "
+    for name in ("tp", "pp", "dp", "microbatches"):
+        if getattr(args, name) < 1:
+            raise PreflightError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        raise PreflightError(f"--timeout must be a positive number of seconds, got {args.timeout}; "
                              f"it bounds every transfer and collective (default 60)")
-    if not math.isfinite(config.lr) or config.lr <= 0:
-        raise PreflightError(f"--lr must be a positive finite number, got {config.lr} (default 2e-3)")
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        raise PreflightError(f"--lr must be a positive finite number, got {args.lr} (default 2e-3)")
     methods = [m.value for m in Method]
-    if config.partition not in methods:
-        raise PreflightError(f"unknown --partition {config.partition!r}; valid: {', '.join(methods)}")
-    if config.costs not in ("measure", "model"):
+    if args.partition not in methods:
+        raise PreflightError(f"unknown --partition {args.partition!r}; valid: {', '.join(methods)}")
+    if args.costs not in ("measure", "model"):
         from fxpipe.costs import CostProfile, ProfileError
         try:
-            CostProfile.load(config.costs)
+            CostProfile.load(args.costs)
         except ProfileError as e:
-            raise PreflightError(f"--costs {config.costs}: {e}; use --costs measure (times the graph on "
+            raise PreflightError(f"--costs {args.costs}: {e}; use --costs measure (times the graph on "
                                  f"the workers and caches it) or --costs model") from None
-    if config.sp and config.tp == 1:
+    if args.sp and args.tp == 1:
         raise PreflightError("--sp needs --tp > 1: sequence parallelism splits the sequence over "
                              "the tensor-parallel group")
-    if config.sp and config.seq % config.tp:
-        raise PreflightError(f"--sp splits the sequence over tp={config.tp} ranks: --seq {config.seq} "
-                             f"is not a multiple of {config.tp}; use --seq "
-                             f"{config.seq - config.seq % config.tp or config.tp}")
-    cfg = GPT_CONFIGS.get(config.model)
-    if cfg is not None and config.seq > cfg.block_size:
-        raise PreflightError(f"--seq {config.seq} exceeds {config.model}'s block size {cfg.block_size}")
-    spec = get_spec(config.schedule)
+    if args.sp and args.seq % args.tp:
+        raise PreflightError(f"--sp splits the sequence over tp={args.tp} ranks: --seq {args.seq} "
+                             f"is not a multiple of {args.tp}; use --seq "
+                             f"{args.seq - args.seq % args.tp or args.tp}")
+    cfg = GPT_CONFIGS.get(args.model)
+    if cfg is not None and args.seq > cfg.block_size:
+        raise PreflightError(f"--seq {args.seq} exceeds {args.model}'s block size {cfg.block_size}")
     try:
-        generate(config.schedule, config.pp, config.microbatches,
-                 config.chunks if config.chunks is not None else spec.default_chunks)
+        spec = get_spec(args.schedule)
+        generate(args.schedule, args.pp, args.microbatches,
+                 args.chunks if args.chunks is not None else spec.default_chunks)
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
 
@@ -174,50 +180,40 @@ def capture_device(model: str) -> str:
     return "meta" if cfg is not None and cfg.num_params > META_ABOVE_PARAMS else "cpu"
 
 
-def check_model(config: "TrainConfig") -> "Program":
+def check_model(config: "TrainConfig") -> "CompileResult":
+    """Capture and compile the model as the workers will, through the cheap passes (a
+    non-ILP partition too; the ILP and measured costs are left to the workers)."""
     import torch
 
-    from fxpipe.capture import capture
+    from fxpipe.compiler import compile_pipeline
     from fxpipe.models.registry import build_workload
-    from fxpipe.passes import run_passes
-    from fxpipe.passes.tensor_parallel import TPConfig
-    from fxpipe.vocab import TokenRole, token_inputs
+    from fxpipe.partition import Method, PartitionError
+    from fxpipe.vocab import TokenRole
 
     device = capture_device(config.model)
     w = build_workload(config.model, batch=config.micro_batch_size, seq=config.seq, device=device,
-                       seed=config.seed)
+                       seed=config.parallel.seed)
     # The batch the workers build from byte windows: the largest byte is the largest id
     # (a registry workload maps ids into its vocabulary itself: ``batch_from_tokens``).
     tokens = torch.full((config.micro_batch_size, config.seq + 1), DATA_VOCAB - 1, dtype=torch.long)
-    example = w.batch_from_tokens(tokens)
-    program = capture(w.model, tuple(t.to(device) for t in example), w.loss_fn)
-    for t in token_inputs(program):
+    example = tuple(t.to(device) for t in w.batch_from_tokens(tokens))
+    layout = config.parallel
+    heuristic = layout.partition is not Method.ILP
+    try:
+        result = compile_pipeline(w.model, example, layout, loss_fn=w.loss_fn,
+                                  until="partition" if heuristic else "cost")
+    except PartitionError as exc:
+        raise PreflightError(f"--partition {layout.partition.value}: {exc}") from None
+    for t in result.token_inputs:
         if int(example[t.input_index].max()) >= t.vocab_size:
             role = "embedding" if t.role is TokenRole.EMBEDDING else "loss (the logits' classes)"
             raise PreflightError(
                 f"{config.model} has a vocabulary of {t.vocab_size} tokens (the rows of its {role} "
                 f"at {t.module or t.node}), but fxpipe run trains on bytes, ids 0..{DATA_VOCAB - 1}; "
                 f"give the model a vocabulary of at least {DATA_VOCAB}")
-    program, _ = run_passes(program, TPConfig(tp=config.tp, sp=config.sp))
-    if config.partition != "ilp":
-        _check_partition(program, config)
     if config.resume:
-        check_resume(program, _resume_path(config))
-    return program
-
-
-def _check_partition(program: "Program", config: "TrainConfig") -> None:
-    """The heuristic methods are cheap: solve here, as rank 0 will (the ILP is left to it)."""
-    from fxpipe.passes.partition import PartitionConfig, solve_partition, stage_inflight
-    from fxpipe.schedules.registry import generate, get_spec
-
-    chunks = config.chunks if config.chunks is not None else get_spec(config.schedule).default_chunks
-    sched = generate(config.schedule, config.pp, config.microbatches, chunks)
-    try:
-        solve_partition(program, PartitionConfig(num_stages=sched.num_stages, stage_to_rank=sched.stage_ranks,
-                                                 inflight=stage_inflight(sched), method=config.partition))
-    except ValueError as exc:
-        raise PreflightError(f"--partition {config.partition}: {exc}") from None
+        check_resume(result.program, _resume_path(config))
+    return result
 
 
 def _show(names: list[str], limit: int = 4) -> str:

@@ -14,26 +14,31 @@ import statistics
 import sys
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from fxpipe.runtime.balance import BalanceMeter, balance, balance_table
 
+if TYPE_CHECKING:
+    from fxpipe.config import ParallelConfig
+
+
+def _default_layout() -> "ParallelConfig":
+    from fxpipe.config import ParallelConfig
+
+    return ParallelConfig(tp=2, pp=2, dp=1, microbatches=4)
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
+    """``fxpipe run``: the layout (one ``ParallelConfig``, as ``parallelize`` takes it)
+    and what only a training job has — data, optimizer, checkpoints, reports."""
     model: str = "gpt-small"
     """Model registry name (see ``fxpipe compile --help``)."""
-    tp: int = 2
-    pp: int = 2
-    dp: int = 1
-    schedule: str = "1f1b"
-    chunks: int | None = None
-    """Stages per pipeline rank (interleaved / V schedules); None: the schedule's default."""
-    microbatches: int = 4
+    parallel: "ParallelConfig" = field(default_factory=_default_layout)
     micro_batch_size: int = 4
     global_batch: int | None = None
     """Sequences per step; default micro_batch_size · microbatches · dp."""
@@ -42,22 +47,9 @@ class TrainConfig:
     lr: float = 2e-3
     warmup: int = 5
     """Linear learning-rate warm-up steps."""
-    seed: int = 0
     log_interval: int = 10
-    partition: str = "ilp"
     timeline: str | None = "fxpipe-timeline"
     """Path prefix for the measured timeline of the last step (.json Perfetto, .png); None: off."""
-    timeout_s: float = 60.0
-    sp: bool = False
-    """Sequence parallelism (with tp > 1)."""
-    precision: str = "fp32"
-    """fp32, bf16, or fp16 with dynamic loss scaling; 16-bit modes keep fp32 masters."""
-    recompute: str = "none"
-    """Activation recomputation: none, selective (attention core), full (whole layer)."""
-    compile: bool = False
-    """Compile every pipeline stage with AOTAutograd + TorchInductor before the first step."""
-    zero: int = 0
-    """1: ZeRO stage 1, optimizer state and fp32 masters sharded over data parallel."""
     init_from: str | None = None
     """A Hugging Face safetensors directory to take the weights from (each rank reads its shards)."""
     checkpoint_dir: str | None = None
@@ -70,12 +62,12 @@ class TrainConfig:
     """Resume from the checkpoint of this step (implies ``resume``); an error if it is corrupt."""
     export: str | None = None
     """Write one consolidated state_dict under the model's own names here when the run completes."""
-    costs: str = "measure"
-    """What the partitioner balances: measure (time the graph here first, cached), model, or a profile path."""
     keep_checkpoints: int = 3
     """Newest checkpoints kept in checkpoint_dir; older ones are deleted after each save."""
 
     def __post_init__(self) -> None:
+        if self.parallel.dp is None:  # fxpipe run starts tp·pp·dp workers: dp must be known
+            raise ValueError("TrainConfig needs parallel.dp (the workers fxpipe run starts)")
         if self.checkpoint_dir is None and (self.resume or self.resume_from is not None
                                             or self.save_interval is not None):
             raise ValueError("--resume, --resume-from and --save-interval need --checkpoint-dir DIR")
@@ -85,25 +77,26 @@ class TrainConfig:
             object.__setattr__(self, "resume", True)
         if self.save_interval is not None and self.save_interval < 1:
             raise ValueError(f"--save-interval must be >= 1, got {self.save_interval}")
+        layout = self.parallel
         if self.global_batch is not None:
-            per_step = self.micro_batch_size * self.microbatches * self.dp
+            per_step = self.micro_batch_size * layout.microbatches * layout.dp
             if self.global_batch != per_step:
                 raise ValueError(
                     f"global batch {self.global_batch} != micro-batch size · microbatches · dp = "
-                    f"{self.micro_batch_size}·{self.microbatches}·{self.dp} = {per_step}; "
-                    f"set --microbatches {self.global_batch // (self.micro_batch_size * self.dp)} "
+                    f"{self.micro_batch_size}·{layout.microbatches}·{layout.dp} = {per_step}; "
+                    f"set --microbatches {self.global_batch // (self.micro_batch_size * layout.dp)} "
                     f"if it divides evenly")
-        for name in ("tp", "pp", "dp", "microbatches", "micro_batch_size", "seq", "steps", "log_interval"):
+        for name in ("micro_batch_size", "seq", "steps", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.parallel.tp * self.parallel.pp * self.parallel.dp
 
     @property
     def batch(self) -> int:
-        return self.micro_batch_size * self.microbatches * self.dp
+        return self.micro_batch_size * self.parallel.microbatches * self.parallel.dp
 
 
 def _progress(step: int, total: int, loss: float, width: int = 30) -> None:
@@ -131,19 +124,14 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
     from fxpipe.runtime.api import parallelize
     from fxpipe.runtime.checkpoint import export_consolidated, load_checkpoint
 
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.parallel.seed)
     if not torch.cuda.is_available():  # share the cores between the local workers
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    w = build_workload(config.model, batch=config.batch, seq=config.seq, seed=config.seed)
-    data = ByteBatches(stdlib_corpus(), config.batch, config.seq, seed=config.seed)
+    w = build_workload(config.model, batch=config.batch, seq=config.seq, seed=config.parallel.seed)
+    data = ByteBatches(stdlib_corpus(), config.batch, config.seq, seed=config.parallel.seed)
     first = w.batch_from_tokens(torch.cat(data.batch(0), dim=1)[:, :config.seq + 1])
-    pm = parallelize(w.model, tp=config.tp, pp=config.pp, dp=config.dp,
-                     microbatches=config.microbatches, schedule=config.schedule, chunks=config.chunks,
-                     example_inputs=first, loss_fn=w.loss_fn, partition=config.partition,
-                     timeout_s=config.timeout_s, sp=config.sp, precision=config.precision,
-                     recompute=config.recompute, seed=config.seed,
-                     zero=config.zero, weights=config.init_from, costs=config.costs,
-                     compile=config.compile)
+    layout = config.parallel
+    pm = parallelize(w.model, layout, example_inputs=first, loss_fn=w.loss_fn, weights=config.init_from)
     rank = dist.get_rank()
     opt = torch.optim.AdamW(pm.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / config.warmup))
@@ -156,14 +144,14 @@ def worker(config: TrainConfig, stop: "_StopSignal | None" = None) -> dict[str, 
     # by the cost pass over the whole model, so any model gets it). Recomputation is
     # hardware work, not model work: reported separately as hardware FLOP/s.
     flops_per_step = pm.model_stats.flops_per_step
-    hw_flops_per_step = flops_per_step + _recomputed_flops(pm) * config.microbatches * config.dp
+    hw_flops_per_step = flops_per_step + _recomputed_flops(pm) * layout.microbatches * layout.dp
     tokens_per_step = config.batch * config.seq
     if rank == 0:
         print(f"fxpipe run: {config.model}, {pm.model_stats.num_parameters / 1e6:.2f}M parameters, "
-              f"tp={config.tp}{' (sp)' if config.sp else ''} pp={config.pp} dp={config.dp}, "
-              f"schedule {config.schedule}, {config.precision}, recompute {config.recompute}, "
-              f"{'compiled (Inductor), ' if config.compile else ''}"
-              f"{config.microbatches} microbatches × {config.micro_batch_size} × {config.seq} tokens, "
+              f"tp={layout.tp}{' (sp)' if layout.sp else ''} pp={layout.pp} dp={layout.dp}, "
+              f"schedule {layout.schedule.value}, {layout.precision.value}, recompute {layout.recompute.value}, "
+              f"{'compiled (Inductor), ' if layout.compile else ''}"
+              f"{layout.microbatches} microbatches × {config.micro_batch_size} × {config.seq} tokens, "
               f"{config.steps} steps", flush=True)
     times, losses, bubbles = [], [], []
     meter = BalanceMeter()
@@ -315,7 +303,7 @@ def _write_timeline(pm: Any, config: TrainConfig, imbalance: float = 1.0) -> Non
     from fxpipe.schedules.render.trace import render_trace
     from fxpipe.schedules.timeline import Timeline
 
-    events = [None] * config.pp
+    events = [None] * config.parallel.pp
     dist.all_gather_object(events, pm.last_stats.events, group=pm.groups.pp_group)
     if dist.get_rank() != 0:
         return
@@ -323,7 +311,8 @@ def _write_timeline(pm: Any, config: TrainConfig, imbalance: float = 1.0) -> Non
     per_rank = [[(a, (s - t0) * 1e3, (e - t0) * 1e3) for a, s, e in rank if a.kind.is_compute]
                 for rank in events]
     timeline = Timeline.from_events(per_rank, unit="ms", num_chunks=pm.schedule.num_chunks,
-                                    title=f"measured {config.schedule} p={config.pp} m={config.microbatches}, "
+                                    title=f"measured {config.parallel.schedule.value} p={config.parallel.pp} "
+                                          f"m={config.parallel.microbatches}, "
                                           f"stage imbalance {imbalance:.2f}")
     render_trace(timeline, config.timeline + ".json")
     render_gantt(timeline, config.timeline + ".png")

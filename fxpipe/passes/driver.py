@@ -3,13 +3,16 @@
 A pass is a plain function ``name_pass(program, config) -> program``. The driver
 runs them in order, can skip one by name, times each, and in debug mode lints
 the graph and checks the Program's invariants after every pass, naming the pass
-that broke them.
+that broke them. ``DEFAULT_PASSES`` are the graph passes every layout needs; the
+whole compile pipeline (``fxpipe/compiler.py``) runs them and then the pipeline's
+own steps through this same driver — the last of which turn the Program into a
+``PipelinePlan``.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from fxpipe.passes.canonicalize import canonicalize_pass
 from fxpipe.passes.cost import cost_pass
@@ -17,7 +20,8 @@ from fxpipe.passes.lint import lint_program
 from fxpipe.passes.tensor_parallel import tensor_parallel_pass
 from fxpipe.program import Program
 
-PassFn = Callable[[Program, object], Program]
+PassFn = Callable[[Any, object], Any]
+"""Program -> Program, except the pipeline's last steps (split: Program -> PipelinePlan)."""
 
 
 @dataclass(frozen=True)
@@ -50,9 +54,20 @@ def pass_names(passes: Sequence[PassSpec] = DEFAULT_PASSES) -> list[str]:
     return [p.name for p in passes]
 
 
+def _checked(obj: Any) -> Program:
+    """The Program to lint: the object itself, or the one a PipelinePlan was cut from."""
+    return obj if isinstance(obj, Program) else obj.program
+
+
+def _size(obj: Any) -> int:
+    if isinstance(obj, Program):
+        return len(obj.graph.nodes)
+    return sum(len(s.graph_module.graph.nodes) for s in obj.stages)  # a PipelinePlan
+
+
 def run_passes(program: Program, config: object = None, *,
                passes: Sequence[PassSpec] = DEFAULT_PASSES, skip: Iterable[str] = (),
-               debug: bool = False) -> tuple[Program, list[PassTiming]]:
+               debug: bool = False) -> tuple[Any, list[PassTiming]]:
     """Run ``passes`` in order, except those named in ``skip``; return the result and timings."""
     skip = set(skip)
     unknown = skip - set(pass_names(passes))
@@ -69,6 +84,6 @@ def run_passes(program: Program, config: object = None, *,
         program = spec.fn(program, config)
         elapsed = time.perf_counter() - start
         if debug:
-            lint_program(program, after=spec.name)
-        timings.append(PassTiming(spec.name, elapsed, len(program.graph.nodes)))
+            lint_program(_checked(program), after=spec.name)
+        timings.append(PassTiming(spec.name, elapsed, _size(program)))
     return program, timings

@@ -140,7 +140,7 @@ def measure_framework_overhead(hw: Hardware) -> dict[str, float]:
     from fxpipe.capture import capture
     from fxpipe.models.gpt import GPT, GPTConfig
     from fxpipe.passes import run_passes
-    from fxpipe.planner.config import ParallelConfig, PlannerOptions
+    from fxpipe.planner.config import CandidateLayout, PlannerOptions
     from fxpipe.planner.predict import predict
     from fxpipe.planner.shapes import TransformerShape
 
@@ -157,7 +157,7 @@ def measure_framework_overhead(hw: Hardware) -> dict[str, float]:
 
     measured = 1.0 / _best_rate(step, 1.0, 0.3)
     shape = TransformerShape(name="tiny", layers=4, hidden=32, heads=2, seq=16, vocab=64, dropout=False)
-    layout = ParallelConfig(tp=1, pp=1, dp=1, micro_batch=1, num_microbatches=1)
+    layout = CandidateLayout(tp=1, pp=1, dp=1, micro_batch=1, num_microbatches=1)
 
     def model(overhead: float) -> float:
         opts = PlannerOptions(hardware=dataclasses.replace(hw, op_overhead_s=overhead), dtype_bytes=4,

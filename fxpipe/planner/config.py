@@ -1,4 +1,4 @@
-"""What the planner chooses (``ParallelConfig``) and what it is told (``PlannerOptions``)."""
+"""What the planner chooses (``CandidateLayout``) and what it is told (``PlannerOptions``)."""
 from __future__ import annotations
 
 import enum
@@ -45,7 +45,7 @@ class DPOverlap(enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
+class CandidateLayout:
     """One point of the search space: a full training layout."""
 
     tp: int
@@ -68,7 +68,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "chunks"):
             if getattr(self, f) < 1:
-                raise ValueError(f"ParallelConfig.{f} must be >= 1, got {getattr(self, f)}")
+                raise ValueError(f"CandidateLayout.{f} must be >= 1, got {getattr(self, f)}")
         if self.chunks > 1 and self.schedule is not ScheduleKind.INTERLEAVED:
             raise ValueError(f"chunks={self.chunks} needs the interleaved schedule, not "
                              f"{self.schedule.value}")

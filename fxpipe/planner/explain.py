@@ -1,7 +1,7 @@
 """Text for ``fxpipe plan``: the ranking table and why the winner wins."""
 from __future__ import annotations
 
-from fxpipe.planner.config import ParallelConfig, ScheduleKind
+from fxpipe.planner.config import CandidateLayout, ScheduleKind
 from fxpipe.planner.predict import Prediction
 from fxpipe.planner.search import PlanResult
 from fxpipe.planner.work import Component
@@ -21,7 +21,7 @@ def plan_table(result: PlanResult) -> str:
     return "\n".join(rows)
 
 
-def _differences(a: ParallelConfig, b: ParallelConfig) -> list[str]:
+def _differences(a: CandidateLayout, b: CandidateLayout) -> list[str]:
     fields = (("tp", "t"), ("pp", "p"), ("dp", "d"), ("micro_batch", "b"), ("num_microbatches", "m"),
               ("chunks", "v"), ("schedule", "schedule"), ("recompute", "recompute"),
               ("sequence_parallel", "sp"))

@@ -18,7 +18,7 @@ from typing import Mapping
 import numpy as np
 
 from fxpipe.hardware import Collective
-from fxpipe.planner.config import DPOverlap, ParallelConfig, PlannerOptions
+from fxpipe.planner.config import DPOverlap, CandidateLayout, PlannerOptions
 from fxpipe.planner.layer_cost import CostModel
 from fxpipe.planner.memory import (RankMemory, embedding_activation_bytes, head_activation_bytes,
                                    layer_activation_bytes, recompute_working_bytes)
@@ -33,7 +33,7 @@ from fxpipe.schedules.simulate import StageDurations
 class Prediction:
     """What the cost model and the simulator predict for one layout."""
 
-    config: ParallelConfig
+    config: CandidateLayout
     iteration_s: float
     """Seconds per training iteration."""
     breakdown: Mapping[Component, float]
@@ -59,7 +59,7 @@ class Prediction:
         return self.memory.total / 1e9
 
 
-def rank_memory(model: CostModel, cfg: ParallelConfig, stages: StagePlan,
+def rank_memory(model: CostModel, cfg: CandidateLayout, stages: StagePlan,
                 in_flight: tuple[int, ...]) -> list[RankMemory]:
     """Peak memory of every pipeline rank: training state of its stages, plus its peak
     in-flight chunk-microbatches × its largest chunk's activations (the first stage adds
@@ -82,7 +82,7 @@ def rank_memory(model: CostModel, cfg: ParallelConfig, stages: StagePlan,
                        activation_bytes=float(act[r]) * scale, working_bytes=working) for r in range(p)]
 
 
-def _sync_s(model: CostModel, cfg: ParallelConfig, stages: StagePlan, r: int, params: float) -> float:
+def _sync_s(model: CostModel, cfg: CandidateLayout, stages: StagePlan, r: int, params: float) -> float:
     """Exposed gradient synchronisation of pipeline rank r."""
     hw, opts, shape = model.hw, model.options, model.shape
     dp = hw.collective_s(Collective.ALL_REDUCE, params * opts.grad_bytes, cfg.dp,
@@ -96,7 +96,7 @@ def _sync_s(model: CostModel, cfg: ParallelConfig, stages: StagePlan, r: int, pa
     return dp
 
 
-def predict(shape: TransformerShape, cfg: ParallelConfig, options: PlannerOptions,
+def predict(shape: TransformerShape, cfg: CandidateLayout, options: PlannerOptions,
             model: CostModel | None = None) -> Prediction:
     """Price ``cfg`` for ``shape``: simulate its schedule and add sync and optimizer."""
     model = model or CostModel(shape, options)
@@ -136,7 +136,7 @@ def predict(shape: TransformerShape, cfg: ParallelConfig, options: PlannerOption
         stages=stages, pipeline=timing)
 
 
-def lower_bound_s(cfg: ParallelConfig, stages: StagePlan) -> float:
+def lower_bound_s(cfg: CandidateLayout, stages: StagePlan) -> float:
     """A time no schedule can beat: rank r cannot start before microbatch 0's forward has
     crossed the stages before it, then needs its m·(F + B) of compute (sync and optimizer
     excluded). Used to prune the search before simulating."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fxpipe.recompute_mode import RecomputeMode
-from fxpipe.planner.config import DPOverlap, LayerBalance, ParallelConfig, PlannerOptions, ScheduleKind
+from fxpipe.planner.config import DPOverlap, LayerBalance, CandidateLayout, PlannerOptions, ScheduleKind
 from fxpipe.planner.shapes import TransformerShape, shape_from_registry
 
 
@@ -46,9 +46,9 @@ class Table1Row:
     def shape(self) -> TransformerShape:
         return shape_from_registry(self.model)
 
-    def config(self) -> ParallelConfig:
+    def config(self) -> CandidateLayout:
         m = self.global_batch // (self.dp * self.micro_batch)
-        return ParallelConfig(
+        return CandidateLayout(
             tp=self.tp, pp=self.pp, dp=self.dp, micro_batch=self.micro_batch, num_microbatches=m,
             chunks=self.chunks,
             schedule=ScheduleKind.INTERLEAVED if self.chunks > 1 else ScheduleKind.ONE_F_ONE_B,

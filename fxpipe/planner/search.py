@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from fxpipe.planner.config import LayerBalance, ParallelConfig, PlannerOptions, ScheduleKind
+from fxpipe.planner.config import LayerBalance, CandidateLayout, PlannerOptions, ScheduleKind
 from fxpipe.planner.layer_cost import CostModel
 from fxpipe.planner.pipeline import in_flight
 from fxpipe.planner.predict import Prediction, lower_bound_s, predict, rank_memory
@@ -35,7 +35,7 @@ def divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(shape: TransformerShape, gpus: int, global_batch: int,
-                      options: PlannerOptions) -> list[ParallelConfig]:
+                      options: PlannerOptions) -> list[CandidateLayout]:
     """Every layout that satisfies the divisibility rules above (memory not checked)."""
     out = []
     max_tp = options.max_tp or gpus
@@ -63,7 +63,7 @@ def enumerate_layouts(shape: TransformerShape, gpus: int, global_batch: int,
                         if options.balance is LayerBalance.MEGATRON and shape.layers % (p * v):
                             continue
                         for rc in options.recomputes:
-                            out.append(ParallelConfig(tp=t, pp=p, dp=d, micro_batch=b, num_microbatches=m,
+                            out.append(CandidateLayout(tp=t, pp=p, dp=d, micro_batch=b, num_microbatches=m,
                                                       chunks=v, schedule=kind, recompute=rc,
                                                       sequence_parallel=sp and t > 1))
     return out
@@ -86,7 +86,7 @@ class PlanResult:
     """The least memory per GPU any enumerated layout needs (tells what would fit)."""
 
 
-def memory_only(model: CostModel, cfg: ParallelConfig, stages: StagePlan) -> float:
+def memory_only(model: CostModel, cfg: CandidateLayout, stages: StagePlan) -> float:
     """Peak memory per GPU without simulating (in-flight counts are closed form)."""
     flight = in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.chunks)
     return max(m.total for m in rank_memory(model, cfg, stages, flight))

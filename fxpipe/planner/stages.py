@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fxpipe.planner.config import LayerBalance, ParallelConfig, ScheduleKind
+from fxpipe.planner.config import LayerBalance, CandidateLayout, ScheduleKind
 from fxpipe.planner.layer_cost import CostModel
 from fxpipe.planner.work import Component, Work
 
@@ -46,7 +46,7 @@ def split_layers(layers: int, num_stages: int, balance: LayerBalance,
 class StagePlan:
     """Every stage of one layout, priced for one microbatch."""
 
-    config: ParallelConfig
+    config: CandidateLayout
     layers: tuple[int, ...]
     """Layers per stage."""
     forward: np.ndarray
@@ -82,7 +82,7 @@ class StagePlan:
         return w + Work.make({Component.P2P: f}, {Component.P2P: b})
 
 
-def plan_stages(model: CostModel, cfg: ParallelConfig) -> StagePlan:
+def plan_stages(model: CostModel, cfg: CandidateLayout) -> StagePlan:
     shape, opts, hw = model.shape, model.options, model.hw
     t, b, S = cfg.tp, cfg.micro_batch, cfg.num_stages
     sp = cfg.sequence_parallel and t > 1

@@ -1,10 +1,10 @@
 """``fxpipe.parallelize``: compile a model for this rank's place in the mesh and train it.
 
-Every rank runs the same call (launched by torchrun or ``fxpipe run``). Each captures
-the same Program; with measured costs each times a share of it and all see every
-time; global rank 0 solves the partition and broadcasts the assignment (a
-time-limited solver need not agree with itself), from which every rank splits the
-same plan.
+Every rank runs the same call (launched by torchrun or ``fxpipe run``) and the same
+compile pipeline (``fxpipe/compiler.py``); with measured costs each times a share of
+the graph and all see every time; global rank 0 solves the partition and broadcasts
+the assignment (a time-limited solver need not agree with itself), from which every
+rank splits the same plan.
 """
 from __future__ import annotations
 
@@ -13,49 +13,34 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
 
 import contextlib
-import os
-import copy
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fxpipe.capture import capture
-from fxpipe.costs import apply_profile, measured_profile, parse_costs
-from fxpipe.partition import Method
-from fxpipe.init import materialize_tensor, record_init
-from fxpipe.program import ParamKind
-from fxpipe.passes import canonicalize_pass, cost_pass, run_passes, total_cost
-from fxpipe.passes.tensor_parallel import TPConfig, shard_state, unshard_state
-from fxpipe.tp import DropoutRNG, ProcessGroupTP, tp_group_context
-from fxpipe.passes.recompute import RecomputeMode, apply_recompute
-from fxpipe.passes.device import retarget_device_pass
-from fxpipe.passes.partition import PartitionConfig, partition_pass, stage_inflight
-from fxpipe.passes.split import split_pass
-from fxpipe.passes.split_matmul import split_matmul_pass
+from fxpipe.compiler import CompileHooks, ModelStats, compile_pipeline
+from fxpipe.config import ParallelConfig
+from fxpipe.costs import apply_profile, measured_profile
+from fxpipe.partition import PartitionResult
+from fxpipe.passes.partition import partition_pass
+from fxpipe.passes.tensor_parallel import shard_state, unshard_state
 from fxpipe.plan import PipelinePlan
+from fxpipe.program import ParamKind
 from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.grad_sync import GradSync
 from fxpipe.runtime.launch import init_distributed
+from fxpipe.runtime.mesh import Mesh, MeshGroups, build_groups
 from fxpipe.runtime.precision import LossScaler, MasterWeights, Precision
-from fxpipe.runtime.mesh import Mesh, MeshGroups, build_groups, resolve_dp
+from fxpipe.runtime.shards import ShardBuilder
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport
 from fxpipe.runtime.zero import ZeroPartition
 from fxpipe.schedules.ir import Schedule
 from fxpipe.schedules.lowering import lower
-from fxpipe.schedules.registry import generate, get_spec
-from fxpipe.vocab import TokenInput, check_token_ids, token_inputs
-
-
-@dataclass(frozen=True)
-class ModelStats:
-    """Whole-model numbers, counted before tensor parallelism shards the graph."""
-    num_parameters: int
-    flops_per_step: int
-    """Model FLOPs of one step over the global batch: matmul forward + backward, the
-    quantity of Megatron's 72·B·s·l·h²(1 + s/6h + V/12lh) (no recomputation)."""
+from fxpipe.tp import DropoutRNG, ProcessGroupTP, tp_group_context
+from fxpipe.vocab import TokenInput, check_token_ids
 
 
 @dataclass(frozen=True)
@@ -70,29 +55,35 @@ class ParallelModel:
     """What ``parallelize`` returns: one rank's share of the model and its schedule."""
 
     def __init__(self, plan: PipelinePlan, schedule: Schedule, groups: MeshGroups,
-                 state: dict[str, torch.Tensor], executor: PipelineExecutor,
-                 grad_sync: GradSync, num_microbatches: int, device: torch.device,
-                 master: MasterWeights | None = None, specs: dict | None = None) -> None:
+                 state: dict[str, torch.Tensor], executor: PipelineExecutor, grad_sync: GradSync,
+                 config: ParallelConfig, device: torch.device, *, master: MasterWeights | None = None,
+                 specs: dict | None = None, model_stats: ModelStats | None = None,
+                 partition: PartitionResult | None = None, compiled_stages: tuple = (),
+                 token_inputs: tuple[TokenInput, ...] = (), tp_rng: DropoutRNG | None = None) -> None:
         self.plan, self.schedule, self.groups = plan, schedule, groups
         self.state, self.executor, self.grad_sync = state, executor, grad_sync
+        self.config = config
+        """The layout this model was compiled for (``dp`` resolved)."""
+        self.num_microbatches, self.device = config.microbatches, device
         self.master = master
         """Mixed precision: fp32 masters (what the optimizer sees) for ``state``."""
-        self.last_step_skipped = False
         self.specs = specs or {}
         """Tensor-parallel ShardSpec per sharded parameter (empty without TP)."""
-        self.num_microbatches, self.device = num_microbatches, device
-        specs = plan.program.input_specs
-        self._mb_shapes = [s.shape for s in specs]
-        self.last_stats: StepStats | None = None
-        self.model_stats: ModelStats | None = None
-        self.compiled_stages: tuple = ()
+        self.model_stats = model_stats
+        self.partition = partition
+        """The partitioner's result: per-stage predicted times and memory."""
+        self.compiled_stages = compiled_stages
         """``compile=True``: one ``runtime.compiled.StageCompile`` per stage of this rank."""
-        self.token_inputs: tuple[TokenInput, ...] = ()
+        self.token_inputs = token_inputs
         """Batch inputs that are token ids, with their vocabulary (``fxpipe/vocab.py``)."""
+        self.tp_rng = tp_rng
+        """The tensor-parallel dropout streams (Megatron's RNG tracker), saved in checkpoints."""
         self.zero: ZeroPartition | None = grad_sync.zero
-        self.partition = None
-        """The partitioner's result (``PartitionResult``): per-stage predicted times and memory."""
         """ZeRO-1: which data-parallel replica owns (steps) each trainable tensor."""
+        self.last_step_skipped = False
+        """fp16: the last step was dropped for an overflow."""
+        self.last_stats: StepStats | None = None
+        self._mb_shapes = [s.shape for s in plan.program.input_specs]
 
     # ---- parameters ----------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -195,19 +186,6 @@ class ParallelModel:
         return float(total) / (self.num_microbatches * self.groups.mesh.dp)
 
 
-def _stored_weights(program, specs: dict, directory) -> dict:
-    """Canonical name -> (WeightsDir, stored name) for every parameter, checked against
-    the model's names and full shapes first (one error listing every mismatch)."""
-    from fxpipe.mismatch import full_shapes
-    from fxpipe.weights import WeightsDir
-
-    wd = WeightsDir(directory)
-    names = {p.name: p.canonical for p in program.params if p.kind is not ParamKind.CONSTANT}
-    full = full_shapes(program, specs)
-    required = {p.canonical for p in program.params if p.kind is ParamKind.PARAMETER}
-    return {c: (wd, s) for c, s in wd.check(names, full, required).items()}
-
-
 def _compile_runners(runners: dict, plan: PipelinePlan, state: dict, groups: MeshGroups,
                      context: Callable, device: torch.device) -> tuple:
     """Compile this rank's stages (``runtime/compiled.py``) and hand them to their runners."""
@@ -234,146 +212,101 @@ def _compile_runners(runners: dict, plan: PipelinePlan, state: dict, groups: Mes
     return tuple(records)
 
 
-def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = None,
-                microbatches: int, schedule: str = "1f1b", chunks: int | None = None,
+def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
                 example_inputs: Sequence[torch.Tensor],
-                loss_fn: Callable[..., torch.Tensor] | None = None,
-                partition: str = "ilp", memory_limit_gb: float | None = None,
-                precision: str = "fp32", loss_scaler: dict | None = None,
-                recompute: str = "none", sp: bool = False, seed: int = 0,
-                scatter_gather: bool | None = None,
-                zero: int = 0, init_fn: Callable[[nn.Module], None] | None = None,
-                weights: str | os.PathLike | None = None, costs: str = "measure",
-                timeout_s: float = 60.0, device: torch.device | None = None,
-                compile: bool = False) -> ParallelModel:
+                loss_fn: Callable[..., torch.Tensor] | None = None, loss_scaler: dict | None = None,
+                init_fn: Callable[[nn.Module], None] | None = None,
+                weights: str | os.PathLike | None = None, device: torch.device | None = None,
+                **layout: Any) -> ParallelModel:
     """Compile ``model`` for tensor × pipeline × data parallelism on this rank.
+
+    The layout is a :class:`fxpipe.ParallelConfig`, given whole (``config``) or as its
+    fields by keyword (``tp=2, pp=2, microbatches=8, schedule="interleaved"``; strings
+    are parsed into its enums): ``tp``, ``pp``, ``dp`` (default world/(tp·pp)),
+    ``microbatches``, ``schedule`` (gpipe, 1f1b, interleaved, zb-h1, zb-v), ``chunks``
+    (stages per rank), ``partition``, ``memory_limit_gb``, ``precision`` (fp32, bf16, or
+    fp16 with dynamic loss scaling; both 16-bit modes keep fp32 masters,
+    ``runtime/precision.py``), ``recompute`` (none, selective, full; per stage,
+    ``passes/recompute.py``), ``sp`` (sequence parallelism), ``scatter_gather`` (SC21
+    §4.1; default on when tp > 1 and sp is off), ``zero`` (1: ZeRO stage 1 over data
+    parallel, ``runtime/zero.py``; ``parameters()`` then yields this replica's share),
+    ``costs`` (what the partitioner balances: "measure" — the graph's groups timed on
+    the ranks' devices, cached on disk, ``fxpipe/costs`` —, "model" or a profile's path),
+    ``seed`` (init and dropout; Megatron's RNG tracker offsets it per tp rank inside
+    sharded regions), ``timeout_s``, ``compile`` (each stage compiled by AOTAutograd +
+    TorchInductor before the first step; a stage Inductor rejects runs eagerly with a
+    warning, ``runtime/compiled.py``).
 
     ``example_inputs`` is one global batch as ``train_step`` will receive it (every
     rank passes the same batch; each data-parallel rank trains on its rows).
-    ``schedule``: gpipe, 1f1b, interleaved, zb-h1, zb-v; ``chunks``: stages per rank.
-    ``precision``: fp32, bf16, or fp16 (dynamic loss scaling); both 16-bit modes keep
-    fp32 master weights (see ``fxpipe.runtime.precision``). ``recompute``: none,
-    selective (attention core) or full (whole layer), per stage (``passes/recompute.py``).
-    ``tp``: tensor-parallel size (the automatic pass, ``passes/tensor_parallel``); ``sp``:
-    sequence parallelism; ``weights``: a Hugging Face safetensors directory to take the
-    parameters from (each rank reads its shards only, ``fxpipe/weights.py``); a model built
-    on the meta device is otherwise initialised shard by shard by its own init scheme
-    (``fxpipe/init.py``, ``init_fn`` to override; ``seed`` seeds it); ``zero=1``: ZeRO stage 1 over data parallel (``runtime/zero.py``:
-    ``parameters()`` then yields this replica's share); ``scatter_gather``: send 1/tp chunks of replicated activations
-    between stages (default: on when tp > 1 and sp is off); ``seed``: dropout seed (Megatron's RNG tracker offsets it per
-    tp rank inside sharded regions). ``costs``: what the partitioner balances —
-    ``"measure"`` (default: the graph's groups timed on the ranks' devices before
-    partitioning, cached on disk; ``fxpipe/costs``), ``"model"`` (the CPU preset's
-    FLOP/byte estimate) or the path of a saved cost profile. ``compile``: compile each of this rank's stages with
-    AOTAutograd + TorchInductor before the first step (one progress line per stage; a stage
-    Inductor rejects runs eagerly with a warning; ``runtime/compiled.py``).
+    ``weights``: a Hugging Face safetensors directory to take the parameters from (each
+    rank reads its shards only, ``fxpipe/weights.py``); a model built on the meta device
+    is otherwise initialised shard by shard by its own init scheme (``fxpipe/init.py``,
+    ``init_fn`` to override). The graph is compiled by ``fxpipe/compiler.py``, the same
+    pipeline ``fxpipe compile`` runs.
     """
-    prec = Precision.parse(precision)
-    timeout = timedelta(seconds=timeout_s)
+    if config is None:
+        config = ParallelConfig(**layout)
+    elif layout:
+        config = dataclasses.replace(config, **layout)
+    timeout = timedelta(seconds=config.timeout_s)
     device = init_distributed(timeout, device)
-    world = dist.get_world_size()
-    dp = resolve_dp(world, tp, pp, dp)
-    mesh = Mesh(tp=tp, dp=dp, pp=pp)
-    if zero not in (0, 1):
-        raise ValueError(f"zero must be 0 (off) or 1 (optimizer state and fp32 masters sharded over "
-                         f"data parallel), got {zero}")
-    if microbatches < 1:
-        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    config = config.with_world(dist.get_world_size())
+    tp, dp, microbatches = config.tp, config.dp, config.microbatches
+    mesh = Mesh(tp=tp, dp=dp, pp=config.pp)
     example = tuple(example_inputs) if not isinstance(example_inputs, torch.Tensor) else (example_inputs,)
     rows = example[0].shape[0]
     if rows % (dp * microbatches):
         raise ValueError(f"batch of {rows} rows cannot be split into dp·microbatches = {dp}·{microbatches} "
                          f"equal microbatches; use a batch that is a multiple of {dp * microbatches}")
     groups = build_groups(mesh, timeout)
-
-    spec = get_spec(schedule)
-    sched = generate(schedule, pp, microbatches, chunks if chunks is not None else spec.default_chunks)
     mb_rows = rows // (dp * microbatches)
-    # Low precision: capture a low-precision copy, so every dtype in the plan is the
-    # one that runs; the user's fp32 model provides the master weights.
-    traced = model if prec is Precision.FP32 else copy.deepcopy(model).to(prec.dtype)
-    # A meta-device model (deferred init) is traced with meta inputs of the batch's shapes.
-    on_meta = any(t.is_meta for t in model.parameters())
-    captured = capture(traced, tuple(t[:mb_rows].to("meta") if on_meta else t[:mb_rows] for t in example), loss_fn)
-    # Model FLOPs and size of the whole model (before tensor parallelism shards them).
-    canonical = canonicalize_pass(captured)
-    tokens = token_inputs(canonical)  # before TP shards the embedding's rows
-    check_token_ids(example, tokens)
-    whole = total_cost(cost_pass(canonical))
-    stats = ModelStats(num_parameters=captured.num_parameters(),
-                       flops_per_step=(whole.fwd_flops + whole.bwd_flops) * microbatches * dp)
-    program, _ = run_passes(canonical, TPConfig(tp=tp, sp=sp), skip=["canonicalize"])
-    program = retarget_device_pass(program, device)
-    # Only the ILP and dp partitions balance time; uniform and params ignore it.
-    balances_time = sched.num_stages > 1 and Method(partition) in (Method.ILP, Method.DP)
-    if balances_time:
-        # No single op may outweigh a stage's share (an LM head over a large vocabulary):
-        # cut such matmuls into output-feature blocks the partitioner can spread.
-        program = split_matmul_pass(program, sched.num_stages)
-    config = PartitionConfig(num_stages=sched.num_stages, stage_to_rank=sched.stage_ranks,
-                             inflight=stage_inflight(sched), method=partition,
-                             memory_limit_bytes=None if memory_limit_gb is None
-                             else int(memory_limit_gb * 2**30))
-    tp_result = program.extra.get("tensor_parallel")
-    specs = tp_result.specs if tp_result is not None else {}
-    built: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-    rules: list = []
-
-    def local_tensors(names) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        """This rank's shard of each parameter/buffer in ``names`` at its local shape, on
-        ``device``, and its fp32 copy where one was built (the masters under mixed
-        precision): read from a Hugging Face directory (fxpipe/weights.py), replayed from
-        the model's own init rules (fxpipe/init.py; a meta-device model), or sliced from
-        the captured state (ShardSpec index ranges). Built once per name."""
-        todo = [n for n in names if n not in built]
-        stored = _stored_weights(program, specs, weights) if weights is not None and todo else {}
-        if not rules and any(n not in stored and program.state[n].is_meta for n in todo):
-            rules.append(record_init(model, init_fn))
-        for n in todo:
-            f32 = None
-            if n in stored:
-                f32 = stored[n][0].read(stored[n][1], specs.get(n), groups.tp_rank, torch.float32).to(device)
-            elif program.state[n].is_meta:
-                f32 = materialize_tensor(rules[0], n, seed, specs.get(n), groups.tp_rank, torch.float32, device)
-            elif weights is not None:  # a buffer of a materialised model that the directory does not hold
-                f32 = shard_state({n: program.state[n]}, specs, groups.tp_rank)[n].float()
-            t = f32.to(program.state[n].dtype) if f32 is not None else \
-                shard_state({n: program.state[n]}, specs, groups.tp_rank)[n]
-            built[n] = (t.detach().to(device).clone().requires_grad_(program.state[n].requires_grad), f32)
-        return {n: built[n] for n in names}
+    first_mb = tuple(t[:mb_rows] for t in example)
 
     tp_group = ProcessGroupTP(groups.tp_group)
-    rng = DropoutRNG(seed, groups.tp_rank)
+    rng = DropoutRNG(config.seed, groups.tp_rank)
     context = (lambda: tp_group_context(tp_group, rng)) if tp > 1 else contextlib.nullcontext
-    source = parse_costs(costs)
-    if source != "model" and balances_time:
+    shards: list[ShardBuilder] = []  # made once the tensor-parallel pass has set the shard specs
+
+    def builder(program) -> ShardBuilder:
+        if not shards:
+            tp_result = program.extra.get("tensor_parallel")
+            shards.append(ShardBuilder(program, tp_result.specs if tp_result is not None else {}, model,
+                                       tp_rank=groups.tp_rank, device=device, seed=config.seed,
+                                       weights=weights, init_fn=init_fn))
+        return shards[0]
+
+    def measure(program, pconfig, ctx):
         # Balance measured times (fxpipe/costs): each rank times a share of the graph.
-        first_mb = tuple(t[:mb_rows].to(device) for t in example)
         profile, probe, fine = measured_profile(
-            program, config, source, device=device, batch=first_mb, mesh=mesh, mesh_groups=groups,
-            context=context, state_for=lambda names: {n: t for n, (t, _) in local_tensors(names).items()})
-        config = apply_profile(config, profile, probe, fine, sched.splits_backward)
-    # Rank 0 solves and everyone takes its answer: a time-limited solver need not
-    # return the same assignment on every rank, and ranks must agree exactly.
-    result = partition_pass(program, config) if dist.get_rank() == 0 else None
-    box = [(dict(result.stages), result.extra["partition"]) if result is not None else None]
-    dist.broadcast_object_list(box, src=0)
-    assignment, partition_result = box[0]
-    plan = split_pass(program, assignment, num_stages=sched.num_stages)
-    mode = RecomputeMode.parse(recompute)
-    if mode is not RecomputeMode.NONE:
-        # Per stage, after the split: a layer cut across two stages is recomputed piecewise.
-        stages = tuple(dataclasses.replace(s, graph_module=apply_recompute(s.graph_module, program.layers, mode))
-                       for s in plan.stages)
-        plan = dataclasses.replace(plan, stages=stages)
+            program, pconfig, config.costs, device=device, batch=tuple(t.to(device) for t in first_mb),
+            mesh=mesh, mesh_groups=groups, context=context, state_for=builder(program).tensors)
+        return apply_profile(pconfig, profile, probe, fine, ctx.schedule.splits_backward)
+
+    def solve(program, pconfig):
+        # Rank 0 solves and everyone takes its answer: a time-limited solver need not
+        # return the same assignment on every rank, and ranks must agree exactly.
+        solved = partition_pass(program, pconfig) if dist.get_rank() == 0 else None
+        box = [(dict(solved.stages), solved.extra["partition"]) if solved is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        assignment, result = box[0]
+        return program.replace(stages=assignment, extra={**program.extra, "partition": result})
+
+    compiled = compile_pipeline(model, first_mb, config, loss_fn=loss_fn, device=device,
+                                hooks=CompileHooks(measure=measure, solve=solve))
+    check_token_ids(example, compiled.token_inputs)
+    plan, sched = compiled.plan, compiled.schedule
+    program = plan.program
+    specs = builder(program).specs
     lowered = lower(sched)
 
     my_stages = sched.stages_of_rank(groups.pp_rank)
     names = dict.fromkeys(n for s in my_stages for n in plan.stage_params(s))
-    deferred = weights is not None or any(program.state[n].is_meta for n in names)
-    mine = local_tensors(names)
+    shard_builder = builder(program)
+    deferred = shard_builder.deferred(names)
+    mine = shard_builder.build(names)
     state = {n: t for n, (t, _) in mine.items()}
-    built.clear()  # tensors timed by the cost profile and not needed here are dropped
+    shard_builder.forget()  # tensors timed by the cost profile and not needed here are dropped
     # The shards are taken: the plan keeps parameter shapes only (meta), so no full copy
     # of the model stays alive in this process (buffers and constants are small).
     kinds = {p.canonical: p.kind for p in program.params}
@@ -382,13 +315,14 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     # ZeRO-1 (runtime/zero.py): each data-parallel replica owns a balanced share of the
     # trainable tensors; only the owner keeps optimizer state and an fp32 master.
     partition = ZeroPartition.build(groups, {n: t for n, t in state.items() if t.requires_grad}) \
-        if zero and dp > 1 else None
+        if config.zero and dp > 1 else None
     master = None
+    prec = config.precision
     if prec is not Precision.FP32:
         owned = [n for n, t in state.items() if t.requires_grad and (partition is None or partition.owns(n))]
         if deferred:
-            shards32 = {n: mine[n][1] if mine[n][1] is not None else
-                        shard_state({n: program.state[n]}, specs, groups.tp_rank)[n].float() for n in owned}
+            shards32 = {n: mine[n][1] if mine[n][1] is not None else shard_builder.shard(n).float()
+                        for n in owned}
         else:
             originals = dict(model.named_parameters())
             shards32 = shard_state({n: originals[n].detach().float() for n in owned}, specs, groups.tp_rank)
@@ -397,20 +331,13 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
                                LossScaler(**(loss_scaler or {})) if prec is Precision.FP16 else None)
     runners = {s: StageRunner(plan, plan.stages[s], state, loss_scale=1.0 / microbatches, context=context)
                for s in my_stages}
-    compiled = _compile_runners(runners, plan, state, groups, context, device) if compile else ()
+    compiled_stages = _compile_runners(runners, plan, state, groups, context, device) if config.compile else ()
     value_ids = {n: i for i, n in enumerate(sorted(plan.values))}
-    # Scatter-gather (SC21 §4.1): on by default with tp > 1 unless sequence parallel.
-    use_sg = tp > 1 and (not sp if scatter_gather is None else scatter_gather)
-    transport = Transport(device=device, timeout=timeout, value_ids=value_ids,
-                          num_values=max(1, len(value_ids)), scatter_gather=tp_group if use_sg else None)
+    transport = Transport(device=device, timeout=timeout, value_ids=value_ids, num_values=max(1, len(value_ids)),
+                          scatter_gather=tp_group if config.scatter_gather else None)
     executor = PipelineExecutor(plan, lowered, groups.pp_rank, runners, transport, groups.pp_peer)
     holders = {**master.masters, **master.loose} if master else state
     grad_sync = GradSync.build(plan, sched, groups, holders, timeout, like=state, zero=partition)
-    pm = ParallelModel(plan, lowered, groups, state, executor, grad_sync, microbatches, device, master,
-                       specs)
-    pm.model_stats = stats
-    pm.partition = partition_result
-    pm.compiled_stages = compiled
-    pm.token_inputs = tokens
-    pm.tp_rng = rng  # the TP dropout streams (Megatron's RNG tracker), e.g. for checkpoints
-    return pm
+    return ParallelModel(plan, lowered, groups, state, executor, grad_sync, config, device, master=master,
+                         specs=specs, model_stats=compiled.stats, partition=compiled.partition,
+                         compiled_stages=compiled_stages, token_inputs=compiled.token_inputs, tp_rng=rng)

@@ -2,7 +2,7 @@
 import pytest
 
 from fxpipe.passes.recompute import RecomputeMode
-from fxpipe.planner import ParallelConfig, PlannerOptions, ScheduleKind, TransformerShape, predict
+from fxpipe.planner import CandidateLayout, PlannerOptions, ScheduleKind, TransformerShape, predict
 from fxpipe.planner.config import LayerBalance
 from fxpipe.planner.layer_cost import CostModel
 from fxpipe.planner.memory import head_activation_bytes, layer_activation_bytes
@@ -33,7 +33,7 @@ def test_rank_zero_of_1f1b_holds_p_microbatches():
     """SC21 / Korthikanti: 1F1B rank 0 holds p microbatches of its l/p layers, plus its
     state at 18 bytes per parameter (no embedding extras: dropout off)."""
     shape = TransformerShape(name="x", layers=16, hidden=1024, heads=16, seq=1024, vocab=51200, dropout=False)
-    cfg = ParallelConfig(tp=2, pp=4, dp=1, micro_batch=2, num_microbatches=8, recompute=NONE)
+    cfg = CandidateLayout(tp=2, pp=4, dp=1, micro_batch=2, num_microbatches=8, recompute=NONE)
     opts = PlannerOptions(balance=LayerBalance.MEGATRON)
     model = CostModel(shape, opts)
     flight = in_flight(cfg.schedule, 4, 8, 1)
@@ -53,11 +53,11 @@ def test_interleaving_holds_more_and_full_recompute_adds_a_working_layer():
     shape = TransformerShape(name="x", layers=16, hidden=1024, heads=16, seq=1024, vocab=51200)
     base = dict(tp=1, pp=4, dp=1, micro_batch=1, num_microbatches=8)
     opts = PlannerOptions()
-    one = predict(shape, ParallelConfig(**base, recompute=NONE), opts)
-    inter = predict(shape, ParallelConfig(**base, chunks=2, schedule=ScheduleKind.INTERLEAVED, recompute=NONE), opts)
+    one = predict(shape, CandidateLayout(**base, recompute=NONE), opts)
+    inter = predict(shape, CandidateLayout(**base, chunks=2, schedule=ScheduleKind.INTERLEAVED, recompute=NONE), opts)
     # Korthikanti §4.2.3: interleaving holds (1 + (p-1)/(p·v)) × 1F1B's activations on rank 0
     assert inter.pipeline.in_flight[0] / 2 == pytest.approx(4 * (1 + 3 / (4 * 2)))
-    full = predict(shape, ParallelConfig(**base, recompute=FULL), opts)
+    full = predict(shape, CandidateLayout(**base, recompute=FULL), opts)
     whole = layer_activation_bytes(seq=1024, micro_batch=1, hidden=1024, heads=16)
     assert full.memory.working_bytes == pytest.approx(whole)
     assert full.memory.activation_bytes < one.memory.activation_bytes

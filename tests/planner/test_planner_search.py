@@ -6,7 +6,7 @@ import pytest
 
 from fxpipe.hardware import Hardware
 from fxpipe.passes.recompute import RecomputeMode
-from fxpipe.planner import (LayerBalance, ParallelConfig, PlannerOptions, ScheduleKind, TransformerShape,
+from fxpipe.planner import (LayerBalance, CandidateLayout, PlannerOptions, ScheduleKind, TransformerShape,
                             enumerate_layouts, plan, predict, shape_from_registry)
 from fxpipe.planner.stages import split_layers
 from fxpipe.hardware import A100
@@ -34,7 +34,7 @@ def _brute_force(shape, gpus, B, opts):
                     continue
                 if p == 1 and kind is not ScheduleKind.ONE_F_ONE_B:
                     continue
-                cfg = ParallelConfig(tp=t, pp=p, dp=d, micro_batch=b, num_microbatches=m, chunks=v,
+                cfg = CandidateLayout(tp=t, pp=p, dp=d, micro_batch=b, num_microbatches=m, chunks=v,
                                      schedule=kind, recompute=rc)
                 out.append(predict(shape, cfg, opts))
     return out

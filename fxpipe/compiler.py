@@ -1,0 +1,229 @@
+"""The compile pipeline: model + one microbatch + ``ParallelConfig`` -> ``PipelinePlan``.
+
+One ordered list of passes, run by the pass driver (``passes/driver.py``) — timed,
+skippable by name, linted after every pass in debug mode — and used by all three
+front ends: ``fxpipe.parallelize`` (every rank), ``fxpipe compile`` (prints what it
+made) and ``fxpipe run``'s preflight (stops after the cheap passes). What differs
+between them is not the pipeline but two hooks: how costs are measured (the ranks
+of a mesh together, this process alone, or not at all) and how the partition is
+solved (rank 0 solves and broadcasts, so that ranks agree exactly).
+
+    capture                 torch.export -> Program (fxpipe/capture.py)
+    canonicalize            drop asserts and dead values
+    model_stats             whole-model FLOPs, parameter count, token inputs (before TP shards them)
+    tensor_parallel         Megatron column/row blocks, vocabulary-parallel embedding and loss
+    cost                    FLOPs and bytes per node, per tp rank
+    device                  retarget device constants to the device stages run on
+    split_matmul            cut ops heavier than half a stage's share into blocks
+    measure_costs           time the graph's groups on the devices (hook; costs='measure' or a profile)
+    partition               stage of every node (ILP by default; hook: who solves)
+    split                   Program -> PipelinePlan: one GraphModule per stage, values between them
+    recompute               activation recomputation regions per stage
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+
+from fxpipe.capture import capture
+from fxpipe.config import ParallelConfig
+from fxpipe.passes.cost import cost_pass, total_cost
+from fxpipe.passes.device import retarget_device_pass
+from fxpipe.passes.driver import DEFAULT_PASSES, PassSpec, PassTiming, run_passes
+from fxpipe.passes.partition import PartitionConfig, partition_pass
+from fxpipe.passes.recompute import apply_recompute
+from fxpipe.passes.split import split_pass
+from fxpipe.passes.split_matmul import split_matmul_pass
+from fxpipe.plan import PipelinePlan
+from fxpipe.program import Program
+from fxpipe.recompute_mode import RecomputeMode
+from fxpipe.runtime.precision import Precision
+from fxpipe.schedules.ir import Schedule
+from fxpipe.vocab import token_inputs
+
+MODEL_STATS = "model_stats"
+TOKEN_INPUTS = "token_inputs"
+PARTITION_CONFIG = "partition_config"
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """Whole-model numbers, counted before tensor parallelism shards the graph."""
+    num_parameters: int
+    flops_per_step: int
+    """Model FLOPs of one step over the global batch: matmul forward + backward, the
+    quantity of Megatron's 72·B·s·l·h²(1 + s/6h + V/12lh) (no recomputation)."""
+
+
+MeasureFn = Callable[[Program, PartitionConfig, "CompileContext"], PartitionConfig]
+SolveFn = Callable[[Program, PartitionConfig], Program]
+
+
+@dataclass(frozen=True)
+class CompileHooks:
+    """What the front ends do differently (module docstring)."""
+    measure: MeasureFn | None = None
+    """Returns the partition config with measured node times and link (``fxpipe/costs``);
+    None: the cost model's estimate is all there is."""
+    solve: SolveFn = partition_pass
+    """Assigns stages (``passes/partition.py``); the runtime's solves on rank 0 and broadcasts."""
+
+
+@dataclass(frozen=True)
+class CompileContext:
+    """The ``config`` every pipeline pass receives."""
+    config: ParallelConfig
+    schedule: Schedule
+    device: torch.device
+    hooks: CompileHooks = CompileHooks()
+
+    @property
+    def tensor_parallel(self):
+        return self.config.tensor_parallel  # what the tensor-parallel pass reads
+
+
+# ---- the pipeline's own passes -------------------------------------------------------------
+def model_stats_pass(program: Program, ctx: CompileContext) -> Program:
+    whole = total_cost(cost_pass(program))
+    m, dp = ctx.config.microbatches, ctx.config.replicas
+    stats = ModelStats(num_parameters=program.num_parameters(),
+                       flops_per_step=(whole.fwd_flops + whole.bwd_flops) * m * dp)
+    return program.replace(extra={**program.extra, MODEL_STATS: stats, TOKEN_INPUTS: token_inputs(program)})
+
+
+def device_pass(program: Program, ctx: CompileContext) -> Program:
+    return retarget_device_pass(program, ctx.device)
+
+
+def split_matmul_step(program: Program, ctx: CompileContext) -> Program:
+    if not ctx.config.balances_time:  # uniform and params ignore time: nothing to balance
+        return program
+    return split_matmul_pass(program, ctx.schedule.num_stages)
+
+
+def measure_costs_pass(program: Program, ctx: CompileContext) -> Program:
+    config = ctx.config.partition_config(ctx.schedule)
+    if ctx.config.costs != "model" and ctx.config.balances_time and ctx.hooks.measure is not None:
+        config = ctx.hooks.measure(program, config, ctx)
+    return program.replace(extra={**program.extra, PARTITION_CONFIG: config})
+
+
+def partition_step(program: Program, ctx: CompileContext) -> Program:
+    config = program.extra.get(PARTITION_CONFIG) or ctx.config.partition_config(ctx.schedule)
+    return ctx.hooks.solve(program, config)
+
+
+def split_step(program: Program, ctx: CompileContext) -> PipelinePlan:
+    return split_pass(program, num_stages=ctx.schedule.num_stages)
+
+
+def recompute_step(plan: PipelinePlan, ctx: CompileContext) -> PipelinePlan:
+    mode = ctx.config.recompute
+    if mode is RecomputeMode.NONE:
+        return plan
+    # Per stage, after the split: a layer cut across two stages is recomputed piecewise.
+    stages = tuple(dataclasses.replace(s, graph_module=apply_recompute(s.graph_module, plan.program.layers, mode))
+                   for s in plan.stages)
+    return dataclasses.replace(plan, stages=stages)
+
+
+_GRAPH = {p.name: p for p in DEFAULT_PASSES}
+PIPELINE: tuple[PassSpec, ...] = (
+    _GRAPH["canonicalize"],
+    PassSpec("model_stats", model_stats_pass,
+             "count the whole model's FLOPs and parameters and find token inputs before TP shards them"),
+    _GRAPH["tensor_parallel"],
+    _GRAPH["cost"],
+    PassSpec("device", device_pass,
+             "rewrite device constants captured on cpu/meta to the stages' device"),
+    PassSpec("split_matmul", split_matmul_step,
+             "cut ops heavier than half a stage's share (an LM head) so the partition can balance; "
+             "after cost, which decides what is heavy, and re-costs the blocks"),
+    PassSpec("measure_costs", measure_costs_pass,
+             "time the graph's groups on the real devices (costs='measure' or a profile), after every "
+             "rewrite the stages will run"),
+    PassSpec("partition", partition_step, "assign every node to a stage (ILP over measured or modelled times)"),
+    PassSpec("split", split_step, "cut the Program into one GraphModule per stage and the values between them"),
+    PassSpec("recompute", recompute_step,
+             "activation recomputation per stage, after the split (a layer cut by a stage "
+             "boundary is recomputed piecewise)"),
+)
+
+
+def pipeline_names() -> list[str]:
+    return [p.name for p in PIPELINE]
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    """What the pipeline made, and what each pass cost."""
+    program: Program
+    """The last Program: tensor-parallel and costed; with ``stages`` once partitioned."""
+    plan: PipelinePlan | None
+    """None when the pipeline stopped before ``split`` (``until``)."""
+    config: ParallelConfig
+    schedule: Schedule
+    timings: tuple[PassTiming, ...]
+    capture_s: float = 0.0
+
+    @property
+    def stats(self) -> ModelStats | None:
+        return self.program.extra.get(MODEL_STATS)
+
+    @property
+    def token_inputs(self) -> tuple:
+        return self.program.extra.get(TOKEN_INPUTS, ())
+
+    @property
+    def partition(self):
+        """The partitioner's ``PartitionResult`` (None before ``partition``)."""
+        return self.program.extra.get("partition")
+
+    @property
+    def partition_config(self) -> PartitionConfig | None:
+        return self.program.extra.get(PARTITION_CONFIG)
+
+
+def capture_for(model: nn.Module, microbatch: Sequence[torch.Tensor], config: ParallelConfig,
+                loss_fn: Callable[..., torch.Tensor] | None = None) -> Program:
+    """Capture ``model`` as it will run: a low-precision copy under bf16/fp16 (so every
+    dtype in the plan is the one that runs; the user's fp32 model keeps the master
+    weights), and with meta inputs for a meta-device model (deferred initialisation)."""
+    traced = model if config.precision is Precision.FP32 else copy.deepcopy(model).to(config.precision.dtype)
+    on_meta = any(t.is_meta for t in model.parameters())
+    return capture(traced, tuple(t.to("meta") if on_meta else t for t in microbatch), loss_fn)
+
+
+def compile_program(program: Program, config: ParallelConfig, *, device: torch.device | str = "cpu",
+                    hooks: CompileHooks = CompileHooks(), skip: Iterable[str] = (), until: str | None = None,
+                    debug: bool = False) -> CompileResult:
+    """Run the pipeline on a captured Program (``until``: stop after that pass)."""
+    passes = PIPELINE
+    if until is not None:
+        if until not in pipeline_names():
+            raise ValueError(f"unknown pass {until!r}; passes are: {', '.join(pipeline_names())}")
+        passes = PIPELINE[:pipeline_names().index(until) + 1]
+    schedule = config.schedule_ir()
+    ctx = CompileContext(config=config, schedule=schedule, device=torch.device(device), hooks=hooks)
+    out, timings = run_passes(program, ctx, passes=passes, skip=skip, debug=debug)
+    last_program = out if isinstance(out, Program) else out.program
+    plan = out if isinstance(out, PipelinePlan) else None
+    return CompileResult(program=last_program, plan=plan, config=config, schedule=schedule,
+                         timings=tuple(timings))
+
+
+def compile_pipeline(model: nn.Module, microbatch: Sequence[torch.Tensor], config: ParallelConfig, *,
+                     loss_fn: Callable[..., torch.Tensor] | None = None, **kwargs: Any) -> CompileResult:
+    """Capture ``model`` on one microbatch and compile it for ``config`` (module docstring).
+    Keyword arguments as ``compile_program``."""
+    start = time.perf_counter()
+    program = capture_for(model, microbatch, config, loss_fn)
+    captured = time.perf_counter() - start
+    return dataclasses.replace(compile_program(program, config, **kwargs), capture_s=captured)
+

@@ -1,0 +1,172 @@
+"""``ParallelConfig``: every choice of a parallel layout, decided once.
+
+``fxpipe.parallelize``'s keyword arguments, ``fxpipe run``'s and ``fxpipe compile``'s
+flags all become one frozen ``ParallelConfig``; the compile pipeline
+(``fxpipe/compiler.py``) and the runtime read it and nothing else. Names arrive as
+strings (from a user or a flag) and are parsed into enums here, with an error that
+lists the valid ones; derived defaults (``chunks`` from the schedule, scatter-gather
+from tp and sp) are resolved here, so the report, the partition and the transport
+cannot disagree about them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+
+from fxpipe.partition.result import Method
+from fxpipe.recompute_mode import RecomputeMode
+from fxpipe.runtime.precision import Precision
+
+
+class ScheduleKind(enum.Enum):
+    """Pipeline schedules (``fxpipe/schedules/registry.py`` generates each)."""
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    ZB_H1 = "zb-h1"
+    ZB_V = "zb-v"
+
+    @classmethod
+    def parse(cls, name: "str | ScheduleKind") -> "ScheduleKind":
+        if isinstance(name, cls):
+            return name
+        try:
+            return cls(str(name).lower())
+        except ValueError:
+            raise ValueError(f"unknown schedule {name!r}; valid names are: "
+                             f"{', '.join(k.value for k in cls)}") from None
+
+
+def _parse_method(name: "str | Method") -> Method:
+    if isinstance(name, Method):
+        return name
+    try:
+        return Method(name)
+    except ValueError:
+        raise ValueError(f"unknown partition method {name!r}; valid methods: "
+                         f"{', '.join(m.value for m in Method)}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """One rank's view of the layout and how to compile it (see the module docstring)."""
+    tp: int = 1
+    """Tensor-parallel size: ranks that split every sharded layer."""
+    pp: int = 1
+    """Pipeline-parallel size: ranks in one pipeline."""
+    dp: int | None = None
+    """Data-parallel replicas; None: world size / (tp·pp), resolved at launch (``with_world``)."""
+    microbatches: int = 1
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
+    chunks: int | None = None
+    """Stages per pipeline rank; None resolves to the schedule's default."""
+    partition: Method = Method.ILP
+    memory_limit_gb: float | None = None
+    """GiB per rank the partition must fit (the ILP meets it or names the smallest that fits)."""
+    precision: Precision = Precision.FP32
+    recompute: RecomputeMode = RecomputeMode.NONE
+    sp: bool = False
+    """Sequence parallelism (Korthikanti et al. 2022); needs tp > 1."""
+    scatter_gather: bool | None = None
+    """SC21 §4.1: send 1/tp chunks of replicated stage outputs. None resolves to
+    tp > 1 and not sp (with sp the boundary activation is already a sequence shard)."""
+    zero: int = 0
+    """1: ZeRO stage 1 over data parallel (``runtime/zero.py``)."""
+    costs: str = "measure"
+    """What the partitioner balances: 'measure', 'model' or a cost profile's path (``fxpipe/costs``)."""
+    seed: int = 0
+    timeout_s: float = 60.0
+    """Bound on every transfer and collective."""
+    compile: bool = False
+    """Compile each stage with AOTAutograd + TorchInductor (``runtime/compiled.py``)."""
+    hardware: str = "cpu"
+    """The cost model's hardware preset (``fxpipe/hardware.py``) when costs are not measured."""
+    time_limit_s: float = 10.0
+    """The ILP solver's time limit."""
+    allow_over_limit: bool = False
+    """Return a non-ILP plan over ``memory_limit_gb`` instead of failing (comparison tables)."""
+
+    def __post_init__(self) -> None:
+        fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        fix("schedule", ScheduleKind.parse(self.schedule))
+        fix("partition", _parse_method(self.partition))
+        fix("precision", Precision.parse(self.precision))
+        fix("recompute", self.recompute if isinstance(self.recompute, RecomputeMode)
+            else RecomputeMode.parse(self.recompute))
+        for name in ("tp", "pp", "microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value!r}")
+        if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
+            raise ValueError(f"dp must be a positive integer or None (world / (tp·pp)), got {self.dp!r}")
+        if self.sp and self.tp == 1:
+            raise ValueError("sp=True needs tp > 1: sequence parallelism splits the sequence over "
+                             "the tensor-parallel group")
+        if self.zero not in (0, 1):
+            raise ValueError(f"zero must be 0 (off) or 1 (optimizer state and fp32 masters sharded over "
+                             f"data parallel), got {self.zero}")
+        if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout_s}")
+        if self.memory_limit_gb is not None and not self.memory_limit_gb > 0:
+            raise ValueError(f"memory_limit_gb must be positive, got {self.memory_limit_gb}")
+        from fxpipe.costs import parse_costs
+        fix("costs", parse_costs(self.costs))
+        from fxpipe.schedules.registry import get_spec
+        spec = get_spec(self.schedule.value)
+        chunks = spec.default_chunks if self.chunks is None else self.chunks
+        if not isinstance(chunks, int) or chunks < 1 or (spec.chunks is not None and chunks not in spec.chunks):
+            allowed = "any >= 1" if spec.chunks is None else ", ".join(map(str, spec.chunks))
+            raise ValueError(f"schedule {spec.name} takes chunks (stages per rank) {allowed}, got {chunks!r}")
+        fix("chunks", chunks)
+        fix("scatter_gather", self.tp > 1 and (not self.sp if self.scatter_gather is None
+                                                else bool(self.scatter_gather)))
+
+    # ---- derived -------------------------------------------------------------------------
+    def with_world(self, world_size: int) -> "ParallelConfig":
+        """``dp`` resolved against the number of processes (a mismatch is an error)."""
+        from fxpipe.runtime.mesh import resolve_dp
+
+        return dataclasses.replace(self, dp=resolve_dp(world_size, self.tp, self.pp, self.dp))
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas (1 before ``with_world`` when dp was left to the world)."""
+        return self.dp or 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.chunks
+
+    @property
+    def memory_limit_bytes(self) -> int | None:
+        return None if self.memory_limit_gb is None else int(self.memory_limit_gb * 2**30)
+
+    @property
+    def tensor_parallel(self):
+        """The tensor-parallel pass's view (``passes/tensor_parallel/config.py``)."""
+        from fxpipe.passes.tensor_parallel import TPConfig
+
+        return TPConfig(tp=self.tp, sp=self.sp, scatter_gather=self.scatter_gather)
+
+    @property
+    def balances_time(self) -> bool:
+        """Whether the partition optimises stage times (ILP, chain DP) rather than counts."""
+        return self.num_stages > 1 and self.partition in (Method.ILP, Method.DP)
+
+    def schedule_ir(self):
+        """The compute-only schedule (``fxpipe/schedules``) of this layout."""
+        from fxpipe.schedules.registry import generate
+
+        return generate(self.schedule.value, self.pp, self.microbatches, self.chunks)
+
+    def partition_config(self, schedule):
+        """The partition pass's config for ``schedule`` (this config's schedule_ir())."""
+        from fxpipe.hardware import get_hardware
+        from fxpipe.passes.partition import PartitionConfig, stage_inflight
+
+        return PartitionConfig(num_stages=schedule.num_stages, stage_to_rank=schedule.stage_ranks,
+                               inflight=stage_inflight(schedule), method=self.partition.value,
+                               memory_limit_bytes=self.memory_limit_bytes, hardware=get_hardware(self.hardware),
+                               time_limit_s=self.time_limit_s, allow_over_limit=self.allow_over_limit)
