@@ -33,14 +33,14 @@ import torch.nn as nn
 
 from fxpipe.capture import capture
 from fxpipe.config import ParallelConfig
-from fxpipe.passes.cost import cost_pass, total_cost
+from fxpipe.passes.node_cost import cost_pass, total_cost
 from fxpipe.passes.device import retarget_device_pass
 from fxpipe.passes.driver import DEFAULT_PASSES, PassSpec, PassTiming, run_passes
 from fxpipe.passes.partition import PartitionConfig, partition_pass
 from fxpipe.passes.recompute import apply_recompute
 from fxpipe.passes.split import split_pass
 from fxpipe.passes.split_matmul import split_matmul_pass
-from fxpipe.plan import PipelinePlan
+from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.program import Program
 from fxpipe.recompute_mode import RecomputeMode
 from fxpipe.runtime.precision import Precision

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from fxpipe.passes.cost import VIEW_OPS
+from fxpipe.passes.node_cost import VIEW_OPS
 from fxpipe.passes.driver import PassTiming
 from fxpipe.program import ParamKind, Program
 

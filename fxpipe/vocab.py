@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from fxpipe.passes.cost import VIEW_OPS
+from fxpipe.passes.node_cost import VIEW_OPS
 from fxpipe.program import Program
 
 aten = torch.ops.aten

@@ -23,7 +23,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from fxpipe.plan import PipelinePlan
+from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.program import TensorSpec
 from fxpipe.runtime.stage_runner import StageRunner
 

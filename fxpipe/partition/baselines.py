@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from fxpipe.partition.chain_dp import min_max_split
-from fxpipe.partition.cost import trivial_lower_bound_s
+from fxpipe.partition.stage_cost import trivial_lower_bound_s
 from fxpipe.partition.problem import PartitionError, PartitionProblem
 from fxpipe.partition.result import Method, PartitionResult, SolveStatus, make_result
 

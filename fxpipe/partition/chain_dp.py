@@ -12,7 +12,7 @@ one of its nodes consumes (exact), and sends each of its outputs that has a
 consumer at or after i *once*. The true model sends once per distinct later
 consumer stage, which the DP cannot see without remembering later cuts; the two
 agree unless one tensor feeds two later stages. The returned result is always
-scored with the exact model (:mod:`fxpipe.partition.cost`).
+scored with the exact model (:mod:`fxpipe.partition.stage_cost`).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from fxpipe.partition.cost import DIRECTIONS, evaluate, trivial_lower_bound_s
+from fxpipe.partition.stage_cost import DIRECTIONS, evaluate, trivial_lower_bound_s
 from fxpipe.partition.problem import PartitionProblem
 from fxpipe.partition.result import Method, PartitionResult, SolveStatus, make_result
 

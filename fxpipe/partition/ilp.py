@@ -4,7 +4,7 @@ Model (S stages, nodes in the problem's topological order, ``encoding.py`` for
 the stage literals x(i, k) = [stage(i) = k]):
 
 * minimise T subject to T >= load(k) for every stage k, where load(k) is the
-  cost model of :mod:`fxpipe.partition.cost` in integer ticks:
+  cost model of :mod:`fxpipe.partition.stage_cost` in integer ticks:
   compute(k) = Σ_i c_i·x(i, k);
   receive: r(u, b) >= x(v, b) - x(u, b) for every consumer v of u — u is sent to
   b iff a consumer sits at b and u does not (order makes "does not" mean "earlier");
@@ -40,9 +40,9 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from fxpipe.partition.chain_dp import chain_dp_stages, fits_memory
-from fxpipe.partition.cost import DIRECTIONS, evaluate, transfers
+from fxpipe.partition.stage_cost import DIRECTIONS, evaluate, transfers
 from fxpipe.partition.encoding import StageEncoding, solver_for
-from fxpipe.partition.memory import MemoryLimitError, memory_floor
+from fxpipe.partition.memory_floor import MemoryLimitError, memory_floor
 from fxpipe.partition.problem import PartitionError, PartitionProblem
 from fxpipe.partition.result import Method, PartitionResult, SolveStatus, make_result
 
@@ -175,7 +175,7 @@ def solve_ilp(problem: PartitionProblem, *, time_limit_s: float = 10.0, seed: in
     the default: the windowed models are small and the deterministic multi-worker
     loop mostly adds synchronisation. ``hint``: a previous result or a node ->
     stage mapping, tried as warm start beside the chain DP.
-    Raises :class:`~fxpipe.partition.memory.MemoryLimitError` when no assignment
+    Raises :class:`~fxpipe.partition.memory_floor.MemoryLimitError` when no assignment
     fits the memory limit, with the smallest limit that does."""
     start = time.perf_counter()
     if problem.num_nodes > MAX_NODES:

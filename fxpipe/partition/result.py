@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
-from fxpipe.partition.cost import StageCost, evaluate
+from fxpipe.partition.stage_cost import StageCost, evaluate
 from fxpipe.partition.problem import Node, PartitionProblem
 
 

@@ -1,6 +1,6 @@
 """Compiler passes: plain functions ``name_pass(program, config) -> program``."""
 from fxpipe.passes.canonicalize import canonicalize_pass
-from fxpipe.passes.cost import cost_pass, model_flops_formula, total_cost
+from fxpipe.passes.node_cost import cost_pass, model_flops_formula, total_cost
 from fxpipe.passes.driver import DEFAULT_PASSES, PassSpec, PassTiming, pass_names, run_passes
 from fxpipe.passes.lint import ProgramInvariantError, lint_program
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from fxpipe.passes.canonicalize import canonicalize_pass
-from fxpipe.passes.cost import cost_pass
+from fxpipe.passes.node_cost import cost_pass
 from fxpipe.passes.lint import lint_program
 from fxpipe.passes.tensor_parallel import tensor_parallel_pass
 from fxpipe.program import Program

@@ -14,8 +14,8 @@ import networkx as nx
 
 from fxpipe.hardware import CPU, Hardware
 from fxpipe.partition import Method, PartitionError, PartitionProblem, PartitionResult, coarsen, partition
-from fxpipe.partition.memory import gib
-from fxpipe.passes.cost import VIEW_OPS
+from fxpipe.partition.memory_floor import gib
+from fxpipe.passes.node_cost import VIEW_OPS
 from fxpipe.passes.split import side_values
 from fxpipe.program import ParamKind, Program
 from fxpipe.schedules.ir import ActionKind, Schedule

@@ -42,7 +42,7 @@ aten = torch.ops.aten
 
 LAYER_KEY = "fxpipe_layer"
 """``node.meta`` key holding the layer index of a region's call and getitem nodes
-(they are not in the capture's ``layers`` map; ``fxpipe.memory`` reads it)."""
+(they are not in the capture's ``layers`` map; ``fxpipe.saved_activations`` reads it)."""
 REGION_KEY = "fxpipe_recompute"
 """``node.meta`` key holding the :class:`RecomputeRegion` of a region's call node."""
 

@@ -20,7 +20,7 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from fxpipe.plan import PipelinePlan, Stage, StageValue
+from fxpipe.pipeline_plan import PipelinePlan, Stage, StageValue
 from fxpipe.program import ParamKind, Program, TensorSpec
 
 

@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from fxpipe.passes.cost import cost_pass
+from fxpipe.passes.node_cost import cost_pass
 from fxpipe.program import Program
 
 aten = torch.ops.aten

@@ -20,7 +20,7 @@ import numpy as np
 from fxpipe.hardware import Collective
 from fxpipe.planner.config import DPOverlap, CandidateLayout, PlannerOptions
 from fxpipe.planner.layer_cost import CostModel
-from fxpipe.planner.memory import (RankMemory, embedding_activation_bytes, head_activation_bytes,
+from fxpipe.planner.memory_model import (RankMemory, embedding_activation_bytes, head_activation_bytes,
                                    layer_activation_bytes, recompute_working_bytes)
 from fxpipe.planner.pipeline import PipelineTiming, simulate_pipeline
 from fxpipe.planner.shapes import TransformerShape, model_flops

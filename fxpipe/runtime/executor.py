@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fxpipe.plan import PipelinePlan
+from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport, check_spec
 from fxpipe.schedules.ir import Action, ActionKind, Schedule

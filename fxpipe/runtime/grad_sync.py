@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from fxpipe.plan import PipelinePlan
+from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.runtime.mesh import MeshGroups, subgroup
 from fxpipe.schedules.ir import Schedule
 

@@ -1,7 +1,7 @@
 """Independent references for the partition tests: random DAGs and brute force.
 
 The brute force reads the networkx graph directly, not PartitionProblem's arrays,
-so it also checks fxpipe.partition.cost.
+so it also checks fxpipe.partition.stage_cost.
 """
 from __future__ import annotations
 

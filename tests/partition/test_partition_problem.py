@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fxpipe.partition import PartitionError, PartitionProblem, evaluate
-from fxpipe.partition.cost import transfers
+from fxpipe.partition.stage_cost import transfers
 from partition_reference import rank_memory, small_problems, stage_times, valid_assignments
 
 

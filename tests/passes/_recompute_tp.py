@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 import fxpipe
-from fxpipe.memory import measure_saved
+from fxpipe.saved_activations import measure_saved
 from fxpipe.models import build_workload
 from fxpipe.models.gpt import GPT, GPTConfig
 from fxpipe.passes import run_passes
@@ -60,7 +60,7 @@ def _local(prog: Program, rank: int) -> tuple[dict[str, torch.Tensor], list[torc
 
 def saved_bytes_per_rank(prog: Program, batch: Sequence[torch.Tensor], mode: RecomputeMode, *,
                          seed: int = 0) -> list[dict[int | None, int]]:
-    """Per TP rank, layer -> bytes its forward saves for backward (``fxpipe.memory``),
+    """Per TP rank, layer -> bytes its forward saves for backward (``fxpipe.saved_activations``),
     with ``mode`` applied to the TP program's graph."""
     tp = prog.extra["tensor_parallel"].config.tp
     gm = apply_recompute(prog.graph_module, prog.layers, mode)

@@ -5,7 +5,7 @@ import torch
 import fxpipe
 from fxpipe.models import build_workload
 from fxpipe.passes import cost_pass, model_flops_formula, total_cost
-from fxpipe.passes.cost import node_cost
+from fxpipe.passes.node_cost import node_cost
 
 
 @pytest.mark.parametrize("name,batch,seq", [("gpt2-small", 2, 256), ("gpt-small", 4, 256)])

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.losses import causal_lm_loss
-from fxpipe.memory import SavedTensorCounter, measure_saved, saved_bytes_by_layer
+from fxpipe.saved_activations import SavedTensorCounter, measure_saved, saved_bytes_by_layer
 from fxpipe.models import build_workload
 from fxpipe.models.gpt import GPT
 from fxpipe.passes import lint_program, run_passes, total_cost

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fxpipe.plan import StageValue
+from fxpipe.pipeline_plan import StageValue
 from fxpipe.program import TensorSpec
 from fxpipe.runtime.mesh import Mesh, resolve_dp
 from fxpipe.runtime.transport import TransferError, check_spec

@@ -2,7 +2,7 @@
 import pytest
 
 from fxpipe.passes import DEFAULT_PASSES, run_passes
-from fxpipe.passes.cost import total_cost
+from fxpipe.passes.node_cost import total_cost
 from fxpipe.passes.tensor_parallel import TPConfig, TPResult, tensor_parallel_pass
 from fxpipe.tp.ops import OPS
 from tests.tensor_parallel._tp_helpers import captured, reference

@@ -17,7 +17,7 @@ import numpy as np
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
 from fxpipe.passes.tensor_parallel.layout import LayoutFailure
-from fxpipe.passes.tensor_parallel.plan import TPPlan
+from fxpipe.passes.tensor_parallel.node_layouts import TPPlan
 from fxpipe.passes.tensor_parallel.provenance import Provenance
 from fxpipe.passes.tensor_parallel.result import BlockInfo, BlockKind
 from fxpipe.passes.tensor_parallel.specs import ShardKind, ShardSpec, ranges_of

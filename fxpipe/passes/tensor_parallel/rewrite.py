@@ -20,7 +20,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import arg
-from fxpipe.passes.tensor_parallel.plan import Conversion, TPPlan, is_sharded
+from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan, is_sharded
 from fxpipe.passes.tensor_parallel.result import CollectiveKind, CollectiveSite
 from fxpipe.program import Program
 from fxpipe.tp.ops import OPS

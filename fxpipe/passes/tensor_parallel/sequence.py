@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import arg, norm_dim, shape
-from fxpipe.passes.tensor_parallel.plan import Conversion, TPPlan, is_sharded
+from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan, is_sharded
 from fxpipe.passes.tensor_parallel.result import CollectiveKind
 from fxpipe.program import Program
 

@@ -26,7 +26,7 @@ from fxpipe.passes.tensor_parallel.assign import assign
 from fxpipe.passes.tensor_parallel.config import TPConfig, tp_config_of
 from fxpipe.passes.tensor_parallel.layout import LayoutFailure
 from fxpipe.passes.tensor_parallel.placement import blocks, build_specs
-from fxpipe.passes.tensor_parallel.plan import Conversion, TPPlan, build_plan
+from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan, build_plan
 from fxpipe.passes.tensor_parallel.provenance import analyze
 from fxpipe.passes.tensor_parallel.result import CollectiveKind, TPResult
 from fxpipe.passes.tensor_parallel.rewrite import rewrite

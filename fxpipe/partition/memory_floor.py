@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from fxpipe.partition.chain_dp import min_memory_split
-from fxpipe.partition.cost import evaluate
+from fxpipe.partition.stage_cost import evaluate
 from fxpipe.partition.encoding import StageEncoding, solver_for
 from fxpipe.partition.problem import PartitionError, PartitionProblem
 
