@@ -168,7 +168,8 @@ def _inter_stage_bytes(plan, args: argparse.Namespace) -> str:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from fxpipe.preflight import check_flags, check_run
-    from fxpipe.train import TrainConfig, launch
+    from fxpipe.launcher import launch
+    from fxpipe.train import TrainConfig
 
     check_flags(args)  # by flag name, before the configs refuse the same values by field
     config = TrainConfig(model=args.model, parallel=_layout(args), micro_batch_size=args.micro_batch_size,

@@ -1,6 +1,6 @@
 """Bad inputs, table-driven: each gives one clear message (asserted by its key numbers
 and words), no traceback, exit code 2 — and for ``fxpipe run``, before any worker is
-spawned (``fxpipe.train.launch`` is replaced by a function that fails the test).
+spawned (``fxpipe.launcher.launch`` is replaced by a function that fails the test).
 
 Everything runs in this process: the CLI through ``fxpipe.cli.main``, the API in a
 world of one process (``parallelize`` without torchrun's environment)."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fxpipe.train
+import fxpipe.launcher
 from fxpipe import cli
 from fxpipe.models import build_workload
 
@@ -168,7 +168,7 @@ CASES = [
 def test_cli_refuses(argv, expected, setup, tmp_path, monkeypatch, capsys):
     import fxpipe.preflight  # noqa: F401  (the set-ups patch it)
 
-    monkeypatch.setattr(fxpipe.train, "launch", _spawned)
+    monkeypatch.setattr(fxpipe.launcher, "launch", _spawned)
     if setup is not None:
         setup(*(tmp_path, monkeypatch)[:setup.__code__.co_argcount])
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
@@ -313,6 +313,6 @@ def test_failed_ranks_are_summarised_in_one_line(tmp_path):
         0: failure(0, "PeerError: rank 0 receiving 'x' (microbatch 0) from rank 2: timed out", 20),
         2: failure(2, "RuntimeError: CUDA out of\nmemory", 10),
         3: ProcessFailure(local_rank=3, pid=103, exitcode=-15, error_file=str(tmp_path / "none"))})
-    line = fxpipe.train.summarize_failure(exc)
+    line = fxpipe.launcher.summarize_failure(exc)
     assert line == ("rank 2 failed: RuntimeError: CUDA out of memory (ranks 0, 3 failed too); "
                     "add --debug for every failed rank's traceback")
