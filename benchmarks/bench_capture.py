@@ -52,4 +52,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from results_log import recorded
+
+    with recorded("bench_capture"):
+        main()

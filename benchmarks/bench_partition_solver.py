@@ -131,4 +131,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from results_log import recorded
+
+    with recorded("bench_partition_solver"):
+        main()

@@ -50,4 +50,7 @@ def main(p: int = 64, m: int = 2048, v: int = 4, repeats: int = 7) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from results_log import recorded
+
+    with recorded("bench_simulator"):
+        main()
