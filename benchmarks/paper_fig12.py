@@ -32,7 +32,7 @@ def main() -> None:
     print(write_table("paper_fig12", ["batch", "1F1B TFLOP/s", "interleaved v=4", "gain", "bubble",
                                       "GB/GPU"], rows,
                       "Predicted, A100 preset, 96 GPUs. Paper: 10%+ gain at small batch, shrinking "
-                      "with batch size (REFERENCE.md)."))
+                      "with batch size (SC21 Fig. 12)."))
     fig, (ax, bx) = figure(9.0, 3.4, ncols=2)
     ax.plot(batches, one, "o-", label="1F1B")
     ax.plot(batches, inter, "s-", label="interleaved v=4")

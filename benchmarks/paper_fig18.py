@@ -32,7 +32,7 @@ def main() -> None:
                      f"{100 * b.breakdown.get(Component.P2P, 0) / b.iteration_s:.1f}% / "
                      f"{100 * a.breakdown.get(Component.P2P, 0) / a.iteration_s:.1f}%"])
     print(write_table("paper_fig18", ["batch", "without s/g TFLOP/s", "with s/g", "gain", "p2p share"], rows,
-                      "Predicted, A100 preset, 96 GPUs, interleaved v=4. Paper: up to 11% (REFERENCE.md)."))
+                      "Predicted, A100 preset, 96 GPUs, interleaved v=4. Paper: up to 11% (SC21 Fig. 18)."))
     fig, ax = figure(5.5, 3.4)
     ax.plot(batches, off, "o-", label="without scatter-gather")
     ax.plot(batches, on, "s-", label="with scatter-gather")

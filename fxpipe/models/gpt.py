@@ -39,7 +39,7 @@ class GPTConfig:
 
     @property
     def num_params(self) -> int:
-        """Parameter count with the LM head tied: l(12h²+13h) + Vh + sh + 2h (REFERENCE.md)."""
+        """Parameter count with the LM head tied: l(12h²+13h) + Vh + sh + 2h (Narayanan et al. SC21, appendix)."""
         h, l = self.n_embd, self.n_layer
         return l * (12 * h * h + 13 * h) + self.vocab_size * h + self.block_size * h + 2 * h
 

@@ -3,7 +3,7 @@
 Every number comes from the FakeTensor shapes export records in ``node.meta["val"]``,
 so the pass runs on meta-device captures of paper-scale models.
 
-Conventions (they are the ones of the model-FLOPs formula in REFERENCE.md,
+Conventions (they are the ones of Megatron's model-FLOPs formula,
 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)), Narayanan et al. SC21 §5.1):
 - a matrix multiply of (M×K)·(K×N) costs 2·M·N·K forward; its backward computes
   the input and the weight gradient, 2× the forward;
@@ -130,7 +130,7 @@ def total_cost(program: Program) -> NodeCost:
 
 
 def model_flops_formula(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """Megatron's model FLOPs per iteration, no recomputation (REFERENCE.md):
+    """Megatron's model FLOPs per iteration, no recomputation (Narayanan et al. SC21 §5.1):
     72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))."""
     B, s, l, h, V = batch, seq, layers, hidden, vocab
     return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))

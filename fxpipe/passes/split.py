@@ -1,6 +1,6 @@
 """Stage construction: cut a stage-annotated Program into one GraphModule per stage.
 
-Rules (DESIGN.md, "side inputs", "skip connections", "tied parameters"):
+Rules (docs/ARCHITECTURE.md, "Conventions"):
 - a value that depends only on batch inputs, buffers and constants (position ids,
   causal masks, rotary tables) is recomputed in every stage that needs it, never sent;
   every rank can read the batch;

@@ -1,7 +1,7 @@
 """Memory per GPU: training state and activations (Korthikanti et al. 2022).
 
 Activation bytes per transformer layer and microbatch (fp16 activations, 1-byte
-dropout masks; REFERENCE.md's table):
+dropout masks; Korthikanti et al. 2022, Tables 2 and 4):
 
 | setting | bytes |
 |---|---|

@@ -42,7 +42,7 @@ class TransformerShape:
 
     @property
     def num_params(self) -> int:
-        """l(12h² + 13h) + Vh + sh + 2h (REFERENCE.md; LM head tied to the embedding)."""
+        """l(12h² + 13h) + Vh + sh + 2h (Narayanan et al. SC21, appendix; LM head tied to the embedding)."""
         h, l = self.hidden, self.layers
         return l * (12 * h * h + 13 * h) + self.vocab * h + self.seq * h + 2 * h
 

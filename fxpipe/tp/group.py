@@ -6,8 +6,8 @@ Two implementations:
   GPUs, gloo on CPUs): what the runtime uses.
 - :class:`EmulatedGroup` runs every TP rank in a thread of one process and makes
   the collectives rendezvous at a barrier. Tests use it: all ranks' graphs run in
-  about the time of one, with no process spawn (DESIGN.md, "Collectives as
-  autograd-aware graph ops").
+  about the time of one, with no process spawn (docs/tensor_parallel.md:
+  collectives are autograd-aware graph ops).
 
 Every collective returns a new tensor and never modifies its input, so autograd
 code can call them on saved tensors. Results are bitwise identical on all ranks

@@ -1,5 +1,5 @@
 """Activation recomputation: same loss and gradients as the unmodified graph, and the
-bytes saved for backward per layer against Korthikanti et al. 2022 (REFERENCE.md).
+bytes saved for backward per layer against Korthikanti et al. 2022.
 
 Run: .venv/bin/python -m pytest tests/passes/test_recompute.py -q
 """
@@ -202,7 +202,7 @@ def layer_bytes(terms, d: Dims, mode: RecomputeMode, *, t: int = 1, sp: bool = F
 
 @pytest.mark.parametrize("t", [1, 2, 4, 8])
 def test_term_table_is_the_reference_formulas(t):
-    """The table reproduces every closed form of REFERENCE.md, so the adjusted numbers
+    """The table reproduces every closed form of Korthikanti et al. 2022, so the adjusted numbers
     below are the paper's derivation with only the stated terms changed."""
     d = Dims(s=2048, b=1, h=12288, a=96)
     sbh, q = d.s * d.b * d.h, 5 * d.a * d.s / (d.h * t)

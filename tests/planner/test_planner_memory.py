@@ -1,4 +1,4 @@
-"""The memory model against REFERENCE.md's closed forms (Korthikanti et al. 2022)."""
+"""The memory model against the closed forms of Korthikanti et al. 2022)."""
 import pytest
 
 from fxpipe.passes.recompute import RecomputeMode

@@ -45,7 +45,7 @@ def test_zb_h1_order():
 
 
 def megatron_interleaved(p, m, v):
-    """Independent reconstruction from the REFERENCE.md statement of Megatron's
+    """Independent reconstruction from the statement of Megatron's
     rule (m % p == 0): forward unit k runs chunk (k mod pv) div p on
     microbatch (k div pv)*p + k mod p; backward units reverse the chunks;
     warmup (p-r-1)*2 + (v-1)*p, capped at m*v."""

@@ -1,5 +1,5 @@
 """Hypothesis properties of generators + simulator against closed forms
-(../shared/REFERENCE.md), and validity of every generated schedule.
+(SC21 §2.2), and validity of every generated schedule.
 
 Conventions: durations are per stage (per chunk); "unit" means T_F = T_B = 1
 (and for split schedules T_F = T_I = T_W = 1, i.e. B = 2, W = 1). We compare

@@ -1,6 +1,6 @@
 """Channel provenance: which projection output channels each tensor element carries.
 
-DESIGN.md's "Automatic TP" hint. Every output channel of every projection gets a
+How the pass sees heads and channels without names (docs/tensor_parallel.md). Every output channel of every projection gets a
 global integer id. The ids are pushed forward through the graph as an integer
 array per tensor (``ids``: full rank, size 1 along dims that carry no channel,
 so it broadcasts to the tensor). Views, transposes, splits, slices, cats and

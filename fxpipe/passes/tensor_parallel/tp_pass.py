@@ -3,7 +3,7 @@
 Steps, each in its own module:
 
 1. ``graph_ops``   find projections, token embeddings, grad-carrying values (structure only);
-2. ``provenance``  push channel ids through the graph (DESIGN.md "Automatic TP");
+2. ``provenance``  push channel ids through the graph (docs/tensor_parallel.md);
 3. ``assign``      give channel classes to ranks: heads / FFN channels / vocab blocks;
 4. ``plan``        local layouts, rewritten constants, conversions (f, scatter), g sites;
 5. ``placement``   a ShardSpec per parameter (tied names agree);
