@@ -4,13 +4,14 @@ timeline of the last step (Perfetto JSON + PNG)."""
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from fxpipe.runtime.balance import BalanceMeter, balance, balance_table
 
 if TYPE_CHECKING:
+    from fxpipe.runtime.api import ParallelModel
     from fxpipe.train import TrainConfig
 
 
@@ -30,7 +31,7 @@ def bubble_share(events: tuple, start: float, end: float) -> float:
     return max(0.0, 1.0 - busy / max(end - start, 1e-12))
 
 
-def recomputed_flops(pm: Any) -> int:
+def recomputed_flops(pm: "ParallelModel") -> int:
     """Forward matmul FLOPs re-run in backward by recompute regions, per microbatch, all
     stages; per-rank costs × tp approximates the whole model's under tensor parallelism."""
     from fxpipe.passes.recompute import regions_of
@@ -41,7 +42,7 @@ def recomputed_flops(pm: Any) -> int:
     return total * pm.groups.mesh.tp
 
 
-def report_balance(pm: Any, meter: "BalanceMeter") -> float:
+def report_balance(pm: "ParallelModel", meter: "BalanceMeter") -> float:
     """Per-stage predicted vs measured F/B (rank 0 prints); the measured imbalance."""
     summaries = [None] * pm.groups.mesh.pp
     dist.all_gather_object(summaries, meter.summary(), group=pm.groups.pp_group)
@@ -51,7 +52,7 @@ def report_balance(pm: Any, meter: "BalanceMeter") -> float:
     return imbalance
 
 
-def write_timeline(pm: Any, config: TrainConfig, imbalance: float = 1.0) -> None:
+def write_timeline(pm: "ParallelModel", config: TrainConfig, imbalance: float = 1.0) -> None:
     """Gather the last step's per-action times from every pipeline rank; rank 0 draws them."""
     if config.timeline is None:
         return

@@ -29,7 +29,7 @@ import os
 import random
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import torch
@@ -50,6 +50,9 @@ from fxpipe.runtime.checkpoint_manifest import (FORMAT, META_FILE, SCALER_FIELDS
                                                 CorruptCheckpointError, digest, file_names, read_manifest, verify)
 from fxpipe.runtime.checkpoint_metadata import UnsafeCheckpointError
 
+if TYPE_CHECKING:
+    from fxpipe.runtime.api import ParallelModel
+
 __all__ = ["CheckpointFallbackWarning", "CorruptCheckpointError", "export_consolidated", "latest_checkpoint",
            "list_checkpoints", "load_checkpoint", "save_checkpoint", "state_dict_names", "step_dirname"]
 
@@ -67,7 +70,7 @@ def state_dict_names(program: Program) -> dict[str, str]:
             if p.kind is not ParamKind.CONSTANT and _is_persistent(p)}
 
 
-def _model_tensors(pm: Any) -> dict[str, torch.Tensor]:
+def _model_tensors(pm: "ParallelModel") -> dict[str, torch.Tensor]:
     """This rank's live model tensors by canonical name (tensor-parallel shards): the
     fp32 masters for trained parameters under mixed precision (the compute copies are
     refreshed from them at every ``train_step``), else ``pm.state``; buffers from ``pm.state``."""
@@ -76,19 +79,19 @@ def _model_tensors(pm: Any) -> dict[str, torch.Tensor]:
     return {n: masters.get(n, t) for n, t in pm.state.items() if kinds[n] is not ParamKind.CONSTANT}
 
 
-def _saved_model_tensors(pm: Any) -> dict[str, torch.Tensor]:
+def _saved_model_tensors(pm: "ParallelModel") -> dict[str, torch.Tensor]:
     """What this rank writes: under ZeRO-1 a trained tensor only by its owner (the one
     with its fp32 master); DCP merges the ranks' keys."""
     return {n: t for n, t in _model_tensors(pm).items() if pm.owns(n)}
 
 
-def _tp_ranks(pm: Any) -> list[int]:
+def _tp_ranks(pm: "ParallelModel") -> list[int]:
     """Global ranks of this rank's tp group, in tp order (tp is innermost in the mesh)."""
     base = pm.groups.rank - pm.groups.tp_rank
     return [base + t for t in range(pm.groups.mesh.tp)]
 
 
-def _chunked(pm: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _chunked(pm: "ParallelModel", tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """This rank's tensor-parallel shards as DCP chunks of the full shape (no gather;
     ``checkpoint_shards.py``); everything else as it is."""
     if pm.groups.mesh.tp == 1:
@@ -96,13 +99,13 @@ def _chunked(pm: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     return wrap_state(tensors, pm.specs, pm.groups.tp_rank, _tp_ranks(pm), pm.groups.tp_group)
 
 
-def _model_state(pm: Any) -> dict[str, Any]:
+def _model_state(pm: "ParallelModel") -> dict[str, Any]:
     pm.sync_parameters()  # after an optimizer step, every copy current (ZeRO-1: the owners')
     local = _chunked(pm, {n: t.detach() for n, t in _saved_model_tensors(pm).items()})
     return {f"model.{n}": t for n, t in local.items()}
 
 
-def _optimizer_names(pm: Any, optimizer: torch.optim.Optimizer) -> list[str]:
+def _optimizer_names(pm: "ParallelModel", optimizer: torch.optim.Optimizer) -> list[str]:
     """Original name of each parameter in torch.optim's index order (groups in order)."""
     by_id = {id(t): n for n, t in pm.named_parameters()}
     names = []
@@ -121,7 +124,7 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, torch.Tensor) or (isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
-def _optimizer_state(pm: Any, optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
+def _optimizer_state(pm: "ParallelModel", optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
     sd = optimizer.state_dict()
     by_key: dict[str, dict[str, torch.Tensor]] = {}  # state key -> parameter name -> tensor
     for index, entries in sd["state"].items():
@@ -176,7 +179,7 @@ def _set_rng(loaded: Mapping[str, torch.Tensor], device: torch.device, tp_rng: A
 _SCALER_FIELDS = SCALER_FIELDS  # checked in the manifest (checkpoint_manifest.py)
 
 
-def _scaler_state(pm: Any) -> dict | None:
+def _scaler_state(pm: "ParallelModel") -> dict | None:
     """fp16's dynamic loss scale (the same on every rank: overflow is all-reduced).
     ``growth_interval``/``min_scale`` are configuration, which the loading run decides."""
     scaler = pm.master.scaler if pm.master is not None else None
@@ -184,7 +187,7 @@ def _scaler_state(pm: Any) -> dict | None:
 
 
 # ---- save ------------------------------------------------------------------------------------
-def save_checkpoint(pm: Any, optimizer: torch.optim.Optimizer, step: int, directory: str | os.PathLike,
+def save_checkpoint(pm: "ParallelModel", optimizer: torch.optim.Optimizer, step: int, directory: str | os.PathLike,
                     *, extra: dict | None = None, keep_last: int | None = 3) -> Path:
     """Save this job's state after ``step`` optimizer steps; collective (every rank calls).
 
@@ -277,7 +280,7 @@ def _targets(saved: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
             for k, md in saved.items() if k.startswith(prefix) and hasattr(md, "size")}
 
 
-def _local_targets(pm: Any, saved: Mapping[str, Any], prefix: str, name_of: Any,
+def _local_targets(pm: "ParallelModel", saved: Mapping[str, Any], prefix: str, name_of: Any,
                    wanted: set[str]) -> dict[str, tuple[Any, torch.Tensor]]:
     """Load targets for the saved keys under ``prefix`` whose parameter this rank
     holds, as (what DCP fills, this rank's tensor): for a tensor-parallel parameter (and
@@ -423,7 +426,7 @@ def read_dcp(tensors: dict[str, torch.Tensor], path: Path, *, no_dist: bool = Fa
         raise CorruptCheckpointError(f"checkpoint {path} could not be read: {str(exc)[:600]}") from None
 
 
-def load_checkpoint(pm: Any, optimizer: torch.optim.Optimizer | None, directory: str | os.PathLike,
+def load_checkpoint(pm: "ParallelModel", optimizer: torch.optim.Optimizer | None, directory: str | os.PathLike,
                     *, step: int | None = None) -> tuple[int, dict]:
     """Restore parameters, optimizer state and RNG from the latest complete checkpoint
     in ``directory`` (or the one of ``step``); collective. Returns (step, extra).
