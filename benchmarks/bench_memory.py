@@ -60,7 +60,7 @@ def _worker(rank: int, world: int, port: int, out: str, layout: dict, args: argp
     options = dict(zero=1) if layout["zero"] else {}
     pm = fxpipe.parallelize(w.model, tp=layout["tp"], pp=layout["pp"], dp=layout["dp"],
                             microbatches=args.microbatches, example_inputs=batch, loss_fn=w.loss_fn,
-                            partition=args.partition, timeout_s=1800, device=torch.device("cpu"), **options)
+                            partition=args.partition, costs=args.costs, timeout_s=1800, device=torch.device("cpu"), **options)
     del w
     built = time.perf_counter() - start
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
@@ -102,6 +102,7 @@ def main() -> int:
     ap.add_argument("--partition", default="uniform",
                     help="uniform (default: fixed cuts, no profiling) or ilp (parallelize's default: "
                          "each rank times its share of the graph first)")
+    ap.add_argument("--costs", default="measure", help="measure or model (what the ilp balances)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "memory"))
     args = ap.parse_args()
     rows = []
@@ -117,7 +118,8 @@ def main() -> int:
     ref = next((r for r in rows if r["layout"] == "1,1,1"), None)
     lines = [f"# Peak resident memory per process: {args.model}, seq {args.seq}, "
              f"{args.microbatches} microbatches of {args.micro_batch}, {args.steps} AdamW steps"
-             f"{', built on meta' if args.meta else ''}, partition {args.partition}", "",
+             f"{', built on meta' if args.meta else ''}, partition {args.partition}"
+             f"{', costs ' + args.costs if args.partition in ('ilp', 'dp') else ''}", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo, "
              f"{args.threads or 'cores/processes'} thread(s) per process. Ratio = largest per-process peak / (one-process peak / world size).", "",
              "| tp,pp,dp | processes | peak per process (GiB) | largest | ratio to ideal share | losses |",
