@@ -123,12 +123,18 @@ def _print_partition(program, args: argparse.Namespace) -> None:
                              allow_over_limit=args.allow_over_limit)
     hw_name = hw.name
     if sched.num_stages > 1 and args.partition in ("ilp", "dp"):
+        from fxpipe.passes.split_loss import split_loss_pass
         from fxpipe.passes.split_matmul import split_matmul_pass
 
-        program = split_matmul_pass(program, sched.num_stages)
+        program = split_loss_pass(split_matmul_pass(program, sched.num_stages))
     if args.costs != "model":
         config, hw_name = _measured_config(program, config, sched, args)
     assignment, result = solve_partition(program, config)
+    if program.extra.get("split_matmul"):
+        from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
+
+        program = coalesce_blocks_pass(program.replace(stages=assignment))
+        assignment = dict(program.stages)
     print()
     print(f"pipeline     pp={args.pp} chunks={chunks} schedule={args.schedule} "
           f"microbatches={args.microbatches}")

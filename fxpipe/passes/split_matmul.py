@@ -40,7 +40,10 @@ from fxpipe.passes.cost import cost_pass
 from fxpipe.program import Program
 
 aten = torch.ops.aten
-MAX_BLOCKS = 8
+MAX_BLOCKS = 32
+BLOCKS_PER_SHARE = 6
+"""Blocks per stage share: an op of share f of the matmul FLOPs gets ceil(f · 6 · S) blocks
+(at most MAX_BLOCKS), each at most a sixth of a stage's share (module docstring)."""
 MATMULS = (aten.linear.default, aten.addmm.default, aten.mm.default)
 
 
@@ -167,7 +170,7 @@ def split_matmul_pass(program: Program, num_stages: int) -> Program:
         c = costs.get(node.name)
         share = (c.fwd_flops + c.bwd_flops) / total if c is not None else 0.0
         if share > 1 / (2 * num_stages):
-            heavy.append((node.name, min(MAX_BLOCKS, math.ceil(share * 2 * num_stages))))
+            heavy.append((node.name, min(MAX_BLOCKS, math.ceil(share * BLOCKS_PER_SHARE * num_stages))))
     if not heavy:
         return program
     gm = copy.deepcopy(program.graph_module)

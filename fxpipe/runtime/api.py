@@ -33,6 +33,8 @@ from fxpipe.passes.recompute import RecomputeMode, apply_recompute
 from fxpipe.passes.device import retarget_device_pass
 from fxpipe.passes.partition import PartitionConfig, partition_pass, stage_inflight
 from fxpipe.passes.split import split_pass
+from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
+from fxpipe.passes.split_loss import split_loss_pass
 from fxpipe.passes.split_matmul import split_matmul_pass
 from fxpipe.plan import PipelinePlan
 from fxpipe.runtime.executor import PipelineExecutor
@@ -310,6 +312,8 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
         # No single op may outweigh a stage's share (an LM head over a large vocabulary):
         # cut such matmuls into output-feature blocks the partitioner can spread.
         program = split_matmul_pass(program, sched.num_stages)
+        # ... and the cross-entropy over them per block: only [tokens] vectors meet.
+        program = split_loss_pass(program)
     config = PartitionConfig(num_stages=sched.num_stages, stage_to_rank=sched.stage_ranks,
                              inflight=stage_inflight(sched), method=partition,
                              memory_limit_bytes=None if memory_limit_gb is None
@@ -359,6 +363,9 @@ def parallelize(model: nn.Module, *, tp: int = 1, pp: int = 1, dp: int | None = 
     box = [(dict(result.stages), result.extra["partition"]) if result is not None else None]
     dist.broadcast_object_list(box, src=0)
     assignment, partition_result = box[0]
+    # Blocks of a split matmul that landed on one stage become one slice again.
+    program = coalesce_blocks_pass(program.replace(stages=assignment))
+    assignment = dict(program.stages)
     plan = split_pass(program, assignment, num_stages=sched.num_stages)
     mode = RecomputeMode.parse(recompute)
     if mode is not RecomputeMode.NONE:
