@@ -1,0 +1,85 @@
+"""Coalescing after partitioning: neighbouring blocks on one stage become one slice,
+matmul and loss share; blocks on other stages (or spread over two) stay; exact."""
+import torch
+
+from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
+from fxpipe.passes.split import side_values, split_pass
+from fxpipe.passes.split_loss import split_loss_pass
+from fxpipe.passes.split_matmul import split_matmul_pass
+from tests.passes.test_split_loss import H, LOSSES, _batch, _loss_and_grads, _program
+
+aten = torch.ops.aten
+STAGE1 = {2, 3, 4, 7, 9, 10, 11}  # blocks on stage 1; the others on stage 0
+SPREAD = 5  # this block's matmul on stage 0, its loss share on stage 1
+
+
+def _assigned():
+    program = _program(LOSSES["mean"][0])
+    blocked = split_loss_pass(split_matmul_pass(program, 2))
+    (split,), (loss,) = blocked.extra["split_matmul"], blocked.extra["split_loss"]
+    assert len(split.blocks) == 12
+    side = side_values(blocked)
+    # Everything before the head on stage 0, the combining ops after it on stage 1.
+    stages = {n.name: 1 for n in blocked.graph.nodes if n.op == "call_function" and n.name not in side}
+    for n in blocked.graph.nodes:
+        if n.name == split.blocks[0].nodes[0]:
+            break
+        stages[n.name] = 0
+    for i, (mb, lb) in enumerate(zip(split.blocks, loss.blocks)):
+        for name in mb.nodes:
+            stages[name] = int(i in STAGE1)
+        for name in lb.nodes:
+            stages[name] = int(i in STAGE1 or i == SPREAD)
+    return program, blocked.replace(stages={n: s for n, s in stages.items() if n not in side})
+
+
+def test_same_stage_neighbours_merge_exactly():
+    program, blocked = _assigned()
+    old = blocked.extra["split_matmul"][0].blocks
+    merged = coalesce_blocks_pass(blocked)
+    (split,), (loss,) = merged.extra["split_matmul"], merged.extra["split_loss"]
+    runs = [(0, 1), (2, 4), (5, 5), (6, 6), (7, 7), (8, 8), (9, 11)]
+    assert [(b.start, b.end) for b in split.blocks] == [(old[i].start, old[j].end) for i, j in runs]
+    assert [merged.stages[b.output] for b in split.blocks] == [0, 1, 0, 0, 1, 0, 1]
+    assert [lb.logits for lb in loss.blocks] == [b.output for b in split.blocks]
+    assert merged.stages[loss.blocks[2].lse] == 1  # the spread block kept its placement
+    # One weight slice per run: what each stage's backward pays for the head.
+    slices = [n for n in merged.graph.nodes if n.target is aten.slice.Tensor and n.args[0].op == "placeholder"
+              and n.args[0].meta["val"].shape[0] == old[-1].end]
+    assert len(slices) == len(runs)
+    # The stacks take one entry per merged block; loss and gradients are unchanged.
+    stack = next(n for n in merged.graph.nodes if n.name == loss.lse_stack)
+    assert len(stack.args[0]) == len(runs) and stack.meta["val"].shape[0] == len(runs)
+    batch = _batch()
+    loss0, g0 = _loss_and_grads(program, batch)
+    loss1, g1 = _loss_and_grads(merged, batch)
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7, msg=n)
+    plan = split_pass(merged, dict(merged.stages), num_stages=2)
+    assert len(plan.stages) == 2
+    # Between the stages travel the hidden state and per-token vectors; logits only
+    # for the block whose loss share was put on the other stage.
+    wide = {v.name for v in plan.values.values() if len(v.spec.shape) and v.spec.shape[-1] > H}
+    assert wide == {split.blocks[2].output}
+
+
+def test_nothing_to_merge_returns_the_program():
+    program = _program(LOSSES["mean"][0])
+    blocked = split_loss_pass(split_matmul_pass(program, 2))
+    side = side_values(blocked)
+    split = blocked.extra["split_matmul"][0]
+    alternate = {n.name: 1 for n in blocked.graph.nodes if n.op == "call_function" and n.name not in side}
+    for n in blocked.graph.nodes:
+        if n.name == split.blocks[0].nodes[0]:
+            break
+        alternate[n.name] = 0
+    for i, b in enumerate(split.blocks):
+        for name in b.nodes:
+            alternate[name] = i % 2
+    for lb, b in zip(blocked.extra["split_loss"][0].blocks, split.blocks):
+        for name in lb.nodes:
+            if name in alternate:
+                alternate[name] = alternate[b.output]
+    out = blocked.replace(stages=alternate)
+    assert coalesce_blocks_pass(out) is out
