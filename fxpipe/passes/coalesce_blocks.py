@@ -48,7 +48,7 @@ def _runs(split: MatmulSplit, loss: BlockwiseLoss | None, stages) -> list[tuple[
 
 
 def _replace_run(node: fx.Node, old: list[fx.Node], new: fx.Node) -> None:
-    """In ``node``'s list argument, put ``new`` where the run ``old`` was."""
+    """In the cat ``node``'s list argument, put ``new`` where the run ``old`` was."""
     parts = list(node.args[0])
     i = parts.index(old[0])
     assert parts[i:i + len(old)] == old
@@ -95,16 +95,18 @@ def coalesce_blocks_pass(program: Program) -> Program:
                     _replace_run(user, old_out, by_name[merged.output])
             dead = [n for b in run for n in b.nodes]
             if loss is not None:
-                lse_stack = by_name[loss.lse_stack]
-                with graph.inserting_before(lse_stack):
+                old = loss.blocks[first:last + 1]
+                # Right after the run's old shares: below the running (lse, pick) it folds
+                # into, above the next block's share that reads it.
+                last_acc = by_name[old[-1].acc]
+                with graph.inserting_before(last_acc.next):
                     lb = build_loss_block(graph, by_name[merged.output], by_name[loss.target],
-                                          run[0].start, run[-1].end, loss.chain)
+                                          run[0].start, run[-1].end, loss.chain,
+                                          by_name[loss_blocks[-1].acc] if loss_blocks else None)
                 loss_blocks.append(lb)
                 new += lb.nodes
                 by_name = {n.name: n for n in graph.nodes}
-                old = loss.blocks[first:last + 1]
-                _replace_run(lse_stack, [by_name[b.lse] for b in old], by_name[lb.lse])
-                _replace_run(by_name[loss.pick_stack], [by_name[b.pick] for b in old], by_name[lb.pick])
+                last_acc.replace_all_uses_with(by_name[lb.acc])
                 dead += [n for b in old for n in b.nodes]  # consumers last: erased first
             for name in reversed(dead):
                 node = by_name[name]
@@ -119,13 +121,13 @@ def coalesce_blocks_pass(program: Program) -> Program:
                 built[name] = stage
         new_splits.append(dataclasses.replace(split, blocks=tuple(blocks)))
         if loss is not None:
-            new_losses[loss.lse_stack] = dataclasses.replace(loss, blocks=tuple(loss_blocks))
+            new_losses[loss] = dataclasses.replace(loss, blocks=tuple(loss_blocks))
     graph.lint()
     gm.recompile()
     out = program.replace(graph_module=gm, module_paths=paths, layers=layers)
     side = side_values(out)  # recomputed by every stage that reads them: no stage of their own
     stages.update({n: s for n, s in built.items() if n not in side})
     extra = {**program.extra, "split_matmul": tuple(new_splits),
-             "split_loss": tuple(new_losses.get(l.lse_stack, l) for l in program.extra.get("split_loss", ()))}
+             "split_loss": tuple(new_losses.get(l, l) for l in program.extra.get("split_loss", ()))}
     return cost_pass(out.replace(stages=stages, extra=extra, costs={}))
 

@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe.passes.cost import cost_pass
+from fxpipe.passes.split import side_values
 from fxpipe.passes.split_matmul import MatmulSplit, call
 from fxpipe.program import Program
 
@@ -78,13 +79,14 @@ class ChainOp:
 
 @dataclass(frozen=True)
 class LossBlock:
-    """One block's share of the loss: its logsumexp and its target pick, per token."""
+    """One block's share of the loss, folded into the running (lse, pick) of the blocks
+    before it."""
     logits: str
     """The block's matmul node (``MatmulBlock.output``)."""
-    lse: str
-    pick: str
+    acc: str
+    """(2, N): [logsumexp, target logit] over this block and all blocks before it."""
     nodes: tuple[str, ...]
-    """Every node built for the block, the replayed chain first."""
+    """Every node built for the block, the replayed chain first, ``acc`` last."""
 
 
 @dataclass(frozen=True)
@@ -92,10 +94,8 @@ class BlockwiseLoss:
     """A cross-entropy rewritten over the blocks of one split matmul."""
     chain: tuple[ChainOp, ...]
     target: str
-    lse_stack: str
-    """``stack`` of the blocks' lse, in block order (one entry per block)."""
-    pick_stack: str
     blocks: tuple[LossBlock, ...]
+    """In block order; the last block's ``acc`` feeds the loss."""
 
 
 @dataclass(frozen=True)
@@ -197,8 +197,9 @@ def _match(cat: fx.Node) -> _Match | None:
 
 
 def build_loss_block(graph: fx.Graph, logits: fx.Node, target: fx.Node, start: int, end: int,
-                     chain: tuple[ChainOp, ...]) -> LossBlock:
-    """Insert one block's (lse, pick) for vocabulary entries [start, end) at the insertion point."""
+                     chain: tuple[ChainOp, ...], acc: fx.Node | None) -> LossBlock:
+    """Insert one block's share for vocabulary entries [start, end) at the insertion point:
+    its logsumexp and target pick, folded into ``acc`` (the blocks before it; None: first)."""
     built: list[fx.Node] = []
 
     def op(target_op, *args, **kwargs) -> fx.Node:
@@ -221,43 +222,68 @@ def build_loss_block(graph: fx.Graph, logits: fx.Node, target: fx.Node, start: i
     index = op(aten.unsqueeze.default, op(aten.clamp.default, local, 0, width - 1), -1)  # (N, 1)
     picked = op(aten.squeeze.dim, op(aten.gather.default, cur, -1, index), -1)  # (N,)
     pick = op(aten.where.ScalarOther, inside, picked, 0.0)
-    return LossBlock(logits=logits.name, lse=lse.name, pick=pick.name, nodes=tuple(n.name for n in built))
+    if acc is not None:  # logsumexp over the union = logaddexp of the two; picks add
+        lse = op(aten.logaddexp.default, op(aten.select.int, acc, 0, 0), lse)
+        pick = op(aten.add.Tensor, op(aten.select.int, acc, 0, 1), pick)
+    # One (2, N) tensor: where the next block sits on a later stage, one transfer.
+    out = op(aten.stack.default, [lse, pick], 0)
+    return LossBlock(logits=logits.name, acc=out.name, nodes=tuple(n.name for n in built))
 
 
-def _combine(graph: fx.Graph, lses: list[fx.Node], picks: list[fx.Node], m: _Match) -> tuple[fx.Node, ...]:
-    """The loss from the blocks' per-token vectors, with nll_loss's reduction semantics."""
-    lse_stack = call(graph, aten.stack.default, lses, 0)  # (k, N)
-    pick_stack = call(graph, aten.stack.default, picks, 0)
-    per = call(graph, aten.sub.Tensor, call(graph, aten.logsumexp.default, lse_stack, [0]),
-               call(graph, aten.sum.dim_IntList, pick_stack, [0]))  # (N,) = −log p(target)
+def _finish(graph: fx.Graph, acc: fx.Node, m: _Match) -> fx.Node:
+    """The loss from the running (lse, pick), with nll_loss's reduction semantics."""
+    per = call(graph, aten.sub.Tensor, call(graph, aten.select.int, acc, 0, 0),
+               call(graph, aten.select.int, acc, 0, 1))  # (N,) = −log p(target)
     valid = call(graph, aten.ne.Scalar, m.target, m.ignore_index)
     per = call(graph, aten.where.ScalarOther, valid, per, 0.0)
     if m.reduction is Reduction.NONE:
-        loss = per
-    elif m.reduction is Reduction.SUM:
-        loss = call(graph, aten.sum.default, per)
-    else:  # mean over the targets that count (0/0 = nan when none does, as nll_loss)
-        loss = call(graph, aten.div.Tensor, call(graph, aten.sum.default, per), call(graph, aten.sum.default, valid))
-    return lse_stack, pick_stack, loss
+        return per
+    if m.reduction is Reduction.SUM:
+        return call(graph, aten.sum.default, per)
+    # mean over the targets that count (0/0 = nan when none does, as nll_loss)
+    return call(graph, aten.div.Tensor, call(graph, aten.sum.default, per), call(graph, aten.sum.default, valid))
 
 
-def _rewrite(gm: fx.GraphModule, split: MatmulSplit, m: _Match, paths: dict, layers: dict) -> BlockwiseLoss:
+def _hoist(graph: fx.Graph, target: fx.Node, before: fx.Node, side: set[str]) -> bool:
+    """Move the target's computation above ``before`` (the first block), so each block's
+    loss share can follow its matmul in graph order: the chain-DP warm start of the ILP
+    cuts one topological order, and must find a block's matmul and loss share side by
+    side to put both on one stage. Only side values (batch-only, deterministic) move."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    late, stack = set(), [target]
+    while stack:
+        n = stack.pop()
+        if order[n] > order[before] and n not in late:
+            late.add(n)
+            stack += n.all_input_nodes
+    if any(n.name not in side for n in late):
+        return False
+    for n in sorted(late, key=order.__getitem__):
+        before.prepend(n)
+    return True
+
+
+def _rewrite(gm: fx.GraphModule, split: MatmulSplit, m: _Match, paths: dict, layers: dict,
+             side: set[str]) -> BlockwiseLoss:
     graph = gm.graph
     nodes = {n.name: n for n in graph.nodes}
-    blocks = []
+    beside = _hoist(graph, m.target, nodes[split.blocks[0].nodes[0]], side)
+    blocks: list[LossBlock] = []
+    for block in split.blocks:
+        out = nodes[block.output]
+        acc = nodes[blocks[-1].acc] if blocks else None
+        with graph.inserting_before(out.next if beside else m.loss):
+            lb = build_loss_block(graph, out, m.target, block.start, block.end, m.chain, acc)
+        nodes.update((n.name, n) for n in graph.nodes if n.name in lb.nodes)
+        blocks.append(lb)
+        for n in lb.nodes:
+            paths[n] = paths[block.output]
+            if block.output in layers:
+                layers[n] = layers[block.output]
+    known = {n.name for n in graph.nodes}
     with graph.inserting_before(m.loss):
-        for block in split.blocks:
-            lb = build_loss_block(graph, nodes[block.output], m.target, block.start, block.end, m.chain)
-            blocks.append(lb)
-            for n in lb.nodes:
-                paths[n] = paths[block.output]
-                if block.output in layers:
-                    layers[n] = layers[block.output]
-        nodes = {n.name: n for n in graph.nodes}
-        lses = [nodes[b.lse] for b in blocks]
-        picks = [nodes[b.pick] for b in blocks]
-        lse_stack, pick_stack, loss = _combine(graph, lses, picks, m)
-    for n in (n for n in graph.nodes if n.name not in nodes):  # the combining ops
+        loss = _finish(graph, nodes[blocks[-1].acc], m)
+    for n in (n for n in graph.nodes if n.name not in known):  # the final ops
         paths[n.name] = paths.get(m.loss.name, "")
         if m.loss.name in layers:
             layers[n.name] = layers[m.loss.name]
@@ -267,8 +293,7 @@ def _rewrite(gm: fx.GraphModule, split: MatmulSplit, m: _Match, paths: dict, lay
         graph.erase_node(n)
         paths.pop(n.name, None)
         layers.pop(n.name, None)
-    return BlockwiseLoss(chain=m.chain, target=m.target.name, lse_stack=lse_stack.name,
-                         pick_stack=pick_stack.name, blocks=tuple(blocks))
+    return BlockwiseLoss(chain=m.chain, target=m.target.name, blocks=tuple(blocks))
 
 
 def split_loss_pass(program: Program) -> Program:
@@ -282,6 +307,7 @@ def split_loss_pass(program: Program) -> Program:
     by_name = {n.name: n for n in gm.graph.nodes}
     paths, layers = dict(program.module_paths), dict(program.layers)
     done = []
+    side = side_values(program)
     for split in splits:
         first = by_name.get(split.blocks[0].output)
         outputs = [by_name.get(b.output) for b in split.blocks]
@@ -290,7 +316,7 @@ def split_loss_pass(program: Program) -> Program:
                 and (len(u.args) < 2 or u.args[1] in (-1, u.meta["val"].dim() - 1))]
         m = _match(cats[0]) if len(cats) == 1 else None
         if m is not None:
-            done.append(_rewrite(gm, split, m, paths, layers))
+            done.append(_rewrite(gm, split, m, paths, layers, side))
     if not done:
         return program
     gm.graph.lint()

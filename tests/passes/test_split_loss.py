@@ -76,8 +76,8 @@ def test_blockwise_loss_is_exact(name):
     loss1, g1 = _loss_and_grads(blocked, batch)
     torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
     assert g0.keys() == g1.keys()
-    for n in g0:
-        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7, msg=n)
+    for n in g0:  # fp32 round-off of another summation order, relative to the gradient's scale
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6 * float(g0[n].abs().max()), msg=n)
 
 
 def test_no_node_reads_the_whole_vocabulary():
