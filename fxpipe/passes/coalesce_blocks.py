@@ -56,6 +56,21 @@ def _replace_run(node: fx.Node, old: list[fx.Node], new: fx.Node) -> None:
     fake(node, lambda ps, *rest: node.target(ps, *rest), *node.args)
 
 
+def split_block_keys(program: Program) -> dict[str, str]:
+    """Node -> the key of the split it belongs to, for every block node (matmul and loss
+    share). Measured costs time all blocks of a split in one probe group, coalesced as
+    they will run, so each block's measured time carries 1/k of one weight-slice
+    backward instead of a whole one (docs/costs.md)."""
+    keys = {}
+    losses = {b.logits: loss for loss in program.extra.get("split_loss", ()) for b in loss.blocks}
+    for split in program.extra.get("split_matmul", ()):
+        loss = losses.get(split.blocks[0].output)
+        for i, block in enumerate(split.blocks):
+            for n in (*block.nodes, *(loss.blocks[i].nodes if loss is not None else ())):
+                keys[n] = split.key
+    return keys
+
+
 def coalesce_blocks_pass(program: Program) -> Program:
     """Merge the split-matmul blocks (and their loss blocks) each stage holds in a
     contiguous run into one (module docstring). Needs ``program.stages``; returns the

@@ -83,3 +83,23 @@ def test_nothing_to_merge_returns_the_program():
     # (every loss share on stage 1: the running lse/pick only moves forward)
     out = blocked.replace(stages=alternate)
     assert coalesce_blocks_pass(out) is out
+
+
+def test_measured_costs_time_a_splits_blocks_together():
+    """A measured profile times all blocks of a split in one probe group, coalesced as
+    they will run (one weight-slice backward, not one per block)."""
+    from fxpipe.costs import measured_profile, probe_groups
+    from fxpipe.passes.partition import PartitionConfig
+
+    program = _program(LOSSES["mean"][0])
+    blocked = split_loss_pass(split_matmul_pass(program, 2))
+    config = PartitionConfig(num_stages=2, stage_to_rank=(0, 1), inflight=(2, 1))
+    _, probe = probe_groups(blocked, config)
+    split, loss = blocked.extra["split_matmul"][0], blocked.extra["split_loss"][0]
+    block_nodes = [n for b in split.blocks for n in b.nodes] + [n for b in loss.blocks for n in b.nodes]
+    assert len({probe.group_of[n] for n in block_nodes if n in probe.group_of}) == 1
+    state = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in blocked.state.items()}
+    profile, _, _ = measured_profile(blocked, config, "measure", device=torch.device("cpu"),
+                                     state_for=lambda names: {n: state[n] for n in names},
+                                     batch=_batch(), repeats=1, use_cache=False)
+    assert len(profile.groups) == len(probe.members)
