@@ -2,7 +2,7 @@
 
 A stage is a set of whole ops, so one op heavier than the ideal stage share sets a
 floor under the slowest stage that no partition can beat. The usual case is the
-vocabulary projection of a small-vocabulary-heavy model: GPT-2 with 8 layers of
+vocabulary projection of a vocabulary-heavy model: GPT-2 with 8 layers of
 h=256 spends ~60% of its FLOPs in the 50257-way LM head, so at pp=2 one stage always
 does well over half the work. (Yeung et al., "Balancing Pipeline Parallelism with
 Vocabulary Parallelism", 2024, measure the same imbalance on large models.)
@@ -17,13 +17,31 @@ costs bytes, which the partitioner prices like any other cut.
 Which ops: ``aten.linear`` (weight [out, in]) and ``aten.addmm`` / ``aten.mm`` whose
 right operand is [in, out] (Conv1D-style layers), chosen by structure and cost only:
 an op whose matmul FLOPs exceed 1/(2S) of the model's is cut into
-ceil(share · 2S) blocks (at most 8), so each block is at most half a stage's share.
-Finer blocks balance better but cost more here: every block's weight slice has its
-own backward, which builds a zero gradient of the whole weight and adds its block
-into it (measured on GPT-2's 50257×256 head at pp=2: 3 blocks, imbalance 1.14 and a
-1.52x speed-up; 10 blocks, imbalance 1.04 but the profile's work per microbatch
-743 ms instead of 576 and a 1.21x speed-up). Coalescing the blocks each stage was
-given into one slice after partitioning would keep both; not built yet.
+ceil(share · BLOCKS_PER_SHARE · S) blocks (at most MAX_BLOCKS), so each block is at
+most a sixth of a stage's share. ``extra["split_matmul"]`` records each split
+(``MatmulSplit``) so that later passes can rebuild any feature range of it:
+``split_loss_pass`` gives each block its share of the cross-entropy, and
+``coalesce_blocks_pass`` merges, after partitioning, the neighbouring blocks one stage
+holds into one block again.
+
+Why six blocks per stage share. Every block's weight slice has its own backward,
+which builds a zero gradient of the whole weight and adds its block into it (on
+GPT-2's 50257×256 head, ~20-30 ms per block on this CPU), so blocks used to be few
+(two per share, at most 8), and balance was capped by their size. Coalescing removes
+that cost where it is paid (a stage runs one slice per run of blocks), so the count is
+set by the partitioner's predicted balance alone. HF GPT-2, 8 layers of h=256,
+V=50257, s=128, microbatch of 2, 1F1B, CPU cost model, with the blockwise loss, ILP
+max/mean stage time (bottleneck):
+
+    blocks per share     2              4              6              8              12
+    pp=2            1.132 (457 ms) 1.056 (427 ms) 1.009 (408 ms) 1.029 (416 ms) 1.009 (408 ms)
+    pp=4            1.124 (229 ms) 1.028 (208 ms) 1.022 (207 ms) 1.046 (213 ms) 1.021 (207 ms)
+
+(The head whole: 1.098 (427 ms) / 2.179 (427 ms); two per share, at most 8, with the
+cross-entropy whole over their cat: 1.132 (457 ms) / 1.104 (263 ms).) Six is where
+both flatten; finer blocks only grow the ILP (the non-monotone steps are block edges
+against layer edges). MAX_BLOCKS = 32 caps the graph for models whose head is almost
+all of the FLOPs.
 """
 from __future__ import annotations
 
