@@ -103,3 +103,35 @@ def test_measured_costs_time_a_splits_blocks_together():
                                      state_for=lambda names: {n: state[n] for n in names},
                                      batch=_batch(), repeats=1, use_cache=False)
     assert len(profile.groups) == len(probe.members)
+
+
+def test_blocks_joined_by_a_cat_merge_exactly():
+    """A loss the blockwise rewrite leaves alone (label smoothing): the cat of the blocks
+    takes the merged pieces."""
+    import torch.nn.functional as F
+
+    from tests.passes.test_split_loss import V, _shifted
+
+    program = _program(lambda out, y: F.cross_entropy(*_shifted(out, y), label_smoothing=0.1))
+    split = split_matmul_pass(program, 2)
+    (s,) = split.extra["split_matmul"]
+    side = side_values(split)
+    stages = {n.name: 1 for n in split.graph.nodes if n.op == "call_function" and n.name not in side}
+    for n in split.graph.nodes:
+        if n.name == s.blocks[0].nodes[0]:
+            break
+        stages[n.name] = 0
+    for i, b in enumerate(s.blocks):
+        stages.update((name, int(i >= len(s.blocks) // 2)) for name in b.nodes)
+    merged = coalesce_blocks_pass(split.replace(stages={n: k for n, k in stages.items() if n not in side}))
+    (m,) = merged.extra["split_matmul"]
+    assert [(b.start, b.end, merged.stages[b.output]) for b in m.blocks] == \
+        [(0, s.blocks[len(s.blocks) // 2].start, 0), (s.blocks[len(s.blocks) // 2].start, V, 1)]
+    (cat,) = [n for n in merged.graph.nodes if n.target is aten.cat.default]
+    assert [a.name for a in cat.args[0]] == [b.output for b in m.blocks]
+    batch = _batch()
+    loss0, g0 = _loss_and_grads(program, batch)
+    loss1, g1 = _loss_and_grads(merged, batch)
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6 * float(g0[n].abs().max()), msg=n)
