@@ -6,6 +6,7 @@ from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
 from fxpipe.passes.split import side_values, split_pass
 from fxpipe.passes.split_loss import split_loss_pass
 import fxpipe.passes.split_matmul as split_matmul_module
+from fxpipe.passes import lint_program
 from fxpipe.passes.split_matmul import split_matmul_pass
 from tests.passes.test_split_loss import H, LOSSES, _batch, _loss_and_grads, _program
 
@@ -41,6 +42,7 @@ def test_same_stage_neighbours_merge_exactly(monkeypatch):
     program, blocked = _assigned(monkeypatch)
     old = blocked.extra["split_matmul"][0].blocks
     merged = coalesce_blocks_pass(blocked)
+    lint_program(merged, after="coalesce_blocks")
     (split,), (loss,) = merged.extra["split_matmul"], merged.extra["split_loss"]
     runs = [(0, 3), (4, 4), (5, 7), (8, 8), (9, 11)]
     assert [(b.start, b.end) for b in split.blocks] == [(old[i].start, old[j].end) for i, j in runs]

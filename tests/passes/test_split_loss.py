@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpipe
-from fxpipe.passes import run_passes
+from fxpipe.passes import lint_program, run_passes
 from fxpipe.passes.split_loss import split_loss_pass
 from fxpipe.passes.split_matmul import split_matmul_pass
 
@@ -69,6 +69,7 @@ def test_blockwise_loss_is_exact(name):
     loss_fn, ignored = LOSSES[name]
     program = _program(loss_fn, ignored)
     blocked = split_loss_pass(split_matmul_pass(program, 2))
+    lint_program(blocked, after="split_loss")
     (rewrite,) = blocked.extra["split_loss"]
     assert len(rewrite.blocks) == len(blocked.extra["split_matmul"][0].blocks) > 2
     batch = _batch(ignored)
