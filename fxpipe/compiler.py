@@ -15,8 +15,10 @@ solved (rank 0 solves and broadcasts, so that ranks agree exactly).
     cost                    FLOPs and bytes per node, per tp rank
     device                  retarget device constants to the device stages run on
     split_matmul            cut ops heavier than half a stage's share into blocks
+    split_loss              the cross-entropy over such blocks, block by block
     measure_costs           time the graph's groups on the devices (hook; costs='measure' or a profile)
     partition               stage of every node (ILP by default; hook: who solves)
+    coalesce_blocks         a split's neighbouring blocks on one stage back into one
     split                   Program -> PipelinePlan: one GraphModule per stage, values between them
     recompute               activation recomputation regions per stage
 """
@@ -35,10 +37,12 @@ from fxpipe.capture import capture
 from fxpipe.config import ParallelConfig
 from fxpipe.passes.node_cost import cost_pass, total_cost
 from fxpipe.passes.device import retarget_device_pass
+from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
 from fxpipe.passes.driver import DEFAULT_PASSES, PassSpec, PassTiming, run_passes
 from fxpipe.passes.partition import PartitionConfig, partition_pass
 from fxpipe.passes.recompute import apply_recompute
 from fxpipe.passes.split import split_pass
+from fxpipe.passes.split_loss import split_loss_pass
 from fxpipe.passes.split_matmul import split_matmul_pass
 from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.program import Program
@@ -107,6 +111,14 @@ def split_matmul_step(program: Program, ctx: CompileContext) -> Program:
     return split_matmul_pass(program, ctx.schedule.num_stages)
 
 
+def split_loss_step(program: Program, ctx: CompileContext) -> Program:
+    return split_loss_pass(program) if program.extra.get("split_matmul") else program
+
+
+def coalesce_blocks_step(program: Program, ctx: CompileContext) -> Program:
+    return coalesce_blocks_pass(program) if program.extra.get("split_matmul") else program
+
+
 def measure_costs_pass(program: Program, ctx: CompileContext) -> Program:
     config = ctx.config.partition_config(ctx.schedule)
     if ctx.config.costs != "model" and ctx.config.balances_time and ctx.hooks.measure is not None:
@@ -145,10 +157,16 @@ PIPELINE: tuple[PassSpec, ...] = (
     PassSpec("split_matmul", split_matmul_step,
              "cut ops heavier than half a stage's share (an LM head) so the partition can balance; "
              "after cost, which decides what is heavy, and re-costs the blocks"),
+    PassSpec("split_loss", split_loss_step,
+             "the cross-entropy over split logits computed block by block (running logsumexp and "
+             "target pick), so the loss spreads with its blocks and only [tokens] vectors cross stages"),
     PassSpec("measure_costs", measure_costs_pass,
              "time the graph's groups on the real devices (costs='measure' or a profile), after every "
              "rewrite the stages will run"),
     PassSpec("partition", partition_step, "assign every node to a stage (ILP over measured or modelled times)"),
+    PassSpec("coalesce_blocks", coalesce_blocks_step,
+             "neighbouring blocks of one split that landed on one stage merged back into one "
+             "(one weight-slice backward per stage); after partition, which decides where they are"),
     PassSpec("split", split_step, "cut the Program into one GraphModule per stage and the values between them"),
     PassSpec("recompute", recompute_step,
              "activation recomputation per stage, after the split (a layer cut by a stage "

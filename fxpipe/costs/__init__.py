@@ -47,8 +47,14 @@ def probe_groups(program, config) -> tuple:
     """(fine graph with cost-model times, its coarsening into probe groups)."""
     from fxpipe.passes.partition import build_problem_graph
 
+    from fxpipe.passes.coalesce_blocks import split_block_keys
+
     fine = build_problem_graph(program, config)
-    return fine, coarsen(fine, min(PROBE_GROUPS, config.max_groups, fine.number_of_nodes()))
+    keyed = fine.copy()  # the blocks of a split matmul share one probe group
+    for node, key in split_block_keys(program).items():
+        if node in keyed:
+            keyed.nodes[node]["key"] = key
+    return fine, coarsen(keyed, min(PROBE_GROUPS, config.max_groups, fine.number_of_nodes()))
 
 
 def _log(msg: str) -> None:
@@ -65,6 +71,7 @@ def measured_profile(program, config, source: str, *, device: torch.device,
 
     ``state_for(names)`` returns this rank's (sharded) parameters for ``names``;
     ``batch`` is one microbatch on ``device``; ``mesh``/``mesh_groups`` place this rank."""
+    from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
     from fxpipe.passes.split import split_pass
 
     fine, probe = probe_groups(program, config)
@@ -93,7 +100,9 @@ def measured_profile(program, config, source: str, *, device: torch.device,
         _log(f"costs: reusing {path} ({n} groups)")
         return box[0], probe, fine
 
-    plan = split_pass(program, probe.expand({g: g for g in range(n)}), num_stages=n)
+    # One probe group per stage; blocks of a split matmul in one group run as one block.
+    timed = coalesce_blocks_pass(program.replace(stages=probe.expand({g: g for g in range(n)})))
+    plan = split_pass(timed, dict(timed.stages), num_stages=n)
     weights = [sum(probe.graph.nodes[g][k] for k in ("fwd", "bwd")) for g in range(n)]
     cells = dims[1] * dims[2]
     cell = mesh_groups.pp_rank * dims[1] + mesh_groups.dp_rank if mesh_groups is not None else 0

@@ -89,6 +89,14 @@ VIEW_OPS = frozenset({
 })
 
 
+# Composite ops that materialise an intermediate as large as an input: its write and
+# read-back are traffic the op's own inputs and outputs do not show. cross_entropy_loss
+# writes the log-softmax of its logits (log_softmax + nll_loss), a [tokens, V] tensor
+# as large as the logits themselves.
+_INTERMEDIATE = {aten.cross_entropy_loss.default: 0}
+"""op -> index of the argument whose size the intermediate has."""
+
+
 def node_cost(node: fx.Node) -> tuple[int, int, int, int, int]:
     """(fwd matmul FLOPs, bwd matmul FLOPs, other FLOPs, out bytes, memory traffic bytes)."""
     val = node.meta.get("val")
@@ -102,6 +110,8 @@ def node_cost(node: fx.Node) -> tuple[int, int, int, int, int]:
     if node.target in VIEW_OPS or node.target.__name__ == "getitem" or not _tensors(val):
         return 0, 0, 0, out_bytes, 0
     traffic = out_bytes + sum(_nbytes(_val(a)) for a in node.args if isinstance(a, fx.Node))
+    if node.target in _INTERMEDIATE:
+        traffic += _nbytes(_val(node.args[_INTERMEDIATE[node.target]]))
     other = sum(_numel(t) for t in _tensors(val))
     return 0, 0, other, out_bytes, traffic
 

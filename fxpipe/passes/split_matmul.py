@@ -2,7 +2,7 @@
 
 A stage is a set of whole ops, so one op heavier than the ideal stage share sets a
 floor under the slowest stage that no partition can beat. The usual case is the
-vocabulary projection of a small-vocabulary-heavy model: GPT-2 with 8 layers of
+vocabulary projection of a vocabulary-heavy model: GPT-2 with 8 layers of
 h=256 spends ~60% of its FLOPs in the 50257-way LM head, so at pp=2 one stage always
 does well over half the work. (Yeung et al., "Balancing Pipeline Parallelism with
 Vocabulary Parallelism", 2024, measure the same imbalance on large models.)
@@ -17,18 +17,38 @@ costs bytes, which the partitioner prices like any other cut.
 Which ops: ``aten.linear`` (weight [out, in]) and ``aten.addmm`` / ``aten.mm`` whose
 right operand is [in, out] (Conv1D-style layers), chosen by structure and cost only:
 an op whose matmul FLOPs exceed 1/(2S) of the model's is cut into
-ceil(share · 2S) blocks (at most 8), so each block is at most half a stage's share.
-Finer blocks balance better but cost more here: every block's weight slice has its
-own backward, which builds a zero gradient of the whole weight and adds its block
-into it (measured on GPT-2's 50257×256 head at pp=2: 3 blocks, imbalance 1.14 and a
-1.52x speed-up; 10 blocks, imbalance 1.04 but the profile's work per microbatch
-743 ms instead of 576 and a 1.21x speed-up). Coalescing the blocks each stage was
-given into one slice after partitioning would keep both; not built yet.
+ceil(share · BLOCKS_PER_SHARE · S) blocks (at most MAX_BLOCKS), so each block is at
+most an eighth of a stage's share. ``extra["split_matmul"]`` records each split
+(``MatmulSplit``) so that later passes can rebuild any feature range of it:
+``split_loss_pass`` gives each block its share of the cross-entropy, and
+``coalesce_blocks_pass`` merges, after partitioning, the neighbouring blocks one stage
+holds into one block again.
+
+Why eight blocks per stage share. Every block's weight slice has its own backward,
+which builds a zero gradient of the whole weight and adds its block into it (on
+GPT-2's 50257×256 head, ~15-30 ms per block on this CPU), so blocks used to be few
+(two per share, at most 8), and balance was capped by their size. Coalescing removes
+that cost where it is paid (a stage runs one slice per run of blocks), so the count is
+set by the partitioner's predicted balance alone. HF GPT-2, 8 layers of h=256,
+V=50257, s=128, microbatch of 2, 1F1B, CPU cost model, with the blockwise loss, ILP
+max/mean stage time (slowest stage):
+
+    blocks per share     2              4              6              8              12
+    pp=2            1.164 (488 ms) 1.005 (437 ms) 1.044 (454 ms) 1.023 (445 ms) 1.030 (448 ms)
+    pp=4            1.038 (264 ms) 1.082 (236 ms) 1.038 (228 ms) 1.017 (223 ms) 1.037 (227 ms)
+
+(the first column without the blockwise loss, as before it existed; the head whole:
+1.132 (457 ms) / 2.248 (457 ms); the ideal, total / S: 435 / 219 ms.) Eight is within
+3% of the ideal at both; the steps are not monotone because block edges fall against
+layer edges. MAX_BLOCKS = 32 caps the graph for models whose head is almost all of
+the FLOPs.
 """
 from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -38,7 +58,39 @@ from fxpipe.passes.node_cost import cost_pass
 from fxpipe.program import Program
 
 aten = torch.ops.aten
-MAX_BLOCKS = 8
+MAX_BLOCKS = 32
+BLOCKS_PER_SHARE = 8
+"""Blocks per stage share: an op of share f of the matmul FLOPs gets ceil(f · 8 · S) blocks
+(at most MAX_BLOCKS), each at most an eighth of a stage's share (module docstring)."""
+MATMULS = (aten.linear.default, aten.addmm.default, aten.mm.default)
+
+
+@dataclass(frozen=True)
+class MatmulBlock:
+    """Output features [start, end) of a split matmul."""
+    start: int
+    end: int
+    output: str
+    """The block's matmul node."""
+    nodes: tuple[str, ...]
+    """Every node built for the block: weight (and bias) slice, then the matmul."""
+
+
+@dataclass(frozen=True)
+class MatmulSplit:
+    """One matmul cut into output-feature blocks: what rebuilding any range needs."""
+    target: Any
+    """aten.linear / aten.addmm / aten.mm."""
+    x: str
+    weight: str
+    bias: str | None
+    weight_dim: int
+    """The weight's output-feature dim: 0 for linear ([out, in]), 1 for addmm / mm ([in, out])."""
+    kwargs: tuple[tuple[str, Any], ...]
+    key: str
+    """Module path of the op that was cut; block i of k is keyed ``key[i/k]``."""
+    blocks: tuple[MatmulBlock, ...]
+    """In output-feature order."""
 
 
 def _blocks(n: int, k: int) -> list[tuple[int, int]]:
@@ -46,69 +98,83 @@ def _blocks(n: int, k: int) -> list[tuple[int, int]]:
     return [(a, min(a + size, n)) for a in range(0, n, size)]
 
 
-def _fake(node: fx.Node, fn, *args):
+def fake(node: fx.Node, fn, *args) -> None:
+    """Set ``node.meta["val"]`` to ``fn`` applied to the fake values of ``args``."""
     val = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
     vals = [[val(x) for x in a] if isinstance(a, (list, tuple)) else val(a) for a in args]
     flat = [v for v in vals if isinstance(v, torch.Tensor)] + \
-        [t for v in vals if isinstance(v, list) for t in v if isinstance(t, torch.Tensor)]
+        [t for v in vals if isinstance(v, (list, tuple)) for t in v if isinstance(t, torch.Tensor)]
     mode = detect_fake_mode(flat)
     with mode:
         node.meta["val"] = fn(*vals)
 
 
-def _split_one(graph: fx.Graph, node: fx.Node, k: int, names: dict, src: str) -> list[fx.Node]:
-    """Rewrite ``node`` into k output-feature blocks and a cat; returns the new nodes."""
+def call(graph: fx.Graph, op, *args, **kwargs) -> fx.Node:
+    """A new ``op(*args, **kwargs)`` node with its fake value."""
+    node = graph.call_function(op, args, kwargs)
+    fake(node, lambda *a: op(*a, **kwargs), *args)
+    return node
+
+
+def build_block(graph: fx.Graph, split: MatmulSplit, start: int, end: int) -> MatmulBlock:
+    """Insert the matmul of output features [start, end) at the graph's insertion point."""
+    nodes = {n.name: n for n in graph.nodes if n.name in (split.x, split.weight, split.bias)}
+    x, w = nodes[split.x], nodes[split.weight]
+    wi = call(graph, aten.slice.Tensor, w, split.weight_dim, start, end)
+    built = [wi]
+    bi = None
+    if split.bias is not None:
+        bias = nodes[split.bias]
+        bi = call(graph, aten.slice.Tensor, bias, bias.meta["val"].dim() - 1, start, end)
+        built.append(bi)
+    if split.target is aten.linear.default:
+        args = (x, wi, bi) if bi is not None else (x, wi)
+    elif split.target is aten.addmm.default:
+        args = (bi, x, wi)
+    else:
+        args = (x, wi)
+    y = call(graph, split.target, *args, **dict(split.kwargs))
+    built.append(y)
+    return MatmulBlock(start=start, end=end, output=y.name, nodes=tuple(n.name for n in built))
+
+
+def block_key(split: MatmulSplit, first: int, last: int) -> str:
+    """Coarsening key of blocks first..last (one block: ``key[i/k]``)."""
+    k = len(split.blocks)
+    return f"{split.key}[{first}/{k}]" if first == last else f"{split.key}[{first}:{last + 1}/{k}]"
+
+
+def _split_one(graph: fx.Graph, node: fx.Node, k: int, key: str) -> tuple[MatmulSplit, fx.Node] | None:
+    """Rewrite ``node`` into k output-feature blocks and a cat."""
     if node.target is aten.linear.default:
         x, w = node.args[0], node.args[1]
         bias = node.args[2] if len(node.args) > 2 else None
-        out_dim, w_dim = w.meta["val"].shape[0], 0
+        w_dim = 0
     elif node.target is aten.addmm.default:
         bias, x, w = node.args[0], node.args[1], node.args[2]
-        out_dim, w_dim = w.meta["val"].shape[1], 1
-    else:  # aten.mm
-        x, w = node.args[0], node.args[1]
-        bias, out_dim, w_dim = None, w.meta["val"].shape[1], 1
-    new: list[fx.Node] = []
-    parts = []
+        w_dim = 1
+    else:
+        (x, w), bias, w_dim = node.args[:2], None, 1
+    if bias is not None and not isinstance(bias, fx.Node):
+        return None
+    split = MatmulSplit(target=node.target, x=x.name, weight=w.name,
+                        bias=bias.name if bias is not None else None, weight_dim=w_dim,
+                        kwargs=tuple(node.kwargs.items()), key=key, blocks=())
     with graph.inserting_before(node):
-        for i, (a, b) in enumerate(_blocks(out_dim, k)):
-            wi = graph.call_function(aten.slice.Tensor, (w, w_dim, a, b))
-            _fake(wi, aten.slice.Tensor, w, w_dim, a, b)
-            bi = None
-            if isinstance(bias, fx.Node):
-                bdim = bias.meta["val"].dim() - 1
-                bi = graph.call_function(aten.slice.Tensor, (bias, bdim, a, b))
-                _fake(bi, aten.slice.Tensor, bias, bdim, a, b)
-            if node.target is aten.linear.default:
-                args = (x, wi, bi) if bi is not None else (x, wi)
-            elif node.target is aten.addmm.default:
-                args = (bi if bi is not None else bias, x, wi)
-            else:
-                args = (x, wi)
-            yi = graph.call_function(node.target, args, dict(node.kwargs))
-            _fake(yi, node.target, *args)
-            names[yi.name] = f"{src}[{i}/{k}]"
-            for n in (wi, bi, yi):
-                if n is not None:
-                    names.setdefault(n.name, f"{src}[{i}/{k}]")
-                    new.append(n)
-            parts.append(yi)
-        cat = graph.call_function(aten.cat.default, (parts, -1))
-        _fake(cat, lambda ps, d: aten.cat.default(ps, d), parts, -1)
-        names[cat.name] = src
-        new.append(cat)
-    for key in ("fxpipe_tp_replicated",):
-        if key in node.meta:
-            cat.meta[key] = node.meta[key]
+        blocks = tuple(build_block(graph, split, a, b) for a, b in _blocks(w.meta["val"].shape[w_dim], k))
+        outputs = {n.name: n for n in graph.nodes if n.name in {b.output for b in blocks}}
+        cat = call(graph, aten.cat.default, [outputs[b.output] for b in blocks], -1)
+    if "fxpipe_tp_replicated" in node.meta:
+        cat.meta["fxpipe_tp_replicated"] = node.meta["fxpipe_tp_replicated"]
     node.replace_all_uses_with(cat)
     graph.erase_node(node)
-    return new
+    return MatmulSplit(**{**split.__dict__, "blocks": blocks}), cat
 
 
 def split_matmul_pass(program: Program, num_stages: int) -> Program:
     """Cut every matmul heavier than 1/(2·num_stages) of the model's matmul FLOPs into
     output-feature blocks (module docstring). Needs the cost pass's annotations and
-    returns them for the rewritten graph."""
+    returns them for the rewritten graph; ``extra["split_matmul"]`` lists the splits."""
     if num_stages < 2 or not program.costs:
         return program
     costs = program.costs
@@ -117,33 +183,41 @@ def split_matmul_pass(program: Program, num_stages: int) -> Program:
         return program
     heavy = []
     for node in program.graph.nodes:
-        if node.op != "call_function" or node.target not in (aten.linear.default, aten.addmm.default,
-                                                             aten.mm.default):
+        if node.op != "call_function" or node.target not in MATMULS:
             continue
         c = costs.get(node.name)
         share = (c.fwd_flops + c.bwd_flops) / total if c is not None else 0.0
         if share > 1 / (2 * num_stages):
-            heavy.append((node.name, min(MAX_BLOCKS, math.ceil(share * 2 * num_stages))))
+            heavy.append((node.name, min(MAX_BLOCKS, math.ceil(share * BLOCKS_PER_SHARE * num_stages))))
     if not heavy:
         return program
     gm = copy.deepcopy(program.graph_module)
     by_name = {n.name: n for n in gm.graph.nodes}
     paths, layers = dict(program.module_paths), dict(program.layers)
+    splits = []
     for name, k in heavy:
         node = by_name[name]
-        out = node.meta["val"].shape[-1]
-        k = min(k, out)
+        k = min(k, node.meta["val"].shape[-1])
         if k < 2:
             continue
-        src = paths.get(name) or name
-        names: dict[str, str] = {}
-        new = _split_one(gm.graph, node, k, names, src)
-        for n in new:
-            paths[n.name] = names.get(n.name, src)
+        done = _split_one(gm.graph, node, k, paths.get(name) or name)
+        if done is None:
+            continue
+        split, cat = done
+        splits.append(split)
+        for i, block in enumerate(split.blocks):
+            for n in block.nodes:
+                paths[n] = block_key(split, i, i)
+        paths[cat.name] = split.key
+        for n in [cat.name, *(n for b in split.blocks for n in b.nodes)]:
             if name in layers:
-                layers[n.name] = layers[name]
+                layers[n] = layers[name]
         paths.pop(name, None)
         layers.pop(name, None)
+    if not splits:
+        return program
     gm.graph.lint()
     gm.recompile()
-    return cost_pass(program.replace(graph_module=gm, module_paths=paths, layers=layers, costs={}))
+    extra = {**program.extra, "split_matmul": (*program.extra.get("split_matmul", ()), *splits)}
+    return cost_pass(program.replace(graph_module=gm, module_paths=paths, layers=layers, costs={},
+                                     extra=extra))

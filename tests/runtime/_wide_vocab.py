@@ -1,8 +1,11 @@
 """A Llama (untied LM head) whose vocabulary projection outweighs half the model.
 
-At pp=2 the split-matmul pass cuts the LM head into output-feature blocks and the
-partitioner may place them on both stages, so the untied head's weight gets partial
-gradients on two ranks that the runtime must sum. Loaded by name,
+At pp=2 the split-matmul pass cuts the LM head into output-feature blocks, the
+split-loss pass gives each block its share of the cross-entropy, and the partitioner
+(cost model) places the first blocks on stage 0 and the rest on stage 1, where the
+coalescing pass merges each stage's blocks into one: the untied head's weight gets
+partial gradients on two ranks that the runtime must sum, and the running per-token
+logsumexp crosses the stages instead of logits. Loaded by name,
 ``tests.runtime._wide_vocab:workload``, like any user model.
 """
 from __future__ import annotations
@@ -12,7 +15,7 @@ import torch
 from fxpipe.losses import causal_lm_loss
 from fxpipe.models.hf import _llama
 
-VOCAB, WIDTH, LAYERS, HEADS = 2048, 32, 2, 4
+VOCAB, WIDTH, LAYERS, HEADS = 4096, 32, 2, 4
 
 
 def workload(batch: int = 8, seq: int = 16):

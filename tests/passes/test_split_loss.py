@@ -1,0 +1,103 @@
+"""Blockwise cross-entropy: the rewrite equals the whole-vocabulary loss (value and
+gradients), no node reads all of the logits, and losses it does not cover are left alone."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxpipe
+from fxpipe.passes import lint_program, run_passes
+from fxpipe.passes.split_loss import split_loss_pass
+from fxpipe.passes.split_matmul import split_matmul_pass
+
+aten = torch.ops.aten
+V, H = 1000, 16
+
+
+class Head(nn.Module):
+    """A small body and a wide LM head: the head is cut into blocks at pp=2."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(H, H)
+        self.head = nn.Linear(H, V, bias=False)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))  # (B, s, V)
+
+
+def _shifted(logits, y):
+    """Hugging Face's convention: position t predicts t+1; logits up-cast to fp32."""
+    return logits[:, :-1].reshape(-1, V).float(), y[:, 1:].reshape(-1)
+
+
+# name -> (loss_fn, the ignore_index two of the batch's targets hold)
+LOSSES = {
+    "mean": (lambda out, y: F.cross_entropy(*_shifted(out, y)), -100),
+    # an ignore_index inside the vocabulary: it falls in one block and must still not count
+    "sum-ignore-5": (lambda out, y: F.cross_entropy(*_shifted(out, y), reduction="sum", ignore_index=5), 5),
+    "none": (lambda out, y: F.cross_entropy(*_shifted(out, y), reduction="none").square().mean(), -100),
+    "log_softmax-nll": (lambda out, y: F.nll_loss(F.log_softmax(_shifted(out, y)[0], -1), _shifted(out, y)[1]),
+                        -100),
+}
+
+
+def _batch(ignored=-100):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 9, H, generator=g)
+    y = torch.randint(0, V, (2, 9), generator=g)
+    y[0, 3] = y[1, 5] = ignored
+    return x, y
+
+
+def _program(loss_fn, ignored=-100):
+    torch.manual_seed(0)
+    program, _ = run_passes(fxpipe.capture(Head(), _batch(ignored), loss_fn))
+    return program
+
+
+def _loss_and_grads(program, batch):
+    for t in program.state.values():
+        t.grad = None
+    loss = program.run(program.state, *batch)
+    loss.backward()
+    return loss.detach(), {n: t.grad.clone() for n, t in program.state.items() if t.grad is not None}
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_blockwise_loss_is_exact(name):
+    loss_fn, ignored = LOSSES[name]
+    program = _program(loss_fn, ignored)
+    blocked = split_loss_pass(split_matmul_pass(program, 2))
+    lint_program(blocked, after="split_loss")
+    (rewrite,) = blocked.extra["split_loss"]
+    assert len(rewrite.blocks) == len(blocked.extra["split_matmul"][0].blocks) > 2
+    batch = _batch(ignored)
+    loss0, g0 = _loss_and_grads(program, batch)
+    loss1, g1 = _loss_and_grads(blocked, batch)
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
+    assert g0.keys() == g1.keys()
+    for n in g0:  # fp32 round-off of another summation order, relative to the gradient's scale
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6 * float(g0[n].abs().max()), msg=n)
+
+
+def test_no_node_reads_the_whole_vocabulary():
+    blocked = split_loss_pass(split_matmul_pass(_program(LOSSES["mean"][0]), 2))
+    for node in blocked.graph.nodes:
+        if node.op != "call_function":
+            continue
+        assert node.target is not aten.cat.default
+        for v in (node.meta["val"], *(a.meta["val"] for a in node.all_input_nodes if a.op == "call_function")):
+            # only the head's weight is [V, H]; activations are [.., block] or [tokens]
+            assert not (isinstance(v, torch.Tensor) and v.dim() and v.shape[-1] == V), node.format_node()
+    # Each block's loss share is keyed like its matmul, so coarsening keeps them together.
+    (rewrite,) = blocked.extra["split_loss"]
+    for block in rewrite.blocks:
+        assert {blocked.module_paths[n] for n in block.nodes} == {blocked.module_paths[block.logits]}
+
+
+def test_other_losses_are_left_alone():
+    smoothed = split_matmul_pass(_program(lambda out, y: F.cross_entropy(*_shifted(out, y), label_smoothing=0.1)), 2)
+    assert split_loss_pass(smoothed) is smoothed
+    weighted = split_matmul_pass(_program(lambda out, y: F.cross_entropy(*_shifted(out, y), weight=torch.ones(V))), 2)
+    assert split_loss_pass(weighted) is weighted
