@@ -57,7 +57,7 @@ def _layout(args: argparse.Namespace):
     for flag, name in (("dp", "dp"), ("seed", "seed"), ("precision", "precision"), ("recompute", "recompute"),
                        ("zero", "zero"), ("compile", "compile"), ("timeout", "timeout_s"),
                        ("memory_limit", "memory_limit_gb"), ("allow_over_limit", "allow_over_limit"),
-                       ("hardware", "hardware"), ("time_limit", "time_limit_s")):
+                       ("hardware", "hardware"), ("time_limit", "time_limit_s"), ("split_loss", "split_loss")):
         if hasattr(args, flag):
             fields[name] = getattr(args, flag)
     if getattr(args, "no_scatter_gather", False):
@@ -220,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--costs", default="model", metavar="model|measure|PATH",
                    help="what the partition balances: the --hardware model's estimate, times measured "
                         "on this machine (cached), or a saved cost profile (default: %(default)s)")
+    p.add_argument("--split-loss", action="store_true",
+                   help="compute the cross-entropy over a split LM head block by block, spread with "
+                        "its blocks over the stages (off by default; docs/costs.md)")
     p.add_argument("--time-limit", type=positive_float, default=10.0, help="ILP time limit, s (default: %(default)s)")
     p.add_argument("--json", metavar="FILE", help="write the stage table as JSON")
     p.set_defaults(fn=_cmd_compile)
@@ -251,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what the partition balances: forward/backward times of the graph measured "
                         "on the workers before training (cached on disk), the CPU cost model, or a "
                         "saved cost profile (default: %(default)s)")
+    p.add_argument("--split-loss", action="store_true",
+                   help="compute the cross-entropy over a split LM head block by block, spread with "
+                        "its blocks over the stages (off by default; docs/costs.md)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="fp32; bf16; fp16 with dynamic loss scaling (16-bit modes keep fp32 master "
                         "weights) (default: %(default)s)")

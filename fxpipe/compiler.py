@@ -15,7 +15,7 @@ solved (rank 0 solves and broadcasts, so that ranks agree exactly).
     cost                    FLOPs and bytes per node, per tp rank
     device                  retarget device constants to the device stages run on
     split_matmul            cut ops heavier than half a stage's share into blocks
-    split_loss              the cross-entropy over such blocks, block by block
+    split_loss              the cross-entropy over such blocks, block by block (opt-in)
     measure_costs           time the graph's groups on the devices (hook; costs='measure' or a profile)
     partition               stage of every node (ILP by default; hook: who solves)
     coalesce_blocks         a split's neighbouring blocks on one stage back into one
@@ -112,7 +112,9 @@ def split_matmul_step(program: Program, ctx: CompileContext) -> Program:
 
 
 def split_loss_step(program: Program, ctx: CompileContext) -> Program:
-    return split_loss_pass(program) if program.extra.get("split_matmul") else program
+    if not (ctx.config.split_loss and program.extra.get("split_matmul")):
+        return program
+    return split_loss_pass(program)
 
 
 def coalesce_blocks_step(program: Program, ctx: CompileContext) -> Program:
@@ -158,8 +160,9 @@ PIPELINE: tuple[PassSpec, ...] = (
              "cut ops heavier than half a stage's share (an LM head) so the partition can balance; "
              "after cost, which decides what is heavy, and re-costs the blocks"),
     PassSpec("split_loss", split_loss_step,
-             "the cross-entropy over split logits computed block by block (running logsumexp and "
-             "target pick), so the loss spreads with its blocks and only [tokens] vectors cross stages"),
+             "config.split_loss: the cross-entropy over split logits computed block by block (running "
+             "logsumexp and target pick), so the loss spreads with its blocks and only [tokens] vectors "
+             "cross stages"),
     PassSpec("measure_costs", measure_costs_pass,
              "time the graph's groups on the real devices (costs='measure' or a profile), after every "
              "rewrite the stages will run"),

@@ -76,6 +76,11 @@ class ParallelConfig:
     """1: ZeRO stage 1 over data parallel (``runtime/zero.py``)."""
     costs: str = "measure"
     """What the partitioner balances: 'measure', 'model' or a cost profile's path (``fxpipe/costs``)."""
+    split_loss: bool = False
+    """Compute the cross-entropy over a split LM head block by block (``passes/split_loss.py``:
+    vocabulary parallelism across pipeline stages). Off by default: it balances stages
+    better but, measured end to end on CPU (HF GPT-2 8×256, pp=2, ``bench_runtime.py``),
+    trains slower than the whole cross-entropy after finer head blocks (docs/costs.md)."""
     seed: int = 0
     timeout_s: float = 60.0
     """Bound on every transfer and collective."""

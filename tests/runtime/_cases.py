@@ -59,7 +59,7 @@ def train_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
                          recompute=case.get("recompute", "none"),
                          # The matrix checks the runtime on fixed cuts; measured costs move
                          # the cuts run to run (they have their own tests and cases below).
-                         costs=case.get("costs", "model"))
+                         costs=case.get("costs", "model"), split_loss=case.get("split_loss", False))
         losses, grads = train(pm, w)
         # The schedule's own peak, from the simulator (independent of the executor).
         bound = simulate(pm.schedule).peak_in_flight[pm.groups.pp_rank]

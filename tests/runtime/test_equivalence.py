@@ -27,7 +27,9 @@ def _cases(pp):
         cases += [dict(model=m, pp=2, schedule="zb-v", chunks=2) for m in MODELS]
         # One Linear used in both stages: its two partial gradients must be summed.
         cases += [dict(model=SHARED, pp=2, schedule="1f1b")]
-        cases += [dict(model=WIDE, pp=2, schedule="1f1b"), dict(model=WIDE, pp=2, schedule="zb-h1")]
+        # Its cross-entropy block by block too (split_loss): the fold crosses stages.
+        cases += [dict(model=WIDE, pp=2, schedule="1f1b", split_loss=True),
+                  dict(model=WIDE, pp=2, schedule="zb-h1")]
         # The default path: costs measured on the ranks, the ILP on those.
         cases += [dict(model="hf:llama", pp=2, schedule="1f1b", costs="measure")]
     return cases
@@ -53,7 +55,7 @@ def _world4_cases():
 def _id(c):
     return (f"{c['model']}-tp{c.get('tp', 1)}-pp{c['pp']}-{c['schedule']}"
             + ("-sp" if c.get("sp") else "") + (f"-{c['recompute']}" if "recompute" in c else "")
-            + (f"-costs-{c['costs']}" if "costs" in c else ""))
+            + (f"-costs-{c['costs']}" if "costs" in c else "") + ("-split-loss" if c.get("split_loss") else ""))
 
 
 @pytest.fixture(scope="module")
