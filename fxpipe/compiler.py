@@ -6,7 +6,9 @@ front ends: ``fxpipe.parallelize`` (every rank), ``fxpipe compile`` (prints what
 made) and ``fxpipe run``'s preflight (stops after the cheap passes). What differs
 between them is not the pipeline but two hooks: how costs are measured (the ranks
 of a mesh together, this process alone, or not at all) and how the partition is
-solved (rank 0 solves and broadcasts, so that ranks agree exactly).
+solved (rank 0 solves and broadcasts, so that ranks agree exactly) — plus a check of
+the caller's input once the model's facts are known (``parallelize``: the batch's
+token ids against the vocabulary, before anything is measured).
 
     capture                 torch.export -> Program (fxpipe/capture.py)
     canonicalize            drop asserts and dead values
@@ -77,6 +79,9 @@ class CompileHooks:
     None: the cost model's estimate is all there is."""
     solve: SolveFn = partition_pass
     """Assigns stages (``passes/partition.py``); the runtime's solves on rank 0 and broadcasts."""
+    check: Callable[[Program], None] | None = None
+    """Called once the whole model's facts are known (after ``model_stats``: token inputs
+    and their vocabulary) and before anything expensive; raises on bad input."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,10 @@ def model_stats_pass(program: Program, ctx: CompileContext) -> Program:
     m, dp = ctx.config.microbatches, ctx.config.replicas
     stats = ModelStats(num_parameters=program.num_parameters(),
                        flops_per_step=(whole.fwd_flops + whole.bwd_flops) * m * dp)
-    return program.replace(extra={**program.extra, MODEL_STATS: stats, TOKEN_INPUTS: token_inputs(program)})
+    program = program.replace(extra={**program.extra, MODEL_STATS: stats, TOKEN_INPUTS: token_inputs(program)})
+    if ctx.hooks.check is not None:
+        ctx.hooks.check(program)
+    return program
 
 
 def device_pass(program: Program, ctx: CompileContext) -> Program:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fxpipe.compiler import CompileHooks, ModelStats, compile_pipeline
+from fxpipe.compiler import TOKEN_INPUTS, CompileHooks, ModelStats, compile_pipeline
 from fxpipe.config import ParallelConfig
 from fxpipe.costs import apply_profile, measured_profile
 from fxpipe.partition import PartitionResult
@@ -64,7 +64,7 @@ class ParallelModel:
         self.state, self.executor, self.grad_sync = state, executor, grad_sync
         self.config = config
         """The layout this model was compiled for (``dp`` resolved)."""
-        self.num_microbatches, self.device = config.microbatches, device
+        self.device = device
         self.master = master
         """Mixed precision: fp32 masters (what the optimizer sees) for ``state``."""
         self.specs = specs or {}
@@ -84,6 +84,10 @@ class ParallelModel:
         """fp16: the last step was dropped for an overflow."""
         self.last_stats: StepStats | None = None
         self._mb_shapes = [s.shape for s in plan.program.input_specs]
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.config.microbatches
 
     # ---- parameters ----------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -292,17 +296,20 @@ def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
         assignment, result = box[0]
         return program.replace(stages=assignment, extra={**program.extra, "partition": result})
 
+    def check(program):
+        # Token ids past the vocabulary: refused before costs are measured or solved for.
+        check_token_ids(example, program.extra[TOKEN_INPUTS])
+
     compiled = compile_pipeline(model, first_mb, config, loss_fn=loss_fn, device=device,
-                                hooks=CompileHooks(measure=measure, solve=solve))
-    check_token_ids(example, compiled.token_inputs)
+                                hooks=CompileHooks(measure=measure, solve=solve, check=check))
     plan, sched = compiled.plan, compiled.schedule
     program = plan.program
-    specs = builder(program).specs
+    shard_builder = builder(program)
+    specs = shard_builder.specs
     lowered = lower(sched)
 
     my_stages = sched.stages_of_rank(groups.pp_rank)
     names = dict.fromkeys(n for s in my_stages for n in plan.stage_params(s))
-    shard_builder = builder(program)
     deferred = shard_builder.deferred(names)
     mine = shard_builder.build(names)
     state = {n: t for n, (t, _) in mine.items()}
