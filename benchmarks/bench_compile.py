@@ -118,6 +118,52 @@ def _cpu_worker(rank: int, world: int, port: int, steps: int, cache: str, out: s
     dist.destroy_process_group()
 
 
+# The kernels Inductor's CPU backend calls rather than generates (its default mode):
+# GEMMs go to oneDNN/MKL, attention to ATen's flash kernel, in eager and compiled code alike.
+EXTERN_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+                  "aten::_scaled_dot_product_flash_attention_for_cpu",
+                  "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def _step_ms(fn, steps: int) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return _median_ms(times)
+
+
+def inductor_ceiling(name: str, seq: int, batch: int, steps: int) -> dict:
+    """What Inductor can give this model on this CPU with no pipeline or TP around it:
+    one process, one thread, one microbatch's forward + backward, eager vs the whole
+    model under ``torch.compile`` (Dynamo + Inductor, default mode), and the Amdahl
+    bound — eager step time over the time eager spends in the kernels both modes call
+    (``EXTERN_KERNELS``): no fusion of the rest can beat it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(1)
+    w = _workload(name, seq, batch)
+    model, loss_fn = w.model, w.loss_fn
+
+    def run(m):
+        def step():
+            out = m(*w.example_inputs[:1]) if loss_fn is not None else m(*w.example_inputs)
+            loss = out if loss_fn is None else loss_fn(out, *w.example_inputs[1:])
+            loss.backward()
+        return step
+
+    eager = _step_ms(run(model), steps)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            run(model)()
+    extern_ms = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in EXTERN_KERNELS) / 3e3
+    compiled = _step_ms(run(torch.compile(model)), steps)
+    return dict(eager=eager, compiled=compiled, extern=extern_ms)
+
+
 def _machine() -> str:
     model = platform.processor() or platform.machine()
     try:
@@ -126,6 +172,20 @@ def _machine() -> str:
     except (OSError, StopIteration):
         pass
     return f"{model}, {os.cpu_count()} cores"
+
+
+def ceiling_table(steps: int) -> list[str]:
+    rows = ["", "What Inductor can give these models on this CPU at all: one process, one thread, one "
+            "microbatch's forward + backward of the whole model (no pipeline, no TP), eager vs "
+            "`torch.compile(model)` (default mode), and the Amdahl bound: eager time over the time "
+            "eager spends in the kernels Inductor calls rather than generates (GEMMs, SDPA).", "",
+            "| model | eager ms | torch.compile ms | speed-up | in GEMM + SDPA kernels | Amdahl bound |",
+            "|---|---|---|---|---|---|"]
+    for label, (args, mb) in CPU_CASES.items():
+        c = inductor_ceiling(args["name"], args["seq"], mb, steps)
+        rows.append(f"| {label} | {c['eager']:.1f} | {c['compiled']:.1f} | {c['eager'] / c['compiled']:.2f}x | "
+                    f"{c['extern'] / c['eager']:.0%} | {c['eager'] / c['extern']:.2f}x |")
+    return rows
 
 
 def cpu(steps: int) -> str:
@@ -159,6 +219,7 @@ def cpu(steps: int) -> str:
                 r[mode]["stages"][(stage, kind)] for r in runs if (stage, kind) in r[mode]["stages"])
             detail.append(f"| {label} | {stage} | {cell('eager', 'F'):.2f} | {cell('warm', 'F'):.2f} | "
                           f"{cell('eager', 'B'):.2f} | {cell('warm', 'B'):.2f} |")
+    ceiling = ceiling_table(steps)
     notes = ["", "Reading: on a CPU both shapes are dominated by calls Inductor leaves to ATen in "
              "both modes — the projection and MLP matmuls (oneDNN/MKL), the fused SDPA attention "
              "kernel, for the HF shape the V=50257 LM head and the vocabulary-parallel "
@@ -167,7 +228,7 @@ def cpu(steps: int) -> str:
              "backwards) is a small share of a step at h=256, hence the small speed-ups. Cold "
              "compile: each process also probes the CPU's vector ISAs and builds Inductor's "
              "precompiled header once, with 4 processes compiling on 2 cores at the same time."]
-    return "\n".join(lines + detail + notes) + "\n"
+    return "\n".join(lines + detail + ceiling + notes) + "\n"
 
 
 def cuda(steps: int) -> str:
@@ -207,6 +268,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default: 8 on CPU, 10 on CUDA)")
+    ap.add_argument("--ceiling-only", action="store_true",
+                    help="CPU: print only the one-process Inductor ceiling table")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/compile_<device>.md")
     args = ap.parse_args()
     if args.device == "cuda":
@@ -215,6 +278,9 @@ def main() -> int:
             return 2
         torch.backends.cuda.matmul.allow_tf32 = True
         text = cuda(args.steps or 10)
+    elif args.ceiling_only:
+        print("\n".join(ceiling_table(args.steps or 8)))
+        return 0
     else:
         text = cpu(args.steps or 8)
     print(text)
