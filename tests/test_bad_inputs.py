@@ -11,7 +11,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import fxpipe.launcher

@@ -48,29 +48,35 @@ def train_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Each case: dict(model, pp, schedule, chunks). Returns losses, parameters, stats."""
     from fxpipe.runtime.api import parallelize
     from fxpipe.schedules.simulate import simulate
+    from tests.runtime._reuse_capture import captures_reused
 
     out = []
-    for case in cases:
-        w = workload(case["model"])
-        pm = parallelize(w.model, pp=case["pp"], tp=case.get("tp", 1), sp=case.get("sp", False),
-                         microbatches=MICROBATCHES, schedule=case["schedule"],
-                         chunks=case.get("chunks"), example_inputs=w.example_inputs,
-                         loss_fn=w.loss_fn, partition=case.get("partition", "ilp"),
-                         recompute=case.get("recompute", "none"),
-                         # The matrix checks the runtime on fixed cuts; measured costs move
-                         # the cuts run to run (they have their own tests and cases below).
-                         costs=case.get("costs", "model"), split_loss=case.get("split_loss", False))
-        losses, grads = train(pm, w)
-        # The schedule's own peak, from the simulator (independent of the executor).
-        bound = simulate(pm.schedule).peak_in_flight[pm.groups.pp_rank]
-        result = dict(case=case, losses=losses, peak=pm.last_stats.peak_in_flight, bound=bound,
-                      grads=grads, chunked=sum(v.tp_replicated for v in pm.plan.values.values()),
-                      scatter_gather=pm.executor.transport.scatter_gather is not None)
-        full = pm.full_state_dict()
-        if rank == 0:
-            result["params"] = full
-        out.append(result)
+    with captures_reused():
+        for case in cases:
+            out.append(_train_case(parallelize, simulate, rank, case))
     return out
+
+
+def _train_case(parallelize, simulate, rank: int, case: dict) -> dict:
+    w = workload(case["model"])
+    pm = parallelize(w.model, pp=case["pp"], tp=case.get("tp", 1), sp=case.get("sp", False),
+                     microbatches=MICROBATCHES, schedule=case["schedule"],
+                     chunks=case.get("chunks"), example_inputs=w.example_inputs,
+                     loss_fn=w.loss_fn, partition=case.get("partition", "ilp"),
+                     recompute=case.get("recompute", "none"),
+                     # The matrix checks the runtime on fixed cuts; measured costs move
+                     # the cuts run to run (they have their own tests and cases below).
+                     costs=case.get("costs", "model"), split_loss=case.get("split_loss", False))
+    losses, grads = train(pm, w)
+    # The schedule's own peak, from the simulator (independent of the executor).
+    bound = simulate(pm.schedule).peak_in_flight[pm.groups.pp_rank]
+    result = dict(case=case, losses=losses, peak=pm.last_stats.peak_in_flight, bound=bound,
+                  grads=grads, chunked=sum(v.tp_replicated for v in pm.plan.values.values()),
+                  scatter_gather=pm.executor.transport.scatter_gather is not None)
+    full = pm.full_state_dict()
+    if rank == 0:
+        result["params"] = full
+    return result
 
 
 def stall_peer(rank: int, world: int, timeout_s: float) -> dict:

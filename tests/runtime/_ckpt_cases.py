@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from fxpipe.models import build_workload
+from tests.runtime._reuse_capture import reusing_captures
 
 BATCH, SEQ, LAYERS, MICROBATCHES = 8, 16, 4, 4
 STEPS, SAVE_AT = 4, 2
@@ -64,6 +65,7 @@ def _scramble_rng() -> None:
     np.random.seed(7)
 
 
+@reusing_captures
 def world_pp2(rank: int, world: int, root: str, killed_dir: str) -> dict:
     """pp=2: the uninterrupted run (saving at SAVE_AT), resume, kill-recovery, exports."""
     from fxpipe.runtime.checkpoint import export_consolidated, list_checkpoints, load_checkpoint, save_checkpoint
@@ -174,6 +176,7 @@ def _resume(rank: int, pm, w, opt, sched, directory: Path) -> dict:
     return r
 
 
+@reusing_captures
 def world_reshard(rank: int, world: int, root: str) -> dict:
     """World 4. The tensor-parallel run: tp=2 × pp=2, saving at SAVE_AT ("tp2"), its
     export; then checkpoints across layouts, keyed (layout, checkpoint): the pp=2 one

@@ -7,6 +7,7 @@ import warnings
 
 from tests.runtime._cases import BATCH, MICROBATCHES, SEQ, train
 from fxpipe.models import build_workload
+from tests.runtime._reuse_capture import reusing_captures
 
 STEPS = 2
 LAYERS = 2
@@ -27,6 +28,7 @@ def _train(case: dict, compile: bool) -> dict:
     return dict(losses=losses, grads=grads, compiled=[(r.stage, r.compiled, r.reason) for r in pm.compiled_stages])
 
 
+@reusing_captures
 def compiled_vs_eager(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Each case trained eagerly, then with ``compile=True``; both results returned."""
     import torch._inductor.config as inductor_config

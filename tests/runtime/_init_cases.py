@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from tests.runtime._reuse_capture import reusing_captures
 
 BATCH, SEQ, MICRO = 8, 16, 4
 # HF GPT-2 (built on meta too) comes in through weights=, at tp=2 × pp=2.
@@ -13,6 +14,7 @@ def batch(name: str):
     return build_workload(name, batch=BATCH, seq=SEQ).example_inputs
 
 
+@reusing_captures
 def world_meta(rank: int, world: int, weights_dir: str) -> list[dict]:
     """Each case: the model built on the meta device, parallelized, 2 AdamW steps. Last:
     an HF GPT-2 directory (save_pretrained) read into tp=2 × pp=2 — its first loss — and

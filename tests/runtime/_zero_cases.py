@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 
 from tests.runtime._ckpt_cases import SAVE_AT, STEPS, build, no_gather, train
+from tests.runtime._reuse_capture import reusing_captures
 
 STEP_RANGE = range(STEPS)
 
@@ -23,6 +23,7 @@ def _run(zero: int, *, pp: int, dp: int, tp: int = 1, precision: str = "fp32") -
                 trainable=sorted(n for n, t in pm.state.items() if t.requires_grad))
 
 
+@reusing_captures
 def world_zero(rank: int, world: int, root: str) -> dict:
     """dp=2 × pp=2 and tp=2 × dp=2: ZeRO-1 against plain data parallel, fp32 and bf16; a
     ZeRO-1 checkpoint resumed without ZeRO and in another layout."""

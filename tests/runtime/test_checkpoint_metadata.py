@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import copyreg
 import dataclasses
-import io
 import json
 import os
 import pickle

@@ -1,7 +1,6 @@
 """Two processes, a real gloo ProcessGroup: the TP graph's loss and gradients equal
 one process's (the emulation is not what makes the other tests pass)."""
 import pytest
-import torch
 
 from fxpipe.passes.tensor_parallel import TPConfig, shard_state, tensor_parallel_pass, unshard_state
 from fxpipe.tp import ProcessGroupTP, tp_group_context
