@@ -37,7 +37,7 @@ from fxpipe.runtime.shards import ShardBuilder
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport
 from fxpipe.runtime.zero import ZeroPartition
-from fxpipe.schedules.ir import Schedule
+from fxpipe.schedules.ir import ActionKind, Schedule
 from fxpipe.schedules.lowering import lower
 from fxpipe.tp import DropoutRNG, ProcessGroupTP, tp_group_context
 from fxpipe.vocab import TokenInput, check_token_ids
@@ -190,12 +190,12 @@ class ParallelModel:
         return float(total) / (self.num_microbatches * self.groups.mesh.dp)
 
 
-def _compile_runners(runners: dict, plan: PipelinePlan, state: dict, groups: MeshGroups,
+def _compile_runners(runners: dict, plan: PipelinePlan, sched: Schedule, state: dict, groups: MeshGroups,
                      context: Callable, device: torch.device) -> tuple:
     """Compile this rank's stages (``runtime/compiled.py``) and hand them to their runners."""
     from fxpipe.runtime.compiled import compile_stages, example_args
 
-    def agree(ok: dict[int, bool]) -> dict[int, bool]:
+    def agree(ok: dict) -> dict:
         # Every rank running a stage (its TP group and DP replicas) runs it compiled or
         # every one eagerly, never mixed. Also the barrier after compiling: compile times
         # differ per stage, and the first step's transfers would time out waiting for a
@@ -208,8 +208,12 @@ def _compile_runners(runners: dict, plan: PipelinePlan, state: dict, groups: Mes
 
     work = {s: (plan.stages[s].graph_module, example_args(plan, plan.stages[s], state, device))
             for s in runners}
+    # Stages a zero-bubble schedule runs as I and W get their backward compiled as two
+    # graphs (runtime/compiled_split.py); the others keep one compiled backward.
+    weighed = {a.stage for actions in sched.actions for a in actions if a.kind is ActionKind.W}
+    split = {s: len(plan.stages[s].inputs) for s in runners if s in weighed}
     first = groups.tp_rank == 0 and groups.dp_rank == 0  # one progress line per stage
-    fns, records = compile_stages(work, context=context, agree=agree,
+    fns, records = compile_stages(work, context=context, agree=agree, split=split,
                                   log=(lambda line: print(line, flush=True)) if first else None)
     for s, runner in runners.items():
         runner.compiled = fns[s] if fns[s] is not plan.stages[s].graph_module else None
@@ -338,7 +342,7 @@ def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
                                LossScaler(**(loss_scaler or {})) if prec is Precision.FP16 else None)
     runners = {s: StageRunner(plan, plan.stages[s], state, loss_scale=1.0 / microbatches, context=context)
                for s in my_stages}
-    compiled_stages = _compile_runners(runners, plan, state, groups, context, device) if config.compile else ()
+    compiled_stages = _compile_runners(runners, plan, sched, state, groups, context, device) if config.compile else ()
     value_ids = {n: i for i, n in enumerate(sorted(plan.values))}
     transport = Transport(device=device, timeout=timeout, value_ids=value_ids, num_values=max(1, len(value_ids)),
                           scatter_gather=tp_group if config.scatter_gather else None)

@@ -19,6 +19,7 @@ import torch
 
 from fxpipe.pipeline_plan import PipelinePlan, Stage
 from fxpipe.runtime.backward_split import BackwardSplit
+from fxpipe.runtime.compiled_split import accumulate, compiled_node
 
 
 @dataclass
@@ -27,6 +28,8 @@ class _Saved:
     outputs: tuple[torch.Tensor, ...]
     split: BackwardSplit | None = None
     """Kept between the input-gradient (I) and weight-gradient (W) halves."""
+    weights: tuple | None = None
+    """A compiled stage's W instead: (its compiled backward node, the queued W graphs)."""
 
 
 @dataclass
@@ -109,15 +112,36 @@ class StageRunner:
         the graph for W (``backward_split.py``)."""
         saved, outs, gouts = self._grad_pairs(mb, grads)
         names = [n for n, t in saved.inputs.items() if t.requires_grad]
+        queue = getattr(self.compiled, "weights", None)
+        if queue is not None and names and outs:
+            return self._compiled_input(saved, outs, gouts, names, queue)
         saved.split = BackwardSplit(outs, gouts, [saved.inputs[n] for n in names], self.params)
         with self.context():  # recomputed regions re-run forward ops in backward
             got = saved.split.backward_input()
+        return {n: g for n, g in zip(names, got) if g is not None}
+
+    def _compiled_input(self, saved: _Saved, outs, gouts, names, queue) -> dict[str, torch.Tensor]:
+        """I of a stage whose compiled backward is split (``compiled_split.py``): the
+        engine runs the compiled I graph, which queues the W graph instead of running it."""
+        node = compiled_node(outs)
+        wanted = [saved.inputs[n] for n in names]
+        with self.context(), queue.defer():  # recomputed regions and collectives run in I
+            got = torch.autograd.grad(outs, wanted, gouts, allow_unused=True)
+        saved.weights = (node, queue.take())
+        # One W per microbatch: none would mean the parameters' gradients were dropped.
+        assert len(saved.weights[1]) == 1, f"{len(saved.weights[1])} weight halves queued by one I"
         return {n: g for n, g in zip(names, got) if g is not None}
 
     def backward_weight(self, mb: int) -> None:
         """Weight-gradient half (W): accumulate parameter gradients, free the microbatch.
         Runs only what I left owed, never the input-gradient work again."""
         saved = self.saved.pop(mb)
+        if saved.weights is not None:
+            node, pending = saved.weights
+            with self.context():
+                for weight in pending:  # one compiled W graph per microbatch
+                    accumulate(node, weight())
+            return
         assert saved.split is not None, f"W of microbatch {mb} before its I"
         with self.context():
             saved.split.backward_weight()

@@ -18,14 +18,50 @@ layers add trace time but hardly any C++ compilation (the expensive part)."""
 def _train(case: dict, compile: bool) -> dict:
     from fxpipe.runtime.api import parallelize
 
-    w = build_workload(case["model"], batch=BATCH, seq=SEQ, layers=LAYERS, seed=0)
+    w = build_workload(case["model"], batch=BATCH, seq=SEQ, layers=case.get("layers", LAYERS), seed=0)
     pm = parallelize(w.model, pp=case.get("pp", 1), tp=case.get("tp", 1), sp=case.get("sp", False),
-                     microbatches=MICROBATCHES, schedule=case.get("schedule", "1f1b"),
+                     microbatches=MICROBATCHES, schedule=case.get("schedule", "1f1b"), chunks=case.get("chunks"),
                      example_inputs=w.example_inputs, loss_fn=w.loss_fn, partition="uniform",
                      recompute=case.get("recompute", "none"), precision=case.get("precision", "fp32"),
                      compile=compile)
     losses, grads = train(pm, w, STEPS)
-    return dict(losses=losses, grads=grads, compiled=[(r.stage, r.compiled, r.reason) for r in pm.compiled_stages])
+    return dict(losses=losses, grads=grads, compiled=[(r.stage, r.compiled, r.reason) for r in pm.compiled_stages],
+                split={r.stage: r.split for r in pm.compiled_stages}, collectives=_collectives(pm))
+
+
+def _tp_ops(gm) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "fxpipe_tp" in str(n.target)]
+
+
+def _collectives(pm) -> dict[int, dict[str, list[str]]]:
+    """Per stage whose compiled backward is split: the TP ops of the whole backward and
+    of its I and W graphs, in graph order."""
+    out = {}
+    for s, runner in pm.executor.runners.items():
+        parts = getattr(runner.compiled, "split", None)
+        if parts is not None:
+            out[s] = {k: _tp_ops(g) for k, g in
+                      (("B", parts.backward), ("I", parts.input_graph), ("W", parts.weight_graph))}
+    return out
+
+
+def reference(case: dict) -> tuple[list[float], dict]:
+    """The single-process model: per-step losses and the first step's gradients."""
+    import torch
+
+    w = build_workload(case["model"], batch=BATCH, seq=SEQ, layers=case.get("layers", LAYERS), seed=0)
+    opt = torch.optim.AdamW(w.model.parameters(), lr=1e-3)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = w.loss_fn(w.model(*w.example_inputs[:-1]), w.example_inputs[-1]) if w.loss_fn is not None \
+            else w.model(*w.example_inputs)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in w.model.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads
 
 
 @reusing_captures

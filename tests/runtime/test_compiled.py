@@ -16,17 +16,20 @@ import torch.fx as fx
 from fxpipe.passes.recompute import RecomputeMode, apply_recompute, regions_of
 from fxpipe.runtime.compiled import (CompileFallbackWarning, compile_stage, compile_stages,
                                      inline_recompute_regions)
-from tests.runtime._compile_cases import compiled_vs_eager
+from tests.runtime._compile_cases import compiled_vs_eager, reference
 from tests.runtime._dist import run_world
 
-# Two cases keep CI's cost near the floor of any Inductor test (spawn, import, ISA probe,
-# precompiled header, one cold stage compile per process: ~45 s on 2 cores). Together
-# they cover tp=2 (collectives in the compiled forward and backward, inside recompute
-# regions) and pp=2 with zero-bubble I/W on compiled outputs, both recompute modes, two
+# Three cases keep CI's cost near the floor of any Inductor test (spawn, import, ISA probe,
+# precompiled header, one cold stage compile per process: ~45 s on 2 cores for the first
+# case). Together they cover tp=2 (collectives in the compiled forward and backward,
+# inside recompute regions), both zero-bubble schedules with the compiled backward split
+# into I and W graphs (runtime/compiled_split.py; zb-v at pp=1 hands activations over
+# locally and, at tp=2, splits a backward with collectives), both recompute modes, two
 # model families. FXPIPE_COMPILE_MATRIX=1 adds every model of the equivalence matrix at
-# both tp=2 and pp=2 (~2 min more with a cold Inductor cache).
-CASES = [dict(model="gpt-tiny", tp=2, recompute="full"),
-         dict(model="hf:llama", pp=2, schedule="zb-h1", recompute="selective")]
+# both tp=2 (1f1b: one compiled backward) and pp=2 (~2 min more with a cold Inductor cache).
+CASES = [dict(model="gpt-tiny", tp=2, schedule="zb-v", chunks=2, recompute="full"),
+         dict(model="hf:llama", pp=2, schedule="zb-h1", recompute="selective"),
+         dict(model="gpt-tiny", pp=2, schedule="zb-v", chunks=2, layers=4)]
 if os.environ.get("FXPIPE_COMPILE_MATRIX") == "1":
     CASES += [dict(model=m, tp=2) for m in ("gpt-tiny", "hf:gpt2", "hf:llama")]
     CASES += [dict(model=m, pp=2, schedule="zb-h1") for m in ("gpt-tiny", "hf:gpt2", "hf:llama")]
@@ -45,15 +48,45 @@ def world2():
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[_id(c) for c in CASES])
 def test_compiled_equals_eager(world2, index):
+    ref_losses, ref_grads = reference(CASES[index])
     for rank_results in world2:
         r = rank_results[index]
         assert r["fallbacks"] == [], r["fallbacks"]
         assert r["compiled"]["compiled"] and all(ok for _, ok, _ in r["compiled"]["compiled"])
         assert r["compiled"]["losses"] == pytest.approx(r["eager"]["losses"], rel=1e-5)
+        # ... and the single-process model's (the eager runs are checked against it in
+        # test_equivalence.py; the compiled zero-bubble ones are checked here).
+        assert r["compiled"]["losses"] == pytest.approx(ref_losses, rel=1e-5)
         assert set(r["compiled"]["grads"]) == set(r["eager"]["grads"])
         for name, g in r["compiled"]["grads"].items():
             torch.testing.assert_close(g, r["eager"]["grads"][name], rtol=1e-4, atol=1e-5,
                                        msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"{name} (single process): {m}")
+    if CASES[index].get("schedule", "1f1b").startswith("zb"):
+        # Stages receiving activations run I and W as separate compiled graphs; the first
+        # stage has no input gradient, so its W is its whole backward (compiled once).
+        split = {s: ok for rank_results in world2 for s, ok in rank_results[index]["compiled"]["split"].items()}
+        assert split == {s: s > 0 for s in split}, split
+
+
+@pytest.mark.slow
+def test_split_backward_keeps_collectives_once_and_in_one_order(world2):
+    """tp=2: each collective of the backward lands in exactly one of I and W, in the
+    whole graph's order, and both TP ranks cut their graphs identically."""
+    (index,) = [i for i, c in enumerate(CASES) if c.get("tp") == 2 and c.get("schedule") == "zb-v"]
+    per_rank = [rank_results[index]["compiled"]["collectives"] for rank_results in world2]
+    assert per_rank[0] and per_rank[0] == per_rank[1]
+    for ops in per_rank[0].values():
+        assert ops["I"], "the input-gradient path of a TP layer all-reduces"
+        assert sorted(ops["I"] + ops["W"]) == sorted(ops["B"])
+        assert _in_order(ops["I"], ops["B"]) and _in_order(ops["W"], ops["B"])
+
+
+def _in_order(part: list, whole: list) -> bool:
+    """``part`` is a subsequence of ``whole``."""
+    rest = iter(whole)
+    return all(any(p == w for w in rest) for p in part)
 
 
 # ---- fallback ------------------------------------------------------------------------------
@@ -129,3 +162,66 @@ def test_recompute_regions_are_inlined_with_partitioner_tags():
     # Same values as the outlined graph.
     args = [program.state[p.canonical] for p in program.params] + list(w.example_inputs)
     torch.testing.assert_close(flat(*args), gm(*args))
+
+
+# ---- the zero-bubble split of a compiled backward ---------------------------------------
+@pytest.mark.slow
+def test_split_backward_computes_nothing_twice(monkeypatch):
+    """The last stage of a 2-stage GPT, compiled for a zero-bubble schedule: the I and W
+    graphs Inductor compiles share no matmul and together hold the whole backward's;
+    run through the StageRunner, I leaves ``.grad`` alone, I + W does exactly eager B's
+    FLOPs (the compiled kernels' matmuls are counted) and gives B's gradients."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fxpipe.runtime.compiled import example_args
+    from fxpipe.runtime.compiled_split import count_ops
+    from fxpipe.runtime.stage_runner import StageRunner
+    from tests.runtime.test_backward_split import _stage_plan
+
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)  # as _compile_cases
+    w, plan = _stage_plan("gpt-tiny")
+    state = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in plan.program.state.items()}
+    stage = plan.stages[1]
+    backwards = []
+
+    def inner(gm, inputs, **kw):  # what Inductor is given, before its own passes
+        if kw.get("is_backward"):
+            mms = {n.name for n in gm.graph.nodes if n.op == "call_function" and "mm" in str(n.target)}
+            backwards.append((count_ops(gm), mms))
+        return compile_fx_inner(gm, inputs, **kw)
+
+    fn, reason = compile_stage(stage.graph_module, example_args(plan, stage, state, torch.device("cpu")),
+                               split_inputs=len(stage.inputs), inner=inner)
+    assert reason is None and fn.weights is not None, fn.split_reason
+    (i_count, i_mms), (w_count, w_mms) = backwards
+    assert i_count > 0 and w_count > 0 and not i_mms & w_mms
+    assert i_count + w_count == count_ops(fn.split.backward)
+
+    trained = [n for n in plan.stage_params(1) if state[n].requires_grad]
+    sent = StageRunner(plan, plan.stages[0], state).forward(0, w.example_inputs, {})
+    flops, grads = {}, {}
+    for mode in ("B", "I", "W"):
+        runner = StageRunner(plan, stage, state, compiled=None if mode == "B" else fn)
+        if mode != "W":
+            for n in trained:
+                state[n].grad = None
+            runner.forward(0, w.example_inputs, sent)
+            last = runner
+        with FlopCounterMode(display=False) as counter:
+            if mode == "B":
+                back = last.backward(0, {})
+            elif mode == "I":
+                split_back = last.backward_input(0, {})
+                assert all(state[n].grad is None for n in trained), "I accumulated a weight gradient"
+            else:
+                last.backward_weight(0)
+        flops[mode] = counter.get_total_flops()
+        grads[mode] = {n: state[n].grad.clone() for n in trained if state[n].grad is not None}
+    assert flops["I"] > 0 and flops["W"] > 0 and flops["I"] + flops["W"] == flops["B"]
+    assert back.keys() == split_back.keys() and grads["W"].keys() == grads["B"].keys() == set(trained)
+    for n in back:
+        torch.testing.assert_close(split_back[n], back[n], rtol=1e-4, atol=1e-5)
+    for n in trained:
+        torch.testing.assert_close(grads["W"][n], grads["B"][n], rtol=1e-4, atol=1e-5, msg=n)
