@@ -15,6 +15,8 @@ batch and threads:
   makes every received tensor require grad), the same even layer split is cut by
   fxpipe's ``uniform`` partition and its stage graphs run by ``PipelineStage`` +
   ``Schedule1F1B`` instead — the result file says which ran;
+- **fxpipe on that even layer split** (``partition="uniform"``): what the partition
+  gains, apart from how the two runtimes differ;
 - **one process** with gradient accumulation over the same 8 microbatches.
 
 Rounds: each times every contender once, back to back (also P independent copies of
@@ -22,7 +24,7 @@ the one-process job at once: the machine's own ceiling for a P-way split), so a 
 VM's drift hits all alike. Prints the median step times, the three ratios the balance issue sets targets for
 (stage imbalance <= 1.10, speed-up over one process >= 1.70x at pp=2, fxpipe <= 0.60x
 the even-split pipeline), fxpipe's per-stage predicted vs measured times, and writes
-benchmarks/results/runtime_pp{P}.md. Medians over --steps after 2 warm-up steps.
+benchmarks/results/runtime_pp{P}.md. Medians over --steps rounds after one warm-up.
 """
 from __future__ import annotations
 
@@ -163,6 +165,12 @@ def worker(rank: int, world: int, port: int, steps: int, out: str, schedule: str
                 sched.step()
 
     single_step = single_process()
+    # fxpipe's own runtime on the same even layer split: separates what the partition
+    # gains from what the runtimes differ by.
+    model4, _, _ = workload()
+    fx_even = fxpipe.parallelize(model4, pp=world, microbatches=M, example_inputs=batch, loss_fn=loss_fn,
+                                 partition="uniform", costs="model")
+    even_meter = BalanceMeter()
     # One round times each contender once, back to back, so a shared VM's drift (its
     # speed moved by 20-30% within minutes while these were taken) hits all of them
     # alike; the ratios are medians over rounds. "alone": rank 0 runs the one-process
@@ -170,6 +178,7 @@ def worker(rank: int, world: int, port: int, steps: int, out: str, schedule: str
     contenders = {
         "fx": (lambda: pm.train_step(batch), lambda: meter.add(pm.last_stats.events)),
         "pippy": (pippy_step, None),
+        "fx_even": (lambda: fx_even.train_step(batch), lambda: even_meter.add(fx_even.last_stats.events)),
         "alone": (lambda: single_step() if rank == 0 else None, None),
         "shared": (single_step, None),
     }
@@ -186,6 +195,7 @@ def worker(rank: int, world: int, port: int, steps: int, out: str, schedule: str
             if each is not None:
                 each()
     torch.save(dict(times=times, setup=setup, balance=meter.summary(), how=how,
+                    even_balance=even_meter.summary(), even_partition=fx_even.partition if rank == 0 else None,
                     partition=pm.partition if rank == 0 else None),
                os.path.join(out, f"{rank}.pt"))
     dist.destroy_process_group()
@@ -235,6 +245,7 @@ def main() -> None:
     fx, pippy, single, shared = med["fx"], med["pippy"], med["alone"], med["shared"]
     ratio = lambda a, b: statistics.median(x / y for x, y in zip(times[a], times[b]))  # noqa: E731
     rows, imbalance = balance(res[0]["partition"], [r["balance"] for r in res])
+    even_rows, even_imbalance = balance(res[0]["even_partition"], [r["even_balance"] for r in res])
     ideal = args.pp * M / (M + args.pp - 1)
     schedule_label = f"defaults: measured costs, ILP, {args.schedule or '1f1b'}"
     sp_fx, sp_pippy, slow = ratio("alone", "fx"), ratio("alone", "pippy"), ratio("shared", "alone")
@@ -250,12 +261,14 @@ def main() -> None:
         "| | median step ms |", "|---|---|",
         f"| fxpipe.parallelize ({schedule_label}) | {fx * 1e3:.1f} |",
         f"| torch.distributed.pipelining, even layer split, 1F1B | {pippy * 1e3:.1f} |",
+        f"| fxpipe.parallelize on that even layer split (partition='uniform'), 1F1B | {med['fx_even'] * 1e3:.1f} |",
         f"| one process, gradient accumulation (the others idle) | {single * 1e3:.1f} |",
         f"| {args.pp} independent copies of the one process at once | {shared * 1e3:.1f} |", "",
         f"- measured stage imbalance (max/mean busy time): **{imbalance:.3f}** (target <= 1.10)",
         f"- speed-up over one process: **{sp_fx:.3f}x** (ideal 1F1B {ideal:.2f}x; target >= 1.70x at pp=2)",
         f"- fxpipe / even-split pipelining step time: **{ratio('fx', 'pippy'):.3f}** (target <= 0.60)",
-        f"- torch.distributed.pipelining speed-up over one process: {sp_pippy:.3f}x",
+        f"- torch.distributed.pipelining speed-up over one process: {sp_pippy:.3f}x; fxpipe on the same "
+        f"even split: {ratio('alone', 'fx_even'):.3f}x (measured imbalance {even_imbalance:.3f})",
         f"- machine ceiling: side by side, each copy of the one-process job runs {slow:.3f}x its time "
         f"alone, so no {args.pp}-stage 1F1B pipeline here beats **{ceiling:.3f}x** ({ideal:.2f}x / {slow:.3f}); "
         f"fxpipe reaches **{sp_fx / ceiling:.3f}** of it. No {args.pp}-stage pipeline of any schedule "
@@ -264,6 +277,7 @@ def main() -> None:
         f"- fxpipe setup (capture, cost measurement, partition, split): {max(r['setup'] for r in res):.1f} s",
         f"- torch.distributed.pipelining set up as: {res[0]['how']}",
         "", "```", balance_table(rows, imbalance), "```", "",
+        "The even layer split, run by fxpipe:", "", "```", balance_table(even_rows, even_imbalance), "```", "",
         "Per round, ms: " + "; ".join(f"{k} " + " ".join(f"{t * 1e3:.0f}" for t in v) for k, v in times.items()), ""]
     write_result(f"runtime_pp{args.pp}.md", "\n".join(lines))
 
