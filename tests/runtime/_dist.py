@@ -22,8 +22,9 @@ def _free_port() -> int:
 
 # The workers fork from a server process that imported these once (multiprocessing's
 # forkserver): a world starts in ~0.1 s instead of ~4 s of spawning and re-importing
-# torch, transformers and fxpipe per process, and the suite starts ~15 worlds.
-PRELOAD = ["torch", "torch.distributed", "transformers", "fxpipe.runtime.api", "tests.runtime._cases"]
+# torch, transformers and fxpipe per process, and the first torch.export's set-up is
+# done there too (_warm_worker.py); the suite starts ~15 worlds of 2-8 workers.
+PRELOAD = ["tests.runtime._warm_worker"]
 
 
 def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable, args: tuple,

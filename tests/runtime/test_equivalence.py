@@ -1,7 +1,7 @@
 """Pipeline (× data) parallel training equals single-process training (gloo, fp32).
 
-Workers are spawned once per world size and run every case in it, because
-spawning and importing torch dominates on a 2-core machine.
+Workers start once per world size and run every case in it; each model is captured
+once per worker (``_reuse_capture.py``), as torch.export dominates a tiny case.
 """
 import pytest
 import torch
@@ -9,7 +9,6 @@ import torch
 from tests.runtime._cases import reference, train_cases
 from tests.runtime._dist import run_world
 
-from tests._shared import FIVE_MODELS
 
 MODELS = ["gpt-tiny", "hf:gpt2", "hf:llama"]
 SHARED = "tests.runtime._shared_weights:workload"  # a weight applied in two stages
@@ -36,10 +35,12 @@ def _cases(pp):
 
 
 def _tp_cases():
-    """Tensor parallelism on 4 processes: tp=4 for all five families, tp=2 × dp=2 for
-    two of them (the dp reduction does not depend on the family), tp=2 × pp=2 with 1F1B
-    for three and interleaved for one, and sequence parallelism."""
-    cases = [dict(model=m, pp=1, tp=4, schedule="1f1b") for m in FIVE_MODELS]
+    """Tensor parallelism on 4 real processes: tp=4 for three families, tp=2 × dp=2 for
+    two (the dp reduction does not depend on the family), tp=2 × pp=2 with 1F1B for three
+    and interleaved for one, and sequence parallelism. All five families at tp=2 and
+    tp=4 are checked in one process with emulated collectives
+    (tests/tensor_parallel/test_tp_equivalence.py); these cases add gloo's."""
+    cases = [dict(model=m, pp=1, tp=4, schedule="1f1b") for m in MODELS]
     cases += [dict(model=m, pp=1, tp=2, schedule="1f1b") for m in ("gpt-tiny", "hf:llama")]
     cases += [dict(model=m, pp=2, tp=2, schedule="1f1b") for m in MODELS]
     cases += [dict(model="hf:llama", pp=2, tp=2, schedule="interleaved", chunks=2)]
@@ -64,7 +65,7 @@ def _id(c):
 
 @pytest.fixture(scope="module")
 def references():
-    return {m: reference(m) for m in (*FIVE_MODELS, SHARED, WIDE)}
+    return {m: reference(m) for m in (*MODELS, SHARED, WIDE)}
 
 
 @pytest.fixture(scope="module")

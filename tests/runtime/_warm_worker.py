@@ -1,0 +1,16 @@
+"""Imported once by the forkserver the test worlds fork from (``_dist.PRELOAD``): the
+modules every worker needs and one tiny ``torch.export``, whose first call in a process
+costs ~2 s of one-time set-up. Forked workers inherit all of it (~3-4 s each saved)."""
+import torch
+import torch._dynamo  # noqa: F401
+import torch._functorch.aot_autograd  # noqa: F401
+import torch.export
+import transformers.models.gpt2.modeling_gpt2  # noqa: F401
+import transformers.models.llama.modeling_llama  # noqa: F401
+from ortools.sat.python import cp_model  # noqa: F401
+
+import fxpipe.runtime.api  # noqa: F401
+import tests.runtime._cases  # noqa: F401
+
+torch.export.export(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()), (torch.randn(2, 4),),
+                    strict=False)
