@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fxpipe.recompute_mode import RecomputeMode  # noqa: F401  (re-exported: the mode lives torch-free)
 
+from fxpipe.passes.subgraph import copy_subgraph
 from fxpipe.program import NodeCost, Program
 from fxpipe.tp.context import TPContext, current_tp_or_none, tp_group_context
 
@@ -248,14 +249,7 @@ def _outline(gm: fx.GraphModule, nodes: list[fx.Node], name: str, layer: int,
     if not outputs:
         return None  # nothing reads it: dead code, left for the caller's DCE
 
-    body = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for a in inputs:
-        env[a] = body.placeholder(a.name)
-        env[a].meta = dict(a.meta)
-    for n in nodes:
-        env[n] = body.node_copy(n, lambda x: env[x])
-    body.output(tuple(env[o] for o in outputs))
+    body, _ = copy_subgraph(inputs, nodes, outputs)
     gm.add_submodule(name, CheckpointedRegion(fx.GraphModule(gm, body, class_name=name)))
 
     info = RecomputeRegion(name=name, layer=layer, mode=mode, nodes=tuple(n.name for n in nodes),

@@ -35,6 +35,8 @@ import torch
 import torch.fx as fx
 from torch.autograd.graph import GradientEdge
 
+from fxpipe.passes.subgraph import copy_subgraph
+
 
 class CannotSplit(Exception):
     """This backward graph is compiled whole; the message says why."""
@@ -89,14 +91,7 @@ def _check_splittable(nodes: list[fx.Node], used: set[fx.Node]) -> None:
 def _subgraph(gm: fx.GraphModule, inputs: list[fx.Node], body: list[fx.Node],
               outputs: list, visible: bool) -> fx.GraphModule:
     """A new graph of ``body`` (original order) reading ``inputs`` and returning ``outputs``."""
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for n in inputs:
-        env[n] = g.placeholder(n.name)
-        env[n].meta = dict(n.meta)
-    for n in body:
-        env[n] = g.node_copy(n, lambda a: env[a])
-    out = g.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
+    g, out = copy_subgraph(inputs, body, outputs)
     # compile_fx_backward marks the gradients user-visible (their strides are kept).
     out.meta["user_visible_output_idxs"] = [i for i, o in enumerate(outputs) if isinstance(o, fx.Node)] \
         if visible else []
