@@ -24,6 +24,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from fxpipe.passes.functionalize import FunctionalizeError, functionalize
 from fxpipe.program import ParamInfo, ParamKind, Program, TensorSpec
+from fxpipe.sizes import observe_sizes, unbacked_symbols
 
 _WRAPPED = "model"  # attribute name of the user's model inside the loss wrapper
 
@@ -217,10 +218,22 @@ def _to_program(model: nn.Module, ep: torch.export.ExportedProgram,
     loss_index = len(done.buffer_updates) + next(
         i for i, s in enumerate(sig.output_specs) if s.kind is OutputKind.USER_OUTPUT)
     module_paths, layers, container = _module_structure(gm)
-    return Program(graph_module=gm, params=tuple(params), inputs=tuple(user_inputs),
-                   input_specs=tuple(TensorSpec.of(x) for x in inputs), loss_output=loss_index,
-                   mutated_buffers=mutated, state=state, source=type(model).__name__,
-                   module_paths=module_paths, layers=layers, layer_container=container)
+    program = Program(graph_module=gm, params=tuple(params), inputs=tuple(user_inputs),
+                      input_specs=tuple(TensorSpec.of(x) for x in inputs), loss_output=loss_index,
+                      mutated_buffers=mutated, state=state, source=type(model).__name__,
+                      module_paths=module_paths, layers=layers, layer_container=container)
+    return program.replace(size_hints=_size_hints(program, inputs))
+
+
+def _size_hints(program: Program, inputs: tuple[torch.Tensor, ...]) -> dict[str, int]:
+    """Data-dependent sizes as the example batch makes them (fxpipe/sizes.py): one run of
+    the graph without autograd, only when the graph has such sizes and real tensors."""
+    if not unbacked_symbols(program.graph_module):
+        return {}
+    args = [program.state[p.canonical] for p in program.params] + list(inputs)
+    if any(a.device.type == "meta" for a in args):
+        return {}  # priced at their upper bounds
+    return observe_sizes(program.graph_module, args)
 
 
 _LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")

@@ -116,6 +116,9 @@ class Program:
     """Node name -> pipeline stage index, filled by the partition pass."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Results of passes that are not per-node (reports, shard specs), by pass name."""
+    size_hints: Mapping[str, int] = field(default_factory=dict)
+    """Data-dependent size symbol (``u0``) -> the value it took on the example batch
+    (``fxpipe/sizes.py``); a symbol absent here is priced at its upper bound."""
 
     def replace(self, **changes: Any) -> "Program":
         frozen = {k: MappingProxyType(dict(v)) if isinstance(v, dict) else v

@@ -112,6 +112,39 @@ class _Quotient:
         return a
 
 
+def _merge_pinned(qg: _Quotient, graph: nx.DiGraph) -> None:
+    """One group for every node marked ``pinned`` (its output must not cross a cut: a
+    data-dependent shape) and its readers, with everything on a path between them
+    (the group must stay convex for the quotient to stay a DAG)."""
+    pinned = [n for n in qg.fine if graph.nodes[n].get("pinned")]
+    if not pinned:
+        return
+    pos = {n: i for i, n in enumerate(qg.fine)}
+    comps: list[set] = [{n, *graph.successors(n)} for n in pinned]
+    changed = True
+    while changed:  # convex hulls, joined where they meet, until stable
+        changed = False
+        hulls = []
+        for comp in comps:
+            down = set().union(*(nx.descendants(graph, c) for c in comp)) | comp
+            up = set().union(*(nx.ancestors(graph, c) for c in comp)) | comp
+            hull = down & up
+            for other in hulls:
+                if other & hull:
+                    other |= hull
+                    changed = True
+                    break
+            else:
+                hulls.append(hull)
+            changed |= hull != comp
+        comps = hulls
+    for comp in comps:
+        order = sorted(pos[n] for n in comp)
+        group = order[0]
+        for i in order[1:]:  # topological order over a convex set: every merge is legal
+            group = qg.merge(group, i)
+
+
 def _merge_by_key(qg: _Quotient, graph: nx.DiGraph) -> None:
     by_key: dict = {}
     for i, n in enumerate(qg.fine):
@@ -164,6 +197,7 @@ def coarsen(graph: nx.DiGraph, max_groups: int) -> Coarsening:
     if not nx.is_directed_acyclic_graph(graph):
         raise ValueError("coarsen needs a DAG")
     qg = _Quotient(graph)
+    _merge_pinned(qg, graph)
     if len(qg) > max_groups:
         _merge_by_key(qg, graph)
     _merge_by_edge(qg, max_groups)

@@ -29,6 +29,7 @@ import torch.fx as fx
 from fxpipe.passes.functionalize import mutated_args
 from fxpipe.pipeline_plan import PipelinePlan, Stage, StageValue
 from fxpipe.program import ParamKind, Program, TensorSpec
+from fxpipe.sizes import is_dynamic
 
 
 def _is_random(node: fx.Node) -> bool:
@@ -122,6 +123,13 @@ def split_pass(program: Program, assignment: Mapping[str, int] | None = None,
     for name, cons in consumers.items():
         node = by_name[name]
         t = node.meta["val"]
+        if is_dynamic(t):
+            raise ValueError(
+                f"{name} ({node.target}, shape {tuple(t.shape)}) would cross from stage "
+                f"{assignment[name]} to {sorted(cons)}, but its size depends on the data; pipeline "
+                f"transfers need static shapes — cut before its producer or after the op that "
+                f"gives a fixed shape again (e.g. the index_add / scatter that combines routed "
+                f"tokens)")
         assert isinstance(t, torch.Tensor), f"only tensors cross stages, {name} is {type(t)}"
         values[name] = StageValue(name=name, producer=assignment[name], consumers=tuple(sorted(cons)),
                                   spec=TensorSpec(tuple(t.shape), t.dtype),

@@ -66,6 +66,59 @@ class SlidingWindowGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class _Experts(nn.Module):
+    """Dropless mixture of experts, routed with ``torch.where`` on the router's top-k:
+    each expert runs on exactly the tokens sent to it (a data-dependent count), and the
+    results are summed back with ``index_add_``."""
+
+    def __init__(self, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.router = nn.Linear(D, experts, bias=False)
+        self.up = nn.ModuleList(nn.Linear(D, 2 * D) for _ in range(experts))
+        self.down = nn.ModuleList(nn.Linear(2 * D, D) for _ in range(experts))
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        flat = x.reshape(b * t, c)
+        weights, chosen = self.router(flat).softmax(-1).topk(self.top_k, dim=-1)
+        out = torch.zeros_like(flat)
+        for e, (up, down) in enumerate(zip(self.up, self.down)):
+            token, slot = torch.where(chosen == e)
+            y = down(F.gelu(up(flat[token]))) * weights[token, slot].unsqueeze(-1)
+            out.index_add_(0, token, y)
+        return out.view(b, t, c)
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn = _Attn(window=T)
+        self.moe = _Experts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.moe(self.ln2(x))
+
+
+class DroplessMoE(nn.Module):
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(V, D)
+        self.h = nn.ModuleList(_MoEBlock() for _ in range(layers))
+        self.ln = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V, bias=False)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.steps.add_(1)  # a counter the forward writes (read by no one else)
+        x = self.wte(idx)
+        for blk in self.h:
+            x = blk(x)
+        return F.cross_entropy(self.head(self.ln(x)).flatten(0, 1), targets.flatten())
+
+
 def batch(seed: int = 0, b: int = 2, t: int = T) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, V, (b, t), generator=g), torch.randint(0, V, (b, t), generator=g)
@@ -83,4 +136,9 @@ def _sliding_window() -> _Workload:
     return _Workload(SlidingWindowGPT(), batch(b=4))
 
 
-LOCAL_MODELS = {"local:sliding-window": _sliding_window}
+def _moe() -> _Workload:
+    torch.manual_seed(0)
+    return _Workload(DroplessMoE(), batch(b=4))
+
+
+LOCAL_MODELS = {"local:sliding-window": _sliding_window, "local:dropless-moe": _moe}
