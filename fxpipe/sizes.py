@@ -99,3 +99,22 @@ def unbacked_symbols(gm: fx.GraphModule) -> list[str]:
                 for s in sorted(free_unbacked_symbols(v), key=str):
                     names[str(s)] = None
     return list(names)
+
+
+def carry_hints(old: fx.Graph, new: fx.Graph, hints: Mapping[str, int]) -> dict[str, int]:
+    """``hints`` for a graph whose shapes were propagated again (fresh symbols): a symbol
+    of ``new`` gets the value of the symbol at the same place (node name, dimension) of
+    ``old``."""
+    if not hints:
+        return {}
+    before = {n.name: n.meta.get("val") for n in old.nodes}
+    out: dict[str, int] = {}
+    for n in new.nodes:
+        a, b = before.get(n.name), n.meta.get("val")
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != b.dim():
+            continue
+        for x, y in zip(a.shape, b.shape):
+            if isinstance(x, torch.SymInt) and isinstance(y, torch.SymInt) and \
+                    str(x.node.expr) in hints and isinstance(y.node.expr, sympy.Symbol):
+                out.setdefault(str(y.node.expr), hints[str(x.node.expr)])
+    return out

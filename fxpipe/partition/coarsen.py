@@ -68,6 +68,8 @@ class _Quotient:
                        for i, a in enumerate(attrs)}
         self.layer = {i: a.get("layer") for i, a in enumerate(attrs)}
         self.members = {i: [i] for i in range(len(self.fine))}
+        self.owner = list(range(len(self.fine)))
+        """Fine index -> the group holding it now."""
         self.version = {i: 0 for i in range(len(self.fine))}
 
     def __len__(self) -> int:
@@ -102,6 +104,8 @@ class _Quotient:
         q.add_edges_from((p, a) for p in q.predecessors(b) if p != a)
         q.add_edges_from((a, s) for s in q.successors(b) if s != a)
         q.remove_node(b)
+        for i in self.members[b]:
+            self.owner[i] = a
         self.members[a] += self.members.pop(b)
         self.weight[a] += self.weight.pop(b)
         la, lb = self.layer[a], self.layer.pop(b)
@@ -152,8 +156,11 @@ def _merge_by_key(qg: _Quotient, graph: nx.DiGraph) -> None:
         if key is not None:
             by_key.setdefault(key, []).append(i)
     for nodes in by_key.values():  # insertion order: keys by first appearance
-        group = nodes[0]
+        group = qg.owner[nodes[0]]
         for i in nodes[1:]:
+            i = qg.owner[i]  # an earlier step may have merged it already
+            if i == group:
+                continue
             if qg.layer[group] == qg.layer[i] and qg.can_merge(group, i):
                 group = qg.merge(group, i)
             else:
