@@ -185,3 +185,39 @@ class _WritesExpanded(nn.Module):
 def test_a_write_through_a_view_without_inverse_is_refused():
     with pytest.raises(CaptureError, match=r"expand"):
         fxpipe.capture(_WritesExpanded(), (torch.randn(3, 4),))
+
+
+def _with_a_write(prog: fxpipe.Program) -> fxpipe.Program:
+    """The program with one in-place op put back, as a careless pass might."""
+    import copy
+
+    gm = copy.deepcopy(prog.graph_module)
+    node = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default)
+    with gm.graph.inserting_after(node):
+        gm.graph.call_function(torch.ops.aten.mul_.Tensor, (node, 2.0))
+    gm.recompile()
+    return prog.replace(graph_module=gm)
+
+
+def test_lint_and_split_refuse_an_in_place_op_by_name():
+    from fxpipe.passes import lint_program
+    from fxpipe.passes.lint import ProgramInvariantError
+    from fxpipe.passes.split import split_pass
+
+    torch.manual_seed(0)
+    prog = fxpipe.capture(_Write(PATTERNS["slice"]), (torch.randn(4, 6),))
+    lint_program(prog, after="capture")
+    bad = _with_a_write(prog)
+    with pytest.raises(ProgramInvariantError, match=r"in-place ops in the graph: mul_"):
+        lint_program(bad, after="careless")
+    stages = {n.name: 0 for n in bad.call_nodes()}
+    with pytest.raises(ValueError, match=r"still writes in place \(mul_"):
+        split_pass(bad, stages, num_stages=1)
+
+
+def test_every_pass_keeps_the_graph_functional():
+    from fxpipe.passes import run_passes
+
+    torch.manual_seed(0)
+    model, inputs = SlidingWindowGPT(), batch()
+    run_passes(fxpipe.capture(model, inputs), debug=True)  # lints after every pass
