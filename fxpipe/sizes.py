@@ -118,3 +118,15 @@ def carry_hints(old: fx.Graph, new: fx.Graph, hints: Mapping[str, int]) -> dict[
                     str(x.node.expr) in hints and isinstance(y.node.expr, sympy.Symbol):
                 out.setdefault(str(y.node.expr), hints[str(x.node.expr)])
     return out
+
+
+def describe_hints(symbols: Sequence[str], hints: Mapping[str, int]) -> str:
+    """One line on how data-dependent sizes are priced (``fxpipe compile``'s summary)."""
+    seen = [hints[s] for s in symbols if s in hints]
+    head = f"{len(symbols)} size(s) decided by the data ({', '.join(symbols[:4])}" \
+           f"{', ...' if len(symbols) > 4 else ''}); "
+    if len(seen) == len(symbols):
+        return head + (f"priced at the example batch's sizes ({min(seen)}-{max(seen)}, "
+                       f"mean {sum(seen) / len(seen):.1f}); inside one stage each")
+    return head + ("priced at their upper bounds (no real tensors to run the example batch "
+                   "on); inside one stage each")
