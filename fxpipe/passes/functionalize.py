@@ -13,8 +13,8 @@ re-tracing routes (``ExportedProgram.run_decompositions``) inline ``no_grad``
 regions without a trace of the grad mode and decompose the composite ops
 (``linear``, ``scaled_dot_product_attention``) the tensor-parallel pass reads.
 
-How. Tensors that share a storage (a base and its views; FakeTensor metadata keeps
-real views) form one alias group with a *root*, the group's first node. A write
+How. A tensor and the views taken of it (ops whose schema says they return an alias
+of their input) form one alias group with a *root*, the node that made the tensor. A write
 ``op_(view, *args)`` becomes ``new = op(view, *args)`` and is carried up the view
 chain to the root with the scatter op that inverts each view (``slice`` ->
 ``slice_scatter``, ``select`` -> ``select_scatter``, ``view``/``unsqueeze``/... ->
@@ -78,6 +78,15 @@ def _view_parent(node: fx.Node) -> fx.Node:
     return node.args[0]
 
 
+def _same_storage(a: fx.Node, b: fx.Node) -> bool:
+    """Did ``a`` return ``b``'s storage? (``x.to(dtype)`` does only when nothing converts.)"""
+    try:
+        return StorageWeakRef(a.meta["val"].untyped_storage()) == \
+            StorageWeakRef(b.meta["val"].untyped_storage())
+    except (NotImplementedError, RuntimeError):  # sparse, nested: no plain storage
+        return False
+
+
 def _where(node: fx.Node) -> str:
     trace = (node.meta.get("stack_trace") or "").strip().splitlines()
     src = next((ln.strip() for ln in reversed(trace) if ln.strip().startswith("File ")), "")
@@ -120,15 +129,18 @@ class _Rewriter:
         self.seen: dict[fx.Node, tuple[int, fx.Node]] = {}  # alias -> (version, its value then)
         self.alias_of: dict[fx.Node, fx.Node] = {}  # in-place node -> the tensor it wrote
         self.mutations = 0
-        for n in self.src.nodes:
-            v = n.meta.get("val")
-            if isinstance(v, torch.Tensor):
-                try:
-                    k = StorageWeakRef(v.untyped_storage())
-                except (NotImplementedError, RuntimeError):  # sparse, nested: no storage
-                    continue
-                self.key[n] = k
-                self.root.setdefault(k, n)
+        for n in self.src.nodes:  # alias groups, from the graph's structure
+            if not isinstance(n.meta.get("val"), torch.Tensor):
+                continue
+            k: Any = n  # a node that makes a new tensor starts a group of its own
+            if mutated_args(n):
+                k = self.key.get(n.args[0], n)  # x.add_(y) returns x
+            elif _is_view(n):
+                parent = _view_parent(n)
+                if parent in self.key and (n.target not in _IDENTITIES or _same_storage(n, parent)):
+                    k = self.key[parent]
+            self.key[n] = k
+            self.root.setdefault(k, n)
 
     # ---- new nodes ---------------------------------------------------------------
     def _emit(self, target, args: tuple, kwargs: dict, like: fx.Node) -> fx.Node:
@@ -191,9 +203,9 @@ class _Rewriter:
     def write(self, m: fx.Node) -> None:
         target = self._resolve(m.args[0])
         if m.target == aten.detach_.default:
-            # Only autograd metadata changes: later reads see a detached value.
-            self.env[m] = self._emit(aten.detach.default, (self.value(target),), {}, m)
-            self.seen[target] = (self.version.get(self.key.get(target), 0), self.env[m])
+            # Only autograd metadata changes: from here on the tensor reads detached.
+            self._commit(target, self._emit(aten.detach.default, (self.value(target),), {}, m), m)
+            self.alias_of[m] = target
             return
         k = self.key.get(target)
         if k is None:

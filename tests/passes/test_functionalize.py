@@ -95,6 +95,9 @@ PATTERNS = {
     "index_put": _index_put,
     "index_add": _index_add,
     "two_views_then_read_old_view": lambda h: (lambda v: (h[0].fill_(1.0), v * 2)[1])(h[:, 0]),
+    # A literal tensor is a lifted constant copied fresh each call: writing it is fine.
+    "literal": lambda h: (lambda t: (t.mul_(2.0), t.__setitem__(0, 5.0), h * t)[2])(
+        torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])),
     "dtype_kept": lambda h: h.add_(torch.ones(6, dtype=torch.float64)),
 }
 
