@@ -122,9 +122,9 @@ class _Rewriter:
         self.fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
         self.g = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}
-        self.key: dict[fx.Node, Any] = {}      # node -> storage of its value
-        self.root: dict[Any, fx.Node] = {}     # storage -> first node holding it
-        self.current: dict[Any, fx.Node] = {}  # storage -> new-graph node of the root's value now
+        self.key: dict[fx.Node, Any] = {}      # node -> its alias group
+        self.root: dict[Any, fx.Node] = {}     # group -> the node that made the tensor
+        self.current: dict[Any, fx.Node] = {}  # group -> new-graph node of the root's value now
         self.version: dict[Any, int] = {}
         self.seen: dict[fx.Node, tuple[int, fx.Node]] = {}  # alias -> (version, its value then)
         self.alias_of: dict[fx.Node, fx.Node] = {}  # in-place node -> the tensor it wrote
@@ -169,12 +169,8 @@ class _Rewriter:
         got = self.seen.get(n)
         if got is not None and got[0] == ver:
             return got[1]
-        if n is self.root[k]:
-            out = self.current[k]
-        elif _is_view(n):
-            out = self._replay(n)
-        else:  # a non-view node of the group (an earlier in-place result): its root's value
-            out = self.current[k]
+        # Group members are the root and views of it (in-place results were resolved).
+        out = self.current[k] if n is self.root[k] else self._replay(n)
         self.seen[n] = (ver, out)
         return out
 
@@ -182,8 +178,6 @@ class _Rewriter:
         """The view ``n`` taken again from its parent's current value."""
         if n.target is operator.getitem:
             multi = n.args[0]
-            if not _is_view(multi):  # getitem of a region's results: not a view to replay
-                return self.env[n]
             margs = (self.value(multi.args[0]), *self._map(multi.args[1:]))
             again = self._emit(multi.target, margs, self._map(multi.kwargs), multi)
             return self._emit(operator.getitem, (again, n.args[1]), {}, n)
