@@ -210,10 +210,24 @@ class _Rewriter:
             raise FunctionalizeError(
                 f"the forward writes in place into {self.names.get(root.name, root.name)}, a "
                 f"parameter or batch input, at {_where(m)}; use an out-of-place op (e.g. x = x.add(y), not x.add_(y))")
-        op = _functional_op(m)
-        new = self._emit(op, (self.value(target), *self._map(m.args[1:])), self._map(m.kwargs), m)
+        if m.target == aten.copy_.default:
+            new = self._copied(target, m)
+        else:
+            op = _functional_op(m)
+            new = self._emit(op, (self.value(target), *self._map(m.args[1:])), self._map(m.kwargs), m)
         self._commit(target, new, m)
         self.alias_of[m] = target
+
+    def _copied(self, target: fx.Node, m: fx.Node) -> fx.Node:
+        """``target.copy_(src)`` as a value: src in target's dtype, device and shape.
+        (aten.copy, torch's functional form, has no derivative: the gradient would stop.)"""
+        src = self.value(m.args[1])
+        want, got = target.meta["val"], m.args[1].meta["val"]
+        if (got.dtype, got.device) != (want.dtype, want.device):
+            src = self._emit(aten._to_copy.default, (src,), {"dtype": want.dtype, "device": want.device}, m)
+        if tuple(got.shape) != tuple(want.shape):
+            src = self._emit(aten.expand_as.default, (src, self.value(target)), {}, m)
+        return src
 
     def _commit(self, target: fx.Node, new: fx.Node, m: fx.Node) -> None:
         """From ``m`` on, ``target`` holds ``new``: carry it up to the alias group's root."""

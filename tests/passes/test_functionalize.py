@@ -84,6 +84,9 @@ PATTERNS = {
     "slice_of_slice": lambda h: h[1:, :][:, ::2].mul_(3.0),
     "select": lambda h: h[1].add_(1.0),
     "setitem": lambda h: h.__setitem__((slice(None), 0), 2.0),
+    "setitem_from_activation": lambda h: h.__setitem__((slice(None), 0), h[:, 1] * 2),
+    "setitem_broadcast_and_cast": lambda h: h.__setitem__(
+        (slice(1, 3), slice(None)), (h[0] * 3).double()),
     "transpose": lambda h: h.t()[2].sub_(1.0),
     "permute_view": lambda h: h.view(4, 2, 3).permute(2, 0, 1)[1].div_(2.0),
     # Outputs of multi-view ops cannot be written when they require grad (eager refuses),
