@@ -53,6 +53,7 @@ def check_flags(args: Any) -> None:
     says which flag to change; ``ParallelConfig`` would refuse the same values by field."""
     from fxpipe.models.registry import GPT_CONFIGS
     from fxpipe.partition import Method
+    from fxpipe.schedules.cli import check_size
     from fxpipe.schedules.registry import generate, get_spec
 
     for name in ("tp", "pp", "dp", "microbatches"):
@@ -88,8 +89,9 @@ def check_flags(args: Any) -> None:
         raise PreflightError(f"--seq {args.seq} exceeds {args.model}'s block size {cfg.block_size}")
     try:
         spec = get_spec(args.schedule)
-        generate(args.schedule, args.pp, args.microbatches,
-                 args.chunks if args.chunks is not None else spec.default_chunks)
+        chunks = args.chunks if args.chunks is not None else spec.default_chunks
+        check_size(args.pp, args.microbatches, chunks)  # generating it must fit in memory
+        generate(args.schedule, args.pp, args.microbatches, chunks)
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
 
