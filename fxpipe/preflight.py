@@ -180,7 +180,7 @@ def check_model(config: "TrainConfig") -> "CompileResult":
     device = capture_device(config.model)
     w = _workload(config, device)
     if w.vocab_size is not None and w.vocab_size < DATA_VOCAB:
-        raise PreflightError(_vocab_message(config.model, w.vocab_size, "its vocabulary"))
+        raise PreflightError(_vocab_message(config.model, w.vocab_size, "the rows of its embedding"))
     # The batch the workers build from byte windows, with the largest byte as every id. It
     # is built on the CPU (ids are checked there: a meta tensor has no values) and only
     # then moved to the capture device.

@@ -242,7 +242,10 @@ def resolve(directory: str | os.PathLike, step: int | None) -> Path:
     path = latest_checkpoint(root) if step is None else root / step_dirname(step)
     if path is None or not is_complete(path):
         which = "no complete checkpoint" if step is None else f"no complete checkpoint for step {step}"
-        why = f": {_why_incomplete(path)}" if path is not None and path.is_dir() else ""
+        if path is not None and path.is_symlink():
+            why = f": {path} is a symbolic link; fxpipe does not follow links in a checkpoint directory"
+        else:
+            why = f": {_why_incomplete(path)}" if path is not None and path.is_dir() else ""
         steps = [s for s, _ in list_checkpoints(root)]
         raise FileNotFoundError(f"{which} in {root}{why} (complete: {steps or 'none'}); "
                                 f"check --checkpoint-dir, or start without --resume")
