@@ -31,7 +31,7 @@ def make_checkpoint(root: Path, step: int, *, names: tuple[str, ...] = ("w",), s
         dcp.save({f"model.{n}": torch.full((2,), float(step)) for n in names},
                  storage_writer=FileSystemWriter(path), no_dist=True)
     files = {f.name: digest(f) for f in sorted(path.iterdir())}
-    meta = dict(format=FORMAT, step=step, extra=schedule(step) if extra is None else extra, world_size=1,
+    meta = dict(format=FORMAT, step=step, extra={"lr_scheduler": schedule(step)} if extra is None else extra, world_size=1,
                 mesh=dict(pp=1, dp=1, tp=1), source=source, precision="fp32", loss_scaler=None,
                 state_dict={n: n for n in names}, torch=torch.__version__, run=run, files=files)
     (path / "fxpipe.json").write_text(json.dumps(with_digest(meta), indent=1))
