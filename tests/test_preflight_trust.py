@@ -367,3 +367,15 @@ def test_every_registry_model_passes_or_is_refused_in_one_line(monkeypatch):
     assert "meta" in devices.values()
     assert all(v == "ok" for n, v in outcomes.items() if not n.startswith("hf:")), outcomes
     assert all("vocabulary of 128" in v for n, v in outcomes.items() if n.startswith("hf:")), outcomes
+
+
+def test_a_rank_without_an_error_report_is_summarised_by_its_exit_code():
+    """A worker that could not write its error file (ENOSPC) used to be summarised by
+    torch's "To enable traceback see ..." line."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    exc = ChildFailedError("_spawned_entry", {1: ProcessFailure(local_rank=1, pid=9, exitcode=1,
+                                                                 error_file="/nonexistent/error.json")})
+    line = fxpipe.launcher.summarize_failure(exc)
+    assert line.startswith("rank 1 failed: exit code 1, and no error report") and "ENOSPC" in line, line
+    assert "To enable traceback" not in line
