@@ -5,16 +5,20 @@ traceback per rank, and another rank's "connection closed" can hide the cause. S
 the launcher checks, in order of cost, and stops at the first problem with one
 message that says what is wrong, the numbers involved and how to fix it:
 
-1. flags alone: numbers (``--timeout``, ``--lr``), names (partition method,
-   schedule), ``--sp`` constraints, the sequence length against a registry GPT;
-2. the file system: ``--checkpoint-dir`` (a directory we can write, or can create),
-   ``--export`` and ``--timeline`` (a file we can create);
+1. flags alone: numbers (``--timeout``, ``--lr``, ``--seed``), names (partition method,
+   schedule), ``--sp`` constraints, the sequence length against a registry GPT, the
+   schedule's size, tp·pp·dp against the workers this machine can start;
+2. the file system (``fxpipe/preflight_files.py``): ``--checkpoint-dir`` (writable by a
+   probe write, its lock free, no other run's checkpoints without ``--resume`` or
+   ``--overwrite``, the checkpoint a resume takes verified), ``--export`` and
+   ``--timeline`` (a file we can create), ``--init-from``'s files;
 3. the model, captured once here exactly as each worker will (one microbatch; on
    the meta device for registry GPTs above ~300M parameters, so no weights are
    allocated): its name, the tensor-parallel analysis (tp against attention heads,
    sequence parallelism against the sequence length), a non-ILP partition, token ids
-   of the data against the vocabulary (``fxpipe/vocab.py``), and ``--resume`` against
-   the checkpoint's ``fxpipe.json`` (it must come from a model with the same tensors).
+   of the data against the vocabulary (``fxpipe/vocab.py``), ``--resume`` against
+   the checkpoint's ``fxpipe.json`` (the same tensors, an LR schedule ``--lr``
+   continues) and ``--init-from``'s names, shapes and dtypes.
 
 Every check raises :class:`PreflightError` (a ``ValueError``: the CLI prints it
 without a traceback and exits 2, as argparse does for a bad flag).
@@ -43,8 +47,8 @@ def check_run(config: "TrainConfig", *, model: bool = True) -> "CompileResult | 
     """The file-system and model checks, cheapest first (``check_flags`` runs on the flags,
     before the config exists); ``model=False`` skips capturing the model. Returns what
     the model check compiled (tensor-parallel, costed), or None."""
-    check_paths(config)
-    return check_model(config) if model else None
+    resume = check_paths(config)
+    return check_model(config, resume) if model else None
 
 
 # ---- 1. flags --------------------------------------------------------------------------------
@@ -130,7 +134,9 @@ def check_world(world: int) -> None:
 
 
 # ---- 2. the file system (fxpipe/preflight_files.py) -----------------------------------------
-def check_paths(config: "TrainConfig") -> None:
+def check_paths(config: "TrainConfig") -> Path | None:
+    """Returns the checkpoint a resume will start from (digests verified), else None."""
+    resume = None
     if config.init_from is not None:
         from fxpipe.weights import WeightsDir
         try:  # the files alone (names, shapes and dtypes against the model: ``check_model``)
@@ -148,7 +154,7 @@ def check_paths(config: "TrainConfig") -> None:
                 raise PreflightError(str(exc)) from None
         check_owner(config)
         if config.resume:
-            resume_path(config)  # raises naming what is missing or damaged
+            resume = resume_path(config)  # raises naming what is missing or damaged
     if config.export is not None:
         export = Path(config.export)
         if export.is_dir() or export.suffix == "":  # a safetensors directory (fxpipe/runtime/export.py)
@@ -157,6 +163,7 @@ def check_paths(config: "TrainConfig") -> None:
             check_writable_file(export, "--export")
     if config.timeline is not None:
         check_writable_file(Path(config.timeline + ".json"), "--timeline")
+    return resume
 
 
 # ---- 3. the model ----------------------------------------------------------------------------
@@ -168,7 +175,7 @@ def capture_device(model: str) -> str:
     return "meta" if cfg is not None and cfg.num_params > META_ABOVE_PARAMS else "cpu"
 
 
-def check_model(config: "TrainConfig") -> "CompileResult":
+def check_model(config: "TrainConfig", resume: Path | None = None) -> "CompileResult":
     """Capture and compile the model as the workers will, through the cheap passes (a
     non-ILP partition too; the ILP and measured costs are left to the workers)."""
     import torch
@@ -200,7 +207,7 @@ def check_model(config: "TrainConfig") -> "CompileResult":
             raise PreflightError(_vocab_message(config.model, t.vocab_size,
                                                 f"the rows of its {role} at {t.module or t.node}"))
     if config.resume:
-        check_resume(result.program, resume_path(config), config)
+        check_resume(result.program, resume or resume_path(config), config)
     if config.init_from is not None:
         check_weights(result.program, config.init_from)
     return result
