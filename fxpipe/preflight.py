@@ -34,7 +34,6 @@ from fxpipe.preflight_files import (PreflightError, check_owner, check_resume, c
 
 if TYPE_CHECKING:
     from fxpipe.compiler import CompileResult
-    from fxpipe.program import Program
     from fxpipe.train import TrainConfig
 
 DATA_VOCAB = 256
@@ -226,7 +225,8 @@ def _workload(config: "TrainConfig", device: str):
     try:
         return build_workload(config.model, batch=config.micro_batch_size, seq=config.seq, device=device,
                               seed=config.parallel.seed)
-    except PreflightError:
-        raise
     except (ValueError, TypeError) as exc:
         raise PreflightError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001  (a user model function's own failure, reported as theirs)
+        raise PreflightError(f"--model {config.model} raised {type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:300]}") from None

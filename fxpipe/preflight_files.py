@@ -116,9 +116,7 @@ def resume_path(config: "TrainConfig") -> Path:
     try:
         paths, notes = candidates(config.checkpoint_dir, config.resume_from)
         path, _ = pick_intact(paths, local_problems, strict=config.resume_from is not None, notes=notes)
-    except FileNotFoundError as exc:
-        raise PreflightError(f"--resume: {exc}") from None
-    except CorruptCheckpointError as exc:
+    except (FileNotFoundError, CorruptCheckpointError) as exc:  # none at all / none intact
         raise PreflightError(f"--resume: {exc}") from None
     return path
 

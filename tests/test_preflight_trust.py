@@ -282,7 +282,7 @@ def test_vocabulary_smaller_than_the_data_is_refused(monkeypatch, capsys):
 
 # ---- 6. before workers: user code, sizes, writability ------------------------------------------------
 @pytest.mark.parametrize("extra, expected", [
-    (["--model", "tests._bad_models:raises"], ["model function tests._bad_models:raises raised ZeroDivisionError"]),
+    (["--model", "tests._bad_models:raises"], ["--model tests._bad_models:raises raised ZeroDivisionError: integer division or modulo by zero"]),
     (["--model", "tests._bad_models:garbage_batch"], ["the batch must be a tensor", "(str)"]),
     (["--seed", str(2**70)], ["--seed must be in [0, 2**63)", str(2**70)]),
     (["--pp", "512"], ["tp·pp·dp = 512 worker processes", "at most", "torchrun"]),

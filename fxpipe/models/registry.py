@@ -132,10 +132,7 @@ def _user_workload(spec: str) -> Workload:
         fn = getattr(importlib.import_module(module_name), fn_name)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot load model function {spec!r}: {exc}") from exc
-    try:
-        result = fn()
-    except Exception as exc:  # the user's code: its failure is reported, in one line, as theirs
-        raise ValueError(f"model function {spec} raised {type(exc).__name__}: {str(exc)[:300]}") from exc
+    result = fn()
     if not isinstance(result, tuple) or len(result) not in (2, 3):
         raise TypeError(f"{spec} must return (model, batch) or (model, batch, loss_fn), "
                         f"got {type(result).__name__}")
