@@ -198,8 +198,18 @@ def _node_rule(plan: TPPlan, node: fx.Node, lay: Any, grad: set[str], where: str
         for a in node.all_input_nodes[1:]:
             _operand(plan, node, a, lay, grad)
     elif t in G.TRANSPOSES or t in G.SQUEEZES or t in (G.aten.unsqueeze.default, G.aten.cat.default,
-                                                         G.aten.flatten.using_ints):
+                                                         G.aten.flatten.using_ints, G.STACK):
         return
+    elif t in G.BATCHED_MATMULS:
+        _batched_matmul(plan, node, lay, grad)
+    elif t is G.EINSUM:
+        _einsum(plan, node, lay, grad)
+    elif t is G.SELECT:
+        if norm_dim(node.args[1], len(plan.layouts[node.args[0].name].full)) in \
+                plan.layouts[node.args[0].name].sharded:
+            raise _Refuse("selects one index of a sharded dim")
+    elif t is G.TYPE_AS:
+        _operand(plan, node, node.args[0], lay, grad)
     elif G.is_pointwise(t):
         if t is G.DROPOUT and is_sharded(lay):
             plan.sharded_dropout.add(node.name)
@@ -239,6 +249,33 @@ def _attention(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None
         raise _Refuse("attention must be split by heads only")
     for a in node.all_input_nodes[1:]:
         _operand(plan, node, a, lay, grad)
+
+
+def _batched_matmul(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None:
+    """Split along batch dims only (heads): each rank multiplies its own heads, the
+    same op on smaller operands; the matrix dims, contraction included, stay whole."""
+    ix, iy, iadd = G.BATCHED_MATMULS[node.target]
+    for a in (node.args[ix], node.args[iy], lay):
+        al = a if isinstance(a, Layout) else plan.layouts[a.name]
+        if set(al.sharded) & {len(al.full) - 1, len(al.full) - 2}:
+            raise _Refuse("a batched matmul split along a matrix dim")
+    for a in node.all_input_nodes:
+        _operand(plan, node, a, lay, grad)
+
+
+def _einsum(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None:
+    """Like a batched matmul: split letters must be kept in the output (never summed)."""
+    subs, out_subs = G.einsum_letters(node)
+    split = {out_subs[d] for d in lay.sharded}
+    for sub, operand in zip(subs, node.args[1]):
+        al = plan.layouts[operand.name]
+        if any(sub[d] not in out_subs for d in al.sharded):
+            raise _Refuse("an einsum sums over a sharded dim")
+        if not al.is_sharded:
+            if any(c in split and shape(operand)[d] > 1 for d, c in enumerate(sub)):
+                raise _Refuse(f"replicated einsum operand {operand.name} spans the split dims")
+            if operand.name in grad:
+                plan.conversions[(node.name, operand.name)] = [Conversion(CollectiveKind.F)]
 
 
 def _split(plan: TPPlan, node: fx.Node, where: str) -> None:

@@ -184,6 +184,8 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         nd = len(shape(x))
         if t is G.aten.permute.default:
             perm = [norm_dim(d, nd) for d in node.args[1]]
+        elif t is G.aten.numpy_T.default:
+            perm = list(reversed(range(nd)))
         else:
             perm = list(range(nd))
             d0, d1 = (0, nd - 1) if t is G.aten.t.default else (norm_dim(node.args[1], nd),
@@ -215,12 +217,27 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         return outs
     if t is G.aten.cat.default:
         return _cat(prov, node, inputs)
+    if t is G.STACK:  # interleaved rotary: stack(..., dim=-1) then flatten pairs
+        return _cat(prov, node, inputs, stack=True)
+    if t is G.SELECT:  # fused QKV picked by index along a dim that carries no head
+        ids = inputs[x.name]
+        dim = norm_dim(node.args[1], ids.ndim)
+        index = node.args[2] if ids.shape[dim] > 1 else 0
+        return np.take(ids, norm_dim(index, shape(x)[dim]) if ids.shape[dim] > 1 else 0, axis=dim)
+    if t is G.TYPE_AS:  # the second operand gives only its dtype
+        if x.name not in inputs:
+            return None
+        return inputs[x.name]
     if t is G.SDPA:
         return _attention(prov, node, inputs)
     if t is G.CROSS_ENTROPY:
         return _loss(prov, node, inputs)
     if t in G.REDUCTIONS or t in G.NORMS:
         return _reduction(prov, node, inputs)
+    if t in G.BATCHED_MATMULS:
+        return _matmul(prov, node, inputs)
+    if t is G.EINSUM:
+        return _einsum(prov, node, inputs)
     if G.is_pointwise(t):
         nd = len(shape(node))
         arrays = [_align(a, nd) for a in inputs.values()]
@@ -258,7 +275,75 @@ def _reduction(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     return ids if keepdim else np.squeeze(ids, axis=tuple(dims))
 
 
-def _cat(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
+def _matmul(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
+    """x @ y over batch dims (attention as matmuls: q·kᵀ, then p·v). The contracted
+    channels are summed together: united, like a reduction's. The output's batch dims
+    carry both operands' channels, united element-wise (head h of q with head h of k,
+    then of v), as DTensor's bmm strategy shards batch dims of both operands alike
+    (torch/distributed/tensor/_ops/_matrix_ops.py)."""
+    ix, iy, iadd = G.BATCHED_MATMULS[node.target]
+    nd = len(shape(node))
+    parts = []
+    for operand, contract in ((node.args[ix], -1), (node.args[iy], -2)):
+        if len(shape(operand)) < 2:
+            raise _Unsupported("a matrix-vector product")
+        if operand.name not in inputs:
+            continue
+        ids = _align(inputs[operand.name], len(shape(operand)))
+        d = ids.ndim + contract
+        if ids.shape[d] > 1:
+            first = np.take(ids, [0], axis=d)
+            prov.union(ids, first)
+            prov.mixers.append((int(first.flat[0]), f"{node.target} ({node.name})"))
+            ids = first
+        parts.append(_align(ids, nd))
+    if iadd is not None and node.args[iadd].name in inputs:
+        parts.append(_align(inputs[node.args[iadd].name], nd))
+    if not parts:
+        return None
+    out = parts[0]
+    for other in parts[1:]:
+        prov.union(out, other)
+        out = np.broadcast_arrays(out, other)[0]
+    return out
+
+
+def _einsum(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
+    """The general form of ``_matmul`` (DTensor's einsum strategy classifies letters the
+    same way, torch/distributed/tensor/_ops/_einsum_strategy.py): letters summed away
+    unite their channels; letters kept unite the operands' channels element-wise."""
+    letters = G.einsum_letters(node)
+    if letters is None:
+        raise _Unsupported("an einsum with an ellipsis")
+    subs, out_subs = letters
+    parts = []
+    for sub, operand in zip(subs, node.args[1]):
+        if operand.name not in inputs:
+            continue
+        ids = _align(inputs[operand.name], len(sub))
+        for d, letter in enumerate(sub):
+            if letter not in out_subs and ids.shape[d] > 1:
+                first = np.take(ids, [0], axis=d)
+                prov.union(ids, first)
+                prov.mixers.append((int(first.flat[0]), f"{node.target} ({node.name})"))
+                ids = first
+        kept = [d for d, letter in enumerate(sub) if letter in out_subs]
+        order = sorted(kept, key=lambda d: out_subs.index(sub[d]))
+        ids = np.transpose(ids.reshape([ids.shape[d] for d in kept]), order and
+                           [kept.index(d) for d in order])
+        shape_out = [ids.shape[order.index(sub.index(c))] if c in sub else 1 for c in out_subs]
+        parts.append(ids.reshape(shape_out))
+    if not parts:
+        return None
+    out = parts[0]
+    for other in parts[1:]:
+        prov.union(out, other)
+        out = np.broadcast_arrays(out, other)[0]
+    return out
+
+
+def _cat(prov: Provenance, node: fx.Node, inputs: dict, stack: bool = False) -> np.ndarray:
+    """cat, or stack (= cat of the inputs unsqueezed at ``dim``)."""
     tensors = node.args[0]
     nd = len(shape(node))
     dim = norm_dim(arg(node, 1, "dim", 0), nd)
@@ -266,9 +351,9 @@ def _cat(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
         raise _Unsupported("concatenates channels with replicated values")
     parts = []
     for t in tensors:
-        ids = _align(inputs[t.name], nd)
+        ids = np.expand_dims(_align(inputs[t.name], nd - 1), dim) if stack else _align(inputs[t.name], nd)
         size = list(ids.shape)
-        size[dim] = shape(t)[dim]
+        size[dim] = 1 if stack else shape(t)[dim]
         parts.append(np.broadcast_to(ids, size))
     common = list(np.broadcast_shapes(*[tuple(1 if d == dim else s for d, s in enumerate(p.shape))
                                         for p in parts]))
