@@ -79,8 +79,37 @@ class FusedSelectMatmul(_LM):
         return torch.matmul(scores.softmax(-1).type_as(v), v)
 
 
-MODELS = {"einsum-attention": EinsumAttention, "fused-select-matmul": FusedSelectMatmul}
-CASES = [(m, tp) for m in MODELS for tp in (2, 4)]
+class _RMSNorm(nn.Module):  # written out, as Hugging Face models do: a mean over channels
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(n))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class QKNormAllHeads(_LM):
+    """OLMo 2: RMSNorm over the queries (and keys) of all heads at once, before the
+    head split; grouped-query attention (2 kv heads), SDPA."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv = nn.Linear(H, H), nn.Linear(H, 2 * 2 * D)
+        self.q_norm, self.k_norm = _RMSNorm(H), _RMSNorm(2 * D)
+
+    def attend(self, x):
+        B = x.shape[0]
+        k, v = self.kv(x).split(2 * D, dim=-1)
+        q, k = self.q_norm(self.q(x)), self.k_norm(k)
+        q = q.view(B, T, HEADS, D).transpose(1, 2)
+        k, v = (t.view(B, T, 2, D).transpose(1, 2)[:, :, None].expand(B, 2, 2, T, D).reshape(B, HEADS, T, D)
+                for t in (k, v))  # Hugging Face's repeat_kv
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+MODELS = {"einsum-attention": EinsumAttention, "fused-select-matmul": FusedSelectMatmul,
+          "qk-norm-all-heads": QKNormAllHeads}
+CASES = [(m, tp, False) for m in MODELS for tp in (2, 4)] + [(m, 2, True) for m in MODELS]
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +120,28 @@ def programs():
     return {name: (canonicalize_pass(fxpipe.capture(cls(), batch)), batch) for name, cls in MODELS.items()}
 
 
-@pytest.mark.parametrize("name,tp", CASES, ids=[f"{m}-tp{t}" for m, t in CASES])
-def test_attention_forms_shard_and_match(programs, name, tp):
+@pytest.mark.parametrize("name,tp,sp", CASES, ids=[f"{m}-tp{t}{'-sp' if s else ''}" for m, t, s in CASES])
+def test_attention_forms_shard_and_match(programs, name, tp, sp):
     base, batch = programs[name]
-    program = tensor_parallel_pass(base, TPConfig(tp=tp))
+    program = tensor_parallel_pass(base, TPConfig(tp=tp, sp=sp))
     result = program.extra["tensor_parallel"]
-    assert result.coverage.complete, result.coverage.describe()
+    # 2 kv heads over tp=4: k/v replicated by design (each rank scatters its heads' k/v),
+    # so the k-norm statistic is whole on every rank while the q-norm's is split.
+    gqa_replicated = {"kv.weight"} if (name, tp) == ("qk-norm-all-heads", 4) else set()
+    assert {n for n, _, _ in result.coverage.whole} == gqa_replicated, result.coverage.describe()
     assert result.kind_of("o.weight") is ShardKind.ROW and result.kind_of("down.weight") is ShardKind.ROW
     _check(base, program, batch, tp)
+
+
+def test_a_norm_over_split_heads_all_reduces_its_statistic_only(programs):
+    base, _ = programs["qk-norm-all-heads"]
+    program = tensor_parallel_pass(base, TPConfig(tp=2))
+    result = program.extra["tensor_parallel"]
+    assert result.kind_of("q.weight") is ShardKind.COLUMN and result.kind_of("kv.weight") is ShardKind.COLUMN
+    # Megatron's 2 g per layer (attention, MLP), the head's, plus one per QK-norm statistic,
+    # each of a (B, T, 1) statistic, never of a (B, T, channels) activation.
+    stats = [s for s in result.collectives if s.purpose.startswith("statistic")]
+    assert len(stats) == 2
+    shapes = {n.name: tuple(n.meta["val"].shape) for n in program.graph.nodes
+              if isinstance(n.meta.get("val"), torch.Tensor)}
+    assert all(shapes[s.node][-1] == 1 for s in stats)

@@ -58,6 +58,9 @@ class TPPlan:
     vocab_embedding: dict[str, str] = field(default_factory=dict)
     """Embedding node -> weight placeholder (vocab-parallel lookups)."""
     sharded_dropout: set[str] = field(default_factory=set)
+    statistics: dict[str, float] = field(default_factory=dict)
+    """Mean/sum over split channels -> the factor turning the local result into this
+    rank's share of the whole (local/full count for a mean); g follows it."""
 
 
 def _ids(prov: Provenance, name: str) -> np.ndarray:
@@ -99,7 +102,7 @@ def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: 
         if not (is_sharded(lay) or any(is_sharded(plan.layouts[a.name]) for a in inputs)):
             continue
         try:
-            _node_rule(plan, node, lay, grad, describe(node.name))
+            _node_rule(plan, prov, node, lay, grad, describe(node.name))
         except _Refuse as exc:
             raise LayoutFailure(np.concatenate([_ids(prov, node.name).ravel()] +
                                                [_ids(prov, a.name).ravel() for a in inputs]),
@@ -150,7 +153,7 @@ def hoist(plan: TPPlan, consumer: fx.Node, producer: fx.Node) -> tuple[fx.Node, 
     return consumer, producer
 
 
-def _node_rule(plan: TPPlan, node: fx.Node, lay: Any, grad: set[str], where: str) -> None:
+def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: set[str], where: str) -> None:
     t = node.target
     if node.name in plan.column:
         x = node.args[plan.column[node.name].input_arg]
@@ -194,7 +197,10 @@ def _node_rule(plan: TPPlan, node: fx.Node, lay: Any, grad: set[str], where: str
             dims = set(range(len(x.full))) if d is None or d == [] else {
                 norm_dim(i, len(x.full)) for i in (d if isinstance(d, (list, tuple)) else [d])}
         if dims & set(x.sharded):
-            raise _Refuse("reduces over a sharded dim")
+            if node.name not in prov.split_statistics:
+                raise _Refuse("reduces over a sharded dim")
+            local, full = (int(np.prod([s[d] for d in dims])) for s in (x.shape, x.full))
+            plan.statistics[node.name] = local / full if t is G.aten.mean.dim else 1.0
         for a in node.all_input_nodes[1:]:
             _operand(plan, node, a, lay, grad)
     elif t in G.TRANSPOSES or t in G.SQUEEZES or t in (G.aten.unsqueeze.default, G.aten.cat.default,

@@ -60,6 +60,11 @@ class Provenance:
     """Cross-entropy node -> ids along the class dim (1-D)."""
     mixers: list[tuple[int, str]] = field(default_factory=list)
     """(an id, op) for every reduction that mixes channels: why a class cannot split."""
+    statistics: dict[str, np.ndarray] = field(default_factory=dict)
+    """Linear reduction (mean/sum) over channels only -> the channel ids it sums."""
+    split_statistics: frozenset[str] = frozenset()
+    """Of those, the ones whose channels stay split: a partial sum, all-reduced
+    (``split_statistics``); the others unite their channels like any reduction."""
 
     def fresh(self, node: str, ids_shape: tuple[int, ...]) -> np.ndarray:
         count = int(np.prod(ids_shape))
@@ -114,9 +119,11 @@ def reshape_ids(ids: np.ndarray, in_shape: tuple[int, ...], out_shape: tuple[int
     return np.broadcast_to(ids, src).reshape(dst)
 
 
-def analyze(graph: fx.Graph, projections: dict[str, Projection]) -> Provenance:
-    """One forward sweep over the graph in topological order."""
-    prov = Provenance()
+def analyze(graph: fx.Graph, projections: dict[str, Projection],
+            split_statistics: frozenset[str] = frozenset()) -> Provenance:
+    """One forward sweep over the graph in topological order; ``split_statistics``:
+    mean/sum nodes whose channels stay split (see ``split_statistics``)."""
+    prov = Provenance(split_statistics=split_statistics)
     for node in graph.nodes:
         if node.op == "output":
             for a in node.all_input_nodes:
@@ -266,6 +273,10 @@ def _reduction(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
         dims = list(range(nd)) if d is None or d == [] else [norm_dim(i, nd) for i in (
             d if isinstance(d, (list, tuple)) else [d])]
         keepdim = keep_index is None or bool(arg(node, keep_index, "keepdim", False))
+    if node.target in G.LINEAR_REDUCTIONS and all(ids.shape[d] == 1 for d in range(nd) if d not in dims):
+        prov.statistics[node.name] = np.unique(ids)
+        if node.name in prov.split_statistics:
+            return None  # the all-reduced statistic is whole on every rank: it carries no channel
     for d in dims:
         if ids.shape[d] > 1:
             first = np.take(ids, [0], axis=d)
@@ -273,6 +284,17 @@ def _reduction(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
             prov.mixers.append((int(first.flat[0]), f"{node.target} ({node.name})"))
             ids = first
     return ids if keepdim else np.squeeze(ids, axis=tuple(dims))
+
+
+def split_statistics(prov: Provenance) -> frozenset[str]:
+    """Means/sums over the query/key channels of all heads (OLMo 2's QK-norm): kept split
+    by heads, each rank sums its own channels and one all-reduce of the statistic
+    (a DTensor ``Partial`` sum) makes it whole — rather than one class of all heads, which
+    would keep q and k replicated. Only query/key channels: a norm over the residual
+    stream must unite its channels, or they would look like row-parallel inputs."""
+    qk = np.concatenate([np.concatenate([u.q.ravel(), u.k.ravel()]) for u in prov.attention.values()]
+                        or [np.zeros(0, dtype=np.int64)])
+    return frozenset(node for node, ids in prov.statistics.items() if ids.size > 1 and np.isin(ids, qk).all())
 
 
 def _matmul(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:

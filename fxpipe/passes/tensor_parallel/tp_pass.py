@@ -28,7 +28,7 @@ from fxpipe.passes.tensor_parallel.coverage import measure_coverage
 from fxpipe.passes.tensor_parallel.layout import LayoutFailure
 from fxpipe.passes.tensor_parallel.placement import blocks, build_specs
 from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan, build_plan
-from fxpipe.passes.tensor_parallel.provenance import analyze
+from fxpipe.passes.tensor_parallel.provenance import analyze, split_statistics
 from fxpipe.passes.tensor_parallel.result import CollectiveKind, TPResult
 from fxpipe.passes.tensor_parallel.rewrite import rewrite
 from fxpipe.passes.tensor_parallel.sequence import plan_sequence_parallel
@@ -61,6 +61,9 @@ def tensor_parallel_pass(program: Program, config: object = None) -> Program:
     embeddings = G.token_embeddings(graph, weights, set(program.inputs))
     grad = G.grad_carrying(graph, {p.node for p in program.params if p.requires_grad})
     prov = analyze(graph, projections)
+    statistics = split_statistics(prov)
+    if statistics:  # a second sweep, with those reductions no longer uniting their channels
+        prov = analyze(graph, projections, statistics)
 
     def describe(node: str) -> str:
         path = program.module_paths.get(node) or node
