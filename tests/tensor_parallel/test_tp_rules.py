@@ -145,3 +145,60 @@ def test_a_norm_over_split_heads_all_reduces_its_statistic_only(programs):
     shapes = {n.name: tuple(n.meta["val"].shape) for n in program.graph.nodes
               if isinstance(n.meta.get("val"), torch.Tensor)}
     assert all(shapes[s.node][-1] == 1 for s in stats)
+
+
+class _Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(H, 2 * H, bias=False), nn.Linear(H, 2 * H, bias=False), \
+            nn.Linear(2 * H, H, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class ExpertModules(_LM):
+    """A dropless mixture of experts held as separate modules (Mixtral before stacked
+    weights): a replicated router (softmax, top-2), every token to its experts, token
+    counts decided by the data; attention is plain SDPA."""
+
+    def __init__(self, experts=4):
+        super().__init__()
+        self.qkv, self.router = nn.Linear(H, 3 * H), nn.Linear(H, experts, bias=False)
+        self.experts = nn.ModuleList(_Expert() for _ in range(experts))
+        self.up = self.down = None
+
+    def attend(self, x):
+        B = x.shape[0]
+        q, k, v = self.qkv(x).view(B, T, 3, HEADS, D).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, ids, targets):
+        x = self.emb(ids)
+        B = x.shape[0]
+        x = x + self.o(self.attend(self.ln1(x)).transpose(1, 2).reshape(B, T, H))
+        h = self.ln2(x).reshape(B * T, H)
+        weights, chosen = self.router(h).softmax(-1).topk(2, dim=-1)
+        moe = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            moe = moe.index_add(0, token, expert(h[token]) * weights[token, slot, None])
+        x = x + moe.view(B, T, H)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_dropless_moe_with_expert_modules(tp):
+    """Router replicated (Megatron keeps it whole: top-k needs every expert's logit);
+    every expert's FFN column/row-parallel like a dense MLP (expert tensor parallelism)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, V, (2, T))
+    batch = (ids, ids.roll(-1, 1))
+    base = canonicalize_pass(fxpipe.capture(ExpertModules(), batch))
+    program = tensor_parallel_pass(base, TPConfig(tp=tp))
+    result = program.extra["tensor_parallel"]
+    assert [n for n, _, _ in result.coverage.whole] == ["router.weight"]
+    for e in range(4):
+        assert result.kind_of(f"experts.{e}.up.weight") is ShardKind.COLUMN
+        assert result.kind_of(f"experts.{e}.down.weight") is ShardKind.ROW
+    _check(base, program, batch, tp)

@@ -51,6 +51,11 @@ NORMS = frozenset({aten.layer_norm.default, aten.rms_norm.default})
 # by one all-reduce of the (small) statistic rather than a gather of the activation.
 LINEAR_REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList})
 EINSUM = aten.einsum.default
+# New tensors shaped like their input: the values carry none of its channels.
+LIKE = frozenset({aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+                  aten.full_like.default})
+INDEX_ADD = aten.index_add.default
+UNBIND = aten.unbind.int
 STACK = aten.stack.default
 SELECT = aten.select.int
 TYPE_AS = aten.type_as.default

@@ -214,6 +214,15 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
         if norm_dim(node.args[1], len(plan.layouts[node.args[0].name].full)) in \
                 plan.layouts[node.args[0].name].sharded:
             raise _Refuse("selects one index of a sharded dim")
+    elif t is G.UNBIND:
+        if norm_dim(arg(node, 1, "dim", 0), len(plan.layouts[node.args[0].name].full)) in \
+                plan.layouts[node.args[0].name].sharded:
+            raise _Refuse("unbinds a sharded dim")
+    elif t is G.INDEX_ADD:
+        if norm_dim(node.args[1], len(lay.full)) in lay.sharded:
+            raise _Refuse("index_add along a sharded dim")
+        for a in (node.args[0], node.args[3]):
+            _operand(plan, node, a, lay, grad)
     elif t is G.TYPE_AS:
         _operand(plan, node, node.args[0], lay, grad)
     elif G.is_pointwise(t):

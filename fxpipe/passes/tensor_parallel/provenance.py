@@ -180,6 +180,8 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         if not isinstance(ids, list):
             raise _Unsupported("indexing a tensor")
         return ids[node.args[1]]
+    if t in G.LIKE:
+        return None
     if any(isinstance(v, list) for v in inputs.values()):
         raise _Unsupported("a multi-output value used directly")
     x = node.args[0] if node.args else None
@@ -231,6 +233,20 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         dim = norm_dim(node.args[1], ids.ndim)
         index = node.args[2] if ids.shape[dim] > 1 else 0
         return np.take(ids, norm_dim(index, shape(x)[dim]) if ids.shape[dim] > 1 else 0, axis=dim)
+    if t is G.UNBIND:  # q, k, v = qkv.unbind(dim) along a dim that carries no head
+        ids = inputs[x.name]
+        dim = norm_dim(arg(node, 1, "dim", 0), ids.ndim)
+        return [np.take(ids, i if ids.shape[dim] > 1 else 0, axis=dim) for i in range(len(G.val(node)))]
+    if t is G.INDEX_ADD:  # a dropless MoE's combine: expert outputs added at their tokens' rows
+        dim = norm_dim(node.args[1], len(shape(node)))
+        arrays = [_align(inputs[a.name], len(shape(node))) for a in (x, node.args[3]) if a.name in inputs]
+        if any(a.shape[dim] > 1 for a in arrays):
+            raise _Unsupported("rows indexed along a dim that carries channels")
+        out = arrays[0]
+        for other in arrays[1:]:
+            prov.union(out, other)
+            out = np.broadcast_arrays(out, other)[0]
+        return out
     if t is G.TYPE_AS:  # the second operand gives only its dtype
         if x.name not in inputs:
             return None
