@@ -202,3 +202,33 @@ def test_dropless_moe_with_expert_modules(tp):
         assert result.kind_of(f"experts.{e}.up.weight") is ShardKind.COLUMN
         assert result.kind_of(f"experts.{e}.down.weight") is ShardKind.ROW
     _check(base, program, batch, tp)
+
+
+class MatmulGQA(_LM):
+    """Matmul attention over 2 key/value heads repeated for 4 query heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv = nn.Linear(H, H), nn.Linear(H, 2 * 2 * D)
+
+    def attend(self, x):
+        B = x.shape[0]
+        q = self.q(x).view(B, T, HEADS, D).transpose(1, 2)
+        k, v = (t.view(B, T, 2, D).transpose(1, 2)[:, :, None].expand(B, 2, 2, T, D).reshape(B, HEADS, T, D)
+                for t in self.kv(x).split(2 * D, dim=-1))
+        scores = torch.matmul(q, k.transpose(-1, -2)) + torch.full((T, T), float("-inf")).triu(1)
+        return torch.matmul(scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_matmul_attention_heads_tp_cannot_cut_stay_replicated(tp):
+    """2 kv groups split at tp=2; at tp=4 they cannot be cut into 4 equal blocks: the
+    attention stays replicated and reported (never a wrong result, never an error)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, V, (2, T))
+    batch = (ids, ids.roll(-1, 1))
+    base = canonicalize_pass(fxpipe.capture(MatmulGQA(), batch))
+    program = tensor_parallel_pass(base, TPConfig(tp=tp))
+    whole = {n for n, _, _ in program.extra["tensor_parallel"].coverage.whole}
+    assert whole == (set() if tp == 2 else {"q.weight", "kv.weight", "o.weight"})
+    _check(base, program, batch, tp)
