@@ -57,7 +57,8 @@ def _layout(args: argparse.Namespace):
     for flag, name in (("dp", "dp"), ("seed", "seed"), ("precision", "precision"), ("recompute", "recompute"),
                        ("zero", "zero"), ("compile", "compile"), ("timeout", "timeout_s"),
                        ("memory_limit", "memory_limit_gb"), ("allow_over_limit", "allow_over_limit"),
-                       ("hardware", "hardware"), ("time_limit", "time_limit_s"), ("split_loss", "split_loss")):
+                       ("hardware", "hardware"), ("time_limit", "time_limit_s"), ("split_loss", "split_loss"),
+                       ("strict_tp", "strict_tp")):
         if hasattr(args, flag):
             fields[name] = getattr(args, flag)
     if getattr(args, "no_scatter_gather", False):
@@ -235,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="gpt-small", help="model registry name (default: %(default)s)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default: %(default)s)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
+    p.add_argument("--strict-tp", action="store_true",
+                   help="fail when tensor parallelism leaves weight matrices whole on every rank")
     p.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default: %(default)s)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (default: %(default)s)")
     p.add_argument("--schedule", default="1f1b",

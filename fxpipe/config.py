@@ -72,6 +72,8 @@ class ParallelConfig:
     scatter_gather: bool | None = None
     """SC21 §4.1: send 1/tp chunks of replicated stage outputs. None resolves to
     tp > 1 and not sp (with sp the boundary activation is already a sequence shard)."""
+    strict_tp: bool = False
+    """Fail (``ValueError`` naming them) when tensor parallelism leaves weight matrices whole."""
     zero: int = 0
     """1: ZeRO stage 1 over data parallel (``runtime/zero.py``)."""
     costs: str = "measure"
@@ -153,7 +155,7 @@ class ParallelConfig:
         """The tensor-parallel pass's view (``passes/tensor_parallel/config.py``)."""
         from fxpipe.passes.tensor_parallel import TPConfig
 
-        return TPConfig(tp=self.tp, sp=self.sp, scatter_gather=self.scatter_gather)
+        return TPConfig(tp=self.tp, sp=self.sp, scatter_gather=self.scatter_gather, strict=self.strict_tp)
 
     @property
     def balances_time(self) -> bool:

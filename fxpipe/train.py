@@ -212,12 +212,14 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
     summary = dict(imbalance=imbalance, first_loss=losses[0], final_loss=losses[-1], median_ms=statistics.median(times) * 1e3,
                    tokens_per_s=tokens_per_step / statistics.median(times),
                    tflops_per_process=flops_per_step / statistics.median(times) / dist.get_world_size() / 1e12,
-                   bubble=statistics.median(bubbles), wall_s=time.perf_counter() - t_start)
+                   bubble=statistics.median(bubbles), wall_s=time.perf_counter() - t_start,
+                   parameter_share=pm.parameter_share)
     if rank == 0:
         print(f"done: loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} in {config.steps} steps, "
               f"{summary['wall_s']:.1f} s; median {summary['median_ms']:.1f} ms/iter, "
               f"{summary['tokens_per_s']:.0f} tokens/s, {summary['tflops_per_process']:.3g} TFLOP/s/process, "
-              f"bubble {summary['bubble']:.1%}, stage imbalance {imbalance:.3f}", flush=True)
+              f"bubble {summary['bubble']:.1%}, stage imbalance {imbalance:.3f}, parameter share per tp rank "
+              f"{pm.parameter_share:.2f} (ideal {1 / layout.tp:.2f})", flush=True)
     return summary
 
 

@@ -100,6 +100,13 @@ class ParallelModel:
             if group is not dist.GroupMember.NON_GROUP_MEMBER and group is not dist.GroupMember.WORLD:
                 dist.destroy_process_group(group)
 
+    @property
+    def parameter_share(self) -> float:
+        """This rank's share of the model's parameters over tensor parallelism (ideal 1/tp;
+        pipeline stages divide it further); 1.0 without TP."""
+        coverage = getattr(self.plan.program.extra.get("tensor_parallel"), "coverage", None)
+        return 1.0 if coverage is None else coverage.share
+
     # ---- parameters ----------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's trainable tensors under their original (canonical) names (the
@@ -319,6 +326,9 @@ def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
                                 hooks=CompileHooks(measure=measure, solve=solve, check=check))
     plan, sched = compiled.plan, compiled.schedule
     program = plan.program
+    coverage = getattr(program.extra.get("tensor_parallel"), "coverage", None)
+    if coverage is not None and not coverage.complete and dist.get_rank() == 0:
+        print(coverage.describe(), flush=True)  # never silent (strict_tp=True makes it an error)
     shard_builder = builder(program)
     specs = shard_builder.specs
     lowered = lower(sched)

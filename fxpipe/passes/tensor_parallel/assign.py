@@ -163,8 +163,18 @@ def assign(prov: Provenance, tp: int, extra_poison: list[tuple[np.ndarray, str]]
             if len(np.unique(lab)) == 1:
                 continue  # one mixed class: a replicated input, not a row-parallel one
             kind = "attention" if attention_ids[ids].any() else "mlp"
-            owner = _blocks(lab, len(ids) // tp if len(ids) % tp == 0 else 0, tp,
-                            lambda: _split_error(node, ids, lab, kind, tp, describe))
+            if kind == "mlp" and len(ids) % tp == 0:
+                # Channel groups wider than one channel outside an SDPA core (heads of an
+                # attention written as matmuls, k/v groups that tp does not divide): if
+                # they straddle the blocks, they stay replicated, reported; not an error.
+                owner = _blocks(lab, len(ids) // tp, tp, lambda: None)
+                if owner is None:
+                    kill(ids, f"feed projection {node} in {len(np.unique(lab))} groups (heads or "
+                              f"key/value head groups) that tp={tp} cannot cut into equal blocks")
+                    continue
+            else:
+                owner = _blocks(lab, len(ids) // tp if len(ids) % tp == 0 else 0, tp,
+                                lambda: _split_error(node, ids, lab, kind, tp, describe))
             if _conflicts(class_rank, lab, owner):
                 kill(ids, f"are claimed by two row-parallel projections ({node})")
                 continue

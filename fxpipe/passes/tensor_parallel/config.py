@@ -14,6 +14,8 @@ class TPConfig:
     scatter_gather: bool | None = None
     """SC21 §4.1 scatter-gather of replicated stage outputs; None: on when tp > 1
     and sp is off (with sp the boundary activation is already a sequence shard)."""
+    strict: bool = False
+    """Raise (``ValueError``) instead of keeping weight matrices whole on every rank."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp, int) or self.tp < 1:
@@ -40,5 +42,6 @@ def tp_config_of(config: object) -> TPConfig:
         return inner
     if hasattr(config, "tp"):
         return TPConfig(tp=int(getattr(config, "tp")), sp=bool(getattr(config, "sp", False)),
-                        scatter_gather=getattr(config, "scatter_gather", None))
+                        scatter_gather=getattr(config, "scatter_gather", None),
+                        strict=bool(getattr(config, "strict_tp", False)))
     return TPConfig()

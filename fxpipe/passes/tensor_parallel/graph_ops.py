@@ -20,6 +20,10 @@ aten = torch.ops.aten
 LINEAR = aten.linear.default
 ADDMM = aten.addmm.default
 MM = aten.mm.default
+MATMUL = aten.matmul.default
+# Batched matrix products of two activations (attention written as matmuls; einsum
+# decomposes to bmm): (x, y, operand added to the product or None) argument indices.
+BATCHED_MATMULS = {MATMUL: (0, 1, None), aten.bmm.default: (0, 1, None), aten.baddbmm.default: (1, 2, 0)}
 EMBEDDING = aten.embedding.default
 SDPA = aten.scaled_dot_product_attention.default
 CROSS_ENTROPY = aten.cross_entropy_loss.default
@@ -34,7 +38,7 @@ SAME_LAYOUT = frozenset({aten.alias.default, aten.contiguous.default, aten.clone
                          aten._to_copy.default, aten.lift_fresh_copy.default, DROPOUT,
                          aten.__and__.Tensor, aten.__or__.Tensor})
 SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default})
-TRANSPOSES = frozenset({aten.transpose.int, aten.permute.default, aten.t.default})
+TRANSPOSES = frozenset({aten.transpose.int, aten.permute.default, aten.t.default, aten.numpy_T.default})
 SQUEEZES = frozenset({aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default})
 # Reductions over given dims; (dim argument index, keepdim argument index or None).
 REDUCTIONS: dict[Any, tuple[int, int | None]] = {
@@ -43,6 +47,18 @@ REDUCTIONS: dict[Any, tuple[int, int | None]] = {
     aten.log_softmax.int: (1, None), aten._log_softmax.default: (1, None),
 }
 NORMS = frozenset({aten.layer_norm.default, aten.rms_norm.default})
+# Linear reductions: over channels split across ranks they give a partial sum, made whole
+# by one all-reduce of the (small) statistic rather than a gather of the activation.
+LINEAR_REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList})
+EINSUM = aten.einsum.default
+# New tensors shaped like their input: the values carry none of its channels.
+LIKE = frozenset({aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+                  aten.full_like.default})
+INDEX_ADD = aten.index_add.default
+UNBIND = aten.unbind.int
+STACK = aten.stack.default
+SELECT = aten.select.int
+TYPE_AS = aten.type_as.default
 # Shape-only ops a collective may move across (a sum commutes with a view).
 VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                    aten.alias.default})
@@ -72,6 +88,15 @@ def _dim(s: Any) -> int:
     if isinstance(s, torch.SymInt) and s.node.hint is None:
         return -1 - zlib.crc32(str(s.node.expr).encode())
     return int(s)
+
+
+def einsum_letters(node: fx.Node) -> tuple[list[str], str] | None:
+    """Subscripts of an ``aten.einsum`` (per operand, and the output); None with an ellipsis."""
+    equation = node.args[0].replace(" ", "")
+    if "..." in equation or "->" not in equation:
+        return None
+    lhs, out = equation.split("->")
+    return lhs.split(","), out
 
 
 def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
@@ -129,6 +154,12 @@ def find_projections(graph: fx.Graph, params: set[str]) -> dict[str, Projection]
             # linear computes x @ W.T: W is (out, in), or (in, out) when it arrives transposed.
             found[node.name] = Projection(node.name, w[0], 1 if w[1] else 0, 0,
                                           b.name if b is not None else None)
+        elif node.target is MATMUL:
+            # x @ W (Falcon's ``input @ self.weight.T``): like mm, with any leading dims.
+            w = _weight_of(node.args[1], params)
+            if w is None or len(shape(node.args[0])) < 2:
+                continue
+            found[node.name] = Projection(node.name, w[0], 0 if w[1] else 1, 0, None)
         elif node.target in (ADDMM, MM):
             w_index, x_index = (2, 1) if node.target is ADDMM else (1, 0)
             w = _weight_of(node.args[w_index], params)

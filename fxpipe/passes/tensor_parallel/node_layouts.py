@@ -58,6 +58,9 @@ class TPPlan:
     vocab_embedding: dict[str, str] = field(default_factory=dict)
     """Embedding node -> weight placeholder (vocab-parallel lookups)."""
     sharded_dropout: set[str] = field(default_factory=set)
+    statistics: dict[str, float] = field(default_factory=dict)
+    """Mean/sum over split channels -> the factor turning the local result into this
+    rank's share of the whole (local/full count for a mean); g follows it."""
 
 
 def _ids(prov: Provenance, name: str) -> np.ndarray:
@@ -99,7 +102,7 @@ def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: 
         if not (is_sharded(lay) or any(is_sharded(plan.layouts[a.name]) for a in inputs)):
             continue
         try:
-            _node_rule(plan, node, lay, grad, describe(node.name))
+            _node_rule(plan, prov, node, lay, grad, describe(node.name))
         except _Refuse as exc:
             raise LayoutFailure(np.concatenate([_ids(prov, node.name).ravel()] +
                                                [_ids(prov, a.name).ravel() for a in inputs]),
@@ -150,7 +153,7 @@ def hoist(plan: TPPlan, consumer: fx.Node, producer: fx.Node) -> tuple[fx.Node, 
     return consumer, producer
 
 
-def _node_rule(plan: TPPlan, node: fx.Node, lay: Any, grad: set[str], where: str) -> None:
+def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: set[str], where: str) -> None:
     t = node.target
     if node.name in plan.column:
         x = node.args[plan.column[node.name].input_arg]
@@ -194,12 +197,34 @@ def _node_rule(plan: TPPlan, node: fx.Node, lay: Any, grad: set[str], where: str
             dims = set(range(len(x.full))) if d is None or d == [] else {
                 norm_dim(i, len(x.full)) for i in (d if isinstance(d, (list, tuple)) else [d])}
         if dims & set(x.sharded):
-            raise _Refuse("reduces over a sharded dim")
+            if node.name not in prov.split_statistics:
+                raise _Refuse("reduces over a sharded dim")
+            local, full = (int(np.prod([s[d] for d in dims])) for s in (x.shape, x.full))
+            plan.statistics[node.name] = local / full if t is G.aten.mean.dim else 1.0
         for a in node.all_input_nodes[1:]:
             _operand(plan, node, a, lay, grad)
     elif t in G.TRANSPOSES or t in G.SQUEEZES or t in (G.aten.unsqueeze.default, G.aten.cat.default,
-                                                         G.aten.flatten.using_ints):
+                                                         G.aten.flatten.using_ints, G.STACK):
         return
+    elif t in G.BATCHED_MATMULS:
+        _batched_matmul(plan, node, lay, grad)
+    elif t is G.EINSUM:
+        _einsum(plan, node, lay, grad)
+    elif t is G.SELECT:
+        if norm_dim(node.args[1], len(plan.layouts[node.args[0].name].full)) in \
+                plan.layouts[node.args[0].name].sharded:
+            raise _Refuse("selects one index of a sharded dim")
+    elif t is G.UNBIND:
+        if norm_dim(arg(node, 1, "dim", 0), len(plan.layouts[node.args[0].name].full)) in \
+                plan.layouts[node.args[0].name].sharded:
+            raise _Refuse("unbinds a sharded dim")
+    elif t is G.INDEX_ADD:
+        if norm_dim(node.args[1], len(lay.full)) in lay.sharded:
+            raise _Refuse("index_add along a sharded dim")
+        for a in (node.args[0], node.args[3]):
+            _operand(plan, node, a, lay, grad)
+    elif t is G.TYPE_AS:
+        _operand(plan, node, node.args[0], lay, grad)
     elif G.is_pointwise(t):
         if t is G.DROPOUT and is_sharded(lay):
             plan.sharded_dropout.add(node.name)
@@ -239,6 +264,33 @@ def _attention(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None
         raise _Refuse("attention must be split by heads only")
     for a in node.all_input_nodes[1:]:
         _operand(plan, node, a, lay, grad)
+
+
+def _batched_matmul(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None:
+    """Split along batch dims only (heads): each rank multiplies its own heads, the
+    same op on smaller operands; the matrix dims, contraction included, stay whole."""
+    ix, iy, iadd = G.BATCHED_MATMULS[node.target]
+    for a in (node.args[ix], node.args[iy], lay):
+        al = a if isinstance(a, Layout) else plan.layouts[a.name]
+        if set(al.sharded) & {len(al.full) - 1, len(al.full) - 2}:
+            raise _Refuse("a batched matmul split along a matrix dim")
+    for a in node.all_input_nodes:
+        _operand(plan, node, a, lay, grad)
+
+
+def _einsum(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None:
+    """Like a batched matmul: split letters must be kept in the output (never summed)."""
+    subs, out_subs = G.einsum_letters(node)
+    split = {out_subs[d] for d in lay.sharded}
+    for sub, operand in zip(subs, node.args[1]):
+        al = plan.layouts[operand.name]
+        if any(sub[d] not in out_subs for d in al.sharded):
+            raise _Refuse("an einsum sums over a sharded dim")
+        if not al.is_sharded:
+            if any(c in split and shape(operand)[d] > 1 for d, c in enumerate(sub)):
+                raise _Refuse(f"replicated einsum operand {operand.name} spans the split dims")
+            if operand.name in grad:
+                plan.conversions[(node.name, operand.name)] = [Conversion(CollectiveKind.F)]
 
 
 def _split(plan: TPPlan, node: fx.Node, where: str) -> None:

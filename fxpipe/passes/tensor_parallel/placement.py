@@ -111,9 +111,14 @@ class _Specs:
             if node.op != "placeholder" or node.name not in self.by_node:
                 continue
             for user in node.users:
-                if (user.name, node.name) not in claimed:
+                # A weight read through transposes (Falcon's ``x @ w.T``) is the projection's.
+                reader = user
+                while reader.op == "call_function" and reader.target in G.TRANSPOSES and len(reader.users) == 1:
+                    reader = next(iter(reader.users))
+                if (user.name, node.name) not in claimed and (reader.name, node.name) not in claimed:
                     self.propose(node.name, _Proposal(ShardKind.REPLICATED, None, (), 0,
-                                                      self.replicated_reason(user), user.name))
+                                                      self.replicated_reason(
+                        reader if reader.name in self.prov.sources else user), user.name))
 
     def replicated_reason(self, user) -> str:
         if user.name in self.prov.sources and user.name not in self.prov.attention:

@@ -60,6 +60,11 @@ class Provenance:
     """Cross-entropy node -> ids along the class dim (1-D)."""
     mixers: list[tuple[int, str]] = field(default_factory=list)
     """(an id, op) for every reduction that mixes channels: why a class cannot split."""
+    statistics: dict[str, np.ndarray] = field(default_factory=dict)
+    """Linear reduction (mean/sum) over channels only -> the channel ids it sums."""
+    split_statistics: frozenset[str] = frozenset()
+    """Of those, the ones whose channels stay split: a partial sum, all-reduced
+    (``split_statistics``); the others unite their channels like any reduction."""
 
     def fresh(self, node: str, ids_shape: tuple[int, ...]) -> np.ndarray:
         count = int(np.prod(ids_shape))
@@ -114,9 +119,11 @@ def reshape_ids(ids: np.ndarray, in_shape: tuple[int, ...], out_shape: tuple[int
     return np.broadcast_to(ids, src).reshape(dst)
 
 
-def analyze(graph: fx.Graph, projections: dict[str, Projection]) -> Provenance:
-    """One forward sweep over the graph in topological order."""
-    prov = Provenance()
+def analyze(graph: fx.Graph, projections: dict[str, Projection],
+            split_statistics: frozenset[str] = frozenset()) -> Provenance:
+    """One forward sweep over the graph in topological order; ``split_statistics``:
+    mean/sum nodes whose channels stay split (see ``split_statistics``)."""
+    prov = Provenance(split_statistics=split_statistics)
     for node in graph.nodes:
         if node.op == "output":
             for a in node.all_input_nodes:
@@ -173,6 +180,8 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         if not isinstance(ids, list):
             raise _Unsupported("indexing a tensor")
         return ids[node.args[1]]
+    if t in G.LIKE:
+        return None
     if any(isinstance(v, list) for v in inputs.values()):
         raise _Unsupported("a multi-output value used directly")
     x = node.args[0] if node.args else None
@@ -184,6 +193,8 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         nd = len(shape(x))
         if t is G.aten.permute.default:
             perm = [norm_dim(d, nd) for d in node.args[1]]
+        elif t is G.aten.numpy_T.default:
+            perm = list(reversed(range(nd)))
         else:
             perm = list(range(nd))
             d0, d1 = (0, nd - 1) if t is G.aten.t.default else (norm_dim(node.args[1], nd),
@@ -215,12 +226,41 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         return outs
     if t is G.aten.cat.default:
         return _cat(prov, node, inputs)
+    if t is G.STACK:  # interleaved rotary: stack(..., dim=-1) then flatten pairs
+        return _cat(prov, node, inputs, stack=True)
+    if t is G.SELECT:  # fused QKV picked by index along a dim that carries no head
+        ids = inputs[x.name]
+        dim = norm_dim(node.args[1], ids.ndim)
+        index = node.args[2] if ids.shape[dim] > 1 else 0
+        return np.take(ids, norm_dim(index, shape(x)[dim]) if ids.shape[dim] > 1 else 0, axis=dim)
+    if t is G.UNBIND:  # q, k, v = qkv.unbind(dim) along a dim that carries no head
+        ids = inputs[x.name]
+        dim = norm_dim(arg(node, 1, "dim", 0), ids.ndim)
+        return [np.take(ids, i if ids.shape[dim] > 1 else 0, axis=dim) for i in range(len(G.val(node)))]
+    if t is G.INDEX_ADD:  # a dropless MoE's combine: expert outputs added at their tokens' rows
+        dim = norm_dim(node.args[1], len(shape(node)))
+        arrays = [_align(inputs[a.name], len(shape(node))) for a in (x, node.args[3]) if a.name in inputs]
+        if any(a.shape[dim] > 1 for a in arrays):
+            raise _Unsupported("rows indexed along a dim that carries channels")
+        out = arrays[0]
+        for other in arrays[1:]:
+            prov.union(out, other)
+            out = np.broadcast_arrays(out, other)[0]
+        return out
+    if t is G.TYPE_AS:  # the second operand gives only its dtype
+        if x.name not in inputs:
+            return None
+        return inputs[x.name]
     if t is G.SDPA:
         return _attention(prov, node, inputs)
     if t is G.CROSS_ENTROPY:
         return _loss(prov, node, inputs)
     if t in G.REDUCTIONS or t in G.NORMS:
         return _reduction(prov, node, inputs)
+    if t in G.BATCHED_MATMULS:
+        return _matmul(prov, node, inputs)
+    if t is G.EINSUM:
+        return _einsum(prov, node, inputs)
     if G.is_pointwise(t):
         nd = len(shape(node))
         arrays = [_align(a, nd) for a in inputs.values()]
@@ -249,6 +289,10 @@ def _reduction(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
         dims = list(range(nd)) if d is None or d == [] else [norm_dim(i, nd) for i in (
             d if isinstance(d, (list, tuple)) else [d])]
         keepdim = keep_index is None or bool(arg(node, keep_index, "keepdim", False))
+    if node.target in G.LINEAR_REDUCTIONS and all(ids.shape[d] == 1 for d in range(nd) if d not in dims):
+        prov.statistics[node.name] = np.unique(ids)
+        if node.name in prov.split_statistics:
+            return None  # the all-reduced statistic is whole on every rank: it carries no channel
     for d in dims:
         if ids.shape[d] > 1:
             first = np.take(ids, [0], axis=d)
@@ -258,7 +302,86 @@ def _reduction(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     return ids if keepdim else np.squeeze(ids, axis=tuple(dims))
 
 
-def _cat(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
+def split_statistics(prov: Provenance) -> frozenset[str]:
+    """Means/sums over the query/key channels of all heads (OLMo 2's QK-norm): kept split
+    by heads, each rank sums its own channels and one all-reduce of the statistic
+    (a DTensor ``Partial`` sum) makes it whole — rather than one class of all heads, which
+    would keep q and k replicated. Only query/key channels: a norm over the residual
+    stream must unite its channels, or they would look like row-parallel inputs."""
+    qk = np.concatenate([np.concatenate([u.q.ravel(), u.k.ravel()]) for u in prov.attention.values()]
+                        or [np.zeros(0, dtype=np.int64)])
+    return frozenset(node for node, ids in prov.statistics.items() if ids.size > 1 and np.isin(ids, qk).all())
+
+
+def _matmul(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
+    """x @ y over batch dims (attention as matmuls: q·kᵀ, then p·v). The contracted
+    channels are summed together: united, like a reduction's. The output's batch dims
+    carry both operands' channels, united element-wise (head h of q with head h of k,
+    then of v), as DTensor's bmm strategy shards batch dims of both operands alike
+    (torch/distributed/tensor/_ops/_matrix_ops.py)."""
+    ix, iy, iadd = G.BATCHED_MATMULS[node.target]
+    nd = len(shape(node))
+    parts = []
+    for operand, contract in ((node.args[ix], -1), (node.args[iy], -2)):
+        if len(shape(operand)) < 2:
+            raise _Unsupported("a matrix-vector product")
+        if operand.name not in inputs:
+            continue
+        ids = _align(inputs[operand.name], len(shape(operand)))
+        d = ids.ndim + contract
+        if ids.shape[d] > 1:
+            first = np.take(ids, [0], axis=d)
+            prov.union(ids, first)
+            prov.mixers.append((int(first.flat[0]), f"{node.target} ({node.name})"))
+            ids = first
+        parts.append(_align(ids, nd))
+    if iadd is not None and node.args[iadd].name in inputs:
+        parts.append(_align(inputs[node.args[iadd].name], nd))
+    if not parts:
+        return None
+    out = parts[0]
+    for other in parts[1:]:
+        prov.union(out, other)
+        out = np.broadcast_arrays(out, other)[0]
+    return out
+
+
+def _einsum(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
+    """The general form of ``_matmul`` (DTensor's einsum strategy classifies letters the
+    same way, torch/distributed/tensor/_ops/_einsum_strategy.py): letters summed away
+    unite their channels; letters kept unite the operands' channels element-wise."""
+    letters = G.einsum_letters(node)
+    if letters is None:
+        raise _Unsupported("an einsum with an ellipsis")
+    subs, out_subs = letters
+    parts = []
+    for sub, operand in zip(subs, node.args[1]):
+        if operand.name not in inputs:
+            continue
+        ids = _align(inputs[operand.name], len(sub))
+        for d, letter in enumerate(sub):
+            if letter not in out_subs and ids.shape[d] > 1:
+                first = np.take(ids, [0], axis=d)
+                prov.union(ids, first)
+                prov.mixers.append((int(first.flat[0]), f"{node.target} ({node.name})"))
+                ids = first
+        kept = [d for d, letter in enumerate(sub) if letter in out_subs]
+        order = sorted(kept, key=lambda d: out_subs.index(sub[d]))
+        ids = np.transpose(ids.reshape([ids.shape[d] for d in kept]), order and
+                           [kept.index(d) for d in order])
+        shape_out = [ids.shape[order.index(sub.index(c))] if c in sub else 1 for c in out_subs]
+        parts.append(ids.reshape(shape_out))
+    if not parts:
+        return None
+    out = parts[0]
+    for other in parts[1:]:
+        prov.union(out, other)
+        out = np.broadcast_arrays(out, other)[0]
+    return out
+
+
+def _cat(prov: Provenance, node: fx.Node, inputs: dict, stack: bool = False) -> np.ndarray:
+    """cat, or stack (= cat of the inputs unsqueezed at ``dim``)."""
     tensors = node.args[0]
     nd = len(shape(node))
     dim = norm_dim(arg(node, 1, "dim", 0), nd)
@@ -266,9 +389,9 @@ def _cat(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
         raise _Unsupported("concatenates channels with replicated values")
     parts = []
     for t in tensors:
-        ids = _align(inputs[t.name], nd)
+        ids = np.expand_dims(_align(inputs[t.name], nd - 1), dim) if stack else _align(inputs[t.name], nd)
         size = list(ids.shape)
-        size[dim] = shape(t)[dim]
+        size[dim] = 1 if stack else shape(t)[dim]
         parts.append(np.broadcast_to(ids, size))
     common = list(np.broadcast_shapes(*[tuple(1 if d == dim else s for d, s in enumerate(p.shape))
                                         for p in parts]))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from fxpipe.passes.tensor_parallel.config import TPConfig
+from fxpipe.passes.tensor_parallel.coverage import TPCoverage
 from fxpipe.passes.tensor_parallel.specs import ShardKind, ShardSpec
 
 
@@ -101,6 +102,8 @@ class TPResult:
     padded_vocab: int | None = None
     sequence_dim: int | None = None
     """Dim of the residual stream split by sequence parallelism (None without sp)."""
+    coverage: TPCoverage | None = None
+    """Weight matrices left whole, and this rank's share of the parameters."""
 
     def sharded(self) -> list[ShardSpec]:
         return [s for s in self.specs.values() if s.kind is not ShardKind.REPLICATED]
@@ -141,6 +144,8 @@ def render_sharding_report(result: TPResult) -> str:
         tied = f"  (tied: {', '.join(s.members[1:])})" if len(s.members) > 1 else ""
         lines.append(f"  {s.name:<{width}}  {s.kind.value:<6} dim {s.dim}  "
                      f"{list(s.full_shape)} -> {list(s.local_shape)}  {ranks}{tied}")
+    if result.coverage is not None:
+        lines.append(f"parameter share per rank {result.coverage.share:.3f} (ideal {1 / cfg.tp:.3f})")
     lines.append(f"replicated parameters ({len(replicated)}):")
     for s in replicated:
         lines.append(f"  {s.name:<{width}}  {s.reason}")

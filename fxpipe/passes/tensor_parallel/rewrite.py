@@ -123,6 +123,8 @@ class _Builder:
         self.env[node.name] = new
         if node.name in self.plan.partial:
             self.reduce(node)
+        if node.name in self.plan.statistics:
+            self.reduce_statistic(node)
 
     def call(self, node: fx.Node) -> tuple[Any, tuple, dict]:
         name, plan = node.name, self.plan
@@ -143,6 +145,19 @@ class _Builder:
         if node.target is G.DROPOUT and arg(node, 2, "train", False) and arg(node, 1, "p", 0.0) > 0:
             return OPS.dropout.default, (args[0], float(arg(node, 1, "p")), name in plan.sharded_dropout), {}
         return target, tuple(args), kwargs
+
+    def reduce_statistic(self, node: fx.Node) -> None:
+        """Each rank's share of a mean/sum over split channels, summed by g (forward
+        all-reduce). Its readers on split channels get f from the plan, whose backward
+        all-reduce sums their partial gradients, as DTensor's Partial -> Replicate."""
+        value, scale = self.env[node.name], self.plan.statistics[node.name]
+        if scale != 1.0:
+            value = self.graph.create_node("call_function", G.aten.mul.Tensor, (value, scale),
+                                           name=f"tp_share_{node.name}")
+            self.note(value, node.name)
+        value = self.collective(value, Conversion(CollectiveKind.G), node.name, node.name,
+                                f"statistic over split channels ({node.name})")
+        self.env[node.name] = value
 
     def reduce(self, node: fx.Node) -> None:
         site = self.plan.partial[node.name]

@@ -24,10 +24,11 @@ import math
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.assign import assign
 from fxpipe.passes.tensor_parallel.config import TPConfig, tp_config_of
+from fxpipe.passes.tensor_parallel.coverage import measure_coverage
 from fxpipe.passes.tensor_parallel.layout import LayoutFailure
 from fxpipe.passes.tensor_parallel.placement import blocks, build_specs
 from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan, build_plan
-from fxpipe.passes.tensor_parallel.provenance import analyze
+from fxpipe.passes.tensor_parallel.provenance import analyze, split_statistics
 from fxpipe.passes.tensor_parallel.result import CollectiveKind, TPResult
 from fxpipe.passes.tensor_parallel.rewrite import rewrite
 from fxpipe.passes.tensor_parallel.sequence import plan_sequence_parallel
@@ -60,6 +61,9 @@ def tensor_parallel_pass(program: Program, config: object = None) -> Program:
     embeddings = G.token_embeddings(graph, weights, set(program.inputs))
     grad = G.grad_carrying(graph, {p.node for p in program.params if p.requires_grad})
     prov = analyze(graph, projections)
+    statistics = split_statistics(prov)
+    if statistics:  # a second sweep, with those reductions no longer uniting their channels
+        prov = analyze(graph, projections, statistics)
 
     def describe(node: str) -> str:
         path = program.module_paths.get(node) or node
@@ -78,6 +82,10 @@ def tensor_parallel_pass(program: Program, config: object = None) -> Program:
     else:  # pragma: no cover - the loop always makes progress
         raise AssertionError("tensor-parallel layout search did not converge")
 
+    coverage = measure_coverage(program, specs, cfg.tp)
+    if cfg.strict and not coverage.complete:
+        raise ValueError(f"strict_tp: {coverage.describe()}; drop strict_tp to train with them "
+                         f"replicated (correct, more memory per rank)")
     if cfg.sp:
         reduce_kind, seq_dim = plan_sequence_parallel(program, plan, grad)
     else:
@@ -86,7 +94,7 @@ def tensor_parallel_pass(program: Program, config: object = None) -> Program:
     out = rewrite(program, plan, reduce_kind, local)
     vocab = next(iter(plan.vocab_ce.values()), None)
     result = TPResult(cfg, specs, blocks(program, prov, asg, plan), tuple(out.sites), vocab,
-                      None if vocab is None else math.ceil(vocab / cfg.tp) * cfg.tp, seq_dim)
+                      None if vocab is None else math.ceil(vocab / cfg.tp) * cfg.tp, seq_dim, coverage)
     return program.replace(
         graph_module=out.graph_module,
         params=tuple(dataclasses.replace(p, shape=local[p.node]) for p in program.params),
