@@ -135,7 +135,7 @@ def _zoo_workload(name: str, batch: int, seq: int, device: torch.device | str, s
         raise ValueError(f"unknown zoo model {name!r}; valid: " + ", ".join(f"zoo:{k}" for k in ZOO))
     torch.manual_seed(seed)
     with torch.device(device):
-        model = ZOO[name[4:]](layers, seq)
+        model = ZOO[name[4:]].build(layers, seq)
     x = _token_batch(batch, seq + 1, ZOO_VOCAB, device, seed)
     # nanoGPT convention: the targets are the inputs shifted by one token.
     return Workload(model, (x[:, :-1].contiguous(), x[:, 1:].contiguous()), next_token_loss, None,

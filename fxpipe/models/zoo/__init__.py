@@ -8,6 +8,7 @@ builders. ``zoo:<name>`` in ``build_workload`` / ``--model``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch.nn as nn
@@ -16,12 +17,27 @@ from fxpipe.models.zoo import autocast_gpt, complex_rope, llama3, moe, swa_gpt
 
 VOCAB = 256
 
-ZOO: dict[str, Callable[[int, int], nn.Module]] = {
-    "swa-gpt": swa_gpt.build,  # sliding-window mask built in place, softcapping
-    "moe": moe.build,  # dropless top-2 MoE: torch.where routing, index_add_
-    "autocast": autocast_gpt.build,  # bf16 autocast and no_grad regions in forward
-    "complex-rope": complex_rope.build,  # Llama-1 reference: polar / view_as_complex
-    "llama3": llama3.build,  # Llama-3 in plain PyTorch (GQA, RMSNorm, SwiGLU, own RoPE)
-    "torchtune-llama": llama3.torchtune_llama,  # torchtune's llama3_2 builder (optional)
+
+@dataclass(frozen=True)
+class ZooModel:
+    build: Callable[[int, int], nn.Module]
+    """``build(layers, seq) -> nn.Module`` with ``forward(tokens) -> logits``."""
+    feature: str
+    """What the model is in the zoo for (one line)."""
+    bf16_rtol: float | None = None
+    """For a model that computes in bf16 somewhere: how closely any other evaluation
+    order can match it, relative to a tensor's largest value. A different fp32 rounding
+    before a cast to bf16 (tensor parallelism splits a matmul's output) can move a bf16
+    result by one ulp (2^-8) and that difference propagates; None: an fp32 model, held
+    to fp32 tolerances."""
+
+
+ZOO: dict[str, ZooModel] = {
+    "swa-gpt": ZooModel(swa_gpt.build, "sliding-window mask built in place, softcapping"),
+    "moe": ZooModel(moe.build, "dropless top-2 MoE: torch.where routing, index_add_"),
+    "autocast": ZooModel(autocast_gpt.build, "bf16 autocast and no_grad regions in forward",
+                         bf16_rtol=1e-2),
+    "complex-rope": ZooModel(complex_rope.build, "Llama-1 reference rotary: polar, view_as_complex"),
+    "llama3": ZooModel(llama3.build, "Llama-3 in plain PyTorch: GQA, RMSNorm, SwiGLU, own RoPE"),
+    "torchtune-llama": ZooModel(llama3.torchtune_llama, "torchtune's llama3_2 builder (optional)"),
 }
-"""name -> ``build(layers, seq) -> nn.Module`` (``forward(tokens) -> logits``)."""

@@ -2,13 +2,16 @@
 
 Two things users put in forward that a capture must record as regions, not ignore:
 
-- ``torch.autocast`` (bf16; on CPU too): the MLP runs its matmuls in bfloat16 and
-  hands fp32 back to the residual stream, as mixed-precision code written by hand does;
+- ``torch.autocast`` (bf16; on CPU too): the attention core runs its two matmuls in
+  bfloat16 and its softmax in fp32, and hands fp32 back to the residual stream, as
+  hand-written mixed-precision attention does;
 - ``torch.no_grad()``: the final norm's scale is a statistic computed without
   gradient (a stop-gradient RMS norm): the backward treats it as a constant.
 
-Everything else is fp32. The regions are per token, so microbatching does not change
-what they compute.
+Everything else is fp32. Both regions work per sequence (per token for the norm): no
+bf16 result sums over the batch, so splitting the batch into microbatches leaves their
+results bit for bit the same (a bf16 weight gradient, a sum over every token, would not
+be: its rounding depends on how the batch is split).
 """
 from __future__ import annotations
 
@@ -41,20 +44,22 @@ class Attention(nn.Module):
         B, T, C = x.shape
         q, k, v = (lin(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
                    for lin in (self.q, self.k, self.v))  # (B, nh, T, hs) each
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(B, T, C))
+        future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            att = (q @ k.transpose(-2, -1)) * (C // self.n_head) ** -0.5  # (B, nh, T, T) bf16
+            att = att.float().masked_fill(future, float("-inf")).softmax(-1)  # fp32
+            y = att @ v  # (B, nh, T, hs) bf16
+        return self.o(y.float().transpose(1, 2).reshape(B, T, C))
 
 
-class BF16MLP(nn.Module):
+class MLP(nn.Module):
     def __init__(self, cfg: AutocastConfig) -> None:
         super().__init__()
         self.up = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.down = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, dtype=torch.bfloat16):
-            y = self.down(F.gelu(self.up(x)))  # bf16 matmuls, fp32 weights
-        return y.float()
+        return self.down(F.gelu(self.up(x)))
 
 
 class StopGradRMSNorm(nn.Module):
@@ -77,7 +82,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = Attention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = BF16MLP(cfg)
+        self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
