@@ -35,9 +35,12 @@ class Attention(nn.Module):
     def __init__(self, cfg: AutocastConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
-        self.q = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.k = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.v = nn.Linear(cfg.n_embd, cfg.n_embd)
+        # No q/k/v biases (as Llama): a key bias's true gradient is 0 (softmax ignores
+        # it), so what it gets is rounding noise, and bf16 noise is large enough for
+        # AdamW to turn into lr-sized steps that no two evaluation orders share.
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.o = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
