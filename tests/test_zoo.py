@@ -70,7 +70,8 @@ def test_moe_routes_every_token_to_top_k_experts():
     moe = w.model.blocks[0].moe
     x = torch.randn(2, 8, 64)
     probs = torch.softmax(moe.router(x), -1)
-    top, idx = probs.topk(2, dim=-1)
-    dense = torch.stack([e(x) for e in moe.experts], dim=-2)  # (B, T, E, C)
-    want = (dense.gather(-2, idx[..., None].expand(-1, -1, -1, 64)) * (top / top.sum(-1, keepdim=True))[..., None]).sum(-2)
+    top, idx = probs.topk(2, dim=-1)  # (B, T, 2)
+    dense = torch.stack([e(x) for e in moe.experts], dim=-2)  # (B, T, E, C): every expert, every token
+    picked = dense.gather(-2, idx[..., None].expand(-1, -1, -1, 64))  # (B, T, 2, C)
+    want = (picked * (top / top.sum(-1, keepdim=True))[..., None]).sum(-2)
     torch.testing.assert_close(moe(x), want, rtol=1e-5, atol=1e-6)

@@ -21,7 +21,7 @@ ZOO_FAILING = {  # today's known defects (issue 21, items 1-3); strict: a fix sh
     "zoo:swa-gpt": "stage graphs drop the in-place mask ops (fill_, masked_fill_, index_put_): "
                    "wrong gradients (h.0.attn.c_attn.weight off by 48%), loss 5.4130 vs 5.4148 at step 2",
     "zoo:moe": "unbacked expert sizes (torch.where routing): GuardOnDataDependentSymNode in "
-               "passes/node_cost.py:_numel",
+               "passes/node_cost.py:_numel (pp) and passes/tensor_parallel/graph_ops.py (tp)",
 }
 
 
