@@ -22,7 +22,9 @@ import torch
 import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
 
+from fxpipe.passes.functionalize import FunctionalizeError, functionalize
 from fxpipe.program import ParamInfo, ParamKind, Program, TensorSpec
+from fxpipe.sizes import observe_sizes, unbacked_symbols
 
 _WRAPPED = "model"  # attribute name of the user's model inside the loss wrapper
 
@@ -162,8 +164,18 @@ def _strip(name: str) -> str:
 
 def _to_program(model: nn.Module, ep: torch.export.ExportedProgram,
                 inputs: tuple[torch.Tensor, ...]) -> Program:
-    gm = ep.graph_module
     sig = ep.graph_signature
+    # The training IR keeps the model's in-place ops; every pass after capture assumes
+    # none (passes/functionalize.py). Buffers may be written: their new values become
+    # outputs in front of the loss, written back by whoever runs the graph.
+    buffers = {s.arg.name for s in sig.input_specs if s.kind is InputKind.BUFFER}
+    names = {s.arg.name: (f"batch input {s.arg.name}" if s.target is None else _strip(s.target))
+             for s in sig.input_specs}
+    try:
+        done = functionalize(ep.graph_module, writable=lambda n: n.name in buffers, names=names)
+    except FunctionalizeError as exc:
+        raise CaptureError(f"{type(model).__name__}: {exc}") from exc
+    gm = done.graph_module
     # Tied tensors: several names, one storage. The canonical name is the first
     # registered one, the same choice nn.Module.named_parameters() makes.
     by_id: dict[int, list[str]] = {}
@@ -200,13 +212,28 @@ def _to_program(model: nn.Module, ep: torch.export.ExportedProgram,
         node.meta["fxpipe_fqn"] = name
     assert len(user_inputs) == len(inputs), "every batch tensor becomes one graph input"
 
-    mutated = tuple(_strip(s.target) for s in sig.output_specs if s.kind is OutputKind.BUFFER_MUTATION)
-    loss_index = next(i for i, s in enumerate(sig.output_specs) if s.kind is OutputKind.USER_OUTPUT)
+    buffer_of = {p.node: p.name for p in params}
+    mutated = tuple(buffer_of[name] for name, _ in done.buffer_updates)
+    mutated += tuple(_strip(s.target) for s in sig.output_specs if s.kind is OutputKind.BUFFER_MUTATION)
+    loss_index = len(done.buffer_updates) + next(
+        i for i, s in enumerate(sig.output_specs) if s.kind is OutputKind.USER_OUTPUT)
     module_paths, layers, container = _module_structure(gm)
-    return Program(graph_module=gm, params=tuple(params), inputs=tuple(user_inputs),
-                   input_specs=tuple(TensorSpec.of(x) for x in inputs), loss_output=loss_index,
-                   mutated_buffers=mutated, state=state, source=type(model).__name__,
-                   module_paths=module_paths, layers=layers, layer_container=container)
+    program = Program(graph_module=gm, params=tuple(params), inputs=tuple(user_inputs),
+                      input_specs=tuple(TensorSpec.of(x) for x in inputs), loss_output=loss_index,
+                      mutated_buffers=mutated, state=state, source=type(model).__name__,
+                      module_paths=module_paths, layers=layers, layer_container=container)
+    return program.replace(size_hints=_size_hints(program, inputs))
+
+
+def _size_hints(program: Program, inputs: tuple[torch.Tensor, ...]) -> dict[str, int]:
+    """Data-dependent sizes as the example batch makes them (fxpipe/sizes.py): one run of
+    the graph without autograd, only when the graph has such sizes and real tensors."""
+    if not unbacked_symbols(program.graph_module):
+        return {}
+    args = [program.state[p.canonical] for p in program.params] + list(inputs)
+    if any(a.device.type == "meta" for a in args):
+        return {}  # priced at their upper bounds
+    return observe_sizes(program.graph_module, args)
 
 
 _LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")

@@ -62,6 +62,9 @@ class Stage:
     is_last: bool
     num_nodes: int
     """Compute nodes assigned to this stage (recomputed side values excluded)."""
+    buffer_updates: tuple[str, ...] = ()
+    """Buffers (names as in ``params``) whose new values the graph returns after the
+    sent values and before the loss; the runner writes them back after each forward."""
 
     def call(self, state: Mapping[str, torch.Tensor], canonical: Mapping[str, str],
              batch: Sequence[torch.Tensor], received: Mapping[str, torch.Tensor],

@@ -116,6 +116,9 @@ class Program:
     """Node name -> pipeline stage index, filled by the partition pass."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Results of passes that are not per-node (reports, shard specs), by pass name."""
+    size_hints: Mapping[str, int] = field(default_factory=dict)
+    """Data-dependent size symbol (``u0``) -> the value it took on the example batch
+    (``fxpipe/sizes.py``); a symbol absent here is priced at its upper bound."""
 
     def replace(self, **changes: Any) -> "Program":
         frozen = {k: MappingProxyType(dict(v)) if isinstance(v, dict) else v
@@ -163,15 +166,21 @@ class Program:
         """Run the graph with ``state`` (canonical name -> tensor) and a batch; return the loss.
 
         Tied names all read their canonical tensor, so autograd accumulates their
-        gradients into one leaf, as in the eager model."""
+        gradients into one leaf, as in the eager model. Buffers the forward writes
+        (``mutated_buffers``, graph outputs before the loss) are written back into
+        ``state``, as the eager forward would have."""
         if len(inputs) != len(self.inputs):
             raise TypeError(f"{self.source} program takes {len(self.inputs)} batch inputs "
                             f"{self.input_specs}, got {len(inputs)}")
         args = [state[p.canonical] for p in self.params]
         outputs = self.graph_module(*args, *inputs)
-        if isinstance(outputs, (tuple, list)):
-            return outputs[self.loss_output]
-        return outputs
+        if not isinstance(outputs, (tuple, list)):
+            return outputs
+        canonical = {p.name: p.canonical for p in self.params}
+        with torch.no_grad():
+            for name, new in zip(self.mutated_buffers, outputs):
+                state[canonical[name]].copy_(new)
+        return outputs[self.loss_output]
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from fxpipe.passes.node_cost import VIEW_OPS
 from fxpipe.passes.driver import PassTiming
 from fxpipe.program import ParamKind, Program
+from fxpipe.sizes import describe_hints, unbacked_symbols
 
 
 def human(n: float, unit: str = "") -> str:
@@ -86,6 +87,9 @@ def compile_summary(program: Program, timings: list[PassTiming] | None = None,
                  f"({human(param_bytes, 'B')}){where}")
     for canonical, names in program.tied_groups.items():
         lines.append(f"tied group   {' = '.join(names)}")
+    dynamic = unbacked_symbols(program.graph_module)
+    if dynamic:
+        lines.append(f"data-dependent {describe_hints(dynamic, program.size_hints)}")
     n_layers = len(set(program.layers.values()))
     lines.append(f"layers       {n_layers} repeated layers in '{program.layer_container}'"
                  if n_layers else "layers       none found (no indexed layer container); "

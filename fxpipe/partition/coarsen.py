@@ -68,6 +68,8 @@ class _Quotient:
                        for i, a in enumerate(attrs)}
         self.layer = {i: a.get("layer") for i, a in enumerate(attrs)}
         self.members = {i: [i] for i in range(len(self.fine))}
+        self.owner = list(range(len(self.fine)))
+        """Fine index -> the group holding it now."""
         self.version = {i: 0 for i in range(len(self.fine))}
 
     def __len__(self) -> int:
@@ -102,6 +104,8 @@ class _Quotient:
         q.add_edges_from((p, a) for p in q.predecessors(b) if p != a)
         q.add_edges_from((a, s) for s in q.successors(b) if s != a)
         q.remove_node(b)
+        for i in self.members[b]:
+            self.owner[i] = a
         self.members[a] += self.members.pop(b)
         self.weight[a] += self.weight.pop(b)
         la, lb = self.layer[a], self.layer.pop(b)
@@ -112,6 +116,39 @@ class _Quotient:
         return a
 
 
+def _merge_pinned(qg: _Quotient, graph: nx.DiGraph) -> None:
+    """One group for every node marked ``pinned`` (its output must not cross a cut: a
+    data-dependent shape) and its readers, with everything on a path between them
+    (the group must stay convex for the quotient to stay a DAG)."""
+    pinned = [n for n in qg.fine if graph.nodes[n].get("pinned")]
+    if not pinned:
+        return
+    pos = {n: i for i, n in enumerate(qg.fine)}
+    comps: list[set] = [{n, *graph.successors(n)} for n in pinned]
+    changed = True
+    while changed:  # convex hulls, joined where they meet, until stable
+        changed = False
+        hulls = []
+        for comp in comps:
+            down = set().union(*(nx.descendants(graph, c) for c in comp)) | comp
+            up = set().union(*(nx.ancestors(graph, c) for c in comp)) | comp
+            hull = down & up
+            for other in hulls:
+                if other & hull:
+                    other |= hull
+                    changed = True
+                    break
+            else:
+                hulls.append(hull)
+            changed |= hull != comp
+        comps = hulls
+    for comp in comps:
+        order = sorted(pos[n] for n in comp)
+        group = order[0]
+        for i in order[1:]:  # topological order over a convex set: every merge is legal
+            group = qg.merge(group, i)
+
+
 def _merge_by_key(qg: _Quotient, graph: nx.DiGraph) -> None:
     by_key: dict = {}
     for i, n in enumerate(qg.fine):
@@ -119,8 +156,11 @@ def _merge_by_key(qg: _Quotient, graph: nx.DiGraph) -> None:
         if key is not None:
             by_key.setdefault(key, []).append(i)
     for nodes in by_key.values():  # insertion order: keys by first appearance
-        group = nodes[0]
+        group = qg.owner[nodes[0]]
         for i in nodes[1:]:
+            i = qg.owner[i]  # an earlier step may have merged it already
+            if i == group:
+                continue
             if qg.layer[group] == qg.layer[i] and qg.can_merge(group, i):
                 group = qg.merge(group, i)
             else:
@@ -164,6 +204,7 @@ def coarsen(graph: nx.DiGraph, max_groups: int) -> Coarsening:
     if not nx.is_directed_acyclic_graph(graph):
         raise ValueError("coarsen needs a DAG")
     qg = _Quotient(graph)
+    _merge_pinned(qg, graph)
     if len(qg) > max_groups:
         _merge_by_key(qg, graph)
     _merge_by_edge(qg, max_groups)

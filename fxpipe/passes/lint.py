@@ -1,6 +1,7 @@
 """Invariants every Program satisfies between passes (checked in debug mode)."""
 from __future__ import annotations
 
+from fxpipe.passes.functionalize import mutated_args
 from fxpipe.program import ParamKind, Program
 
 
@@ -38,3 +39,8 @@ def lint_program(program: Program, *, after: str) -> None:
     outputs = [n for n in program.graph.nodes if n.op == "output"]
     if len(outputs) != 1:
         fail(f"{len(outputs)} output nodes")
+    writes = [f"{n.name} ({n.target})" for n in program.graph.nodes if mutated_args(n)]
+    if writes:  # every pass may assume a functional graph (passes/functionalize.py)
+        fail(f"in-place ops in the graph: {', '.join(writes[:5])}")
+    if len(program.mutated_buffers) > program.loss_output:
+        fail(f"{len(program.mutated_buffers)} buffer writes but the loss is output {program.loss_output}")

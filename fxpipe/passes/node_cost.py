@@ -14,12 +14,13 @@ Conventions (they are the ones of Megatron's model-FLOPs formula,
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
 
 from fxpipe.program import NodeCost, ParamKind, Program, itemsize
+from fxpipe.sizes import concrete, numel
 
 aten = torch.ops.aten
 
@@ -32,19 +33,15 @@ def _tensors(val: Any) -> list[torch.Tensor]:
     return []
 
 
-def _nbytes(val: Any) -> int:
-    return sum(t.numel() * itemsize(t.dtype) for t in _tensors(val))
+def _nbytes(val: Any, hints: Mapping[str, int] = {}) -> int:  # noqa: B006 (read only)
+    return sum(numel(t, hints) * itemsize(t.dtype) for t in _tensors(val))
 
 
 def _val(arg: Any) -> Any:
     return arg.meta.get("val") if isinstance(arg, fx.Node) else None
 
 
-def _numel(t: torch.Tensor) -> int:
-    return int(t.numel())
-
-
-def _matmul_flops(node: fx.Node) -> int:
+def _matmul_flops(node: fx.Node, hints: Mapping[str, int]) -> int:
     """2·(output elements)·K for linear/mm/bmm/matmul-like ops; K from the weight/right operand."""
     out = node.meta["val"]
     target = node.target
@@ -52,19 +49,19 @@ def _matmul_flops(node: fx.Node) -> int:
         left = _val(node.args[1])
     else:
         left = _val(node.args[0])
-    k = int(left.shape[-1])
-    return 2 * _numel(out) * k
+    k = concrete(left.shape[-1], hints)
+    return 2 * numel(out, hints) * k
 
 
-def _sdpa_flops(node: fx.Node) -> int:
+def _sdpa_flops(node: fx.Node, hints: Mapping[str, int]) -> int:
     q, k, v = (_val(a) for a in node.args[:3])
-    batch = _numel(q) // (int(q.shape[-2]) * int(q.shape[-1]))
-    lq, e = int(q.shape[-2]), int(q.shape[-1])
-    lk, ev = int(k.shape[-2]), int(v.shape[-1])
+    lq, e = concrete(q.shape[-2], hints), concrete(q.shape[-1], hints)
+    lk, ev = concrete(k.shape[-2], hints), concrete(v.shape[-1], hints)
+    batch = numel(q, hints) // max(lq * e, 1)
     return 2 * batch * lq * lk * e + 2 * batch * lq * lk * ev
 
 
-_MATMUL: dict[Any, Callable[[fx.Node], int]] = {
+_MATMUL: dict[Any, Callable[[fx.Node, Mapping[str, int]], int]] = {
     aten.linear.default: _matmul_flops,
     aten.mm.default: _matmul_flops,
     aten.addmm.default: _matmul_flops,
@@ -97,22 +94,24 @@ _INTERMEDIATE = {aten.cross_entropy_loss.default: 0}
 """op -> index of the argument whose size the intermediate has."""
 
 
-def node_cost(node: fx.Node) -> tuple[int, int, int, int, int]:
-    """(fwd matmul FLOPs, bwd matmul FLOPs, other FLOPs, out bytes, memory traffic bytes)."""
+def node_cost(node: fx.Node, hints: Mapping[str, int] = {}  # noqa: B006 (read only)
+              ) -> tuple[int, int, int, int, int]:
+    """(fwd matmul FLOPs, bwd matmul FLOPs, other FLOPs, out bytes, memory traffic bytes).
+    ``hints`` prices data-dependent sizes (``Program.size_hints``, fxpipe/sizes.py)."""
     val = node.meta.get("val")
-    out_bytes = _nbytes(val)
+    out_bytes = _nbytes(val, hints)
     if node.op != "call_function":
         return 0, 0, 0, out_bytes, 0
     if node.target in _MATMUL:
-        fwd = _MATMUL[node.target](node)
-        traffic = out_bytes + sum(_nbytes(_val(a)) for a in node.args[:3])
+        fwd = _MATMUL[node.target](node, hints)
+        traffic = out_bytes + sum(_nbytes(_val(a), hints) for a in node.args[:3])
         return fwd, 2 * fwd, 0, out_bytes, traffic
     if node.target in VIEW_OPS or node.target.__name__ == "getitem" or not _tensors(val):
         return 0, 0, 0, out_bytes, 0
-    traffic = out_bytes + sum(_nbytes(_val(a)) for a in node.args if isinstance(a, fx.Node))
+    traffic = out_bytes + sum(_nbytes(_val(a), hints) for a in node.args if isinstance(a, fx.Node))
     if node.target in _INTERMEDIATE:
-        traffic += _nbytes(_val(node.args[_INTERMEDIATE[node.target]]))
-    other = sum(_numel(t) for t in _tensors(val))
+        traffic += _nbytes(_val(node.args[_INTERMEDIATE[node.target]]), hints)
+    other = sum(numel(t, hints) for t in _tensors(val))
     return 0, 0, other, out_bytes, traffic
 
 
@@ -122,7 +121,7 @@ def cost_pass(program: Program, config: object = None) -> Program:
     seen: set[str] = set()
     costs: dict[str, NodeCost] = {}
     for node in program.graph.nodes:
-        fwd, bwd, other, out_b, traffic = node_cost(node)
+        fwd, bwd, other, out_b, traffic = node_cost(node, program.size_hints)
         owned = 0
         for arg in node.all_input_nodes:
             if arg.name in param_bytes and arg.name not in seen:

@@ -18,6 +18,7 @@ from fxpipe.partition.memory_floor import gib
 from fxpipe.passes.node_cost import VIEW_OPS
 from fxpipe.passes.split import side_values
 from fxpipe.program import ParamKind, Program
+from fxpipe.sizes import is_dynamic
 from fxpipe.schedules.ir import ActionKind, Schedule
 
 
@@ -104,7 +105,9 @@ def build_problem_graph(program: Program, config: PartitionConfig) -> nx.DiGraph
                    static_bytes=static,
                    act_bytes=0 if node.target in VIEW_OPS else cost.out_bytes * config.activation_scale,
                    out_bytes=cost.out_bytes, params=count,
-                   layer=program.layers.get(node.name), key=program.module_paths.get(node.name))
+                   layer=program.layers.get(node.name), key=program.module_paths.get(node.name),
+                   # A data-dependent shape never crosses stages (coarsen keeps it with its readers).
+                   pinned=is_dynamic(node.meta.get("val")))
         for arg in node.all_input_nodes:
             if arg.name in g:
                 g.add_edge(arg.name, node.name)

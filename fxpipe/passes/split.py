@@ -10,7 +10,13 @@ Rules (docs/ARCHITECTURE.md, "Conventions"):
 - parameters are placeholders of every stage that reads them; a tied group or a
   parameter read by several stages (one module applied in several places) is
   reported in ``PipelinePlan.tied_stages`` for gradient sync;
-- the loss is the last stage's final output.
+- the loss is the last stage's final output;
+- the graph is functional (``passes/functionalize.py``); a node that still writes in
+  place would be lost by a stage built from data edges, so it is refused by name. A
+  buffer the forward writes (``Program.mutated_buffers``) is written back by every
+  stage that holds it: each recomputes the new value when it depends only on
+  batch, buffers and constants, else the one stage that computes it must be the
+  only one holding the buffer.
 """
 from __future__ import annotations
 
@@ -20,8 +26,10 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
+from fxpipe.passes.functionalize import mutated_args
 from fxpipe.pipeline_plan import PipelinePlan, Stage, StageValue
 from fxpipe.program import ParamKind, Program, TensorSpec
+from fxpipe.sizes import is_dynamic
 
 
 def _is_random(node: fx.Node) -> bool:
@@ -85,10 +93,14 @@ def split_pass(program: Program, assignment: Mapping[str, int] | None = None,
     output_node = next(n for n in graph.nodes if n.op == "output")
     outs = output_node.args[0]
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-    if program.mutated_buffers:
-        raise ValueError(f"{program.source} updates buffers in forward ({', '.join(program.mutated_buffers)}); "
-                         f"pipeline stages cannot share such state yet — run it with pp=1")
+    writes = [n for n in graph.nodes if mutated_args(n)]
+    if writes:
+        raise ValueError(f"{program.source}'s graph still writes in place ({', '.join(f'{n.name}: {n.target}' for n in writes[:3])}); "
+                         f"stages are built from data edges and would lose the write — capture "
+                         f"functionalizes every in-place op (fxpipe/passes/functionalize.py)")
     loss_node = outs[program.loss_output]
+    node_of = {p.name: p.node for p in program.params}
+    updates = {node_of[b]: outs[i] for i, b in enumerate(program.mutated_buffers)}
 
     compute = [n for n in graph.nodes if n.op == "call_function" and n.name not in side]
     missing = [n.name for n in compute if n.name not in assignment]
@@ -111,6 +123,13 @@ def split_pass(program: Program, assignment: Mapping[str, int] | None = None,
     for name, cons in consumers.items():
         node = by_name[name]
         t = node.meta["val"]
+        if is_dynamic(t):
+            raise ValueError(
+                f"{name} ({node.target}, shape {tuple(t.shape)}) would cross from stage "
+                f"{assignment[name]} to {sorted(cons)}, but its size depends on the data; pipeline "
+                f"transfers need static shapes — cut before its producer or after the op that "
+                f"gives a fixed shape again (e.g. the index_add / scatter that combines routed "
+                f"tokens)")
         assert isinstance(t, torch.Tensor), f"only tensors cross stages, {name} is {type(t)}"
         values[name] = StageValue(name=name, producer=assignment[name], consumers=tuple(sorted(cons)),
                                   spec=TensorSpec(tuple(t.shape), t.dtype),
@@ -120,10 +139,12 @@ def split_pass(program: Program, assignment: Mapping[str, int] | None = None,
 
     stages = []
     param_stages: dict[str, list[int]] = {}
+    writers = _buffer_writers(program, compute, assignment, side, updates, num_stages)
     for k in range(num_stages):
         mine = [n for n in compute if assignment[n.name] == k]
         stage, used_params = _build_stage(program, k, mine, side, values, param_by_node, batch_index,
-                                          loss_node if k == num_stages - 1 else None)
+                                          loss_node if k == num_stages - 1 else None,
+                                          writers[k])
         stages.append(stage)
         for p in used_params:
             param_stages.setdefault(p, []).append(k)
@@ -138,16 +159,57 @@ def split_pass(program: Program, assignment: Mapping[str, int] | None = None,
                         tied_stages=tied, param_stages={k: tuple(v) for k, v in param_stages.items()})
 
 
+def _buffer_writers(program: Program, compute: list[fx.Node], assignment: Mapping[str, int],
+                    side: set[str], updates: Mapping[str, fx.Node],
+                    num_stages: int) -> list[dict[str, fx.Node]]:
+    """Per stage: buffer placeholder -> the new value it writes back after its forward.
+
+    Every stage that reads a buffer holds a copy, and each copy must see the write. A new
+    value computed from batch, buffers and constants alone is recomputed by every holder
+    (by the last stage when nobody else reads the buffer); one computed from parameters
+    or activations exists on one stage only, which must then be the only holder."""
+    writers: list[dict[str, fx.Node]] = [{} for _ in range(num_stages)]
+    if not updates:
+        return writers
+    holders: dict[str, set[int]] = {}
+    for node in compute:
+        stack, seen = list(node.all_input_nodes), set()
+        while stack:  # the node's inputs, through the side values it recomputes
+            a = stack.pop()
+            if a.name in seen:
+                continue
+            seen.add(a.name)
+            if a.op == "placeholder":
+                holders.setdefault(a.name, set()).add(assignment[node.name])
+            elif a.name in side:
+                stack.extend(a.all_input_nodes)
+    for buf, new in updates.items():
+        held = holders.get(buf, set())
+        if new.name in side or new.op == "placeholder":
+            for k in held or {num_stages - 1}:
+                writers[k][buf] = new
+            continue
+        k = assignment[new.name]
+        if held - {k}:
+            raise ValueError(
+                f"{program.source} writes buffer {buf} in forward with a value computed on stage {k} "
+                f"from parameters or activations, but stage(s) {sorted(held - {k})} also read it; "
+                f"pipeline stages cannot share such state — use pp=1")
+        writers[k][buf] = new
+    return writers
+
+
 def _build_stage(program: Program, k: int, mine: list[fx.Node], side: set[str],
                  values: Mapping[str, StageValue], param_by_node, batch_index,
-                 loss_node: fx.Node | None) -> tuple[Stage, list[str]]:
+                 loss_node: fx.Node | None, updates: Mapping[str, fx.Node]) -> tuple[Stage, list[str]]:
     """Copy stage k's nodes (plus the side values they need) into a fresh graph."""
     src = program.graph
     by_name = {n.name: n for n in src.nodes}
     mine_names = {n.name for n in mine}
-    # Side values this stage needs, transitively.
+    # Side values this stage needs, transitively (its buffer writes' new values too).
     need: set[str] = set()
     stack = [a for n in mine for a in n.all_input_nodes if a.name in side]
+    stack += [v for v in updates.values() if v.name in side]
     while stack:
         a = stack.pop()
         if a.name in need:
@@ -164,7 +226,7 @@ def _build_stage(program: Program, k: int, mine: list[fx.Node], side: set[str],
     for node in src.nodes:
         if node.op != "placeholder":
             continue
-        used = any(u.name in mine_names or u.name in need for u in node.users)
+        used = any(u.name in mine_names or u.name in need for u in node.users) or node.name in updates
         if not used:
             continue
         if node.name in param_by_node:
@@ -191,6 +253,7 @@ def _build_stage(program: Program, k: int, mine: list[fx.Node], side: set[str],
             env[node.name] = g.node_copy(node, lambda a: env[a.name])
     sent = [v.name for v in values.values() if v.producer == k]
     results = [env[name] for name in sent]
+    results += [env[v.name] for v in updates.values()]
     if loss_node is not None:
         results.append(env[loss_node.name])
     g.output(tuple(results))
@@ -198,5 +261,6 @@ def _build_stage(program: Program, k: int, mine: list[fx.Node], side: set[str],
     gm = fx.GraphModule(program.graph_module, g)
     stage = Stage(index=k, graph_module=gm, params=tuple(params), batch_inputs=tuple(batch),
                   inputs=tuple(v.name for v in received), outputs=tuple(sent),
-                  is_last=loss_node is not None, num_nodes=len(mine))
+                  is_last=loss_node is not None, num_nodes=len(mine),
+                  buffer_updates=tuple(param_by_node[b].name for b in updates))
     return stage, list(dict.fromkeys(used_canonical))

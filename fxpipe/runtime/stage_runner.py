@@ -71,7 +71,11 @@ class StageRunner:
             inputs[name] = t
         with torch.enable_grad(), self.context():
             out = self.stage.call(self.state, self._canonical, batch, inputs, self.compiled)
-        sends = dict(zip(self.stage.outputs, out[:len(self.stage.outputs)]))
+        n_sent = len(self.stage.outputs)
+        sends = dict(zip(self.stage.outputs, out[:n_sent]))
+        with torch.no_grad():  # buffers the forward writes, as the eager forward would
+            for name, new in zip(self.stage.buffer_updates, out[n_sent:]):
+                self.state[self._canonical[name]].copy_(new)
         if self.stage.is_last:
             loss = out[-1]
             self.losses[mb] = float(loss.detach())

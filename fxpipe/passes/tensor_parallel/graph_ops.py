@@ -8,6 +8,7 @@ embedding is an ``aten.embedding`` of a parameter; an attention core is
 from __future__ import annotations
 
 import operator
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +62,16 @@ def val(node: Any) -> Any:
 
 
 def shape(node: fx.Node) -> tuple[int, ...]:
-    return tuple(int(s) for s in node.meta["val"].shape)
+    """Static sizes as ints; a data-dependent size (routed tokens, fxpipe/sizes.py) as a
+    negative stand-in, equal for equal symbols and never equal to a real size, so the
+    channel rules can match feature dimensions around it without guarding on it."""
+    return tuple(_dim(s) for s in node.meta["val"].shape)
+
+
+def _dim(s: Any) -> int:
+    if isinstance(s, torch.SymInt) and s.node.hint is None:
+        return -1 - zlib.crc32(str(s.node.expr).encode())
+    return int(s)
 
 
 def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
@@ -178,7 +180,12 @@ def rewrite(program: Program, plan: TPPlan, reduce_kind: dict[str, Conversion],
 
 
 def _refresh_shapes(gm: fx.GraphModule, local_params: dict[str, tuple[int, ...]]) -> None:
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # Ops whose output size the data decides (nonzero, where) need the capture's shape
+    # environment: their symbols are bound again to the capture's (fxpipe/sizes.py).
+    old = [n.meta.get("val") for n in gm.graph.nodes]
+    mode = detect_fake_mode([v for v in old if isinstance(v, torch.Tensor)])
+    if mode is None or mode.shape_env is None:
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     args = []
     with mode:
         for node in gm.graph.nodes:

@@ -32,6 +32,7 @@ from fxpipe.passes.tensor_parallel.result import CollectiveKind, TPResult
 from fxpipe.passes.tensor_parallel.rewrite import rewrite
 from fxpipe.passes.tensor_parallel.sequence import plan_sequence_parallel
 from fxpipe.program import ParamKind, Program
+from fxpipe.sizes import carry_hints
 
 PASS_NAME = "tensor_parallel"
 
@@ -90,6 +91,7 @@ def tensor_parallel_pass(program: Program, config: object = None) -> Program:
         graph_module=out.graph_module,
         params=tuple(dataclasses.replace(p, shape=local[p.node]) for p in program.params),
         module_paths=out.module_paths, layers=out.layers, costs={},
+        size_hints=carry_hints(program.graph, out.graph_module.graph, program.size_hints),
         extra={**program.extra, PASS_NAME: result})
 
 
