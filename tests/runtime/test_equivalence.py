@@ -17,12 +17,6 @@ SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("zb-h1", None
 # Models written outside transformers (fxpipe/models/zoo), each at pp=2 and tp=2 (in the
 # world of 2) and tp=2 × pp=2 (in the world of 4), 1F1B.
 ZOO_MODELS = ["zoo:swa-gpt", "zoo:moe", "zoo:autocast", "zoo:complex-rope", "zoo:llama3"]
-ZOO_FAILING = {  # today's known defects (issue 21, items 1-3); strict: a fix shows up as XPASS
-    "zoo:swa-gpt": "stage graphs drop the in-place mask ops (fill_, masked_fill_, index_put_): "
-                   "wrong gradients (h.0.attn.c_attn.weight off by 48%), loss 5.4130 vs 5.4148 at step 2",
-    "zoo:moe": "unbacked expert sizes (torch.where routing): GuardOnDataDependentSymNode in "
-               "passes/node_cost.py:_numel (pp) and passes/tensor_parallel/graph_ops.py (tp)",
-}
 
 
 def _zoo_cases(tp, pp):
@@ -75,12 +69,6 @@ def _id(c):
     return (f"{c['model']}-tp{c.get('tp', 1)}-pp{c['pp']}-{c['schedule']}"
             + ("-sp" if c.get("sp") else "") + (f"-{c['recompute']}" if "recompute" in c else "")
             + (f"-costs-{c['costs']}" if "costs" in c else "") + ("-split-loss" if c.get("split_loss") else ""))
-
-
-def _params(cases):
-    """One pytest parameter per case index, a known-failing zoo case marked xfail."""
-    return [pytest.param(i, id=_id(c), marks=[pytest.mark.xfail(strict=True, reason=ZOO_FAILING[c["model"]])]
-                         if c["model"] in ZOO_FAILING else []) for i, c in enumerate(cases)]
 
 
 @pytest.fixture(scope="module")
@@ -153,13 +141,13 @@ def _bf16_rtol(model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", _params(_cases(2)))
+@pytest.mark.parametrize("index", range(len(_cases(2))), ids=[_id(c) for c in _cases(2)])
 def test_pp2(world2, references, index):
     _check(world2, index, references)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", _params(_world4_cases()))
+@pytest.mark.parametrize("index", range(len(_world4_cases())), ids=[_id(c) for c in _world4_cases()])
 def test_world4(world4, references, index):
     """pp=4 schedules, dp=2 × pp=2, and tensor parallelism (with dp, pp, sp)."""
     _check(world4, index, references)
