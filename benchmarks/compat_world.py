@@ -52,11 +52,25 @@ def _worker(rank: int, world: int, port: int, outdir: str, fn: Callable, jobs: l
         with open(path + ".tmp", "wb") as f:
             f.write(blob)
         os.replace(path + ".tmp", path)
+        _release_groups(keep=control)
         kinds: list[Any] = [None] * world
         dist.all_gather_object(kinds, result[0], group=control)
         if len(set(kinds)) > 1:
             os._exit(0)  # ranks disagree: the parent starts a fresh world
     os._exit(0)
+
+
+def _release_groups(keep) -> None:
+    """Destroy every process group a job created, finished or not: each gloo group
+    keeps polling threads until destroyed, and hundreds of jobs in one world piled up
+    thousands of them (the machine's load reached ~1000). c10d's own map of groups is
+    the one place that knows them all, including those of a job that failed half-way."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    for pg in list(c10d._world.pg_map):
+        if pg is not c10d.GroupMember.WORLD and pg is not keep:
+            dist.destroy_process_group(pg)
 
 
 def run_jobs(world: int, fn: Callable, jobs: list[tuple], timeout_s: float,

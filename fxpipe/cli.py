@@ -178,6 +178,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                          timeline=None if args.timeline == "none" else args.timeline,
                          checkpoint_dir=args.checkpoint_dir, save_interval=args.save_interval,
                          resume=args.resume, resume_from=args.resume_from, export=args.export,
+                         overwrite=args.overwrite,
                          init_from=args.init_from)
     # Everything checkable is checked here, before a worker starts (fxpipe/preflight.py).
     # Under torchrun every rank is a worker already: the model is captured by each anyway.
@@ -287,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir: model, optimizer, "
                         "RNG and data position; any tp/pp/dp layout")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a new run in a --checkpoint-dir that holds another run's checkpoints, "
+                        "deleting them at this run's first save (without it, and without --resume, such "
+                        "a directory is refused)")
     p.add_argument("--resume-from", type=int, default=None, metavar="STEP",
                    help="like --resume, but from the checkpoint of STEP (an error if it is missing or "
                         "corrupt); without it --resume takes the newest intact checkpoint")

@@ -10,6 +10,7 @@ step (``StopSignal``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -64,6 +65,11 @@ def _elastic_entry(config: TrainConfig) -> dict[str, Any]:
     stop = StopSignal()  # kept until the end: a forwarded signal must not cut a save short
     try:
         return worker(config, stop)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:  # the error report would need disk space too: say it here
+            print(f"fxpipe run: rank {os.environ.get('RANK', '?')}: ENOSPC: {exc.strerror}: {exc.filename}",
+                  file=sys.stderr, flush=True)
+        raise
     finally:
         stop.restore()
         if dist.is_initialized():
@@ -115,6 +121,9 @@ def launch(config: TrainConfig, *, debug: bool = False) -> int:
     return 0
 
 
+_NO_REPORT = "To enable traceback see"
+
+
 def summarize_failure(exc: Any) -> str:
     """One line from the elastic launcher's ``ChildFailedError``: the first rank to fail
     (by the timestamp of its error file) and its exception, then the other ranks."""
@@ -123,6 +132,9 @@ def summarize_failure(exc: Any) -> str:
     if isinstance(message, dict):  # the error file that ``record`` writes
         message = message.get("message", "")
     message = " ".join(str(message).split()) or f"exit code {failure.exitcode}"
+    if message.startswith(_NO_REPORT):  # torch's text when the worker wrote no error file
+        message = (f"exit code {failure.exitcode}, and no error report (one that cannot be written, e.g. on "
+                   f"a full disk (ENOSPC), is printed by the rank above)")
     others = sorted(r for r in exc.failures if r != rank)
     also = f" (ranks {', '.join(map(str, others))} failed too)" if others else ""
     return (f"rank {rank} failed: {message}{also}; "

@@ -18,7 +18,7 @@ def _show(xs: list[str]) -> str:
 
 
 def raise_if_mismatched(what: str, missing: list[str], unexpected: list[str], shapes: list[str]) -> None:
-    """ValueError listing every missing / unexpected / mis-shaped tensor, or nothing."""
+    """ValueError listing every missing / unexpected / mismatched (shape, dtype) tensor, or nothing."""
     if missing or unexpected or shapes:
-        raise ValueError(f"{what}: missing: {_show(missing)}; unexpected: {_show(unexpected)}; shape "
+        raise ValueError(f"{what}: missing: {_show(missing)}; unexpected: {_show(unexpected)}; "
                          f"mismatches: {_show(shapes)}. Was it saved from another model or config?")

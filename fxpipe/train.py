@@ -55,6 +55,9 @@ class TrainConfig:
     """Save every N steps when checkpoint_dir is set (always also at the end and on SIGTERM/SIGINT)."""
     resume: bool = False
     """Continue from the latest complete checkpoint in checkpoint_dir (model, optimizer, RNG, step)."""
+    overwrite: bool = False
+    """Save into a checkpoint_dir that holds another run's checkpoints, replacing them at the
+    first save (without it, and without resume, the launcher refuses such a directory)."""
     resume_from: int | None = None
     """Resume from the checkpoint of this step (implies ``resume``); an error if it is corrupt."""
     export: str | None = None
@@ -81,8 +84,7 @@ class TrainConfig:
                 raise ValueError(
                     f"global batch {self.global_batch} != micro-batch size · microbatches · dp = "
                     f"{self.micro_batch_size}·{layout.microbatches}·{layout.dp} = {per_step}; "
-                    f"set --microbatches {self.global_batch // (self.micro_batch_size * layout.dp)} "
-                    f"if it divides evenly")
+                    f"{_batch_hint(self.global_batch, self.micro_batch_size, layout.dp)}")
         for name in ("micro_batch_size", "seq", "steps", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -96,12 +98,24 @@ class TrainConfig:
         return self.micro_batch_size * self.parallel.microbatches * self.parallel.dp
 
 
+def _batch_hint(global_batch: int, micro_batch_size: int, dp: int) -> str:
+    """Flags that make b·m·dp equal ``global_batch`` (only values that do), or why none can."""
+    if global_batch % dp:
+        return f"--global-batch must be a multiple of --dp {dp}"
+    per_replica = global_batch // dp
+    if per_replica % micro_batch_size == 0:
+        return f"set --microbatches {per_replica // micro_batch_size}"
+    b = max(d for d in range(1, micro_batch_size) if per_replica % d == 0)
+    return f"set --micro-batch-size {b} --microbatches {per_replica // b}"
+
+
 def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, Any]:
     """One rank of the job (what torchrun or the elastic launcher starts). ``stop``
     catches SIGTERM/SIGINT from the first step on; without one, its handlers stay
     installed for the process's life."""
     from fxpipe.data import ByteBatches, stdlib_corpus
     from fxpipe.models import build_workload
+    from fxpipe.preflight_files import check_schedule
     from fxpipe.runtime.api import parallelize
     from fxpipe.runtime.checkpoint import export_consolidated, load_checkpoint
 
@@ -119,6 +133,7 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
     start_step = 0
     if config.resume:  # batches are a function of (seed, step): the step is the data position
         start_step, extra = load_checkpoint(pm, opt, config.checkpoint_dir, step=config.resume_from)
+        check_schedule(extra, start_step, config.lr, len(opt.param_groups))  # digest-covered, and in range
         sched.load_state_dict(extra["lr_scheduler"])
     last_saved = start_step if config.resume else None
     # Model FLOPs per step (Megatron's 72·B·s·l·h²(1 + s/6h + V/12lh) for a GPT, summed
@@ -213,7 +228,7 @@ def _save(pm: Any, opt: Any, sched: Any, step: int, config: TrainConfig) -> int:
 
     start = time.perf_counter()
     path = save_checkpoint(pm, opt, step, config.checkpoint_dir, keep_last=config.keep_checkpoints,
-                           extra={"lr_scheduler": sched.state_dict()})
+                           extra={"lr_scheduler": sched.state_dict()}, overwrite=config.overwrite)
     if dist.get_rank() == 0:
         print(f"checkpoint: {path} in {time.perf_counter() - start:.2f} s, "
               f"{checkpoint_size(path).describe()}", flush=True)

@@ -36,3 +36,12 @@ def data_dependent():
 
 def not_a_tuple():
     return nn.Linear(2, 2)
+
+
+def raises():
+    """The user's own code fails: reported in one line as theirs."""
+    return 1 // 0
+
+
+def garbage_batch():
+    return nn.Linear(2, 2), "not a tensor"

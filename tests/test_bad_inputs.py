@@ -16,6 +16,7 @@ import torch.distributed as dist
 import fxpipe.launcher
 from fxpipe import cli
 from fxpipe.models import build_workload
+from tests._ckpt_files import make_checkpoint
 
 RUN = ["run", "--model", "gpt-tiny", "--seq", "16", "--tp", "1", "--pp", "2", "--steps", "2",
        "--timeline", "none", "--micro-batch-size", "2", "--microbatches", "2"]
@@ -37,35 +38,29 @@ def _garbage_profile(tmp: Path) -> None:
 
 
 def _readonly(tmp: Path, monkeypatch) -> None:
-    # The tests may run as root, for whom every directory is writable: simulate the permission.
+    # The tests may run as root, for whom every directory is writable: the probe write's
+    # file creation fails there as the kernel would fail it.
+    import errno
+    import os
+    import tempfile
     (tmp / "ro").mkdir()
-    real = fxpipe.preflight.os.access
-    monkeypatch.setattr(fxpipe.preflight.os, "access",
-                        lambda p, mode: False if Path(p).name == "ro" else real(p, mode))
+    real = tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kwargs):
+        if Path(dir).name == "ro":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return real(*args, dir=dir, **kwargs)
+    monkeypatch.setattr(fxpipe.preflight_files.tempfile, "mkstemp", mkstemp)
 
 
-def _checkpoint(tmp: Path, monkeypatch, meta: str) -> None:
-    """A checkpoint whose fxpipe.json is ``meta``; ``latest_checkpoint`` is pointed at it, so
-    the case depends on the preflight only, not on the directory protocol's completeness rules."""
-    step = tmp / "ck" / "step_0000003"
-    step.mkdir(parents=True)
-    (step / "fxpipe.json").write_text(meta)
-    import fxpipe.runtime.checkpoint_files as files
-    monkeypatch.setattr(files, "latest_checkpoint", lambda d: step if Path(d) == tmp / "ck" else None)
-
-
-def _other_model(tmp: Path, monkeypatch) -> None:
+def _other_model(tmp: Path) -> None:
     # gpt-nano's names: 4 layers where gpt-tiny has 2.
-    names = {f"transformer.h.{i}.ln_1.weight": f"transformer.h.{i}.ln_1.weight" for i in range(4)}
-    names["transformer.wte.weight"] = "transformer.wte.weight"
-    _checkpoint(tmp, monkeypatch, json.dumps(dict(format=1, step=3, world_size=1, source="GPT", state_dict=names,
-                                                  extra={},
-                                                  mesh=dict(pp=1, dp=1, tp=1), precision="fp32",
-                                                  loss_scaler=None)))
+    names = tuple(f"transformer.h.{i}.ln_1.weight" for i in range(4)) + ("transformer.wte.weight",)
+    make_checkpoint(tmp / "ck", 3, names=names, source="GPT")
 
 
-def _garbage_meta(tmp: Path, monkeypatch) -> None:
-    _checkpoint(tmp, monkeypatch, "{not json")
+def _garbage_meta(tmp: Path) -> None:
+    (make_checkpoint(tmp / "ck", 3) / "fxpipe.json").write_text("{not json")
 
 
 def _empty_ckpt(tmp: Path) -> None:
@@ -88,7 +83,8 @@ CASES = [
     ("run-sp-without-tp", RUN + ["--sp"], ["--sp needs --tp > 1"], None),
     ("run-sp-seq", RUN + ["--sp", "--tp", "2", "--seq", "15"], ["--seq 15", "multiple of 2", "--seq 14"], None),
     ("run-seq-over-block", RUN + ["--seq", "100"], ["--seq 100", "block size 64"], None),
-    ("run-global-batch", RUN + ["--global-batch", "7"], ["global batch 7", "2·2·1 = 4"], None),
+    ("run-global-batch", RUN + ["--global-batch", "7"],
+     ["global batch 7", "2·2·1 = 4", "--micro-batch-size 1 --microbatches 7"], None),
     ("run-steps-0", RUN + ["--steps", "0"], ["--steps must be >= 1, got 0"], None),
     ("run-pp-0", RUN + ["--pp", "0"], ["--pp must be >= 1, got 0"], None),
     ("run-micro-batch-0", RUN + ["--micro-batch-size", "0"], ["--micro-batch-size must be >= 1"], None),
@@ -99,15 +95,17 @@ CASES = [
     ("run-ckpt-dir-is-file", RUN + ["--checkpoint-dir", "{tmp}/afile"], ["--checkpoint-dir", "afile is a file"], _a_file),
     ("run-ckpt-dir-under-file", RUN + ["--checkpoint-dir", "{tmp}/afile/sub"],
      ["cannot be created", "afile is a file"], _a_file),
-    ("run-ckpt-dir-readonly", RUN + ["--checkpoint-dir", "{tmp}/ro"], ["--checkpoint-dir", "ro is not writable"], _readonly),
+    ("run-ckpt-dir-readonly", RUN + ["--checkpoint-dir", "{tmp}/ro"],
+     ["--checkpoint-dir", "ro cannot be written: EACCES: Permission denied"], _readonly),
     ("run-ckpt-dir-readonly-parent", RUN + ["--checkpoint-dir", "{tmp}/ro/new"],
-     ["cannot be created", "ro is not writable"], _readonly),
+     ["ro/new cannot be written (tried a file in", "EACCES"], _readonly),
     ("run-export-missing-dir", RUN + ["--export", "{tmp}/nope/model.pt"], ["--export", "nope does not exist"], None),
     ("run-export-dir-under-file", RUN + ["--export", "{tmp}/afile/hf"], ["--export", "afile is a file"], _a_file),
-    ("run-export-readonly", RUN + ["--export", "{tmp}/ro/model.pt"], ["--export", "cannot be written"], _readonly),
+    ("run-export-readonly", RUN + ["--export", "{tmp}/ro/model.pt"], ["--export", "cannot be written", "EACCES"],
+     _readonly),
     ("run-timeline-missing-dir", RUN + ["--timeline", "{tmp}/nope/t"], ["--timeline", "nope does not exist"], None),
     ("run-resume-empty", RUN + ["--checkpoint-dir", "{tmp}/ck", "--resume"],
-     ["--resume: no complete checkpoint", "drop --resume"], _empty_ckpt),
+     ["--resume: no complete checkpoint", "start without --resume"], _empty_ckpt),
     ("run-costs-typo", RUN + ["--costs", "mesure"],
      ["--costs mesure", "not a readable cost profile", "--costs measure"], None),
     ("run-costs-garbage-profile", RUN + ["--costs", "{tmp}/profile.json"],
@@ -124,14 +122,14 @@ CASES = [
     ("run-tp-vs-heads", RUN + ["--tp", "3"], ["4 attention heads", "tp=3", "[1, 2, 4]"], None),
     ("run-tp-8-vs-4-heads", RUN + ["--tp", "8", "--pp", "1"], ["4 attention heads", "tp=8"], None),
     ("run-vocab-too-small", RUN + ["--model", "tests._bad_models:vocab100"],
-     ["vocabulary of 100", "ids 0..255", "at least 256"], None),
+     ["vocabulary of 100", "largest id is 255", "at least 256"], None),
     ("run-uniform-more-stages-than-layers", RUN + ["--partition", "uniform", "--pp", "4"],
      ["--partition uniform", "2 layers, 4 stages"], None),
     ("run-resume-other-model", RUN + ["--checkpoint-dir", "{tmp}/ck", "--resume"],
      ["saved from another model", "(GPT, 5 tensors)", "transformer.h.3.ln_1.weight", "--model that saved it"],
      _other_model),
     ("run-resume-garbage-meta", RUN + ["--checkpoint-dir", "{tmp}/ck", "--resume"],
-     ["--resume:", "fxpipe.json is not readable JSON"], _garbage_meta),
+     ["--resume: no intact checkpoint", "fxpipe.json is not readable JSON"], _garbage_meta),
     # -- fxpipe compile
     ("compile-pp-0", COMPILE + ["--pp", "0"], ["argument --pp: must be >= 1, got 0"], None),
     ("compile-batch-0", COMPILE + ["--batch", "0"], ["argument --batch: must be >= 1, got 0"], None),
@@ -165,7 +163,7 @@ CASES = [
 
 @pytest.mark.parametrize("argv, expected, setup", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_cli_refuses(argv, expected, setup, tmp_path, monkeypatch, capsys):
-    import fxpipe.preflight  # noqa: F401  (the set-ups patch it)
+    import fxpipe.preflight_files  # noqa: F401  (the set-ups patch it)
 
     monkeypatch.setattr(fxpipe.launcher, "launch", _spawned)
     if setup is not None:

@@ -22,6 +22,7 @@ import torch
 
 from fxpipe.costs.measure import PHASES
 from fxpipe.partition import Coarsening
+from fxpipe.safe_io import UnsafeFileError, read_bounded
 
 FORMAT = 1
 MAX_BYTES = 16 * 2**20
@@ -109,11 +110,10 @@ class CostProfile:
     def load(path: str | os.PathLike) -> "CostProfile":
         """Parse and check a profile file; ProfileError says what is wrong with it."""
         path = Path(path)
-        try:
-            size = path.stat().st_size
-            if size > MAX_BYTES:
-                raise ProfileError(f"{path}: {size} bytes, more than a profile's {MAX_BYTES}")
-            doc = json.loads(path.read_bytes(), parse_constant=_refuse_constant)
+        try:  # a regular file under the cap: a FIFO or /dev/zero is refused at once (fxpipe/safe_io.py)
+            doc = json.loads(read_bounded(path, MAX_BYTES), parse_constant=_refuse_constant)
+        except UnsafeFileError as e:
+            raise ProfileError(f"not a readable cost profile: {e}") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise ProfileError(f"{path}: not a readable cost profile ({e})") from None
         return _parse(doc, path)

@@ -45,9 +45,13 @@ class Workload:
     labels aligned with inputs) — Hugging Face's, where the loss shifts."""
 
     def batch_from_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """A training batch from (B, s+1) token windows, in this model's convention."""
-        if self.vocab_size is not None:
-            tokens = tokens.clamp_max(self.vocab_size - 1)
+        """A training batch from (B, s+1) token windows, in this model's convention. Ids
+        outside the vocabulary are refused, never clamped (that trains on other data)."""
+        if self.vocab_size is not None and tokens.numel() and tokens.device.type != "meta":
+            top = int(tokens.max())
+            if top >= self.vocab_size:
+                raise ValueError(f"token id {top} is outside the model's vocabulary of {self.vocab_size}; "
+                                 f"give the model a vocabulary of at least {top + 1}")
         x = tokens[:, :-1].contiguous()
         return (x, tokens[:, 1:].contiguous()) if self.labels_shifted else (x, x.clone())
 
@@ -154,4 +158,12 @@ def _user_workload(spec: str) -> Workload:
                         f"got {type(result).__name__}")
     model, batch, *rest = result
     batch = batch if isinstance(batch, tuple) else (batch,)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{spec} must return (model, batch[, loss_fn]) with an nn.Module first, "
+                        f"got {type(model).__name__}")
+    if not batch or not all(isinstance(t, torch.Tensor) for t in batch):
+        raise TypeError(f"{spec}: the batch must be a tensor or a non-empty tuple of tensors, got "
+                        f"({', '.join(type(t).__name__ for t in batch)})")
+    if rest and rest[0] is not None and not callable(rest[0]):
+        raise TypeError(f"{spec}: loss_fn must be callable, got {type(rest[0]).__name__}")
     return Workload(model, batch, rest[0] if rest else None, None)

@@ -13,8 +13,8 @@ re-tracing routes (``ExportedProgram.run_decompositions``) inline ``no_grad``
 regions without a trace of the grad mode and decompose the composite ops
 (``linear``, ``scaled_dot_product_attention``) the tensor-parallel pass reads.
 
-How. Tensors that share a storage (a base and its views; FakeTensor metadata keeps
-real views) form one alias group with a *root*, the group's first node. A write
+How. A tensor and the views taken of it (ops whose schema says they return an alias
+of their input) form one alias group with a *root*, the node that made the tensor. A write
 ``op_(view, *args)`` becomes ``new = op(view, *args)`` and is carried up the view
 chain to the root with the scatter op that inverts each view (``slice`` ->
 ``slice_scatter``, ``select`` -> ``select_scatter``, ``view``/``unsqueeze``/... ->
@@ -78,6 +78,15 @@ def _view_parent(node: fx.Node) -> fx.Node:
     return node.args[0]
 
 
+def _same_storage(a: fx.Node, b: fx.Node) -> bool:
+    """Did ``a`` return ``b``'s storage? (``x.to(dtype)`` does only when nothing converts.)"""
+    try:
+        return StorageWeakRef(a.meta["val"].untyped_storage()) == \
+            StorageWeakRef(b.meta["val"].untyped_storage())
+    except (NotImplementedError, RuntimeError):  # sparse, nested: no plain storage
+        return False
+
+
 def _where(node: fx.Node) -> str:
     trace = (node.meta.get("stack_trace") or "").strip().splitlines()
     src = next((ln.strip() for ln in reversed(trace) if ln.strip().startswith("File ")), "")
@@ -113,22 +122,25 @@ class _Rewriter:
         self.fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
         self.g = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}
-        self.key: dict[fx.Node, Any] = {}      # node -> storage of its value
-        self.root: dict[Any, fx.Node] = {}     # storage -> first node holding it
-        self.current: dict[Any, fx.Node] = {}  # storage -> new-graph node of the root's value now
+        self.key: dict[fx.Node, Any] = {}      # node -> its alias group
+        self.root: dict[Any, fx.Node] = {}     # group -> the node that made the tensor
+        self.current: dict[Any, fx.Node] = {}  # group -> new-graph node of the root's value now
         self.version: dict[Any, int] = {}
         self.seen: dict[fx.Node, tuple[int, fx.Node]] = {}  # alias -> (version, its value then)
         self.alias_of: dict[fx.Node, fx.Node] = {}  # in-place node -> the tensor it wrote
         self.mutations = 0
-        for n in self.src.nodes:
-            v = n.meta.get("val")
-            if isinstance(v, torch.Tensor):
-                try:
-                    k = StorageWeakRef(v.untyped_storage())
-                except (NotImplementedError, RuntimeError):  # sparse, nested: no storage
-                    continue
-                self.key[n] = k
-                self.root.setdefault(k, n)
+        for n in self.src.nodes:  # alias groups, from the graph's structure
+            if not isinstance(n.meta.get("val"), torch.Tensor):
+                continue
+            k: Any = n  # a node that makes a new tensor starts a group of its own
+            if mutated_args(n):
+                k = self.key.get(n.args[0], n)  # x.add_(y) returns x
+            elif _is_view(n):
+                parent = _view_parent(n)
+                if parent in self.key and (n.target not in _IDENTITIES or _same_storage(n, parent)):
+                    k = self.key[parent]
+            self.key[n] = k
+            self.root.setdefault(k, n)
 
     # ---- new nodes ---------------------------------------------------------------
     def _emit(self, target, args: tuple, kwargs: dict, like: fx.Node) -> fx.Node:
@@ -157,12 +169,8 @@ class _Rewriter:
         got = self.seen.get(n)
         if got is not None and got[0] == ver:
             return got[1]
-        if n is self.root[k]:
-            out = self.current[k]
-        elif _is_view(n):
-            out = self._replay(n)
-        else:  # a non-view node of the group (an earlier in-place result): its root's value
-            out = self.current[k]
+        # Group members are the root and views of it (in-place results were resolved).
+        out = self.current[k] if n is self.root[k] else self._replay(n)
         self.seen[n] = (ver, out)
         return out
 
@@ -170,8 +178,6 @@ class _Rewriter:
         """The view ``n`` taken again from its parent's current value."""
         if n.target is operator.getitem:
             multi = n.args[0]
-            if not _is_view(multi):  # getitem of a region's results: not a view to replay
-                return self.env[n]
             margs = (self.value(multi.args[0]), *self._map(multi.args[1:]))
             again = self._emit(multi.target, margs, self._map(multi.kwargs), multi)
             return self._emit(operator.getitem, (again, n.args[1]), {}, n)
@@ -191,9 +197,9 @@ class _Rewriter:
     def write(self, m: fx.Node) -> None:
         target = self._resolve(m.args[0])
         if m.target == aten.detach_.default:
-            # Only autograd metadata changes: later reads see a detached value.
-            self.env[m] = self._emit(aten.detach.default, (self.value(target),), {}, m)
-            self.seen[target] = (self.version.get(self.key.get(target), 0), self.env[m])
+            # Only autograd metadata changes: from here on the tensor reads detached.
+            self._commit(target, self._emit(aten.detach.default, (self.value(target),), {}, m), m)
+            self.alias_of[m] = target
             return
         k = self.key.get(target)
         if k is None:
@@ -204,10 +210,24 @@ class _Rewriter:
             raise FunctionalizeError(
                 f"the forward writes in place into {self.names.get(root.name, root.name)}, a "
                 f"parameter or batch input, at {_where(m)}; use an out-of-place op (e.g. x = x.add(y), not x.add_(y))")
-        op = _functional_op(m)
-        new = self._emit(op, (self.value(target), *self._map(m.args[1:])), self._map(m.kwargs), m)
+        if m.target == aten.copy_.default:
+            new = self._copied(target, m)
+        else:
+            op = _functional_op(m)
+            new = self._emit(op, (self.value(target), *self._map(m.args[1:])), self._map(m.kwargs), m)
         self._commit(target, new, m)
         self.alias_of[m] = target
+
+    def _copied(self, target: fx.Node, m: fx.Node) -> fx.Node:
+        """``target.copy_(src)`` as a value: src in target's dtype, device and shape.
+        (aten.copy, torch's functional form, has no derivative: the gradient would stop.)"""
+        src = self.value(m.args[1])
+        want, got = target.meta["val"], m.args[1].meta["val"]
+        if (got.dtype, got.device) != (want.dtype, want.device):
+            src = self._emit(aten._to_copy.default, (src,), {"dtype": want.dtype, "device": want.device}, m)
+        if tuple(got.shape) != tuple(want.shape):
+            src = self._emit(aten.expand_as.default, (src, self.value(target)), {}, m)
+        return src
 
     def _commit(self, target: fx.Node, new: fx.Node, m: fx.Node) -> None:
         """From ``m`` on, ``target`` holds ``new``: carry it up to the alias group's root."""

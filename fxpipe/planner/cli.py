@@ -60,11 +60,21 @@ def options_from_args(args: argparse.Namespace) -> PlannerOptions:
         max_tp=args.max_tp, max_chunks=args.max_chunks, max_micro_batch=args.max_micro_batch)
 
 
+MAX_GPUS = 2**20
+MAX_GLOBAL_BATCH = 65536
+"""Sequences per iteration the search takes (GPT-3 trained at 1536): the per-layout in-flight
+counts grow with the microbatch count, and at 10^7 one search took 49 s and 0.9 GB."""
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from fxpipe.planner.explain import explain, plan_table, search_summary
     from fxpipe.planner.search import plan
     from fxpipe.planner.shapes import shape_from_registry
 
+    for flag, value, limit in (("--gpus", args.gpus, MAX_GPUS), ("--global-batch", args.global_batch,
+                                                                 MAX_GLOBAL_BATCH)):
+        if not 1 <= value <= limit:
+            raise ValueError(f"{flag} must be in [1, {limit}], got {value}")
     shape = shape_from_registry(args.model, seq=args.seq)
     options = options_from_args(args)
     hw = options.hardware

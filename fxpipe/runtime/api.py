@@ -89,6 +89,17 @@ class ParallelModel:
     def num_microbatches(self) -> int:
         return self.config.microbatches
 
+    def close(self) -> None:
+        """Release the process groups this model created (tp, dp, pp and tied-weight
+        groups). Each gloo group keeps its own polling threads until destroyed, so a
+        process that parallelizes many models in turn (a test world, the compatibility
+        run) calls this between them. The model cannot train afterwards."""
+        mine = [self.groups.tp_group, self.groups.dp_group, self.groups.pp_group]
+        mine += [group for _, group in self.grad_sync.tied]
+        for group in dict.fromkeys(g for g in mine if g is not None):
+            if group is not dist.GroupMember.NON_GROUP_MEMBER and group is not dist.GroupMember.WORLD:
+                dist.destroy_process_group(group)
+
     # ---- parameters ----------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's trainable tensors under their original (canonical) names (the

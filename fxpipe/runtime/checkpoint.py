@@ -42,12 +42,14 @@ from fxpipe.passes.tensor_parallel import ShardSpec
 from fxpipe.mismatch import full_shapes, raise_if_mismatched
 from fxpipe.program import ParamKind, Program
 from fxpipe.runtime.checkpoint_shards import empty_chunks, is_sharded, wrap_state
-from fxpipe.runtime.checkpoint_files import (POINTER_FILE, SafeReader, commit, committed, latest_checkpoint,
-                                             list_checkpoints, prune, read_pointer, remove_debris, resolve,
-                                             step_dirname, temporary, write_atomic)
+from fxpipe.runtime.checkpoint_files import (POINTER_FILE, SafeReader, adopt_run, commit, committed,
+                                             latest_checkpoint, list_checkpoints, prune, read_pointer,
+                                             remove_debris, remove_other_runs, resolve, run_id, step_dirname,
+                                             temporary, write_atomic)
 from fxpipe.runtime.checkpoint_lock import CheckpointLockError, acquire
 from fxpipe.runtime.checkpoint_manifest import (FORMAT, META_FILE, SCALER_FIELDS, CheckpointFallbackWarning,
-                                                CorruptCheckpointError, digest, file_names, read_manifest, verify)
+                                                CorruptCheckpointError, digest, file_names, read_manifest, verify,
+                                                with_digest)
 from fxpipe.runtime.checkpoint_metadata import UnsafeCheckpointError
 
 if TYPE_CHECKING:
@@ -188,13 +190,14 @@ def _scaler_state(pm: "ParallelModel") -> dict | None:
 
 # ---- save ------------------------------------------------------------------------------------
 def save_checkpoint(pm: "ParallelModel", optimizer: torch.optim.Optimizer, step: int, directory: str | os.PathLike,
-                    *, extra: dict | None = None, keep_last: int | None = 3) -> Path:
+                    *, extra: dict | None = None, keep_last: int | None = 3, overwrite: bool = False) -> Path:
     """Save this job's state after ``step`` optimizer steps; collective (every rank calls).
 
     Written to ``step_XXXXXXX.<job>.tmp`` and renamed to ``step_XXXXXXX`` by rank 0 once
     every rank's data and DCP's index are on disk; then ``latest`` is replaced and
-    all but the newest ``keep_last`` checkpoints are removed (None: keep all).
-    ``extra`` must be JSON-serialisable and the same on every rank (rank 0's is kept).
+    all but the newest ``keep_last`` checkpoints of this run are removed (None: keep
+    all); another run's are never pruned, unless ``overwrite`` (``fxpipe run
+    --overwrite``), which removes every other run's checkpoints. ``extra`` must be JSON-serialisable and the same on every rank (rank 0's is kept).
     Returns the checkpoint's directory."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -213,11 +216,11 @@ def save_checkpoint(pm: "ParallelModel", optimizer: torch.optim.Optimizer, step:
                 precision=pm.master.precision.value if pm.master is not None else "fp32",
                 loss_scaler=_scaler_state(pm), state_dict=state_dict_names(pm.plan.program),
                 torch=torch.__version__)
-    return write_checkpoint(state, directory, step, meta, keep_last)
+    return write_checkpoint(state, directory, step, meta, keep_last, overwrite=overwrite)
 
 
 def write_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: int, meta: dict[str, Any],
-                     keep_last: int | None) -> Path:
+                     keep_last: int | None, *, overwrite: bool = False) -> Path:
     """The directory protocol of a save (docs/checkpoints.md), for any DCP state dict:
     lock, this job's temporary, ``dcp.save``, per-rank digests, the manifest, the atomic
     rename, ``latest``, the atomic prune. ``meta`` (rank 0's) goes into the manifest.
@@ -251,12 +254,15 @@ def write_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: 
             raise RuntimeError(f"checkpoint {tmp}: data files {sorted(on_disk)} but the ranks hashed "
                                f"{sorted(listed)}; not committing it")
         listed[".metadata"] = digest(tmp / ".metadata")
-        manifest = dict(format=FORMAT, **meta, files=dict(sorted(listed.items())))
+        run = run_id(root)
+        manifest = with_digest(dict(format=FORMAT, **meta, run=run, files=dict(sorted(listed.items()))))
         write_atomic(tmp / META_FILE, json.dumps(manifest, indent=1).encode())
         commit(tmp, final)
         write_atomic(root / POINTER_FILE, (final.name + "\n").encode())
+        if overwrite:
+            remove_other_runs(root, run, keep=final)
         if keep_last is not None:
-            prune(root, keep_last, keep=final)
+            prune(root, keep_last, keep=final, run=run)
     dist.barrier()
     return final
 
@@ -336,13 +342,15 @@ def local_problems(path: Path, share: tuple[int, int] = (0, 1)) -> list[str]:
     digests of its share of the files (file i is read by share i mod n); share 0 also
     validates DCP's index (allow-list and structure). Empty if intact."""
     index, count = share
+    if path.is_symlink():
+        return [f"{path} is a symbolic link; fxpipe does not follow links in a checkpoint directory"]
     try:
         meta = read_manifest(path)
         problems = verify(path, meta, file_names(meta)[index::count])
         if index == 0 and not problems:
             md = SafeReader(path).read_metadata()
             unlisted = sorted({i.relative_path for i in md.storage_data.values()} - set(meta.get("files", ())))
-            if meta["format"] == FORMAT and unlisted:  # data that no digest covers
+            if meta["format"] >= 2 and unlisted:  # data that no digest covers
                 problems.append(f"{path / '.metadata'} refers to {unlisted[:4]}, which {path / META_FILE} "
                                 f"does not list")
         return problems
@@ -411,7 +419,9 @@ def choose_intact(directory: str | os.PathLike, step: int | None) -> tuple[Path,
     if skipped and rank == 0:
         warnings.warn(f"resuming from {path}, skipping: " + "; ".join(skipped), CheckpointFallbackWarning,
                       stacklevel=3)
-    return path, read_manifest(path)
+    meta = read_manifest(path)
+    adopt_run(directory, meta.get("run"))  # this job continues that run: its saves prune its steps
+    return path, meta
 
 
 def read_dcp(tensors: dict[str, torch.Tensor], path: Path, *, no_dist: bool = False) -> None:

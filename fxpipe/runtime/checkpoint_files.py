@@ -17,12 +17,20 @@ directories, because rename(2) of a directory within one filesystem is atomic
 nothing is deleted from one that does not either (pruning renames first). Only the
 job holding the directory's lock removes ``*.tmp`` debris, so it is never another
 live job's.
+
+Nothing outside the directory is read or written through a link: ``latest``, the
+manifest, DCP's index and data files are opened with ``O_NOFOLLOW`` and must be
+regular files (``fxpipe/safe_io.py``), a ``step_N`` that is a symbolic link is never
+a checkpoint (a resume names it as skipped), and ``.lock`` is refused if it is a link
+(``checkpoint_lock.py``). Pruning deletes only this run's own checkpoints (the
+manifest's ``run``), so a directory shared by mistake loses nothing to another run.
 """
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +38,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from fxpipe.runtime.checkpoint_lock import JOB_ID
+from fxpipe.safe_io import UnsafeFileError, read_bounded
 from fxpipe.runtime.checkpoint_manifest import FORMAT, META_FILE  # noqa: F401  (re-exported)
+from fxpipe.runtime.checkpoint_manifest import CorruptCheckpointError, read_manifest
 from fxpipe.runtime.checkpoint_manifest import is_complete as _manifest_complete
 from fxpipe.runtime.checkpoint_manifest import why_incomplete as _why_incomplete
 from fxpipe.runtime.checkpoint_metadata import read_metadata
@@ -43,9 +53,14 @@ def step_dirname(step: int) -> str:
     return f"step_{step:07d}"
 
 
+def is_real_dir(path: Path) -> bool:
+    """A directory, not a symbolic link to one (which could lead out of the checkpoint directory)."""
+    return path.is_dir() and not path.is_symlink()
+
+
 def is_complete(path: Path) -> bool:
     """A committed (renamed) step directory whose manifest's files are all present."""
-    return bool(_STEP_DIR.match(path.name)) and path.is_dir() and _manifest_complete(path)
+    return bool(_STEP_DIR.match(path.name)) and is_real_dir(path) and _manifest_complete(path)
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -63,24 +78,30 @@ def committed(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     root = Path(directory)
     if not root.is_dir():
         return []
-    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))
+                  and (p.is_dir() or p.is_symlink()))  # a link is listed, to be named when skipped
 
 
 def read_pointer(directory: str | os.PathLike) -> tuple[Path | None, str | None]:
     """The step directory ``latest`` names, and what is wrong with the pointer (None
     if it is missing, which a kill before the first pointer write leaves, or usable).
     The pointer is read from disk: only a bare step directory name is followed (no
-    path components, so it cannot point outside ``directory``)."""
+    path components, so it cannot point outside ``directory``), from a regular file of
+    at most 256 bytes that is not a link (a FIFO or ``/dev/zero`` is refused at once)."""
     root = Path(directory)
     try:
-        raw = (root / POINTER_FILE).read_bytes()[:256]
+        raw = read_bounded(root / POINTER_FILE, 256, follow=False)
     except (FileNotFoundError, NotADirectoryError):
         return None, None
+    except UnsafeFileError as exc:
+        return None, f"{exc}; ignored"
     except OSError as exc:
         return None, f"{root / POINTER_FILE} is unreadable ({exc})"
     name = raw.decode("ascii", "replace").strip()
     if not _STEP_DIR.match(name):
         return None, f"{root / POINTER_FILE} does not name a step directory ({name[:64]!r})"
+    if (root / name).is_symlink():
+        return None, f"{root / POINTER_FILE} names {name}, which is a symbolic link (not followed)"
     if not (root / name).is_dir():
         return None, f"{root / POINTER_FILE} names {name}, which does not exist"
     return root / name, None
@@ -107,7 +128,12 @@ def _fsync_dir(path: Path) -> None:
 def write_atomic(path: Path, data: bytes) -> None:
     """Write beside, fsync, then os.replace: readers see the old file or the new one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
+    if tmp.is_symlink():
+        tmp.unlink()  # a link planted under our temporary's name: never written through
+    # O_NOFOLLOW: the temporary itself is never a link; os.replace then swaps the name
+    # ``path`` (a link there is replaced, not followed).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with open(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -156,16 +182,59 @@ def commit(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
-def prune(root: Path, keep_last: int, keep: Path) -> None:
-    """Remove all but the newest ``keep_last`` complete checkpoints (never ``keep``):
-    each is first renamed out of the ``step_N`` namespace (atomic), then deleted, so a
-    kill mid-deletion leaves ignored debris, never a half-deleted "complete" step."""
-    for _, old in list_checkpoints(root)[:-keep_last]:
+_RUNS: dict[str, str] = {}
+"""Resolved checkpoint directory -> the run this process saves there (rank 0's decides)."""
+
+
+def run_id(directory: str | os.PathLike) -> str:
+    """The run this process saves into ``directory`` as: the one it resumed from there
+    (``adopt_run``), else a fresh random id, kept for the process's life."""
+    return _RUNS.setdefault(str(Path(directory).resolve()), uuid.uuid4().hex[:16])
+
+
+def adopt_run(directory: str | os.PathLike, run: str | None) -> None:
+    """A resume continues the run that saved the checkpoint it loaded (older formats
+    have none: the resumed job is then a run of its own)."""
+    if run is not None:
+        _RUNS[str(Path(directory).resolve())] = run
+
+
+def run_of(path: Path) -> str | None:
+    """The run that saved checkpoint ``path`` (None: unreadable manifest, or a format before runs)."""
+    try:
+        return read_manifest(path).get("run")
+    except CorruptCheckpointError:
+        return None
+
+
+def _delete(root: Path, old: Path) -> None:
+    """Renamed out of the ``step_N`` namespace (atomic), then deleted: a kill mid-deletion
+    leaves ignored debris, never a half-deleted "complete" step."""
+    doomed = old.with_name(f"{old.name}.{JOB_ID}.deleting.tmp")
+    os.rename(old, doomed)
+    _fsync_dir(root)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def prune(root: Path, keep_last: int, keep: Path, run: str) -> None:
+    """Remove all but the newest ``keep_last`` complete checkpoints of ``run`` (never
+    ``keep``). Another run's checkpoints are never pruned: a second job pointed at this
+    directory by mistake must not delete the first one's."""
+    own = [p for _, p in list_checkpoints(root) if run_of(p) == run]
+    for old in own[:-keep_last]:
         if old != keep:
-            doomed = old.with_name(f"{old.name}.{JOB_ID}.deleting.tmp")
-            os.rename(old, doomed)
-            _fsync_dir(root)
-            shutil.rmtree(doomed, ignore_errors=True)
+            _delete(root, old)
+
+
+def remove_other_runs(root: Path, run: str, keep: Path) -> list[str]:
+    """``--overwrite``: every committed step directory that is not ``run``'s (complete
+    or not; links are left alone, they were never checkpoints). Returns their names."""
+    gone = []
+    for _, old in committed(root):
+        if old != keep and is_real_dir(old) and run_of(old) != run:
+            _delete(root, old)
+            gone.append(old.name)
+    return gone
 
 
 def resolve(directory: str | os.PathLike, step: int | None) -> Path:
@@ -173,7 +242,10 @@ def resolve(directory: str | os.PathLike, step: int | None) -> Path:
     path = latest_checkpoint(root) if step is None else root / step_dirname(step)
     if path is None or not is_complete(path):
         which = "no complete checkpoint" if step is None else f"no complete checkpoint for step {step}"
-        why = f": {_why_incomplete(path)}" if path is not None and path.is_dir() else ""
+        if path is not None and path.is_symlink():
+            why = f": {path} is a symbolic link; fxpipe does not follow links in a checkpoint directory"
+        else:
+            why = f": {_why_incomplete(path)}" if path is not None and path.is_dir() else ""
         steps = [s for s, _ in list_checkpoints(root)]
         raise FileNotFoundError(f"{which} in {root}{why} (complete: {steps or 'none'}); "
                                 f"check --checkpoint-dir, or start without --resume")

@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 
+from fxpipe.safe_io import UnsafeFileError, read_bounded
+
 MAX_METADATA_BYTES = 1 << 30
 """An index larger than this is refused before unpickling (a 175B model's is ~MBs)."""
 
@@ -101,10 +103,10 @@ def read_metadata(directory: str | os.PathLike) -> Metadata:
     root = Path(directory)
     path = root / ".metadata"
     try:
-        size = path.stat().st_size
-        if size > MAX_METADATA_BYTES:
-            raise UnsafeCheckpointError(f"is {size} bytes, over the {MAX_METADATA_BYTES}-byte limit")
-        data = path.read_bytes()
+        try:  # a regular file, not a link, at most the cap (fxpipe/safe_io.py)
+            data = read_bounded(path, MAX_METADATA_BYTES, follow=False)
+        except UnsafeFileError as exc:
+            raise UnsafeCheckpointError(f"is refused: {exc}") from None
         _check_opcodes(data)
         try:
             metadata = _RestrictedUnpickler(io.BytesIO(data)).load()

@@ -140,6 +140,7 @@ def _export_safetensors(source: _Source, path: Path, hf_config: Any, max_shard_b
     path.mkdir(parents=True, exist_ok=True)
     parts = list(_shards(entries, source, max_shard_bytes))
     files = []
+    index = path / "model.safetensors.index.json"
     if len(parts) == 1:
         files.append(path / "model.safetensors")
         _write_safetensors(files[0], parts[0], source, metadata)
@@ -151,11 +152,25 @@ def _export_safetensors(source: _Source, path: Path, hf_config: Any, max_shard_b
             weight_map.update({name: f.name for name, _ in part})
             files.append(f)
         total = sum(_nbytes(*source.meta[c]) for _, c in entries)
-        (path / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        tmp = index.with_name(f".{index.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        os.replace(tmp, index)
+    _remove_replaced(path, files, index)
     if hf_config is not None:
         hf_config.save_pretrained(path)
     return files
+
+
+def _remove_replaced(path: Path, written: list[Path], index: Path) -> None:
+    """Weights files of an earlier export into this directory that this one replaces: a
+    stale index beside a new ``model.safetensors`` (or the other way round) would
+    shadow the new weights for a reader (``from_pretrained``, ``--init-from``)."""
+    stale = [f for f in [path / "model.safetensors", *path.glob("model-*-of-*.safetensors")]
+             if f.is_file() and f not in written]
+    if len(written) == 1 and path / "model.safetensors" in written and index.exists():
+        stale.append(index)
+    for f in stale:
+        f.unlink()
 
 
 def _export(source: _Source, path: Path, hf_config: Any, max_shard_bytes: int) -> Any:

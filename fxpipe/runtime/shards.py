@@ -21,15 +21,21 @@ from fxpipe.program import ParamKind, Program
 
 def stored_weights(program: Program, specs: dict, directory) -> dict:
     """Canonical name -> (WeightsDir, stored name) for every parameter, checked against
-    the model's names and full shapes first (one error listing every mismatch)."""
-    from fxpipe.mismatch import full_shapes
+    the model's names, full shapes and dtypes first (one error listing every mismatch)."""
     from fxpipe.weights import WeightsDir
 
     wd = WeightsDir(directory)
+    return {c: (wd, s) for c, s in check_weights(wd, program, specs).items()}
+
+
+def check_weights(wd, program: Program, specs: dict) -> dict[str, str]:
+    """``WeightsDir.check`` against ``program`` (the launcher's preflight calls it too)."""
+    from fxpipe.mismatch import full_shapes
+
     names = {p.name: p.canonical for p in program.params if p.kind is not ParamKind.CONSTANT}
-    full = full_shapes(program, specs)
     required = {p.canonical for p in program.params if p.kind is ParamKind.PARAMETER}
-    return {c: (wd, s) for c, s in wd.check(names, full, required).items()}
+    dtypes = {p.canonical: p.dtype for p in program.params if p.kind is not ParamKind.CONSTANT}
+    return wd.check(names, full_shapes(program, specs), required, dtypes)
 
 
 class ShardBuilder:

@@ -25,6 +25,23 @@ from .simulate import StageDurations, simulate
 from .validate import validate
 
 
+MAX_PAIRS = 100_000
+"""Stage-microbatch pairs (p·v·m) ``viz`` simulates and prints: ~2.5 GB and a minute at the
+limit (measured: p=64, m=1024 takes 0.5 GB and 7 s); beyond it memory runs out."""
+MAX_PAIRS_IMAGE = 20_000
+"""The same for a PNG/SVG Gantt chart, one rectangle per action (8192 pairs: 0.45 GB, 5 s)."""
+
+
+def check_size(pp: int, microbatches: int, chunks: int | None, *, image: bool = False) -> None:
+    """Refuse a schedule too large to generate and draw here, naming the limit."""
+    limit = MAX_PAIRS_IMAGE if image else MAX_PAIRS
+    v = chunks or 1
+    if pp * v * microbatches > limit:
+        what = "an image" if image else "a schedule"
+        raise ValueError(f"--pp {pp} × --microbatches {microbatches} × {v} chunk(s) = {pp * v * microbatches} "
+                         f"stage-microbatch pairs; fxpipe draws {what} of at most {limit}: use fewer")
+
+
 def _durations(text: str) -> tuple[float, float, float]:
     try:
         f, b, w = (float(x) for x in text.split(","))
@@ -56,6 +73,9 @@ def add_viz_arguments(parser: argparse.ArgumentParser) -> None:
 def run_viz(args: argparse.Namespace) -> int:
     """Run ``fxpipe viz``; returns the process exit code."""
     try:
+        ext = os.path.splitext(args.output or "")[1].lower()
+        if args.pp >= 1 and args.microbatches >= 1 and (args.chunks or 1) >= 1:  # else generate says why
+            check_size(args.pp, args.microbatches, args.chunks, image=ext in (".png", ".svg", ".pdf"))
         schedule = lower(generate(args.schedule, args.pp, args.microbatches, args.chunks))
         validate(schedule)
         f, b, w = args.durations
@@ -67,7 +87,6 @@ def run_viz(args: argparse.Namespace) -> int:
     if args.output is None:
         sys.stdout.write(render_ascii(result.timeline))
         return 0
-    ext = os.path.splitext(args.output)[1].lower()
     if ext == ".json":
         render_trace(result.timeline, args.output)
     elif ext in (".png", ".svg", ".pdf"):

@@ -84,6 +84,9 @@ PATTERNS = {
     "slice_of_slice": lambda h: h[1:, :][:, ::2].mul_(3.0),
     "select": lambda h: h[1].add_(1.0),
     "setitem": lambda h: h.__setitem__((slice(None), 0), 2.0),
+    "setitem_from_activation": lambda h: h.__setitem__((slice(None), 0), h[:, 1] * 2),
+    "setitem_broadcast_and_cast": lambda h: h.__setitem__(
+        (slice(1, 3), slice(None)), (h[0] * 3).double()),
     "transpose": lambda h: h.t()[2].sub_(1.0),
     "permute_view": lambda h: h.view(4, 2, 3).permute(2, 0, 1)[1].div_(2.0),
     # Outputs of multi-view ops cannot be written when they require grad (eager refuses),
@@ -95,6 +98,9 @@ PATTERNS = {
     "index_put": _index_put,
     "index_add": _index_add,
     "two_views_then_read_old_view": lambda h: (lambda v: (h[0].fill_(1.0), v * 2)[1])(h[:, 0]),
+    # A literal tensor is a lifted constant copied fresh each call: writing it is fine.
+    "literal": lambda h: (lambda t: (t.mul_(2.0), t.__setitem__(0, 5.0), h * t)[2])(
+        torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])),
     "dtype_kept": lambda h: h.add_(torch.ones(6, dtype=torch.float64)),
 }
 

@@ -1,4 +1,6 @@
 """Stage construction: chaining the stage modules reproduces the full model exactly."""
+import functools
+
 import pytest
 import torch
 
@@ -21,10 +23,17 @@ def _workload(name):
     return build_workload(name, batch=4, seq=16, layers=4)
 
 
-def _plan(name, p, v, method="ilp"):
+@functools.lru_cache(maxsize=None)
+def _captured(name):
+    """One capture per model for all the layouts below (cases copy the state they train)."""
     w = _workload(name)
     mbs = [tuple(t[i * 2:(i + 1) * 2] for t in w.example_inputs) for i in range(M)]
     prog, _ = run_passes(fxpipe.capture(w.model, mbs[0], w.loss_fn))
+    return w, mbs, prog
+
+
+def _plan(name, p, v, method="ilp"):
+    w, mbs, prog = _captured(name)
     sched = generate("interleaved" if v > 1 else "1f1b", p, M, v)
     cfg = PartitionConfig(num_stages=p * v, stage_to_rank=sched.stage_ranks,
                           inflight=stage_inflight(sched), method=method)

@@ -59,8 +59,11 @@ def main(mode: str, directory: str, *steps: str) -> None:
             for w in caught:
                 print(f"WARN {w.category.__name__}: {w.message}", flush=True)
     elif mode == "loop":  # continues after the newest checkpoint, as a resumed job would
-        from fxpipe.runtime.checkpoint_files import list_checkpoints
-        step = max((s for s, _ in list_checkpoints(directory)), default=0) + 1
+        from fxpipe.runtime.checkpoint_files import adopt_run, list_checkpoints, run_of
+        found = list_checkpoints(directory)
+        step = found[-1][0] + 1 if found else 1
+        if found:  # continues the run that saved them (a resume adopts it), so its prune applies
+            adopt_run(directory, run_of(found[-1][1]))
         while True:
             write_checkpoint(state(step), directory, step, dict(META, step=step), keep_last=2)
             print(f"SAVED {step}", flush=True)

@@ -68,7 +68,7 @@ def test_resume_without_checkpoint_fails_fast(capsys, tmp_path):
     assert "no complete checkpoint" in capsys.readouterr().err
     _fake_checkpoint(tmp_path, 1)
     assert main(["run", "--checkpoint-dir", str(tmp_path), "--resume-from", "7"]) == 2
-    assert "no complete checkpoint of step 7" in capsys.readouterr().err
+    assert "no complete checkpoint for step 7 in" in capsys.readouterr().err
 
 
 # ---- spawned worlds ---------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from fxpipe.runtime import checkpoint_files
 from fxpipe.runtime.checkpoint import candidates, local_problems, pick_intact, read_dcp
 from fxpipe.runtime.checkpoint_files import SafeReader, latest_checkpoint, list_checkpoints, step_dirname
 from fxpipe.runtime.checkpoint_lock import CheckpointLockError, check_free
-from fxpipe.runtime.checkpoint_manifest import CorruptCheckpointError
+from fxpipe.runtime.checkpoint_manifest import CorruptCheckpointError, with_digest
 from tests.runtime._ckpt_child import state
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,7 +143,8 @@ def test_half_deleted_checkpoint_is_never_listed(ckpt, monkeypatch):
 
     monkeypatch.setattr(checkpoint_files.shutil, "rmtree", dies_halfway)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint_files.prune(ckpt, keep_last=2, keep=ckpt / step_dirname(3))
+        checkpoint_files.prune(ckpt, keep_last=2, keep=ckpt / step_dirname(3),
+                               run=checkpoint_files.run_of(ckpt / step_dirname(3)))
     assert [s for s, _ in list_checkpoints(ckpt)] == [2, 3]
     assert len(list(ckpt.glob("step_0000001.*.deleting.tmp"))) == 1
 
@@ -213,10 +214,12 @@ def test_resume_warns_naming_the_files_and_resume_from_refuses(ckpt):
 
 
 def _edit_manifest(**changes):
+    """The manifest with ``changes`` and its own digest recomputed, so that the field
+    checks (not the digest) must catch them."""
     def edit(f: Path) -> None:
         meta = json.loads(f.read_text())
         meta.update(changes)
-        f.write_text(json.dumps(meta))
+        f.write_text(json.dumps(with_digest(meta)))
     return edit
 
 
@@ -227,7 +230,7 @@ def _raw(text: str):
 def _drop_file_entry(f: Path) -> None:
     meta = json.loads(f.read_text())
     del meta["files"]["__0_0.distcp"]
-    f.write_text(json.dumps(meta))
+    f.write_text(json.dumps(with_digest(meta)))
 
 
 @pytest.mark.parametrize("damage,message", [
@@ -236,7 +239,7 @@ def _drop_file_entry(f: Path) -> None:
     (lambda f: f.write_bytes(b"\xff\xfe{}"), "fxpipe.json is not readable JSON (UnicodeDecodeError"),
     (_raw("[1, 2]"), "fxpipe.json: is not a JSON object"),
     (_edit_manifest(format=True), "fxpipe.json: has format 'True'"),
-    (_edit_manifest(format=3), "fxpipe.json: has format '3'; this fxpipe reads 1 and 2"),
+    (_edit_manifest(format=4), "fxpipe.json: has format '4'; this fxpipe reads 1, 2, 3"),
     (_edit_manifest(step=2), "fxpipe.json: says step 2, but it is in step_0000003"),
     (_edit_manifest(step=True), "fxpipe.json: field 'step' is missing or malformed"),
     (_edit_manifest(world_size=2), "fxpipe.json: mesh {'pp': 1, 'dp': 1, 'tp': 1} does not multiply to its "
