@@ -25,8 +25,8 @@ FEATURES = {
 
 
 def _zoo_name(key):
-    if key == "torchtune-llama":  # an optional extra: pip install 'fxpipe[torchtune]'
-        pytest.importorskip("torchtune", exc_type=ImportError)
+    if not ZOO[key].available:  # an optional extra, e.g. pip install 'fxpipe[torchtune]'
+        pytest.skip(f"zoo:{key} needs {ZOO[key].requires}")
     return f"zoo:{key}"
 
 

@@ -77,7 +77,10 @@ HF_TINY = dict(layers=2, hidden=64, heads=4, vocab=128, seq=64)
 
 
 def model_names() -> list[str]:
-    return [*GPT_CONFIGS, *(f"hf:{k}" for k in HF_FAMILIES), *(f"zoo:{k}" for k in ZOO)]
+    """Every name ``build_workload`` can build here (a zoo model whose optional package
+    is missing is left out; building it says which extra to install)."""
+    return [*GPT_CONFIGS, *(f"hf:{k}" for k in HF_FAMILIES),
+            *(f"zoo:{k}" for k, m in ZOO.items() if m.available)]
 
 
 def _token_batch(batch: int, seq: int, vocab: int, device: torch.device | str,

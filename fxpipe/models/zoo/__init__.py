@@ -8,6 +8,7 @@ builders. ``zoo:<name>`` in ``build_workload`` / ``--model``.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,6 +31,13 @@ class ZooModel:
     before a cast to bf16 (tensor parallelism splits a matmul's output) can move a bf16
     result by one ulp (2^-8) and that difference propagates; None: an fp32 model, held
     to fp32 tolerances."""
+    requires: str | None = None
+    """An optional package the builder imports (an extra of fxpipe's), or None."""
+
+    @property
+    def available(self) -> bool:
+        """Buildable here: its optional package, if any, is installed."""
+        return self.requires is None or importlib.util.find_spec(self.requires) is not None
 
 
 ZOO: dict[str, ZooModel] = {
@@ -39,5 +47,6 @@ ZOO: dict[str, ZooModel] = {
                          bf16_rtol=1e-2),
     "complex-rope": ZooModel(complex_rope.build, "Llama-1 reference rotary: polar, view_as_complex"),
     "llama3": ZooModel(llama3.build, "Llama-3 in plain PyTorch: GQA, RMSNorm, SwiGLU, own RoPE"),
-    "torchtune-llama": ZooModel(llama3.torchtune_llama, "torchtune's llama3_2 builder (optional)"),
+    "torchtune-llama": ZooModel(llama3.torchtune_llama, "torchtune's llama3_2 builder",
+                                requires="torchtune"),
 }
