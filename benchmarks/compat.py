@@ -1,4 +1,5 @@
-"""Hugging Face compatibility matrix: every causal-LM family of the installed transformers.
+"""Compatibility matrix: every causal-LM family of the installed transformers, and the
+zoo of models written outside transformers (``fxpipe/models/zoo``, rows ``zoo:<name>``).
 
 For each family that builds offline as a tiny model (``compat_families.py``):
 
@@ -14,7 +15,11 @@ world per size runs every family; a family that hangs is cut off after
 
     .venv/bin/python benchmarks/compat.py                     # everything (long)
     .venv/bin/python benchmarks/compat.py --families llama,gpt2 --merge
+    .venv/bin/python benchmarks/compat.py --families zoo --merge   # the zoo only
     .venv/bin/python benchmarks/compat.py --render-only       # results JSON -> docs
+
+A row records the transformers version it ran with: a page merged from runs on two
+versions says so in its summary.
 
 Writes ``benchmarks/results/compat.json`` and ``docs/compatibility.md``.
 """
@@ -34,8 +39,9 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from compat_cells import Cell, capture_cell, classify, compare, train_parallel  # noqa: E402
-from compat_families import NotBuildable, build, eager_loss, family_names, reference  # noqa: E402
+from compat_cells import RTOL, Cell, capture_cell, classify, compare, train_parallel  # noqa: E402
+from compat_families import (NotBuildable, build, eager_loss, family_names, grad_rtol, is_zoo,  # noqa: E402
+                             reference, zoo_names)
 from compat_render import render  # noqa: E402
 from compat_world import run_jobs  # noqa: E402
 
@@ -64,8 +70,21 @@ def _time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+def select(spec: str | None) -> list[str]:
+    """``--families``: names, ``hf`` for every transformers family, ``zoo`` for the zoo."""
+    groups = {"hf": family_names, "zoo": zoo_names}
+    names: list[str] = []
+    for item in (spec.split(",") if spec else list(groups)):
+        for name in groups[item]() if item in groups else [item]:
+            if name not in names:
+                names.append(name)
+    return names
+
+
 def local_phase(families: list[str], rows: dict, refs: dict, timeout_s: float) -> None:
     """Build, capture and TP-analyse each family here; keep the one-process reference."""
+    import transformers
+
     for i, mt in enumerate(families, 1):
         start = time.perf_counter()
         try:
@@ -75,6 +94,8 @@ def local_phase(families: list[str], rows: dict, refs: dict, timeout_s: float) -
             rows[mt] = {"built": True, "capture": Cell("timeout", str(exc)).to_json(),
                         **{col: Cell("skipped", "capture did not pass").to_json() for col in COLUMNS}}
             refs.pop(mt, None)
+        if not is_zoo(mt):
+            rows[mt]["transformers"] = transformers.__version__
         log(f"[capture {i}/{len(families)}] {mt}: " + (
             f"{rows[mt]['capture']['status']} {rows[mt]['capture']['detail']}" if rows[mt]["built"]
             else f"not built ({rows[mt]['reason']})") + f" ({time.perf_counter() - start:.1f} s)")
@@ -134,11 +155,12 @@ def parallel_phase(world: int, columns: list[str], families: list[str], rows: di
         else:
             failed = [r for r in per_rank if r[0] == "exc"]
             if failed:
-                cell = classify(failed[0][1])
+                cell = classify(failed[0][1], failed[0][2])
             else:
                 result = per_rank[0][1]
                 ref_losses, ref_grads = refs[mt]
-                diff = compare(result["losses"], result["grads"], ref_losses, ref_grads)
+                diff = compare(result["losses"], result["grads"], ref_losses, ref_grads,
+                               grad_rtol(mt, RTOL))
                 cell = Cell("mismatch", diff) if diff else Cell("pass")
                 if not diff and COLUMNS[col][0] > 1:
                     reps = (rows[mt].get("tp_analysis") or {}).get("replicated") or []
@@ -155,7 +177,8 @@ def parallel_phase(world: int, columns: list[str], families: list[str], rows: di
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--families", help="comma-separated model types (default: all)")
+    ap.add_argument("--families", help="comma-separated model types and zoo:<name>s; 'hf': every "
+                    "transformers family, 'zoo': every zoo model (default: hf,zoo)")
     ap.add_argument("--merge", action="store_true", help="keep other families' rows from the JSON")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per family and column")
     ap.add_argument("--capture-timeout", type=float, default=120.0,
@@ -170,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
             data = json.load(f)
     if not args.render_only:
         torch.set_num_threads(max(1, (os.cpu_count() or 1)))
-        families = args.families.split(",") if args.families else family_names()
+        families = select(args.families)
         rows: dict = data["rows"]  # filled in place, saved after every cell
         refs: dict = {}
         t0 = time.perf_counter()

@@ -14,6 +14,7 @@ Outcomes (``Cell.status``):
 from __future__ import annotations
 
 import os
+import re
 import traceback
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 import fxpipe
-from compat_families import build, eager_loss
+from compat_families import build, eager_loss, grad_rtol
 from compat_render import generic_reason as _generic
 
 RTOL = 1e-4
@@ -54,8 +55,13 @@ def _first_line(exc: BaseException) -> str:
     return (lines[0] if lines else "")[:200]
 
 
-def classify(exc: BaseException) -> Cell:
-    """``refused`` for fxpipe's own explicit errors, ``error`` for everything else."""
+def classify(exc: BaseException, tb_text: str = "") -> Cell:
+    """``refused`` for fxpipe's own explicit errors, ``error`` for everything else.
+
+    ``tb_text``: the traceback as text, for an exception that crossed a process boundary
+    (unpickling drops its traceback, and some exceptions' messages too)."""
+    if tb_text and not exc.__traceback__:
+        exc = _with_text(exc, tb_text)
     if isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError):
         return Cell("timeout", _first_line(exc.__cause__ or exc))
     if isinstance(exc, fxpipe.CaptureError):
@@ -65,8 +71,31 @@ def classify(exc: BaseException) -> Cell:
     raised_by_fxpipe = bool(frames) and frames[-1].filename.startswith(_FXPIPE_DIR)
     if raised_by_fxpipe and isinstance(exc, (ValueError, TypeError, NotImplementedError)):
         return Cell("refused", f"{type(exc).__name__}: {_first_line(exc)}")
-    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    where = _where([(f.filename, f.lineno) for f in frames]) or getattr(exc, "_compat_where", "")
     return Cell("error", f"{type(exc).__name__}: {_first_line(exc)}{where}")
+
+
+def _where(frames: list[tuple[str, int | None]]) -> str:
+    """' (at file:line)' of the innermost frame, and of the innermost fxpipe frame when
+    that is another: torch raises most errors, the fxpipe line says which step hit it."""
+    if not frames:
+        return ""
+    ours = [f for f in frames if f[0].startswith(_FXPIPE_DIR)]
+    text = f"{os.path.basename(frames[-1][0])}:{frames[-1][1]}"
+    if ours and ours[-1] != frames[-1]:
+        text += f", from {os.path.relpath(ours[-1][0], _FXPIPE_DIR)}:{ours[-1][1]}"
+    return f" (at {text})"
+
+
+def _with_text(exc: BaseException, tb_text: str) -> BaseException:
+    """``exc`` with the message and innermost frame read back from its traceback text."""
+    files = re.findall(r'File "([^"]+)", line (\d+)', tb_text)
+    exc._compat_where = _where([(f, int(n)) for f, n in files])
+    if not _first_line(exc):
+        tail = tb_text.split(f"{type(exc).__name__}: ", 1)
+        if len(tail) == 2:
+            exc.args = (tail[1].strip(),)
+    return exc
 
 
 def replicated_matrices(tp_result: Any) -> list[tuple[int, str]]:
@@ -117,8 +146,9 @@ def capture_cell(model_type: str) -> tuple[Cell, Cell | None]:
 
 
 def compare(losses: list[float], grads: dict[str, torch.Tensor],
-            ref_losses: list[float], ref_grads: dict[str, torch.Tensor]) -> str:
-    """'' when equal within RTOL, else the first difference with its numbers."""
+            ref_losses: list[float], ref_grads: dict[str, torch.Tensor], grad_tol: float = RTOL) -> str:
+    """'' when equal within RTOL (gradients: ``grad_tol``), else the first difference
+    with its numbers."""
     for step, (got, want) in enumerate(zip(losses, ref_losses)):
         if not abs(got - want) <= RTOL * abs(want):
             return f"step {step + 1} loss {got:.7g} vs {want:.7g} (rel {abs(got - want) / abs(want):.1e})"
@@ -136,7 +166,7 @@ def compare(losses: list[float], grads: dict[str, torch.Tensor],
         rel = err / (scale + 1e-30)
         if rel > worst[0]:
             worst = (rel, name, err)
-    if worst[0] > RTOL:
+    if worst[0] > grad_tol:
         return f"gradient of {worst[1]}: max abs error {worst[2]:.2e} (rel {worst[0]:.1e})"
     return ""
 

@@ -1,4 +1,5 @@
-"""Tiny causal LMs of every Hugging Face family the installed transformers can build.
+"""Tiny causal LMs of every Hugging Face family the installed transformers can build,
+and fxpipe's zoo of models written outside transformers (``zoo:<name>``).
 
 Used by ``compat.py`` (the compatibility matrix) and its smoke test. A family is a
 ``model_type`` of transformers' causal-LM auto mapping. Its tiny config is the
@@ -81,6 +82,25 @@ def family_names() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def zoo_names() -> list[str]:
+    """The models of ``fxpipe/models/zoo``, as ``zoo:<name>``."""
+    from fxpipe.models.zoo import ZOO
+    return [f"zoo:{k}" for k in ZOO]
+
+
+def is_zoo(name: str) -> bool:
+    return name.startswith("zoo:")
+
+
+def grad_rtol(name: str, default: float) -> float:
+    """The gradient tolerance a row is held to: ``default`` (fp32), or a zoo model's
+    own bf16 tolerance when it computes in bf16 somewhere."""
+    if is_zoo(name):
+        from fxpipe.models.zoo import ZOO
+        return ZOO[name[4:]].bf16_rtol or default
+    return default
+
+
 def _dropout_field(name: str, value: Any) -> bool:
     # Jitter (random noise on router logits or inputs) is dropout's kind: training-mode
     # randomness that no two runs share.
@@ -130,6 +150,8 @@ def _first_line(exc: BaseException) -> str:
 
 def build(model_type: str, seed: int = 0, attn: str = "sdpa") -> Family:
     """The tiny fp32 model (deterministic in ``seed``) and one batch of token ids."""
+    if is_zoo(model_type):
+        return _build_zoo(model_type, seed)
     t = _transformers()
     cfg = tiny_config(model_type)
     try:
@@ -154,6 +176,18 @@ def build(model_type: str, seed: int = 0, attn: str = "sdpa") -> Family:
     vocab = min(VOCAB, getattr(cfg, "vocab_size", VOCAB) or VOCAB)
     ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
     return Family(model_type, model, (ids, ids.clone()), count)
+
+
+def _build_zoo(name: str, seed: int) -> Family:
+    """A zoo model at the matrix's size: 2 layers, BATCH × SEQ tokens, vocabulary 256."""
+    from fxpipe.models import build_workload
+    try:
+        w = build_workload(name, batch=BATCH, seq=SEQ, layers=2, seed=seed)
+    except ImportError as exc:  # an optional package (torchtune) is not installed
+        raise NotBuildable(f"{type(exc).__name__}: {_first_line(exc)}") from exc
+    w.model.train()
+    return Family(name, w.model, w.example_inputs, sum(p.numel() for p in w.model.parameters()),
+                  w.loss_fn)
 
 
 def eager_loss(fam: Family, model: nn.Module | None = None) -> torch.Tensor:

@@ -12,6 +12,11 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
 fi
-if ! .venv/bin/python -c "import fxpipe, pytest, hypothesis, transformers" 2>/dev/null; then
+# transformers is pinned exactly by pyproject's `hf` extra (the release the compatibility
+# matrix was generated with); a venv holding another release is brought to it.
+TRANSFORMERS=$(sed -n 's/^hf = \["transformers==\([0-9.]*\)"\]$/\1/p' pyproject.toml)
+[ -n "$TRANSFORMERS" ] || { echo "setup.sh: pyproject.toml's hf extra must pin transformers==X.Y.Z" >&2; exit 1; }
+if ! .venv/bin/python -c "import fxpipe, pytest, hypothesis, transformers
+assert transformers.__version__ == '$TRANSFORMERS'" 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check -e ".[test,hf]"
 fi

@@ -1,5 +1,6 @@
 """Smoke test of benchmarks/compat.py's per-family logic (capture column only, in-process),
-so the compatibility-matrix script does not rot between regenerations."""
+for Hugging Face families and zoo rows, so the compatibility-matrix script does not rot
+between regenerations."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,7 @@ import torch
 pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 
+import compat  # noqa: E402
 import compat_cells  # noqa: E402
 import compat_families  # noqa: E402
 from compat_render import render  # noqa: E402
@@ -32,6 +34,34 @@ def test_capture_cell(model_type):
     assert analysis is not None and analysis.status in ("pass", "refused", "error")
     for count, reason in analysis.replicated:
         assert count > 0 and reason
+
+
+def test_zoo_rows_build_and_capture():
+    """The zoo's rows go through the same cells (build, capture, reference)."""
+    assert "zoo:swa-gpt" in compat.select("zoo") and "gpt2" in compat.select("hf")
+    assert compat.select("gpt2,zoo:moe,gpt2") == ["gpt2", "zoo:moe"]
+    fam = compat_families.build("zoo:complex-rope")
+    assert fam.batch[0].shape == (compat_families.BATCH, compat_families.SEQ)
+    cap, analysis = compat_cells.capture_cell("zoo:complex-rope")
+    assert cap.status == "pass", cap.detail
+    assert compat_families.grad_rtol("zoo:autocast", 1e-4) == 1e-2
+    assert compat_families.grad_rtol("zoo:llama3", 1e-4) == compat_families.grad_rtol("gpt2", 1e-4) == 1e-4
+
+
+def test_an_error_from_a_worker_keeps_its_message_and_place():
+    """Unpickling drops the traceback (and this exception type's message): both are read
+    back from the traceback text the worker sent."""
+    import pickle
+    import traceback
+
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    try:
+        raise GuardOnDataDependentSymNode(None, "Could not guard on u0\nmore")
+    except GuardOnDataDependentSymNode as exc:
+        text, received = traceback.format_exc(), pickle.loads(pickle.dumps(exc))
+    cell = compat_cells.classify(received, text)
+    assert cell.status == "error"
+    assert cell.detail.startswith("GuardOnDataDependentSymNode: Could not guard on u0 (at test_compat.py:")
 
 
 def test_compare_and_classify():
@@ -59,6 +89,15 @@ def test_render_lists_every_cell():
     row = {"built": True, "capture": {"status": "pass"},
            "tp2": {"status": "replicated", "replicated": [[2, "why"]], "detail": ""},
            "pp2": {"status": "error", "detail": "KeyError: x"}, "tp2xpp2": {"status": "skipped", "detail": "tp2"}}
-    text = render({"rows": {"a": row, "b": {"built": False, "reason": "no config"}}, "meta": {}})
+    zoo_row = {**row, "tp2": {"status": "mismatch", "detail": "step 1 loss 2 vs 1"}}
+    rows = {"a": {**row, "transformers": "5.24.0"},
+            "b": {"built": False, "reason": "no config", "transformers": "5.24.0"},
+            "c": {**row, "transformers": "5.23.0"}, "zoo:m": zoo_row}
+    text = render({"rows": rows, "meta": {}})
     assert "| `a` | ✅ pass | ✅ replicated (2 matrices): 2× why | 💥 error: KeyError: x |" in text
     assert "| `b` | no config |" in text
+    # A page merged from two transformers releases says so; zoo rows are a table of their own.
+    assert "- transformers 5.24.0 (2 families), 5.23.0 (1 families), " in text
+    hf, zoo = text.split("## Beyond transformers")
+    assert "zoo:m" not in hf and "| `zoo:m` | ✅ pass | ❌ **MISMATCH**: step 1 loss 2 vs 1 |" in zoo
+    assert "| tp2 | 0 | 0 | 1 | 0 | 0 | 0 | 0 |" in zoo.split("## Families not attempted")[0]

@@ -8,6 +8,9 @@ batch and the loss function — exactly what ``fxpipe.capture`` and
   ``gpt-small``, ``gpt2-small``, ``gpt2-medium``, ``gpt3-175b``;
 - tiny Hugging Face families built from configs in code: ``hf:gpt2``,
   ``hf:llama``, ``hf:gpt_neox``, ``hf:opt``;
+- models written outside transformers (``fxpipe/models/zoo``): ``zoo:swa-gpt``,
+  ``zoo:moe``, ``zoo:autocast``, ``zoo:complex-rope``, ``zoo:llama3``,
+  ``zoo:torchtune-llama`` (needs torchtune);
 - ``package.module:function`` — a user function returning ``(model, batch)`` or
   ``(model, batch, loss_fn)``.
 """
@@ -20,9 +23,11 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from fxpipe.losses import causal_lm_loss
+from fxpipe.losses import causal_lm_loss, next_token_loss
 from fxpipe.models.gpt import GPT, GPTConfig
 from fxpipe.models.hf import HF_FAMILIES
+from fxpipe.models.zoo import VOCAB as ZOO_VOCAB
+from fxpipe.models.zoo import ZOO
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,10 @@ HF_TINY = dict(layers=2, hidden=64, heads=4, vocab=128, seq=64)
 
 
 def model_names() -> list[str]:
-    return [*GPT_CONFIGS, *(f"hf:{k}" for k in HF_FAMILIES)]
+    """Every name ``build_workload`` can build here (a zoo model whose optional package
+    is missing is left out; building it says which extra to install)."""
+    return [*GPT_CONFIGS, *(f"hf:{k}" for k in HF_FAMILIES),
+            *(f"zoo:{k}" for k, m in ZOO.items() if m.available)]
 
 
 def _token_batch(batch: int, seq: int, vocab: int, device: torch.device | str,
@@ -120,10 +128,25 @@ def build_workload(name: str, *, batch: int = 2, seq: int | None = None,
         ids = _token_batch(batch, seq, dims["vocab"], device, seed)
         return Workload(model, (ids, ids.clone()), causal_lm_loss, None, vocab_size=dims["vocab"],
                         labels_shifted=False)
+    if name.startswith("zoo:"):
+        return _zoo_workload(name, batch, seq or 16, device, seed, layers or 2)
     if ":" in name:
         return _user_workload(name)
     raise ValueError(f"unknown model {name!r}; valid names: {', '.join(model_names())}, "
                      f"or 'package.module:function' returning (model, batch[, loss_fn])")
+
+
+def _zoo_workload(name: str, batch: int, seq: int, device: torch.device | str, seed: int,
+                  layers: int) -> Workload:
+    if name[4:] not in ZOO:
+        raise ValueError(f"unknown zoo model {name!r}; valid: " + ", ".join(f"zoo:{k}" for k in ZOO))
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = ZOO[name[4:]].build(layers, seq)
+    x = _token_batch(batch, seq + 1, ZOO_VOCAB, device, seed)
+    # nanoGPT convention: the targets are the inputs shifted by one token.
+    return Workload(model, (x[:, :-1].contiguous(), x[:, 1:].contiguous()), next_token_loss, None,
+                    vocab_size=ZOO_VOCAB)
 
 
 def _user_workload(spec: str) -> Workload:
