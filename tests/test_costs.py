@@ -179,3 +179,38 @@ def test_chunks_cover_in_order(weights, parts):
     got = chunks(weights, parts)
     assert [i for r in got for i in r] == list(range(len(weights)))
     assert len(got) == min(parts, len(weights)) and all(len(r) for r in got)
+
+
+def test_a_chunk_that_cannot_run_on_synthetic_inputs_keeps_the_cost_model(tiny, tmp_path, monkeypatch,
+                                                                           capsys):
+    """One rank's probe failing must not leave its peers waiting: its groups keep the
+    cost model's times (said on stderr) and the mixed profile is not cached."""
+    w, program = tiny
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+
+    def fails(*a, **k):
+        raise RuntimeError("split_with_sizes expects split_sizes to sum exactly to 64")
+
+    monkeypatch.setattr(costs, "time_groups", fails)
+    profile, probe, _ = measured_profile(program, _config(), "measure", device=CPU,
+                                         state_for=_state_for(program), batch=w.example_inputs)
+    for g, row in enumerate(profile.groups):
+        fwd, bwd = probe.graph.nodes[g]["fwd"], probe.graph.nodes[g]["bwd"]
+        assert row == (fwd, bwd, bwd / 2, bwd / 2)
+    assert "could not run on synthetic inputs" in capsys.readouterr().err
+    assert not cache_path(profile.key).exists()
+
+
+def test_chunks_start_where_only_floats_arrive():
+    from types import SimpleNamespace as NS
+
+    from fxpipe.costs import _real_starts
+
+    # Group 3 receives an integer (a routed-token count): no chunk may start there.
+    floats, ints = NS(spec=NS(dtype=torch.float32)), NS(spec=NS(dtype=torch.int64))
+    values = {"f": floats, "i": ints}
+    inputs = {0: (), 1: ("f",), 2: ("f",), 3: ("i", "f"), 4: ("f",), 5: ("f",)}
+    plan = NS(values=values, stages={g: NS(inputs=ins) for g, ins in inputs.items()})
+    parts = [range(0, 3), range(3, 6)]
+    assert _real_starts(plan, parts) == [range(0, 2), range(2, 6)]  # the nearest float-only start
+    assert _real_starts(plan, [range(0, 2), range(2, 6)]) == [range(0, 2), range(2, 6)]

@@ -106,13 +106,22 @@ def measured_profile(program, config, source: str, *, device: torch.device,
     weights = [sum(probe.graph.nodes[g][k] for k in ("fwd", "bwd")) for g in range(n)]
     cells = dims[1] * dims[2]
     cell = mesh_groups.pp_rank * dims[1] + mesh_groups.dp_rank if mesh_groups is not None else 0
-    mine = chunks(weights, cells)
+    mine = _real_starts(plan, chunks(weights, cells))
     mine = mine[cell] if cell < len(mine) else range(0)
     names = list(dict.fromkeys(p for g in mine for p in plan.stage_params(g)))
     _log(f"costs: timing {n} groups of the graph on {dev} over {cells} cell(s) of the mesh")
     state = state_for(names)
-    times = time_groups(plan, mine, state, batch, device, repeats=repeats, context=context,
-                       progress=_log)
+    try:
+        times = time_groups(plan, mine, state, batch, device, repeats=repeats, context=context,
+                           progress=_log)
+    except Exception as exc:  # noqa: BLE001 - any failure: the peers must not wait for us
+        # A chunk's first group gets synthetic inputs; a value that sizes tensors (routed
+        # token counts) can make it fail. Its groups keep the cost model's times, and every
+        # rank still reaches the gather below instead of waiting out the timeout.
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        _log(f"costs: groups {mine.start}-{mine.stop - 1} could not run on synthetic inputs "
+             f"({type(exc).__name__}: {first}); they keep the cost model's times")
+        times = {g: None for g in mine}
     del state
     gathered = [times]
     if distributed:
@@ -125,18 +134,44 @@ def measured_profile(program, config, source: str, *, device: torch.device,
     missing = [g for g in range(n) if g not in per_group]
     assert not missing, f"probe groups {missing} were timed by no rank"
     # tp ranks of a cell time the same groups together: the slowest is what the step waits for.
-    rows = tuple(tuple(max(t[i] for t in per_group[g]) for i in range(4)) for g in range(n))
+    rows = tuple(_model_row(probe, g) if any(t is None for t in per_group[g]) else
+                 tuple(max(t[i] for t in per_group[g]) for i in range(4)) for g in range(n))
+    modelled = sum(1 for g in range(n) if any(t is None for t in per_group[g]))
     latency, bandwidth = 0.0, float("inf")
     if distributed and mesh_groups is not None and dims[2] > 1:
         latency, bandwidth = probe_link(mesh_groups.mesh.rank(pp=1, dp=0, tp=0), device)
     profile = CostProfile(key=key, device=dev, groups=rows, latency_s=latency,
                           bandwidth_bytes_per_s=bandwidth)
-    if use_cache and (not distributed or dist.get_rank() == 0):
+    if use_cache and (not distributed or dist.get_rank() == 0) and not modelled:
         try:
             _log(f"costs: saved {profile.save(path)}")
         except OSError as e:
             _log(f"costs: could not cache the profile at {path} ({e})")
     return profile, probe, fine
+
+
+def _real_starts(plan, parts: list[range]) -> list[range]:
+    """Move each chunk's start to a nearby group that receives only floating-point values.
+
+    A chunk's first group runs on synthetic inputs: random floats are as good as real
+    ones for timing, but a synthetic integer (a routed-token count, an index) can make
+    the group fail or take another path. Later groups of a chunk receive real values."""
+    def real(g: int) -> bool:
+        return all(plan.values[v].spec.dtype.is_floating_point for v in plan.stages[g].inputs)
+
+    starts = [r.start for r in parts]
+    end = parts[-1].stop if parts else 0
+    for i in range(1, len(starts)):
+        lo, hi = starts[i - 1] + 1, (starts[i + 1] if i + 1 < len(starts) else end) - 1
+        near = sorted(range(lo, hi + 1), key=lambda g: (abs(g - starts[i]), g))
+        starts[i] = next((g for g in near if real(g)), starts[i])
+    return [range(a, b) for a, b in zip(starts, starts[1:] + [end])]
+
+
+def _model_row(probe: Coarsening, g: int) -> tuple[float, float, float, float]:
+    """A group's cost-model times in a profile's row (the backward halved for I and W)."""
+    fwd, bwd = probe.graph.nodes[g]["fwd"], probe.graph.nodes[g]["bwd"]
+    return (fwd, bwd, bwd / 2, bwd / 2)
 
 
 def apply_profile(config, profile: CostProfile, probe: Coarsening, fine, split_backward: bool):
