@@ -11,9 +11,10 @@ Spread over ranks: the groups are cut into one contiguous chunk per (pp, dp) cel
 the mesh, balanced on the cost model; the tp ranks of a cell time their chunk
 together (the graph's tensor-parallel collectives need all of them). A rank builds
 only the parameters of its chunk, so profiling holds a 1/(pp·dp) share of the
-model. A chunk's first group receives synthetic activations (random floats,
-zero integers) and its last group synthetic gradients: timing depends on shapes,
-not values. All ranks time at once, as they will train — contention included.
+model. A chunk's first group receives synthetic activations (random floats; chunks
+start where no integer arrives, ``costs._real_starts``) and its last group synthetic
+gradients: timing depends on shapes, not values. All ranks time at once, as they will
+train — contention included.
 """
 from __future__ import annotations
 
