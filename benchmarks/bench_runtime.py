@@ -20,8 +20,11 @@ batch and threads:
 - **one process** with gradient accumulation over the same 8 microbatches.
 
 Rounds: each times every contender once, back to back (also P independent copies of
-the one-process job at once: the machine's own ceiling for a P-way split), so a shared
-VM's drift hits all alike. Prints the median step times, the three ratios the balance issue sets targets for
+the one-process job at once: the machine's own ceiling for a P-way split while P is at
+most the cores; with more processes than cores the copies time-share the cores and the
+figure is reported, not used as a bound), so a shared VM's drift hits all alike. Also
+reported: the busy time summed over all stages against the one-process step (the work
+the split adds). Prints the median step times, the three ratios the balance issue sets targets for
 (stage imbalance <= 1.10, speed-up over one process >= 1.70x at pp=2, fxpipe <= 0.60x
 the even-split pipeline), fxpipe's per-stage predicted vs measured times, and writes
 benchmarks/results/runtime_pp{P}.md. Medians over --steps rounds after one warm-up.
@@ -248,11 +251,35 @@ def main() -> None:
     even_rows, even_imbalance = balance(res[0]["even_partition"], [r["even_balance"] for r in res])
     ideal = args.pp * M / (M + args.pp - 1)
     schedule_label = f"defaults: measured costs, ILP, {args.schedule or '1f1b'}"
+    # Name the torch contender that actually ran: pipeline()'s own split, or (where its traced
+    # split cannot run) PipelineStage + Schedule1F1B over fxpipe's uniform stage graphs.
+    pippy_label = ("torch.distributed.pipelining, pipeline() even layer split, Schedule1F1B"
+                   if res[0]["how"].startswith("pipeline()") else
+                   "torch.distributed.pipelining PipelineStage + Schedule1F1B on fxpipe's even layer split")
     sp_fx, sp_pippy, slow = ratio("alone", "fx"), ratio("alone", "pippy"), ratio("shared", "alone")
     # What this machine allows any P-stage pipeline of this job: P processes each doing
     # 1/P of the work, each as fast as one of P independent copies of the one-process
     # job side by side; 1F1B adds its fill/drain factor m / (m + p - 1).
     ceiling = ideal / slow
+    cores = os.cpu_count() or 1
+    # Busy time summed over every stage (each stage's compute actions per step) against the
+    # one-process step: what splitting the model adds in work, apart from waiting.
+    summed_busy = sum(r.busy_ms for r in rows)
+    if args.pp <= cores:
+        ceiling_line = (
+            f"- machine ceiling: side by side, each copy of the one-process job runs {slow:.3f}x its time "
+            f"alone, so no {args.pp}-stage 1F1B pipeline here beats **{ceiling:.3f}x** ({ideal:.2f}x / {slow:.3f}); "
+            f"fxpipe reaches **{sp_fx / ceiling:.3f}** of it. No {args.pp}-stage pipeline of any schedule "
+            f"beats {args.pp / slow:.2f}x, so fxpipe / even-split pipelining cannot go below "
+            f"{sp_pippy * slow / args.pp:.3f} while the even split runs at {sp_pippy:.3f}x")
+    else:
+        # With more processes than cores, P copies side by side time-share the cores: their
+        # slow-down measures the sharing, not what a pipeline (whose stages wait on each
+        # other and so leave cores idle) can reach. Reported as what it is.
+        ceiling_line = (
+            f"- no machine ceiling: {args.pp} processes on {cores} cores time-share them, so {args.pp} "
+            f"side-by-side copies of the one-process job (each {slow:.3f}x its time alone) bound nothing "
+            f"a pipeline can reach (compare the speed-ups and the summed busy time instead)")
     lines = [
         f"# End to end: fxpipe vs torch.distributed.pipelining vs one process (pp={args.pp})", "",
         f"Machine: {machine}. HF GPT-2 {LAYERS} layers, h={HIDDEN}, s={SEQ}, V={VOCAB}; "
@@ -260,7 +287,7 @@ def main() -> None:
         f"every row once back to back; medians (ratios: medians of per-round ratios).", "",
         "| | median step ms |", "|---|---|",
         f"| fxpipe.parallelize ({schedule_label}) | {fx * 1e3:.1f} |",
-        f"| torch.distributed.pipelining, even layer split, 1F1B | {pippy * 1e3:.1f} |",
+        f"| {pippy_label} | {pippy * 1e3:.1f} |",
         f"| fxpipe.parallelize on that even layer split (partition='uniform'), 1F1B | {med['fx_even'] * 1e3:.1f} |",
         f"| one process, gradient accumulation (the others idle) | {single * 1e3:.1f} |",
         f"| {args.pp} independent copies of the one process at once | {shared * 1e3:.1f} |", "",
@@ -269,11 +296,10 @@ def main() -> None:
         f"- fxpipe / even-split pipelining step time: **{ratio('fx', 'pippy'):.3f}** (target <= 0.60)",
         f"- torch.distributed.pipelining speed-up over one process: {sp_pippy:.3f}x; fxpipe on the same "
         f"even split: {ratio('alone', 'fx_even'):.3f}x (measured imbalance {even_imbalance:.3f})",
-        f"- machine ceiling: side by side, each copy of the one-process job runs {slow:.3f}x its time "
-        f"alone, so no {args.pp}-stage 1F1B pipeline here beats **{ceiling:.3f}x** ({ideal:.2f}x / {slow:.3f}); "
-        f"fxpipe reaches **{sp_fx / ceiling:.3f}** of it. No {args.pp}-stage pipeline of any schedule "
-        f"beats {args.pp / slow:.2f}x, so fxpipe / even-split pipelining cannot go below "
-        f"{sp_pippy * slow / args.pp:.3f} while the even split runs at {sp_pippy:.3f}x",
+        ceiling_line,
+        f"- busy time summed over the {args.pp} stages: {summed_busy:.0f} ms per step, "
+        f"**{summed_busy / (single * 1e3):.3f}x** the one-process step (the work the split adds; "
+        f"target <= 1.08)",
         f"- fxpipe setup (capture, cost measurement, partition, split): {max(r['setup'] for r in res):.1f} s",
         f"- torch.distributed.pipelining set up as: {res[0]['how']}",
         "", "```", balance_table(rows, imbalance), "```", "",
