@@ -25,7 +25,7 @@ from fxpipe.config import ParallelConfig
 from fxpipe.costs import apply_profile, measured_profile
 from fxpipe.partition import PartitionResult
 from fxpipe.passes.partition import partition_pass
-from fxpipe.passes.tensor_parallel import shard_state, unshard_state
+from fxpipe.sharding import shard_state, unshard_state
 from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.program import ParamKind
 from fxpipe.runtime.executor import PipelineExecutor

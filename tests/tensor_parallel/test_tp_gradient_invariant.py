@@ -18,7 +18,7 @@ import fxpipe
 from fxpipe.passes import canonicalize_pass
 from fxpipe.passes.tensor_parallel import ShardKind, TPConfig, tensor_parallel_pass
 from fxpipe.passes.tensor_parallel import placement
-from fxpipe.passes.tensor_parallel.specs import ShardSpec
+from fxpipe.sharding import ShardSpec
 from tests.tensor_parallel._tp_helpers import reference, run_tp
 
 H, HEADS, V, T = 32, 4, 64, 8
