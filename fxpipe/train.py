@@ -116,7 +116,7 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
     from fxpipe.data import ByteBatches, stdlib_corpus
     from fxpipe.models import build_workload
     from fxpipe.preflight_files import check_schedule
-    from fxpipe.runtime.api import parallelize
+    from fxpipe.parallel import parallelize
     from fxpipe.runtime.checkpoint import export_consolidated, load_checkpoint
 
     torch.manual_seed(config.parallel.seed)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+from fxpipe.artifact import PassTiming
 from fxpipe.passes.canonicalize import canonicalize_pass
 from fxpipe.passes.node_cost import cost_pass
 from fxpipe.passes.lint import lint_program
@@ -29,13 +30,6 @@ class PassSpec:
     name: str
     fn: PassFn
     why: str
-
-
-@dataclass(frozen=True)
-class PassTiming:
-    name: str
-    seconds: float
-    nodes_after: int
 
 
 # The order matters; each line says why the pass is where it is.

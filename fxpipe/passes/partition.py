@@ -155,4 +155,4 @@ def over_limit_message(result: PartitionResult) -> str:
 
 def partition_pass(program: Program, config: PartitionConfig) -> Program:
     assignment, result = solve_partition(program, config)
-    return program.replace(stages=assignment, extra={**program.extra, "partition": result})
+    return program.replace(stages=assignment, partition=result)

@@ -309,11 +309,11 @@ def recompute_pass(program: Program, config: RecomputeConfig | RecomputeMode | N
     :func:`apply_recompute` to each stage's graph after ``split_pass`` instead.
 
     Region nodes get the layer index in ``layers`` and the summed costs of their
-    nodes; ``extra["recompute"]`` lists the regions."""
+    nodes; ``Program.recompute_regions`` lists them."""
     mode = config.mode if isinstance(config, RecomputeConfig) else (config or RecomputeMode.NONE)
     gm = apply_recompute(program.graph_module, program.layers, mode)
     if gm is program.graph_module:
-        return program.replace(extra={**program.extra, "recompute": ()})
+        return program.replace(recompute_regions=())
     regions = regions_of(gm)
     live = {n.name for n in gm.graph.nodes}
     layers = {k: v for k, v in program.layers.items() if k in live}
@@ -331,4 +331,4 @@ def recompute_pass(program: Program, config: RecomputeConfig | RecomputeMode | N
             total["out_bytes"] = sum(program.costs[n].out_bytes for n in r.outputs if n in program.costs)
             costs[r.name] = NodeCost(**total)
     return program.replace(graph_module=gm, layers=layers, module_paths=paths, costs=costs,
-                           extra={**program.extra, "recompute": tuple(regions)})
+                           recompute_regions=tuple(regions))
