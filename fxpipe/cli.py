@@ -135,7 +135,7 @@ def _print_partition(result, hw_name: str, args: argparse.Namespace) -> None:
     assignment = dict(program.stages)
     print()
     print(f"pipeline     pp={layout.pp} chunks={layout.chunks} schedule={layout.schedule.value} "
-          f"microbatches={layout.microbatches}")
+          f"microbatches={layout.num_microbatches}")
     print(stage_table(program, assignment, partition, hw_name))
     if layout.tp > 1:
         print(_inter_stage_bytes(result.plan, args))

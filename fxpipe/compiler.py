@@ -93,7 +93,7 @@ class CompileContext:
 # ---- the pipeline's own passes -------------------------------------------------------------
 def model_stats_pass(program: Program, ctx: CompileContext) -> Program:
     whole = total_cost(cost_pass(program))
-    m, dp = ctx.config.microbatches, ctx.config.replicas
+    m, dp = ctx.config.num_microbatches, ctx.config.replicas
     stats = ModelStats(num_parameters=program.num_parameters(),
                        flops_per_step=(whole.fwd_flops + whole.bwd_flops) * m * dp)
     program = program.replace(model_stats=stats, token_inputs=token_inputs(program))

@@ -77,7 +77,7 @@ def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
 
 def first_microbatch(example: tuple[torch.Tensor, ...], config: ParallelConfig) -> tuple[torch.Tensor, ...]:
     """The rows of one microbatch of one data-parallel replica (what is captured)."""
-    rows, dp, m = example[0].shape[0], config.replicas, config.microbatches
+    rows, dp, m = example[0].shape[0], config.replicas, config.num_microbatches
     if rows % (dp * m):
         raise ValueError(f"batch of {rows} rows cannot be split into dp·microbatches = {dp}·{m} "
                          f"equal microbatches; use a batch that is a multiple of {dp * m}")

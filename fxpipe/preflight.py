@@ -70,9 +70,11 @@ def check_flags(args: Any) -> None:
                              f"it bounds every transfer and collective (default 60)")
     if not math.isfinite(args.lr) or args.lr <= 0:
         raise PreflightError(f"--lr must be a positive finite number, got {args.lr} (default 2e-3)")
-    methods = [m.value for m in Method]
-    if args.partition not in methods:
-        raise PreflightError(f"unknown --partition {args.partition!r}; valid: {', '.join(methods)}")
+    try:
+        Method.parse(args.partition)
+    except ValueError:  # the same check, with the flag's name
+        raise PreflightError(f"unknown --partition {args.partition!r}; valid: "
+                             f"{', '.join(m.value for m in Method)}") from None
     if args.costs not in ("measure", "model"):
         from fxpipe.costs import CostProfile, ProfileError
         try:

@@ -72,7 +72,7 @@ class ParallelModel:
 
     @property
     def num_microbatches(self) -> int:
-        return self.config.microbatches
+        return self.config.num_microbatches
 
     def close(self) -> None:
         """Release the process groups this model created (tp, dp, pp and tied-weight

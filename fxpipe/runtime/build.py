@@ -74,7 +74,7 @@ def build_runtime(compiled: CompiledPipeline, groups: MeshGroups, shards: ShardB
         masters = {n: t.to(device).clone().requires_grad_(True) for n, t in shards32.items()}
         master = MasterWeights(prec, state, masters,
                                LossScaler(**(loss_scaler or {})) if prec is Precision.FP16 else None)
-    runners = {s: StageRunner(plan, plan.stages[s], state, loss_scale=1.0 / config.microbatches,
+    runners = {s: StageRunner(plan, plan.stages[s], state, loss_scale=1.0 / config.num_microbatches,
                               context=context) for s in my_stages}
     compiled_stages = _compile_runners(runners, plan, compiled.schedule, state, groups, context, device) \
         if config.compile else ()
