@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from fxpipe.partition.result import Method
 from fxpipe.recompute_mode import RecomputeMode
-from fxpipe.schedules.registry import ScheduleKind
+from fxpipe.schedules.registry import ScheduleKind, generate, get_spec
 from fxpipe.runtime.precision import Precision
 
 
@@ -95,7 +95,6 @@ class ParallelConfig:
             raise ValueError(f"memory_limit_gb must be positive, got {self.memory_limit_gb}")
         from fxpipe.costs import parse_costs
         fix("costs", parse_costs(self.costs))
-        from fxpipe.schedules.registry import get_spec
         spec = get_spec(self.schedule)
         chunks = spec.default_chunks if self.chunks is None else self.chunks
         if not isinstance(chunks, int) or chunks < 1 or (spec.chunks is not None and chunks not in spec.chunks):
@@ -139,8 +138,6 @@ class ParallelConfig:
 
     def schedule_ir(self):
         """The compute-only schedule (``fxpipe/schedules``) of this layout."""
-        from fxpipe.schedules.registry import generate
-
         return generate(self.schedule, self.pp, self.num_microbatches, self.chunks)
 
     def partition_config(self, schedule):
