@@ -5,6 +5,7 @@ and no compile pipeline; pass results are typed Program fields, not string keys;
 definition per concept (schedule enum, partition-method check, shard contract)."""
 import ast
 import dataclasses
+import functools
 import inspect
 import pathlib
 
@@ -13,10 +14,14 @@ import fxpipe
 ROOT = pathlib.Path(fxpipe.__file__).parent
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(path: pathlib.Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def _imports(path: pathlib.Path):
     """Every module ``path`` imports, at any depth (function-level imports included)."""
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -29,7 +34,7 @@ def _imports(path: pathlib.Path):
 
 def _classes(name: str) -> list[str]:
     return [str(p.relative_to(ROOT)) for p in sorted(ROOT.rglob("*.py"))
-            for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ClassDef) and n.name == name]
+            for n in ast.walk(_tree(p)) if isinstance(n, ast.ClassDef) and n.name == name]
 
 
 def test_runtime_imports_no_pass_and_no_compiler():
@@ -51,7 +56,7 @@ def test_pass_results_are_typed_fields_not_string_keys():
     readers = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
                if any(isinstance(n, ast.Attribute) and n.attr == "extra"
                       and isinstance(n.value, ast.Name) and n.value.id in ("program", "prog", "plan", "out")
-                      for n in ast.walk(ast.parse(p.read_text())))]
+                      for n in ast.walk(_tree(p)))]
     assert not readers
 
 
