@@ -68,7 +68,7 @@ def _median_ms(xs) -> float:
 
 
 def _train(w, compile: bool, steps: int, sync=lambda: None, **kw) -> dict:
-    from fxpipe.runtime.api import parallelize
+    from fxpipe.parallel import parallelize
 
     start = time.perf_counter()
     pm = parallelize(w.model, microbatches=M, example_inputs=w.example_inputs, loss_fn=w.loss_fn,

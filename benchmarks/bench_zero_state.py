@@ -30,7 +30,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def _worker(rank: int, world: int, port: int, model: str, outdir: str) -> None:
     from fxpipe.models import build_workload
-    from fxpipe.runtime.api import parallelize
+    from fxpipe.parallel import parallelize
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

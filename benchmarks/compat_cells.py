@@ -141,7 +141,7 @@ def capture_cell(model_type: str) -> tuple[Cell, Cell | None]:
         tp_program, _ = run_passes(program, TPConfig(tp=2))
     except Exception as exc:
         return cell, classify(exc)
-    reps = replicated_matrices(tp_program.extra["tensor_parallel"])
+    reps = replicated_matrices(tp_program.tensor_parallel)
     return cell, Cell("pass", replicated=reps)
 
 

@@ -131,7 +131,7 @@ def _worker(rank: int, world: int, port: int, runs: list, steps: int, out: str) 
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     from fxpipe.models.gpt import GPT, GPTConfig
     from fxpipe.passes.recompute import RecomputeMode, apply_recompute
-    from fxpipe.runtime.api import parallelize
+    from fxpipe.parallel import parallelize
 
     results = []
     for run in runs:

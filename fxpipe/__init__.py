@@ -10,14 +10,14 @@ from fxpipe.capture import CaptureError, capture
 from fxpipe.program import NodeCost, ParamInfo, ParamKind, Program, TensorSpec
 
 __version__ = "0.1.0"
-__all__ = ["CaptureError", "CompileResult", "NodeCost", "ParallelConfig", "ParallelModel", "ParamInfo",
+__all__ = ["CaptureError", "CompiledPipeline", "NodeCost", "ParallelConfig", "ParallelModel", "ParamInfo",
            "ParamKind", "Program", "TensorSpec", "capture", "compile_pipeline", "parallelize", "__version__"]
 
 # The runtime (torch.distributed, the partition solver) loads on first use, so that
 # `import fxpipe` and the CLI's --help stay quick (PEP 562 module __getattr__).
-_LAZY = {"parallelize": "fxpipe.runtime.api", "ParallelModel": "fxpipe.runtime.api",
+_LAZY = {"parallelize": "fxpipe.parallel", "ParallelModel": "fxpipe.runtime.api",
          "ParallelConfig": "fxpipe.config", "compile_pipeline": "fxpipe.compiler",
-         "CompileResult": "fxpipe.compiler"}
+         "CompiledPipeline": "fxpipe.artifact"}
 
 
 def __getattr__(name: str) -> Any:

@@ -91,9 +91,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
                               until=None if pipelined else "cost")
     print(compile_summary(result.program, list(result.timings)))
     print(f"capture      {result.capture_s:.2f} s on {device}")
-    if "tensor_parallel" in result.program.extra:
+    if result.program.tensor_parallel is not None:
         print()
-        print(render_sharding_report(result.program.extra["tensor_parallel"]))
+        print(render_sharding_report(result.program.tensor_parallel))
     if pipelined:
         _print_partition(result, measured[0] if measured else layout.hardware, args)
     if args.graph:
@@ -135,7 +135,7 @@ def _print_partition(result, hw_name: str, args: argparse.Namespace) -> None:
     assignment = dict(program.stages)
     print()
     print(f"pipeline     pp={layout.pp} chunks={layout.chunks} schedule={layout.schedule.value} "
-          f"microbatches={layout.microbatches}")
+          f"microbatches={layout.num_microbatches}")
     print(stage_table(program, assignment, partition, hw_name))
     if layout.tp > 1:
         print(_inter_stage_bytes(result.plan, args))

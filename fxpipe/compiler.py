@@ -1,4 +1,4 @@
-"""The compile pipeline: model + one microbatch + ``ParallelConfig`` -> ``PipelinePlan``.
+"""The compile pipeline: model + one microbatch + ``ParallelConfig`` -> ``CompiledPipeline``.
 
 One ordered list of passes, run by the pass driver (``passes/driver.py``) — timed,
 skippable by name, linted after every pass in debug mode — and used by all three
@@ -23,6 +23,11 @@ token ids against the vocabulary, before anything is measured).
     coalesce_blocks         a split's neighbouring blocks on one stage back into one
     split                   Program -> PipelinePlan: one GraphModule per stage, values between them
     recompute               activation recomputation regions per stage
+    (lower)                 the schedule with SEND/RECV placed, per rank (``schedules/lowering.py``)
+
+Every pass takes the one ``CompileContext``; what a pass finds that is not per node
+is a typed field of the Program it returns (``Program.tensor_parallel``,
+``.partition``, ...), and ``CompiledPipeline`` (``fxpipe/artifact.py``) exposes them.
 """
 from __future__ import annotations
 
@@ -35,12 +40,13 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.nn as nn
 
+from fxpipe.artifact import CompiledPipeline, ModelStats
 from fxpipe.capture import capture
 from fxpipe.config import ParallelConfig
 from fxpipe.passes.node_cost import cost_pass, total_cost
 from fxpipe.passes.device import retarget_device_pass
 from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
-from fxpipe.passes.driver import DEFAULT_PASSES, PassSpec, PassTiming, run_passes
+from fxpipe.passes.driver import DEFAULT_PASSES, PassSpec, run_passes
 from fxpipe.passes.partition import PartitionConfig, partition_pass
 from fxpipe.passes.recompute import apply_recompute
 from fxpipe.passes.split import split_pass
@@ -51,21 +57,8 @@ from fxpipe.program import Program
 from fxpipe.recompute_mode import RecomputeMode
 from fxpipe.runtime.precision import Precision
 from fxpipe.schedules.ir import Schedule
+from fxpipe.schedules.lowering import lower
 from fxpipe.vocab import token_inputs
-
-MODEL_STATS = "model_stats"
-TOKEN_INPUTS = "token_inputs"
-PARTITION_CONFIG = "partition_config"
-
-
-@dataclass(frozen=True)
-class ModelStats:
-    """Whole-model numbers, counted before tensor parallelism shards the graph."""
-    num_parameters: int
-    flops_per_step: int
-    """Model FLOPs of one step over the global batch: matmul forward + backward, the
-    quantity of Megatron's 72·B·s·l·h²(1 + s/6h + V/12lh) (no recomputation)."""
-
 
 MeasureFn = Callable[[Program, PartitionConfig, "CompileContext"], PartitionConfig]
 SolveFn = Callable[[Program, PartitionConfig], Program]
@@ -100,10 +93,10 @@ class CompileContext:
 # ---- the pipeline's own passes -------------------------------------------------------------
 def model_stats_pass(program: Program, ctx: CompileContext) -> Program:
     whole = total_cost(cost_pass(program))
-    m, dp = ctx.config.microbatches, ctx.config.replicas
+    m, dp = ctx.config.num_microbatches, ctx.config.replicas
     stats = ModelStats(num_parameters=program.num_parameters(),
                        flops_per_step=(whole.fwd_flops + whole.bwd_flops) * m * dp)
-    program = program.replace(extra={**program.extra, MODEL_STATS: stats, TOKEN_INPUTS: token_inputs(program)})
+    program = program.replace(model_stats=stats, token_inputs=token_inputs(program))
     if ctx.hooks.check is not None:
         ctx.hooks.check(program)
     return program
@@ -120,24 +113,24 @@ def split_matmul_step(program: Program, ctx: CompileContext) -> Program:
 
 
 def split_loss_step(program: Program, ctx: CompileContext) -> Program:
-    if not (ctx.config.split_loss and program.extra.get("split_matmul")):
+    if not (ctx.config.split_loss and program.matmul_splits):
         return program
     return split_loss_pass(program)
 
 
 def coalesce_blocks_step(program: Program, ctx: CompileContext) -> Program:
-    return coalesce_blocks_pass(program) if program.extra.get("split_matmul") else program
+    return coalesce_blocks_pass(program) if program.matmul_splits else program
 
 
 def measure_costs_pass(program: Program, ctx: CompileContext) -> Program:
     config = ctx.config.partition_config(ctx.schedule)
     if ctx.config.costs != "model" and ctx.config.balances_time and ctx.hooks.measure is not None:
         config = ctx.hooks.measure(program, config, ctx)
-    return program.replace(extra={**program.extra, PARTITION_CONFIG: config})
+    return program.replace(partition_config=config)
 
 
 def partition_step(program: Program, ctx: CompileContext) -> Program:
-    config = program.extra.get(PARTITION_CONFIG) or ctx.config.partition_config(ctx.schedule)
+    config = program.partition_config or ctx.config.partition_config(ctx.schedule)
     return ctx.hooks.solve(program, config)
 
 
@@ -189,36 +182,6 @@ def pipeline_names() -> list[str]:
     return [p.name for p in PIPELINE]
 
 
-@dataclass(frozen=True)
-class CompileResult:
-    """What the pipeline made, and what each pass cost."""
-    program: Program
-    """The last Program: tensor-parallel and costed; with ``stages`` once partitioned."""
-    plan: PipelinePlan | None
-    """None when the pipeline stopped before ``split`` (``until``)."""
-    config: ParallelConfig
-    schedule: Schedule
-    timings: tuple[PassTiming, ...]
-    capture_s: float = 0.0
-
-    @property
-    def stats(self) -> ModelStats | None:
-        return self.program.extra.get(MODEL_STATS)
-
-    @property
-    def token_inputs(self) -> tuple:
-        return self.program.extra.get(TOKEN_INPUTS, ())
-
-    @property
-    def partition(self):
-        """The partitioner's ``PartitionResult`` (None before ``partition``)."""
-        return self.program.extra.get("partition")
-
-    @property
-    def partition_config(self) -> PartitionConfig | None:
-        return self.program.extra.get(PARTITION_CONFIG)
-
-
 def capture_for(model: nn.Module, microbatch: Sequence[torch.Tensor], config: ParallelConfig,
                 loss_fn: Callable[..., torch.Tensor] | None = None) -> Program:
     """Capture ``model`` as it will run: a low-precision copy under bf16/fp16 (so every
@@ -231,7 +194,7 @@ def capture_for(model: nn.Module, microbatch: Sequence[torch.Tensor], config: Pa
 
 def compile_program(program: Program, config: ParallelConfig, *, device: torch.device | str = "cpu",
                     hooks: CompileHooks = CompileHooks(), skip: Iterable[str] = (), until: str | None = None,
-                    debug: bool = False) -> CompileResult:
+                    debug: bool = False) -> CompiledPipeline:
     """Run the pipeline on a captured Program (``until``: stop after that pass)."""
     passes = PIPELINE
     if until is not None:
@@ -243,12 +206,12 @@ def compile_program(program: Program, config: ParallelConfig, *, device: torch.d
     out, timings = run_passes(program, ctx, passes=passes, skip=skip, debug=debug)
     last_program = out if isinstance(out, Program) else out.program
     plan = out if isinstance(out, PipelinePlan) else None
-    return CompileResult(program=last_program, plan=plan, config=config, schedule=schedule,
-                         timings=tuple(timings))
+    return CompiledPipeline(config=config, schedule=schedule, program=last_program, plan=plan,
+                            actions=lower(schedule) if plan is not None else None, timings=tuple(timings))
 
 
 def compile_pipeline(model: nn.Module, microbatch: Sequence[torch.Tensor], config: ParallelConfig, *,
-                     loss_fn: Callable[..., torch.Tensor] | None = None, **kwargs: Any) -> CompileResult:
+                     loss_fn: Callable[..., torch.Tensor] | None = None, **kwargs: Any) -> CompiledPipeline:
     """Capture ``model`` on one microbatch and compile it for ``config`` (module docstring).
     Keyword arguments as ``compile_program``."""
     start = time.perf_counter()

@@ -11,42 +11,14 @@ cannot disagree about them.
 from __future__ import annotations
 
 import dataclasses
-import enum
+import functools
 import math
 from dataclasses import dataclass
 
 from fxpipe.partition.result import Method
 from fxpipe.recompute_mode import RecomputeMode
+from fxpipe.schedules.registry import ScheduleKind, generate, get_spec
 from fxpipe.runtime.precision import Precision
-
-
-class ScheduleKind(enum.Enum):
-    """Pipeline schedules (``fxpipe/schedules/registry.py`` generates each)."""
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved"
-    ZB_H1 = "zb-h1"
-    ZB_V = "zb-v"
-
-    @classmethod
-    def parse(cls, name: "str | ScheduleKind") -> "ScheduleKind":
-        if isinstance(name, cls):
-            return name
-        try:
-            return cls(str(name).lower())
-        except ValueError:
-            raise ValueError(f"unknown schedule {name!r}; valid names are: "
-                             f"{', '.join(k.value for k in cls)}") from None
-
-
-def _parse_method(name: "str | Method") -> Method:
-    if isinstance(name, Method):
-        return name
-    try:
-        return Method(name)
-    except ValueError:
-        raise ValueError(f"unknown partition method {name!r}; valid methods: "
-                         f"{', '.join(m.value for m in Method)}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +30,10 @@ class ParallelConfig:
     """Pipeline-parallel size: ranks in one pipeline."""
     dp: int | None = None
     """Data-parallel replicas; None: world size / (tp·pp), resolved at launch (``with_world``)."""
-    microbatches: int = 1
+    num_microbatches: int = 1
+    """Microbatches m per step, per data-parallel replica. Its public keyword is
+    ``microbatches=`` (``ParallelConfig(microbatches=8)``, ``parallelize(..., microbatches=8)``,
+    ``--microbatches``): the one alias, mapped onto this field by ``__init__``."""
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
     chunks: int | None = None
     """Stages per pipeline rank; None resolves to the schedule's default."""
@@ -98,11 +73,11 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
         fix("schedule", ScheduleKind.parse(self.schedule))
-        fix("partition", _parse_method(self.partition))
+        fix("partition", Method.parse(self.partition))
         fix("precision", Precision.parse(self.precision))
         fix("recompute", self.recompute if isinstance(self.recompute, RecomputeMode)
             else RecomputeMode.parse(self.recompute))
-        for name in ("tp", "pp", "microbatches"):
+        for name in ("tp", "pp", "num_microbatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value!r}")
@@ -120,8 +95,7 @@ class ParallelConfig:
             raise ValueError(f"memory_limit_gb must be positive, got {self.memory_limit_gb}")
         from fxpipe.costs import parse_costs
         fix("costs", parse_costs(self.costs))
-        from fxpipe.schedules.registry import get_spec
-        spec = get_spec(self.schedule.value)
+        spec = get_spec(self.schedule)
         chunks = spec.default_chunks if self.chunks is None else self.chunks
         if not isinstance(chunks, int) or chunks < 1 or (spec.chunks is not None and chunks not in spec.chunks):
             allowed = "any >= 1" if spec.chunks is None else ", ".join(map(str, spec.chunks))
@@ -164,9 +138,7 @@ class ParallelConfig:
 
     def schedule_ir(self):
         """The compute-only schedule (``fxpipe/schedules``) of this layout."""
-        from fxpipe.schedules.registry import generate
-
-        return generate(self.schedule.value, self.pp, self.microbatches, self.chunks)
+        return generate(self.schedule, self.pp, self.num_microbatches, self.chunks)
 
     def partition_config(self, schedule):
         """The partition pass's config for ``schedule`` (this config's schedule_ir())."""
@@ -174,6 +146,21 @@ class ParallelConfig:
         from fxpipe.passes.partition import PartitionConfig, stage_inflight
 
         return PartitionConfig(num_stages=schedule.num_stages, stage_to_rank=schedule.stage_ranks,
-                               inflight=stage_inflight(schedule), method=self.partition.value,
+                               inflight=stage_inflight(schedule), method=self.partition,
                                memory_limit_bytes=self.memory_limit_bytes, hardware=get_hardware(self.hardware),
                                time_limit_s=self.time_limit_s, allow_over_limit=self.allow_over_limit)
+
+
+_dataclass_init = ParallelConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self, *, microbatches: int | None = None, **fields) -> None:
+    # ``microbatches=`` is the documented keyword; inside, the count is ``num_microbatches``
+    # (dataclasses.replace passes both: the keyword given wins over the copied field).
+    if microbatches is not None:
+        fields["num_microbatches"] = microbatches
+    _dataclass_init(self, **fields)
+
+
+ParallelConfig.__init__ = _init  # type: ignore[method-assign]

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxpipe.passes.tensor_parallel.specs import ShardKind, ShardSpec
+from fxpipe.sharding import ShardKind, ShardSpec
 
 _RANDOM = {"normal_", "uniform_", "bernoulli_", "exponential_", "geometric_", "log_normal_", "cauchy_", "random_"}
 _ELEMENTWISE = {"fill_", "zero_", "mul_", "add_", "sub_", "div_", "clamp_", "clamp_min_", "clamp_max_",

@@ -33,7 +33,7 @@ from fxpipe.preflight_files import (PreflightError, check_owner, check_resume, c
                                     check_writable_dir, check_writable_file, resume_path)
 
 if TYPE_CHECKING:
-    from fxpipe.compiler import CompileResult
+    from fxpipe.artifact import CompiledPipeline
     from fxpipe.train import TrainConfig
 
 DATA_VOCAB = 256
@@ -42,7 +42,7 @@ META_ABOVE_PARAMS = 3e8
 """Registry GPTs larger than this are captured on the meta device."""
 
 
-def check_run(config: "TrainConfig", *, model: bool = True) -> "CompileResult | None":
+def check_run(config: "TrainConfig", *, model: bool = True) -> "CompiledPipeline | None":
     """The file-system and model checks, cheapest first (``check_flags`` runs on the flags,
     before the config exists); ``model=False`` skips capturing the model. Returns what
     the model check compiled (tensor-parallel, costed), or None."""
@@ -70,9 +70,11 @@ def check_flags(args: Any) -> None:
                              f"it bounds every transfer and collective (default 60)")
     if not math.isfinite(args.lr) or args.lr <= 0:
         raise PreflightError(f"--lr must be a positive finite number, got {args.lr} (default 2e-3)")
-    methods = [m.value for m in Method]
-    if args.partition not in methods:
-        raise PreflightError(f"unknown --partition {args.partition!r}; valid: {', '.join(methods)}")
+    try:
+        Method.parse(args.partition)
+    except ValueError:  # the same check, with the flag's name
+        raise PreflightError(f"unknown --partition {args.partition!r}; valid: "
+                             f"{', '.join(m.value for m in Method)}") from None
     if args.costs not in ("measure", "model"):
         from fxpipe.costs import CostProfile, ProfileError
         try:
@@ -174,7 +176,7 @@ def capture_device(model: str) -> str:
     return "meta" if cfg is not None and cfg.num_params > META_ABOVE_PARAMS else "cpu"
 
 
-def check_model(config: "TrainConfig", resume: Path | None = None) -> "CompileResult":
+def check_model(config: "TrainConfig", resume: Path | None = None) -> "CompiledPipeline":
     """Capture and compile the model as the workers will, through the cheap passes (a
     non-ILP partition too; the ILP and measured costs are left to the workers)."""
     import torch

@@ -186,7 +186,7 @@ def check_weights(program: "Program", directory: str) -> None:
     from fxpipe.runtime.shards import check_weights as check
     from fxpipe.weights import WeightsDir
 
-    tp = program.extra.get("tensor_parallel")
+    tp = program.tensor_parallel
     try:
         check(WeightsDir(directory), program, tp.specs if tp is not None else {})
     except (OSError, ValueError) as exc:

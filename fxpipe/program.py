@@ -4,7 +4,8 @@ A Program is an ATen-level ``torch.fx.GraphModule`` whose placeholders are, in
 order, every parameter, buffer and lifted constant (named by ``ParamInfo``) and
 then the user's batch inputs; its output is the scalar loss (plus any buffer the
 model mutates). Around the graph sit the parameter table with tied groups and
-the per-node annotations that passes fill in, each a map keyed by node name.
+the per-node annotations that passes fill in, each a map keyed by node name, and
+one typed field per pass result that is not per node.
 
 Passes never mutate a Program they receive: they return a new one (``replace``),
 copying the graph first if they rewrite it.
@@ -15,10 +16,20 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.fx as fx
+
+if TYPE_CHECKING:  # pass results, typed here and defined beside the pass that writes them
+    from fxpipe.artifact import ModelStats
+    from fxpipe.partition import PartitionResult
+    from fxpipe.passes.partition import PartitionConfig
+    from fxpipe.passes.recompute import RecomputeRegion
+    from fxpipe.passes.split_loss import BlockwiseLoss
+    from fxpipe.passes.split_matmul import MatmulSplit
+    from fxpipe.passes.tensor_parallel import TPResult
+    from fxpipe.vocab import TokenInput
 
 
 class ParamKind(enum.Enum):
@@ -114,11 +125,29 @@ class Program:
     costs: Mapping[str, NodeCost] = field(default_factory=dict)
     stages: Mapping[str, int] = field(default_factory=dict)
     """Node name -> pipeline stage index, filled by the partition pass."""
-    extra: Mapping[str, Any] = field(default_factory=dict)
-    """Results of passes that are not per-node (reports, shard specs), by pass name."""
     size_hints: Mapping[str, int] = field(default_factory=dict)
     """Data-dependent size symbol (``u0``) -> the value it took on the example batch
     (``fxpipe/sizes.py``); a symbol absent here is priced at its upper bound."""
+
+    # ---- results of passes that are not per node: one typed field per pass that writes it
+    model_stats: "ModelStats | None" = None
+    """Whole-model FLOPs and parameters, counted before tensor parallelism (``model_stats``)."""
+    token_inputs: tuple["TokenInput", ...] = ()
+    """Batch inputs that are token ids, with their vocabulary (``model_stats``, ``fxpipe/vocab.py``)."""
+    tensor_parallel: "TPResult | None" = None
+    """Shard specs, blocks, collectives and coverage (``tensor_parallel``; None: not sharded)."""
+    matmul_splits: tuple["MatmulSplit", ...] = ()
+    """Ops cut into output-feature blocks (``split_matmul``; merged by ``coalesce_blocks``)."""
+    loss_splits: tuple["BlockwiseLoss", ...] = ()
+    """Cross-entropies computed block by block (``split_loss``; merged by ``coalesce_blocks``)."""
+    partition_config: "PartitionConfig | None" = None
+    """What the partition balances: layout, memory limit, modelled or measured node times
+    and link (``measure_costs``)."""
+    partition: "PartitionResult | None" = None
+    """The solver's result: per-stage times, memory, optimality gap (``partition``)."""
+    recompute_regions: tuple["RecomputeRegion", ...] = ()
+    """Regions outlined by ``recompute_pass`` on a whole Program (stage graphs carry theirs
+    as submodules, ``regions_of``)."""
 
     def replace(self, **changes: Any) -> "Program":
         frozen = {k: MappingProxyType(dict(v)) if isinstance(v, dict) else v

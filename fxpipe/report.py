@@ -81,7 +81,7 @@ def compile_summary(program: Program, timings: list[PassTiming] | None = None,
     lines.append(f"batch inputs " + ", ".join(f"{n}{list(s.shape)}:{str(s.dtype).replace('torch.', '')}"
                                              for n, s in zip(program.inputs, program.input_specs)))
     lines.append(f"graph        {len(program.graph.nodes)} nodes ({n_call} ATen ops)")
-    tp = program.extra.get("tensor_parallel")
+    tp = program.tensor_parallel
     where = f" per tp rank (tp={tp.config.tp})" if tp is not None else ""
     lines.append(f"parameters   {human(program.num_parameters())} in {len(trainable)} tensors "
                  f"({human(param_bytes, 'B')}){where}")

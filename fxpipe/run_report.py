@@ -69,7 +69,7 @@ def write_timeline(pm: "ParallelModel", config: TrainConfig, imbalance: float = 
                 for rank in events]
     timeline = Timeline.from_events(per_rank, unit="ms", num_chunks=pm.schedule.num_chunks,
                                     title=f"measured {config.parallel.schedule.value} p={config.parallel.pp} "
-                                          f"m={config.parallel.microbatches}, "
+                                          f"m={config.parallel.num_microbatches}, "
                                           f"stage imbalance {imbalance:.2f}")
     render_trace(timeline, config.timeline + ".json")
     render_gantt(timeline, config.timeline + ".png")

@@ -79,11 +79,11 @@ class TrainConfig:
             raise ValueError(f"--save-interval must be >= 1, got {self.save_interval}")
         layout = self.parallel
         if self.global_batch is not None:
-            per_step = self.micro_batch_size * layout.microbatches * layout.dp
+            per_step = self.micro_batch_size * layout.num_microbatches * layout.dp
             if self.global_batch != per_step:
                 raise ValueError(
                     f"global batch {self.global_batch} != micro-batch size · microbatches · dp = "
-                    f"{self.micro_batch_size}·{layout.microbatches}·{layout.dp} = {per_step}; "
+                    f"{self.micro_batch_size}·{layout.num_microbatches}·{layout.dp} = {per_step}; "
                     f"{_batch_hint(self.global_batch, self.micro_batch_size, layout.dp)}")
         for name in ("micro_batch_size", "seq", "steps", "log_interval"):
             if getattr(self, name) < 1:
@@ -95,7 +95,7 @@ class TrainConfig:
 
     @property
     def batch(self) -> int:
-        return self.micro_batch_size * self.parallel.microbatches * self.parallel.dp
+        return self.micro_batch_size * self.parallel.num_microbatches * self.parallel.dp
 
 
 def _batch_hint(global_batch: int, micro_batch_size: int, dp: int) -> str:
@@ -116,7 +116,7 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
     from fxpipe.data import ByteBatches, stdlib_corpus
     from fxpipe.models import build_workload
     from fxpipe.preflight_files import check_schedule
-    from fxpipe.runtime.api import parallelize
+    from fxpipe.parallel import parallelize
     from fxpipe.runtime.checkpoint import export_consolidated, load_checkpoint
 
     torch.manual_seed(config.parallel.seed)
@@ -140,14 +140,14 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
     # by the cost pass over the whole model, so any model gets it). Recomputation is
     # hardware work, not model work: reported separately as hardware FLOP/s.
     flops_per_step = pm.model_stats.flops_per_step
-    hw_flops_per_step = flops_per_step + recomputed_flops(pm) * layout.microbatches * layout.dp
+    hw_flops_per_step = flops_per_step + recomputed_flops(pm) * layout.num_microbatches * layout.dp
     tokens_per_step = config.batch * config.seq
     if rank == 0:
         print(f"fxpipe run: {config.model}, {pm.model_stats.num_parameters / 1e6:.2f}M parameters, "
               f"tp={layout.tp}{' (sp)' if layout.sp else ''} pp={layout.pp} dp={layout.dp}, "
               f"schedule {layout.schedule.value}, {layout.precision.value}, recompute {layout.recompute.value}, "
               f"{'compiled (Inductor), ' if layout.compile else ''}"
-              f"{layout.microbatches} microbatches × {config.micro_batch_size} × {config.seq} tokens, "
+              f"{layout.num_microbatches} microbatches × {config.micro_batch_size} × {config.seq} tokens, "
               f"{config.steps} steps", flush=True)
     times, losses, bubbles = [], [], []
     meter = BalanceMeter()

@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from fxpipe.mismatch import raise_if_mismatched
-from fxpipe.passes.tensor_parallel.specs import ShardKind, ShardSpec
+from fxpipe.sharding import ShardKind, ShardSpec
 from fxpipe.safe_io import UnsafeFileError, check_regular, inside, read_bounded
 
 INDEX = "model.safetensors.index.json"

@@ -248,7 +248,7 @@ API_CASES = [
 
 @pytest.mark.parametrize("kwargs, expected", [c[1:] for c in API_CASES], ids=[c[0] for c in API_CASES])
 def test_parallelize_refuses(kwargs, expected, world_of_one):
-    from fxpipe.runtime.api import parallelize
+    from fxpipe.parallel import parallelize
 
     w = _tiny()
     args = dict(microbatches=2, example_inputs=w.example_inputs, partition="uniform", timeout_s=30)
@@ -265,7 +265,7 @@ def test_parallelize_refuses(kwargs, expected, world_of_one):
 def test_train_step_checks_token_ids(world_of_one):
     """tp=1 would crash with an IndexError inside the embedding, vocabulary-parallel TP
     would read zeros; both get this error instead, before any compute."""
-    from fxpipe.runtime.api import parallelize
+    from fxpipe.parallel import parallelize
 
     w = _tiny()
     pm = parallelize(w.model, microbatches=2, example_inputs=w.example_inputs, partition="uniform")

@@ -26,7 +26,7 @@ def test_config_parses_names_into_enums_and_resolves_defaults():
     assert ParallelConfig(tp=2, sp=True, costs="model").scatter_gather is False
     assert ParallelConfig(tp=1, scatter_gather=True, costs="model").scatter_gather is False
     assert ParallelConfig(tp=2, scatter_gather=False, costs="model").scatter_gather is False
-    assert c.tensor_parallel.use_scatter_gather == c.scatter_gather
+    assert c.tensor_parallel.scatter_gather == c.scatter_gather
 
 
 def test_schedule_kinds_are_the_registry():
@@ -77,7 +77,7 @@ def test_pipeline_runs_every_pass_through_the_driver(tiny):
     plan = result.plan
     assert plan.num_stages == 2 and plan.program is result.program
     assert set(plan.program.stages.values()) == {0, 1}
-    assert "tensor_parallel" in result.program.extra and result.partition is not None
+    assert result.program.tensor_parallel is not None and result.partition is not None
     # Model FLOPs are the whole model's, counted before TP halves every matmul.
     whole = total_cost(cost_pass(canonicalize_pass(fxpipe.capture(tiny.model, tiny.example_inputs,
                                                                   tiny.loss_fn))))

@@ -31,11 +31,7 @@ def partition(problem: PartitionProblem, method: Method | str = Method.ILP, **op
     >>> partition(p, "uniform").stage_indices
     (0, 0, 1, 1)
     """
-    try:
-        method = Method(method)
-    except ValueError:
-        valid = ", ".join(m.value for m in Method)
-        raise ValueError(f"unknown partition method {method!r}; valid methods: {valid}") from None
+    method = Method.parse(method)
     if options and method is not Method.ILP:
         raise TypeError(f"method {method.value!r} takes no options, got {sorted(options)}")
     return SOLVERS[method](problem, **options)

@@ -22,6 +22,16 @@ class Method(str, enum.Enum):
     DP = "dp"
     """Optimal contiguous split of one topological order (chain dynamic program)."""
 
+    @classmethod
+    def parse(cls, name: "str | Method") -> "Method":
+        """The one check of a method's name (``ParallelConfig``, ``PartitionConfig`` and
+        ``partition`` all parse through it)."""
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(f"unknown partition method {name!r}; valid methods: "
+                             f"{', '.join(m.value for m in cls)}") from None
+
 
 class SolveStatus(enum.Enum):
     OPTIMAL = "optimal"

@@ -62,8 +62,8 @@ def split_block_keys(program: Program) -> dict[str, str]:
     they will run, so each block's measured time carries 1/k of one weight-slice
     backward instead of a whole one (docs/costs.md)."""
     keys = {}
-    losses = {b.logits: loss for loss in program.extra.get("split_loss", ()) for b in loss.blocks}
-    for split in program.extra.get("split_matmul", ()):
+    losses = {b.logits: loss for loss in program.loss_splits for b in loss.blocks}
+    for split in program.matmul_splits:
         loss = losses.get(split.blocks[0].output)
         for i, block in enumerate(split.blocks):
             for n in (*block.nodes, *(loss.blocks[i].nodes if loss is not None else ())):
@@ -75,8 +75,8 @@ def coalesce_blocks_pass(program: Program) -> Program:
     """Merge the split-matmul blocks (and their loss blocks) each stage holds in a
     contiguous run into one (module docstring). Needs ``program.stages``; returns the
     rewritten Program with its assignment, records and costs updated."""
-    splits = program.extra.get("split_matmul", ())
-    losses = {b.logits: loss for loss in program.extra.get("split_loss", ()) for b in loss.blocks}
+    splits = program.matmul_splits
+    losses = {b.logits: loss for loss in program.loss_splits for b in loss.blocks}
     if not program.stages:
         raise ValueError("coalesce_blocks_pass needs a partitioned Program (run partition_pass first)")
     stages = dict(program.stages)
@@ -142,7 +142,6 @@ def coalesce_blocks_pass(program: Program) -> Program:
     out = program.replace(graph_module=gm, module_paths=paths, layers=layers)
     side = side_values(out)  # recomputed by every stage that reads them: no stage of their own
     stages.update({n: s for n, s in built.items() if n not in side})
-    extra = {**program.extra, "split_matmul": tuple(new_splits),
-             "split_loss": tuple(new_losses.get(l, l) for l in program.extra.get("split_loss", ()))}
-    return cost_pass(out.replace(stages=stages, extra=extra, costs={}))
+    return cost_pass(out.replace(stages=stages, matmul_splits=tuple(new_splits), costs={},
+                                 loss_splits=tuple(new_losses.get(l, l) for l in program.loss_splits)))
 

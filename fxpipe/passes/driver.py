@@ -2,8 +2,9 @@
 
 A pass is a plain function ``name_pass(program, config) -> program``. The driver
 runs them in order, can skip one by name, times each, and in debug mode lints
-the graph and checks the Program's invariants after every pass, naming the pass
-that broke them. ``DEFAULT_PASSES`` are the graph passes every layout needs; the
+every graph a pass returns and checks the Program's invariants after every pass —
+after the split, every stage graph and the regions outlined in it — naming the
+pass that broke them. ``DEFAULT_PASSES`` are the graph passes every layout needs; the
 whole compile pipeline (``fxpipe/compiler.py``) runs them and then the pipeline's
 own steps through this same driver — the last of which turn the Program into a
 ``PipelinePlan``.
@@ -14,9 +15,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+from fxpipe.artifact import PassTiming
 from fxpipe.passes.canonicalize import canonicalize_pass
 from fxpipe.passes.node_cost import cost_pass
-from fxpipe.passes.lint import lint_program
+from fxpipe.passes.lint import lint_plan, lint_program
 from fxpipe.passes.tensor_parallel import tensor_parallel_pass
 from fxpipe.program import Program
 
@@ -29,13 +31,6 @@ class PassSpec:
     name: str
     fn: PassFn
     why: str
-
-
-@dataclass(frozen=True)
-class PassTiming:
-    name: str
-    seconds: float
-    nodes_after: int
 
 
 # The order matters; each line says why the pass is where it is.
@@ -54,9 +49,12 @@ def pass_names(passes: Sequence[PassSpec] = DEFAULT_PASSES) -> list[str]:
     return [p.name for p in passes]
 
 
-def _checked(obj: Any) -> Program:
-    """The Program to lint: the object itself, or the one a PipelinePlan was cut from."""
-    return obj if isinstance(obj, Program) else obj.program
+def _lint(obj: Any, after: str) -> None:
+    """Lint what a pass returned: a Program, or a PipelinePlan with every stage graph."""
+    if isinstance(obj, Program):
+        lint_program(obj, after=after)
+    else:
+        lint_plan(obj, after=after)
 
 
 def _size(obj: Any) -> int:
@@ -84,6 +82,6 @@ def run_passes(program: Program, config: object = None, *,
         program = spec.fn(program, config)
         elapsed = time.perf_counter() - start
         if debug:
-            lint_program(_checked(program), after=spec.name)
+            _lint(program, spec.name)
         timings.append(PassTiming(spec.name, elapsed, _size(program)))
     return program, timings

@@ -136,10 +136,3 @@ def total_cost(program: Program) -> NodeCost:
     """Sum over all nodes (fields add)."""
     cs = program.costs.values()
     return NodeCost(*(sum(getattr(c, f) for c in cs) for f in NodeCost.__dataclass_fields__))
-
-
-def model_flops_formula(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """Megatron's model FLOPs per iteration, no recomputation (Narayanan et al. SC21 §5.1):
-    72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))."""
-    B, s, l, h, V = batch, seq, layers, hidden, vocab
-    return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))

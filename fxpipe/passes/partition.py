@@ -29,8 +29,8 @@ class PartitionConfig:
     stage_to_rank: tuple[int, ...]
     inflight: tuple[int, ...]
     """Peak microbatches whose activations each stage holds (``stage_inflight``)."""
-    method: str = "ilp"
-    """ilp | uniform | params | dp."""
+    method: Method = Method.ILP
+    """ilp | uniform | params | dp (a name is parsed by ``Method.parse``)."""
     memory_limit_bytes: int | None = None
     hardware: Hardware = CPU
     state_bytes_per_param_byte: float = 4.0
@@ -57,9 +57,7 @@ class PartitionConfig:
     def __post_init__(self) -> None:
         if len(self.stage_to_rank) != self.num_stages or len(self.inflight) != self.num_stages:
             raise ValueError("stage_to_rank and inflight need one entry per stage")
-        if self.method not in {m.value for m in Method}:
-            raise ValueError(f"unknown partition method {self.method!r}; valid methods: "
-                             f"{', '.join(m.value for m in Method)}")
+        object.__setattr__(self, "method", Method.parse(self.method))  # frozen
 
 
 def stage_inflight(schedule: Schedule) -> tuple[int, ...]:
@@ -126,7 +124,7 @@ def solve_partition(program: Program, config: PartitionConfig) -> tuple[dict[str
                                bandwidth_bytes_per_s=config.link[1] if config.link else config.hardware.p2p_bw,
                                latency_s=config.link[0] if config.link else config.hardware.p2p_latency)
     options = {}
-    if Method(config.method) is Method.ILP:
+    if config.method is Method.ILP:
         options = dict(time_limit_s=config.time_limit_s, seed=config.seed,
                        num_workers=config.num_workers)
     result = partition(problem, config.method, **options)
@@ -155,4 +153,4 @@ def over_limit_message(result: PartitionResult) -> str:
 
 def partition_pass(program: Program, config: PartitionConfig) -> Program:
     assignment, result = solve_partition(program, config)
-    return program.replace(stages=assignment, extra={**program.extra, "partition": result})
+    return program.replace(stages=assignment, partition=result)

@@ -30,14 +30,12 @@ from typing import Mapping
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from fxpipe.recompute_mode import RecomputeMode  # noqa: F401  (re-exported: the mode lives torch-free)
 
-from fxpipe.passes.subgraph import copy_subgraph
+from fxpipe.recompute_region import CheckpointedRegion
+from fxpipe.subgraph import copy_subgraph
 from fxpipe.program import NodeCost, Program
-from fxpipe.tp.context import TPContext, current_tp_or_none, tp_group_context
 
 aten = torch.ops.aten
 
@@ -75,49 +73,6 @@ class RecomputeRegion:
     inputs: tuple[str, ...]
     """Values the forward keeps for backward (parameters among them cost nothing)."""
     outputs: tuple[str, ...]
-
-
-class CheckpointedRegion(nn.Module):
-    """Runs ``body`` under non-reentrant activation checkpointing.
-
-    Forward saves only the inputs; backward reruns ``body`` with the RNG state of
-    the first run (``preserve_rng_state``), so dropout replays the same mask."""
-
-    def __init__(self, body: fx.GraphModule) -> None:
-        super().__init__()
-        self.body = body
-
-    def forward(self, *args: object) -> tuple:
-        tp = current_tp_or_none()
-        if tp is None:
-            return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True)
-        return checkpoint(_TPReplay(self.body, tp), *args, use_reentrant=False, preserve_rng_state=True)
-
-
-class _TPReplay:
-    """The body under tensor parallelism: checkpoint preserves torch's global RNG, not
-    the TP dropout streams (Megatron's RNG tracker, which its own checkpoint function
-    forks for the same reason), nor the TP group context, which backward may not see.
-    The first call runs the body and remembers the streams' state before it; the
-    recomputation re-enters the context, rewinds the streams to that state, and puts
-    them back afterwards so later dropout draws are unaffected."""
-
-    def __init__(self, body: fx.GraphModule, tp: "TPContext") -> None:
-        self.body, self.tp = body, tp
-        self.before = tp.rng.get_state()
-        self.ran = False
-
-    def __call__(self, *args: object) -> tuple:
-        if not self.ran:
-            self.ran = True
-            return self.body(*args)
-        after = self.tp.rng.get_state()
-        self.tp.rng.restore(self.before)
-        try:
-            with tp_group_context(self.tp.group, self.tp.rng):
-                return self.body(*args)
-        finally:
-            self.tp.rng.restore(after)
 
 
 # Matrix multiplies. One with a parameter operand is a projection (a region boundary);
@@ -354,11 +309,11 @@ def recompute_pass(program: Program, config: RecomputeConfig | RecomputeMode | N
     :func:`apply_recompute` to each stage's graph after ``split_pass`` instead.
 
     Region nodes get the layer index in ``layers`` and the summed costs of their
-    nodes; ``extra["recompute"]`` lists the regions."""
+    nodes; ``Program.recompute_regions`` lists them."""
     mode = config.mode if isinstance(config, RecomputeConfig) else (config or RecomputeMode.NONE)
     gm = apply_recompute(program.graph_module, program.layers, mode)
     if gm is program.graph_module:
-        return program.replace(extra={**program.extra, "recompute": ()})
+        return program.replace(recompute_regions=())
     regions = regions_of(gm)
     live = {n.name for n in gm.graph.nodes}
     layers = {k: v for k, v in program.layers.items() if k in live}
@@ -376,4 +331,4 @@ def recompute_pass(program: Program, config: RecomputeConfig | RecomputeMode | N
             total["out_bytes"] = sum(program.costs[n].out_bytes for n in r.outputs if n in program.costs)
             costs[r.name] = NodeCost(**total)
     return program.replace(graph_module=gm, layers=layers, module_paths=paths, costs=costs,
-                           extra={**program.extra, "recompute": tuple(regions)})
+                           recompute_regions=tuple(regions))

@@ -321,8 +321,8 @@ def _rewrite(gm: fx.GraphModule, split: MatmulSplit, m: _Match, paths: dict, lay
 def split_loss_pass(program: Program) -> Program:
     """Rewrite each cross-entropy over the cat of a split matmul's blocks into per-block
     logsumexp and target picks (module docstring). Run right after ``split_matmul_pass``;
-    ``extra["split_loss"]`` lists the rewrites, and the costs are recomputed."""
-    splits = program.extra.get("split_matmul", ())
+    ``Program.loss_splits`` lists the rewrites, and the costs are recomputed."""
+    splits = program.matmul_splits
     if not splits:
         return program
     gm = copy.deepcopy(program.graph_module)
@@ -343,6 +343,5 @@ def split_loss_pass(program: Program) -> Program:
         return program
     gm.graph.lint()
     gm.recompile()
-    extra = {**program.extra, "split_loss": (*program.extra.get("split_loss", ()), *done)}
     return cost_pass(program.replace(graph_module=gm, module_paths=paths, layers=layers, costs={},
-                                     extra=extra))
+                                     loss_splits=(*program.loss_splits, *done)))

@@ -18,7 +18,7 @@ Which ops: ``aten.linear`` (weight [out, in]) and ``aten.addmm`` / ``aten.mm`` w
 right operand is [in, out] (Conv1D-style layers), chosen by structure and cost only:
 an op whose matmul FLOPs exceed 1/(2S) of the model's is cut into
 ceil(share · BLOCKS_PER_SHARE · S) blocks (at most MAX_BLOCKS), so each block is at
-most an eighth of a stage's share. ``extra["split_matmul"]`` records each split
+most an eighth of a stage's share. ``Program.matmul_splits`` records each split
 (``MatmulSplit``) so that later passes can rebuild any feature range of it:
 ``split_loss_pass`` gives each block its share of the cross-entropy, and
 ``coalesce_blocks_pass`` merges, after partitioning, the neighbouring blocks one stage
@@ -174,7 +174,7 @@ def _split_one(graph: fx.Graph, node: fx.Node, k: int, key: str) -> tuple[Matmul
 def split_matmul_pass(program: Program, num_stages: int) -> Program:
     """Cut every matmul heavier than 1/(2·num_stages) of the model's matmul FLOPs into
     output-feature blocks (module docstring). Needs the cost pass's annotations and
-    returns them for the rewritten graph; ``extra["split_matmul"]`` lists the splits."""
+    returns them for the rewritten graph; ``Program.matmul_splits`` lists the splits."""
     if num_stages < 2 or not program.costs:
         return program
     costs = program.costs
@@ -218,6 +218,5 @@ def split_matmul_pass(program: Program, num_stages: int) -> Program:
         return program
     gm.graph.lint()
     gm.recompile()
-    extra = {**program.extra, "split_matmul": (*program.extra.get("split_matmul", ()), *splits)}
     return cost_pass(program.replace(graph_module=gm, module_paths=paths, layers=layers, costs={},
-                                     extra=extra))
+                                     matmul_splits=(*program.matmul_splits, *splits)))

@@ -12,7 +12,7 @@ import json
 
 from fxpipe.hardware import PRESETS, get_hardware
 from fxpipe.recompute_mode import RecomputeMode
-from fxpipe.planner.config import DPOverlap, LayerBalance, PlannerOptions, ScheduleKind
+from fxpipe.planner.config import PLANNED, DPOverlap, LayerBalance, PlannerOptions, planned_schedule
 
 
 def _csv(parse):
@@ -31,7 +31,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=None, help="sequence length s (default: the model's)")
     p.add_argument("--top", type=int, default=5, help="layouts to print (default: %(default)s)")
     p.add_argument("--explain", action="store_true", help="why the top layout beats the runner-up")
-    p.add_argument("--schedules", type=_csv(ScheduleKind.parse), default=tuple(ScheduleKind),
+    p.add_argument("--schedules", type=_csv(planned_schedule), default=PLANNED,
                    help="schedules to search (default: 1f1b,interleaved,zb-h1)")
     p.add_argument("--recompute", type=_csv(RecomputeMode.parse), default=tuple(RecomputeMode),
                    help="recompute modes to search (default: none,selective,full)")

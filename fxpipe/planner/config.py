@@ -6,21 +6,21 @@ from dataclasses import dataclass
 
 from fxpipe.hardware import A100, Hardware
 from fxpipe.recompute_mode import RecomputeMode
+from fxpipe.schedules.registry import ScheduleKind
 
 
-class ScheduleKind(enum.Enum):
-    """Pipeline schedules the planner simulates (names as in ``fxpipe.schedules``)."""
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved"
-    ZB_H1 = "zb-h1"
+PLANNED: tuple[ScheduleKind, ...] = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED, ScheduleKind.ZB_H1)
+"""The schedules the planner prices (SC21's two and zero bubble H1); GPipe and ZB-V run
+in fxpipe but have no per-layer memory model here."""
 
-    @classmethod
-    def parse(cls, name: str) -> "ScheduleKind":
-        try:
-            return cls(name.lower())
-        except ValueError:
-            raise ValueError(f"unknown schedule {name!r} for the planner; valid: "
-                             f"{', '.join(k.value for k in cls)}") from None
+
+def planned_schedule(name: "str | ScheduleKind") -> ScheduleKind:
+    """A schedule the planner prices, or a ValueError listing them."""
+    kind = ScheduleKind.parse(name)
+    if kind not in PLANNED:
+        raise ValueError(f"schedule {kind.value!r} is not priced by the planner; valid: "
+                         f"{', '.join(k.value for k in PLANNED)}")
+    return kind
 
 
 class LayerBalance(enum.Enum):
@@ -69,6 +69,7 @@ class CandidateLayout:
         for f in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "chunks"):
             if getattr(self, f) < 1:
                 raise ValueError(f"CandidateLayout.{f} must be >= 1, got {getattr(self, f)}")
+        planned_schedule(self.schedule)
         if self.chunks > 1 and self.schedule is not ScheduleKind.INTERLEAVED:
             raise ValueError(f"chunks={self.chunks} needs the interleaved schedule, not "
                              f"{self.schedule.value}")
@@ -117,7 +118,7 @@ class PlannerOptions:
     """SC21 §4.1: each TP rank sends 1/t of a stage boundary, the receiver all-gathers."""
     dp_overlap: DPOverlap = DPOverlap.NONE
     balance: LayerBalance = LayerBalance.FXPIPE
-    schedules: tuple[ScheduleKind, ...] = tuple(ScheduleKind)
+    schedules: tuple[ScheduleKind, ...] = PLANNED
     recomputes: tuple[RecomputeMode, ...] = tuple(RecomputeMode)
     sequence_parallel: bool = False
     """Use sequence parallelism in every layout with t > 1."""
@@ -136,6 +137,8 @@ class PlannerOptions:
             raise ValueError(f"dtype_bytes must be 1, 2 or 4, got {self.dtype_bytes}")
         if not self.schedules or not self.recomputes:
             raise ValueError("give at least one schedule and one recompute mode to search")
+        for kind in self.schedules:
+            planned_schedule(kind)
         if self.max_chunks < 1 or self.max_micro_batch < 1:
             raise ValueError(f"max_chunks and max_micro_batch must be >= 1, got "
                              f"{self.max_chunks}, {self.max_micro_batch}")

@@ -81,7 +81,13 @@ def model_flops(shape: TransformerShape, global_batch: int, recompute: Recompute
     - selective (our derivation, same counting): only the attention core's 4s²h is rerun,
       72·B·s·l·h²·(1 + 2s/(9h) + V/(12·l·h)).
     """
-    B, s, l, h, V = global_batch, shape.seq, shape.layers, shape.hidden, shape.vocab
+    return model_flops_formula(global_batch, shape.seq, shape.layers, shape.hidden, shape.vocab, recompute)
+
+
+def model_flops_formula(B: int, s: int, l: int, h: int, V: int,  # noqa: E741 (the paper's symbols)
+                        recompute: RecomputeMode = RecomputeMode.NONE) -> float:
+    """``model_flops`` from the five numbers alone: batch B, sequence s, layers l, hidden h,
+    vocabulary V (the one copy of the formula; the cost pass's totals are tested against it)."""
     if recompute is RecomputeMode.FULL:
         return 96.0 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
     if recompute is RecomputeMode.SELECTIVE:

@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fxpipe.passes.tensor_parallel import ShardSpec
+from fxpipe.sharding import ShardSpec
 from fxpipe.mismatch import full_shapes, raise_if_mismatched
 from fxpipe.program import ParamKind, Program
 from fxpipe.runtime.checkpoint_shards import empty_chunks, is_sharded, wrap_state

@@ -25,7 +25,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-from fxpipe.passes.tensor_parallel import ShardKind, ShardSpec
+from fxpipe.sharding import ShardKind, ShardSpec
 
 # torch marks ShardedTensor as deprecated in favour of DTensor, which cannot express
 # non-contiguous ranges (above); DCP still saves and reshards it. Silence that one note.

@@ -56,7 +56,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from fxpipe.passes.recompute import CheckpointedRegion
+from fxpipe.recompute_region import CheckpointedRegion
 from fxpipe.runtime.compiled_split import GraphSplit, Splitter, WeightQueue
 
 

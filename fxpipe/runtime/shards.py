@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from fxpipe.init import materialize_tensor, record_init
-from fxpipe.passes.tensor_parallel import shard_state
+from fxpipe.sharding import shard_state
 from fxpipe.program import ParamKind, Program
 
 

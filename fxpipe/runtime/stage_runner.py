@@ -42,8 +42,9 @@ class StageRunner:
     """Each microbatch's loss is multiplied by this (1/num_microbatches) so the
     accumulated gradients equal the full-batch gradient."""
     context: Callable[[], ContextManager] = contextlib.nullcontext
-    """Entered around every forward (the tensor-parallel group and dropout RNG: the
-    graph's collectives resolve their group from it; backward needs none)."""
+    """Entered around every forward and every backward (B, I and W): the graph's
+    collectives resolve their tensor-parallel group from it, and recomputed regions
+    rerun forward ops (collectives, dropout from its RNG streams) inside backward."""
     compiled: Callable | None = None
     """The stage compiled by Inductor (``parallelize(compile=True)``); None: the GraphModule.
     Either way the outputs carry an ordinary autograd graph."""

@@ -13,7 +13,7 @@ See docs/schedules.md for conventions and each generator's bubble and memory.
 """
 from .ir import Action, ActionKind, Schedule, loop_stage_ranks, v_stage_ranks
 from .lowering import lower
-from .registry import SCHEDULES, ScheduleSpec, generate, get_spec, schedule_names
+from .registry import SCHEDULES, ScheduleKind, ScheduleSpec, generate, get_spec, schedule_names
 from .simulate import SimResult, StageDurations, simulate
 from .timeline import Event, Timeline
 from .validate import ScheduleError, validate
@@ -25,6 +25,7 @@ __all__ = [
     "SCHEDULES",
     "Schedule",
     "ScheduleError",
+    "ScheduleKind",
     "ScheduleSpec",
     "SimResult",
     "StageDurations",

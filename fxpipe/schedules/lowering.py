@@ -9,13 +9,15 @@ starts once its inputs exist), then
 - put the matching RECV on the receiving rank *in the same round*, i.e. after
   whatever that rank computed up to then and before its next compute.
 
-Within a round every rank's comm ops then form one batch (the runtime posts a
-run of consecutive SEND/RECV as one ``batch_isend_irecv``), and every op in a
+Within a round every rank's comm ops then form one batch, and every op in a
 round-t batch has its partner in the partner's round-t batch. By induction on
 rounds, each rank reaches its round-t batch (its compute up to t had its
 inputs in the dry run) and the batch completes (every partner is posted), so
-the lowered schedule cannot deadlock, even if a send blocks until its receive
-is posted. ``validate`` re-checks this by executing the lowered lists.
+the lowered schedule cannot deadlock even under the strictest semantics: a run
+of consecutive SEND/RECV posted as one ``batch_isend_irecv``, a send blocking
+until its receive is posted. ``validate`` re-checks exactly that by executing
+the lowered lists. The runtime is looser still: it posts each SEND and RECV as
+one non-blocking ``isend``/``irecv`` (``runtime/transport.py``).
 
 Receives are also posted as early as they can be, so the transfer overlaps
 the receiver's compute (Megatron instead posts a receive just before its

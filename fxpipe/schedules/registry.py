@@ -1,11 +1,33 @@
 """Schedule generators by name."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Callable
 
 from .generators import gpipe, interleaved, one_f_one_b, zb_h1, zb_v
 from .ir import Schedule
+
+
+class ScheduleKind(enum.Enum):
+    """The pipeline schedules, by their registered names (``SCHEDULES`` generates each).
+    The one schedule enum: the layout (``ParallelConfig``), the runtime and the planner
+    (which prices a subset, ``planner.config.PLANNED``) all use it."""
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    ZB_H1 = "zb-h1"
+    ZB_V = "zb-v"
+
+    @classmethod
+    def parse(cls, name: "str | ScheduleKind") -> "ScheduleKind":
+        if isinstance(name, cls):
+            return name
+        try:
+            return cls(str(name).lower())
+        except ValueError:
+            raise ValueError(f"unknown schedule {name!r}; valid names are: "
+                             f"{', '.join(k.value for k in cls)}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,17 +65,12 @@ def schedule_names() -> list[str]:
     return list(SCHEDULES)
 
 
-def get_spec(name: str) -> ScheduleSpec:
-    try:
-        return SCHEDULES[name.lower()]
-    except KeyError:
-        raise ValueError(
-            f"unknown schedule {name!r}; valid names are: {', '.join(SCHEDULES)}"
-        ) from None
+def get_spec(name: "str | ScheduleKind") -> ScheduleSpec:
+    return SCHEDULES[ScheduleKind.parse(name).value]
 
 
 def generate(
-    name: str, num_ranks: int, num_microbatches: int, num_chunks: int | None = None
+    name: "str | ScheduleKind", num_ranks: int, num_microbatches: int, num_chunks: int | None = None
 ) -> Schedule:
     """The compute-only schedule ``name`` for p=num_ranks, m=num_microbatches
     and v=num_chunks stages per rank (None: the schedule's default, 2 for

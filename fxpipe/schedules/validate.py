@@ -12,11 +12,12 @@ the step x rank grid and the offending action marked (like torch's
 3. execution: every rank runs its list in order. Compute waits for its inputs
    (F(s) after F(s-1); B/I(s) after its own F and after B/I(s+1); W after its
    I). In a lowered schedule inputs from other ranks come only through a
-   RECV, and a maximal run of consecutive SEND/RECV actions is one
-   ``batch_isend_irecv``: it completes only once the partner of every op in it
-   has been posted. That is the strictest reading of NCCL semantics (a send
-   may block until its receive is posted), so a schedule passing it cannot
-   deadlock under the looser ones either.
+   RECV, and a maximal run of consecutive SEND/RECV actions is checked as one
+   ``batch_isend_irecv`` would run: it completes only once the partner of every
+   op in it has been posted. That is the strictest reading of NCCL semantics (a
+   send may block until its receive is posted), so a schedule passing it cannot
+   deadlock under the looser ones either — including the runtime's, which posts
+   every SEND and RECV as its own non-blocking ``isend``/``irecv``.
 """
 from __future__ import annotations
 

@@ -45,14 +45,14 @@ def tp_program(name: str, seq: int, dropout: float, *, tp: int, sp: bool, attn_d
     """(TP program, batch, model config) of fxpipe's GPT, through the default pass list."""
     captured, example, cfg = _captured(name, seq, dropout, attn_dropout, batch, layers)
     prog, _ = run_passes(captured, TPConfig(tp=tp, sp=sp))
-    assert prog.extra["tensor_parallel"].config == TPConfig(tp=tp, sp=sp)
+    assert prog.tensor_parallel.config == TPConfig(tp=tp, sp=sp)
     return prog, example, cfg
 
 
 def _local(prog: Program, rank: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
     """This rank's shard of the state as fresh leaves (replicated entries are shared
     between the rank threads otherwise), and the parameter arguments in graph order."""
-    specs = prog.extra["tensor_parallel"].specs
+    specs = prog.tensor_parallel.specs
     state = {k: v.detach().clone().requires_grad_(v.requires_grad)
              for k, v in shard_state(prog.state, specs, rank).items()}
     return state, [state[p.canonical] for p in prog.params]
@@ -62,7 +62,7 @@ def saved_bytes_per_rank(prog: Program, batch: Sequence[torch.Tensor], mode: Rec
                          seed: int = 0) -> list[dict[int | None, int]]:
     """Per TP rank, layer -> bytes its forward saves for backward (``fxpipe.saved_activations``),
     with ``mode`` applied to the TP program's graph."""
-    tp = prog.extra["tensor_parallel"].config.tp
+    tp = prog.tensor_parallel.config.tp
     gm = apply_recompute(prog.graph_module, prog.layers, mode)
 
     def step(group) -> dict[int | None, int]:
@@ -78,7 +78,7 @@ def saved_bytes_per_rank(prog: Program, batch: Sequence[torch.Tensor], mode: Rec
 def loss_and_grads_per_rank(prog: Program, batch: Sequence[torch.Tensor], gm: torch.fx.GraphModule, *,
                             seed: int = 0) -> list[tuple[torch.Tensor, Mapping[str, torch.Tensor]]]:
     """Per TP rank: (loss, local gradients) of one forward+backward of ``gm``."""
-    tp = prog.extra["tensor_parallel"].config.tp
+    tp = prog.tensor_parallel.config.tp
 
     def step(group) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         state, params = _local(prog, group.rank)

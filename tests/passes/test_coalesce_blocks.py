@@ -21,7 +21,7 @@ def _assigned(monkeypatch):
     monkeypatch.setattr(split_matmul_module, "MAX_BLOCKS", 12)  # the layout below has 12 blocks
     program = _program(LOSSES["mean"][0])
     blocked = split_loss_pass(split_matmul_pass(program, 2))
-    (split,), (loss,) = blocked.extra["split_matmul"], blocked.extra["split_loss"]
+    (split,), (loss,) = blocked.matmul_splits, blocked.loss_splits
     assert len(split.blocks) == 12
     side = side_values(blocked)
     # Everything before the head on stage 0, the combining ops after it on stage 1.
@@ -40,10 +40,10 @@ def _assigned(monkeypatch):
 
 def test_same_stage_neighbours_merge_exactly(monkeypatch):
     program, blocked = _assigned(monkeypatch)
-    old = blocked.extra["split_matmul"][0].blocks
+    old = blocked.matmul_splits[0].blocks
     merged = coalesce_blocks_pass(blocked)
     lint_program(merged, after="coalesce_blocks")
-    (split,), (loss,) = merged.extra["split_matmul"], merged.extra["split_loss"]
+    (split,), (loss,) = merged.matmul_splits, merged.loss_splits
     runs = [(0, 3), (4, 4), (5, 7), (8, 8), (9, 11)]
     assert [(b.start, b.end) for b in split.blocks] == [(old[i].start, old[j].end) for i, j in runs]
     assert [merged.stages[b.output] for b in split.blocks] == [0, 0, 1, 0, 1]
@@ -75,7 +75,7 @@ def test_nothing_to_merge_returns_the_program():
     program = _program(LOSSES["mean"][0])
     blocked = split_loss_pass(split_matmul_pass(program, 2))
     side = side_values(blocked)
-    split = blocked.extra["split_matmul"][0]
+    split = blocked.matmul_splits[0]
     alternate = {n.name: 1 for n in blocked.graph.nodes if n.op == "call_function" and n.name not in side}
     for n in blocked.graph.nodes:
         if n.name == split.blocks[0].nodes[0]:
@@ -99,7 +99,7 @@ def test_measured_costs_time_a_splits_blocks_together():
     blocked = split_loss_pass(split_matmul_pass(program, 2))
     config = PartitionConfig(num_stages=2, stage_to_rank=(0, 1), inflight=(2, 1))
     _, probe = probe_groups(blocked, config)
-    split, loss = blocked.extra["split_matmul"][0], blocked.extra["split_loss"][0]
+    split, loss = blocked.matmul_splits[0], blocked.loss_splits[0]
     block_nodes = [n for b in split.blocks for n in b.nodes] + [n for b in loss.blocks for n in b.nodes]
     assert len({probe.group_of[n] for n in block_nodes if n in probe.group_of}) == 1
     state = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in blocked.state.items()}
@@ -118,7 +118,7 @@ def test_blocks_joined_by_a_cat_merge_exactly():
 
     program = _program(lambda out, y: F.cross_entropy(*_shifted(out, y), label_smoothing=0.1))
     split = split_matmul_pass(program, 2)
-    (s,) = split.extra["split_matmul"]
+    (s,) = split.matmul_splits
     side = side_values(split)
     stages = {n.name: 1 for n in split.graph.nodes if n.op == "call_function" and n.name not in side}
     for n in split.graph.nodes:
@@ -128,7 +128,7 @@ def test_blocks_joined_by_a_cat_merge_exactly():
     for i, b in enumerate(s.blocks):
         stages.update((name, int(i >= len(s.blocks) // 2)) for name in b.nodes)
     merged = coalesce_blocks_pass(split.replace(stages={n: k for n, k in stages.items() if n not in side}))
-    (m,) = merged.extra["split_matmul"]
+    (m,) = merged.matmul_splits
     assert [(b.start, b.end, merged.stages[b.output]) for b in m.blocks] == \
         [(0, s.blocks[len(s.blocks) // 2].start, 0), (s.blocks[len(s.blocks) // 2].start, V, 1)]
     (cat,) = [n for n in merged.graph.nodes if n.target is aten.cat.default]

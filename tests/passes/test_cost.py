@@ -4,7 +4,8 @@ import torch
 
 import fxpipe
 from fxpipe.models import build_workload
-from fxpipe.passes import cost_pass, model_flops_formula, total_cost
+from fxpipe.passes import cost_pass, total_cost
+from fxpipe.planner.shapes import model_flops_formula
 from fxpipe.passes.node_cost import node_cost
 
 

@@ -39,3 +39,36 @@ def test_debug_lint_names_the_breaking_pass(program):
     with pytest.raises(ProgramInvariantError, match="after pass 'bad'.*no_such_node"):
         run_passes(program[0], passes=passes, debug=True)
     run_passes(program[0], passes=passes, debug=False)  # not checked without debug
+
+
+def test_debug_lint_checks_every_stage_graph(program):
+    """A pass that returns a PipelinePlan has its stage graphs linted, not only the
+    Program they were cut from (the recompute pass rewrites stage graphs only)."""
+    import copy
+    import dataclasses
+
+    import torch
+
+    from fxpipe.passes.partition import PartitionConfig, partition_pass
+    from fxpipe.passes.split import split_pass
+
+    costed, _ = run_passes(program[0])
+    parted = partition_pass(costed, PartitionConfig(num_stages=2, stage_to_rank=(0, 1), inflight=(2, 1),
+                                                    method="uniform"))
+    plan = split_pass(parted, num_stages=2)
+
+    def write_in_place(prog, config):  # a stage-graph rewrite that leaves an in-place op behind
+        gm = copy.deepcopy(plan.stages[1].graph_module)
+        first = next(n for n in gm.graph.nodes if n.op == "call_function"
+                     and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point())
+        with gm.graph.inserting_after(first):
+            gm.graph.call_function(torch.ops.aten.relu_.default, (first,))
+        gm.recompile()
+        stages = (plan.stages[0], dataclasses.replace(plan.stages[1], graph_module=gm))
+        return dataclasses.replace(plan, stages=stages)
+
+    passes = (PassSpec("fine", lambda prog, config: plan, "a plan as split makes it"),)
+    run_passes(program[0], passes=passes, debug=True)
+    passes += (PassSpec("bad", write_in_place, "breaks a stage graph on purpose"),)
+    with pytest.raises(ProgramInvariantError, match="after pass 'bad': stage 1: in-place ops.*relu_"):
+        run_passes(program[0], passes=passes, debug=True)

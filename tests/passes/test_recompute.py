@@ -458,7 +458,7 @@ def test_recompute_pass_keeps_program_invariants_costs_and_loss():
     prog, batch = _program("gpt-tiny")
     out = recompute_pass(prog, RecomputeConfig(mode=FULL))
     lint_program(out, after="recompute")
-    assert len(out.extra["recompute"]) == 2
+    assert len(out.recompute_regions) == 2
     assert total_cost(out).fwd_flops == total_cost(prog).fwd_flops
     state, _ = _args(prog, batch)
     assert out.run(state, *batch) == prog.run(state, *batch)

@@ -70,8 +70,8 @@ def test_blockwise_loss_is_exact(name):
     program = _program(loss_fn, ignored)
     blocked = split_loss_pass(split_matmul_pass(program, 2))
     lint_program(blocked, after="split_loss")
-    (rewrite,) = blocked.extra["split_loss"]
-    assert len(rewrite.blocks) == len(blocked.extra["split_matmul"][0].blocks) > 2
+    (rewrite,) = blocked.loss_splits
+    assert len(rewrite.blocks) == len(blocked.matmul_splits[0].blocks) > 2
     batch = _batch(ignored)
     loss0, g0 = _loss_and_grads(program, batch)
     loss1, g1 = _loss_and_grads(blocked, batch)
@@ -91,7 +91,7 @@ def test_no_node_reads_the_whole_vocabulary():
             # only the head's weight is [V, H]; activations are [.., block] or [tokens]
             assert not (isinstance(v, torch.Tensor) and v.dim() and v.shape[-1] == V), node.format_node()
     # Each block's loss share is keyed like its matmul, so coarsening keeps them together.
-    (rewrite,) = blocked.extra["split_loss"]
+    (rewrite,) = blocked.loss_splits
     for block in rewrite.blocks:
         assert {blocked.module_paths[n] for n in block.nodes} == {blocked.module_paths[block.logits]}
 

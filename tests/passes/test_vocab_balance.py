@@ -51,6 +51,6 @@ def test_wide_head_spreads_over_both_stages():
     blocked = split_loss_pass(split_matmul_pass(program, 2))
     assignment, _ = solve_partition(blocked, _config(2))
     merged = coalesce_blocks_pass(blocked.replace(stages=assignment))
-    (split,) = merged.extra["split_matmul"]
+    (split,) = merged.matmul_splits
     assert [merged.stages[b.output] for b in split.blocks] == [0, 1]  # one run per stage
-    assert len(blocked.extra["split_matmul"][0].blocks) > len(split.blocks)
+    assert len(blocked.matmul_splits[0].blocks) > len(split.blocks)

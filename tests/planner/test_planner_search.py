@@ -29,7 +29,7 @@ def _brute_force(shape, gpus, B, opts):
             if (B // d) % b:
                 continue
             m = B // (d * b)
-            for kind, v, rc in itertools.product(ScheduleKind, range(1, opts.max_chunks + 1), RecomputeMode):
+            for kind, v, rc in itertools.product(opts.schedules, range(1, opts.max_chunks + 1), RecomputeMode):
                 if (kind is ScheduleKind.INTERLEAVED) != (v > 1) or p * v > shape.layers:
                     continue
                 if p == 1 and kind is not ScheduleKind.ONE_F_ONE_B:

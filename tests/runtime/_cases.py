@@ -49,7 +49,7 @@ def train(pm, w, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tenso
 
 def train_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Each case: dict(model, pp, schedule, chunks). Returns losses, parameters, stats."""
-    from fxpipe.runtime.api import parallelize
+    from fxpipe.parallel import parallelize
     from fxpipe.schedules.simulate import simulate
     from tests.runtime._reuse_capture import captures_reused
 
@@ -93,7 +93,7 @@ def stall_peer(rank: int, world: int, timeout_s: float) -> dict:
     """Rank 1 stops participating after set-up; rank 0's step must fail within the timeout."""
     import time
 
-    from fxpipe.runtime.api import parallelize
+    from fxpipe.parallel import parallelize
 
     w = workload("gpt-tiny")
     pm = parallelize(w.model, pp=2, microbatches=2, example_inputs=w.example_inputs,
@@ -110,7 +110,7 @@ def stall_peer(rank: int, world: int, timeout_s: float) -> dict:
 
 
 def wrong_shapes(rank: int, world: int) -> dict:
-    from fxpipe.runtime.api import parallelize
+    from fxpipe.parallel import parallelize
 
     w = workload("gpt-tiny")
     pm = parallelize(w.model, pp=2, microbatches=2, example_inputs=w.example_inputs, partition="uniform")
@@ -124,7 +124,7 @@ def wrong_shapes(rank: int, world: int) -> dict:
 
 def mixed_precision(rank: int, world: int) -> dict:
     """bf16 and fp16 training next to fp32; fp16 with a scale that must overflow first."""
-    from fxpipe.runtime.api import parallelize
+    from fxpipe.parallel import parallelize
 
     out = {}
     for precision, scaler in (("bf16", None), ("fp16", {"scale": 2.0 ** 8}),

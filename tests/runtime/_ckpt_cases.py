@@ -36,7 +36,7 @@ def build(name: str, pp: int, dp: int | None = None, *, tp: int = 1, seed: int =
     """(ParallelModel, workload, AdamW, LR schedule). The learning rate decays, so a
     resume must restore the optimizer's param-group lr, not only its moments.
     ``options``: more ``parallelize`` arguments (precision, loss_scaler)."""
-    from fxpipe.runtime.api import parallelize
+    from fxpipe.parallel import parallelize
 
     w = workload(name, seed=seed, layers=layers)
     pm = parallelize(w.model, tp=tp, pp=pp, dp=dp, microbatches=MICROBATCHES, example_inputs=batch(w, 0),

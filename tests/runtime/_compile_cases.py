@@ -16,7 +16,7 @@ layers add trace time but hardly any C++ compilation (the expensive part)."""
 
 
 def _train(case: dict, compile: bool) -> dict:
-    from fxpipe.runtime.api import parallelize
+    from fxpipe.parallel import parallelize
 
     w = build_workload(case["model"], batch=BATCH, seq=SEQ, layers=case.get("layers", LAYERS), seed=0)
     pm = parallelize(w.model, pp=case.get("pp", 1), tp=case.get("tp", 1), sp=case.get("sp", False),

@@ -9,7 +9,7 @@ import transformers.models.gpt2.modeling_gpt2  # noqa: F401
 import transformers.models.llama.modeling_llama  # noqa: F401
 from ortools.sat.python import cp_model  # noqa: F401
 
-import fxpipe.runtime.api  # noqa: F401
+import fxpipe.parallel  # noqa: F401
 import tests.runtime._cases  # noqa: F401
 
 torch.export.export(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()), (torch.randn(2, 4),),

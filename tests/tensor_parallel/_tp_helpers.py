@@ -37,7 +37,7 @@ def run_tp(program: Program, full_state, batch, tp: int) -> tuple[list[torch.Ten
     """Every TP rank's graph in its own thread: per-rank losses and the full gradients.
 
     Replicated parameters must get the same gradient on every rank (checked here)."""
-    specs = program.extra["tensor_parallel"].specs
+    specs = program.tensor_parallel.specs
 
     def step(group):
         state = leaves(shard_state(full_state, specs, group.rank))

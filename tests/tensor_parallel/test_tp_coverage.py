@@ -34,7 +34,7 @@ def _batch():
 
 def test_a_full_shard_holds_about_one_over_tp():
     _, program, _ = compile_tp("hf:llama", 2)
-    coverage = program.extra["tensor_parallel"].coverage
+    coverage = program.tensor_parallel.coverage
     assert coverage.complete
     # Only norms (replicated by design) lift the share above 1/2.
     assert 0.5 <= coverage.share < 0.51
@@ -42,7 +42,7 @@ def test_a_full_shard_holds_about_one_over_tp():
 
 def test_whole_matrices_are_counted_and_named():
     program = canonicalize_pass(fxpipe.capture(_Cumsum(), _batch()))
-    coverage = tensor_parallel_pass(program, TPConfig(tp=2)).extra["tensor_parallel"].coverage
+    coverage = tensor_parallel_pass(program, TPConfig(tp=2)).tensor_parallel.coverage
     # down/head still pair up (column/row) behind the cumsum; up and its bias stay whole.
     assert [(name, n) for name, n, _ in coverage.whole] == [("up.weight", 16 * 32)]
     total = sum(p.numel for p in program.trainable())

@@ -36,7 +36,7 @@ def _check(base, program, batch, tp):
 @pytest.mark.parametrize("name,tp,sp", CASES, ids=[f"{m}-tp{t}{'-sp' if s else ''}" for m, t, s in CASES])
 def test_tp_matches_unsharded(name, tp, sp):
     base, program, batch = compile_tp(name, tp, sp)
-    result = program.extra["tensor_parallel"]
+    result = program.tensor_parallel
     assert result.sharded(), "something must be sharded"
     _check(base, program, batch, tp)
 
@@ -52,7 +52,7 @@ def test_padded_vocabulary_never_wins():
     x = torch.randint(0, 250, (2, 17))
     base = _program(model, (x[:, :-1], x[:, 1:]))
     program = tensor_parallel_pass(base, TPConfig(tp=4))
-    result = program.extra["tensor_parallel"]
+    result = program.tensor_parallel
     assert (result.vocab_size, result.padded_vocab) == (250, 252)
     (spec,) = [s for s in result.specs.values() if s.kind is ShardKind.VOCAB]
     assert set(spec.members) == {"transformer.wte.weight", "lm_head.weight"}
@@ -86,7 +86,7 @@ def test_gqa_inside_the_kernel_splits_kv_heads():
     ids = torch.randint(0, 64, (2, 8))
     base = _program(_GQAAttention(), (ids, ids), lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()))
     program = tensor_parallel_pass(base, TPConfig(tp=2))
-    result = program.extra["tensor_parallel"]
+    result = program.tensor_parallel
     assert result.kind_of("kv_proj.weight") is ShardKind.COLUMN
     # k and v of one head group are rows (0:8) and (16:24) of the fused kv projection.
     assert result.specs["kv_proj.weight"].ranges[0] == ((0, 8), (16, 24))
@@ -105,7 +105,7 @@ def test_dropout_replicas_stay_identical(sp):
     x = torch.randint(0, 64, (2, 17))
     batch = (x[:, :-1], x[:, 1:])
     program = tensor_parallel_pass(_program(model, batch), TPConfig(tp=2, sp=sp))
-    specs = program.extra["tensor_parallel"].specs
+    specs = program.tensor_parallel.specs
     drops = [n for n in program.graph.nodes if n.target is OPS.dropout.default]
     assert len(drops) == 3 and all(n.args[2] is sp for n in drops)
 

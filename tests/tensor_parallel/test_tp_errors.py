@@ -79,7 +79,7 @@ def test_sequence_not_divisible():
 def test_unclear_projection_stays_replicated_with_reason():
     ids = torch.randint(0, 16, (2, 4))
     program = tensor_parallel_pass(_program(_MLPModel(ffn=8), ids), TPConfig(tp=2))
-    result = program.extra["tensor_parallel"]
+    result = program.tensor_parallel
     assert result.kind_of("blocks.0.up.weight") is ShardKind.COLUMN
     spec = result.specs["blocks.0.mix.weight"]
     assert spec.kind is ShardKind.REPLICATED
@@ -97,7 +97,7 @@ def test_graph_outside_a_group_context():
     program = tensor_parallel_pass(captured("gpt-tiny")[0], TPConfig(tp=2))
     with pytest.raises(RuntimeError, match="tp_group_context"):
         from fxpipe.passes.tensor_parallel import shard_state
-        program.run(shard_state(program.state, program.extra["tensor_parallel"].specs, 0), *batch)
+        program.run(shard_state(program.state, program.tensor_parallel.specs, 0), *batch)
 
 
 def test_group_of_the_wrong_size():

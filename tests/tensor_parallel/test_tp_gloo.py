@@ -15,7 +15,7 @@ def _worker(rank: int, world: int) -> dict:
     base, batch = captured("gpt-tiny")
     program = tensor_parallel_pass(base, TPConfig(tp=world))
     group = ProcessGroupTP()
-    state = leaves(shard_state(base.state, program.extra["tensor_parallel"].specs, group.rank))
+    state = leaves(shard_state(base.state, program.tensor_parallel.specs, group.rank))
     with tp_group_context(group):
         loss = program.run(state, *batch)
     loss.backward()
@@ -26,7 +26,7 @@ def test_gloo_tp2_equals_one_process():
     results = run_world(TP, _worker)
     base, batch = captured("gpt-tiny")
     ref_loss, ref_grads = reference(base, batch)
-    specs = tensor_parallel_pass(base, TPConfig(tp=TP)).extra["tensor_parallel"].specs
+    specs = tensor_parallel_pass(base, TPConfig(tp=TP)).tensor_parallel.specs
     grads = unshard_state([r["grads"] for r in results], specs)
     for r in results:
         assert abs(r["loss"].item() - ref_loss.item()) < 1e-5

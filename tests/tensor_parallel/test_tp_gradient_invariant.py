@@ -18,7 +18,7 @@ import fxpipe
 from fxpipe.passes import canonicalize_pass
 from fxpipe.passes.tensor_parallel import ShardKind, TPConfig, tensor_parallel_pass
 from fxpipe.passes.tensor_parallel import placement
-from fxpipe.passes.tensor_parallel.specs import ShardSpec
+from fxpipe.sharding import ShardSpec
 from tests.tensor_parallel._tp_helpers import reference, run_tp
 
 H, HEADS, V, T = 32, 4, 64, 8
@@ -136,13 +136,13 @@ def test_loss_and_every_gradient_equal_one_process(variant, tp):
     assert set(tp_grads) == set(grads)
     for name, g in grads.items():
         torch.testing.assert_close(tp_grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-    specs = sharded.extra["tensor_parallel"].specs
+    specs = sharded.tensor_parallel.specs
     assert any(s.kind is not ShardKind.REPLICATED for s in specs.values()), "something is split"
 
 
 def test_fused_projection_with_shared_kv_channels_stays_replicated_with_a_reason():
     program, _ = _program("fused-mqa")
-    specs = tensor_parallel_pass(program, TPConfig(tp=2)).extra["tensor_parallel"].specs
+    specs = tensor_parallel_pass(program, TPConfig(tp=2)).tensor_parallel.specs
     spec = specs["blocks.0.attn.qkv.weight"]
     assert spec.kind is ShardKind.REPLICATED and "partial per rank" in spec.reason, spec
     assert specs["blocks.0.mlp.up.weight"].kind is ShardKind.COLUMN, "the MLP is still split"

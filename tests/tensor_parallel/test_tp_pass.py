@@ -15,19 +15,24 @@ def test_in_the_driver_with_lint():
     base, batch = captured("gpt-tiny")
     out, timings = run_passes(base, TPConfig(tp=2), passes=PASSES, debug=True)
     assert "tensor_parallel" in [t.name for t in timings]
-    assert isinstance(out.extra["tensor_parallel"], TPResult)
+    assert isinstance(out.tensor_parallel, TPResult)
     full, _ = run_passes(base, None, debug=True)
     # Sharded matmuls: the block and LM-head FLOPs halve; attention cores too (heads split).
     assert total_cost(out).fwd_flops == pytest.approx(total_cost(full).fwd_flops / 2, rel=1e-6)
     assert any(n.target is OPS.copy_to_tp.default for n in out.graph.nodes)
 
 
-def test_driver_config_with_tp_attribute():
-    class Cfg:
+def test_driver_config_carries_a_tp_config():
+    from fxpipe.config import ParallelConfig
+
+    class Cfg:  # tp/sp attributes alone are not a config: the layout is typed once, in ParallelConfig
         tp, sp = 2, False
 
     base, _ = captured("gpt-tiny")
-    assert tensor_parallel_pass(base, Cfg()).extra["tensor_parallel"].config == TPConfig(tp=2)
+    layout = ParallelConfig(tp=2, costs="model")
+    assert tensor_parallel_pass(base, layout).tensor_parallel.config == TPConfig(tp=2, scatter_gather=True)
+    with pytest.raises(TypeError, match="TPConfig"):
+        tensor_parallel_pass(base, Cfg())
 
 
 def test_tp1_is_the_identity_and_the_input_is_untouched():
@@ -36,4 +41,4 @@ def test_tp1_is_the_identity_and_the_input_is_untouched():
     before = reference(base, batch)[0]
     tensor_parallel_pass(base, TPConfig(tp=2))
     assert reference(base, batch)[0].item() == before.item()
-    assert "tensor_parallel" not in base.extra
+    assert base.tensor_parallel is None

@@ -40,7 +40,7 @@ EXPECTED = {
 @pytest.mark.parametrize("name", FIVE_MODELS)
 def test_placements_per_family(name):
     _, program, _ = compile_tp(name, 2)
-    result = program.extra["tensor_parallel"]
+    result = program.tensor_parallel
     for param, kind in EXPECTED[name].items():
         assert result.kind_of(param) is kind, param
     for spec in result.replicated():
@@ -54,7 +54,7 @@ def test_placements_per_family(name):
 @pytest.mark.parametrize("name", FIVE_MODELS)
 def test_two_all_reduces_each_way_per_layer(name):
     _, program, _ = compile_tp(name, 2)
-    per_layer = program.extra["tensor_parallel"].comm_per_layer()
+    per_layer = program.tensor_parallel.comm_per_layer()
     for layer in (0, 1):
         assert per_layer[layer]["forward"] == Counter({Comm.ALL_REDUCE: 2}), layer
         assert per_layer[layer]["backward"] == Counter({Comm.ALL_REDUCE: 2}), layer
@@ -65,24 +65,24 @@ def test_two_all_reduces_each_way_per_layer(name):
 
 def test_fused_qkv_layouts_decoded():
     # GPT-2's Conv1D c_attn is (in, out) = [q|k|v]: rank 0 holds its heads of each, 3 ranges.
-    result = compile_tp("hf:gpt2", 2)[1].extra["tensor_parallel"]
+    result = compile_tp("hf:gpt2", 2)[1].tensor_parallel
     spec = result.specs["transformer.h.0.attn.c_attn.weight"]
     assert spec.dim == 1 and spec.local_shape == (64, 96)
     assert spec.ranges == (((0, 32), (64, 96), (128, 160)), ((32, 64), (96, 128), (160, 192)))
     # GPT-NeoX interleaves per head [q_h k_h v_h]: rank 0's two heads are rows 0..95.
-    result = compile_tp("hf:gpt_neox", 2)[1].extra["tensor_parallel"]
+    result = compile_tp("hf:gpt_neox", 2)[1].tensor_parallel
     assert result.specs["gpt_neox.layers.0.attention.query_key_value.weight"].ranges == (
         ((0, 96),), ((96, 192),))
     # ... and at tp=4 with the head dim still 48 wide per head triple.
-    result = compile_tp("hf:gpt_neox", 4)[1].extra["tensor_parallel"]
+    result = compile_tp("hf:gpt_neox", 4)[1].tensor_parallel
     assert result.specs["gpt_neox.layers.0.attention.query_key_value.weight"].ranges[3] == ((144, 192),)
 
 
 def test_gqa_kv_heads_split_or_replicated():
-    split = compile_tp("hf:llama", 2)[1].extra["tensor_parallel"]
+    split = compile_tp("hf:llama", 2)[1].tensor_parallel
     assert split.specs["model.layers.0.self_attn.k_proj.weight"].ranges == (((0, 16),), ((16, 32),))
     assert any("kv heads 2 split" in b.detail for b in split.blocks)
-    rep = compile_tp("hf:llama", 4)[1].extra["tensor_parallel"]
+    rep = compile_tp("hf:llama", 4)[1].tensor_parallel
     spec = rep.specs["model.layers.0.self_attn.k_proj.weight"]
     assert spec.kind is REP and "GQA" in spec.reason and "tp=4" in spec.reason
     # Each rank narrows k and v to its query heads: an all-gather of their gradients.
@@ -90,7 +90,7 @@ def test_gqa_kv_heads_split_or_replicated():
 
 
 def test_sequence_parallel_collectives():
-    result = compile_tp("gpt-tiny", 2, sp=True)[1].extra["tensor_parallel"]
+    result = compile_tp("gpt-tiny", 2, sp=True)[1].tensor_parallel
     assert result.sequence_dim == 1
     layer = result.comm_per_layer()[0]
     assert layer["forward"] == Counter({Comm.ALL_GATHER: 2, Comm.REDUCE_SCATTER: 2})
@@ -101,7 +101,7 @@ def test_sequence_parallel_collectives():
 
 def test_report_lists_everything():
     _, program, _ = compile_tp("hf:llama", 4)
-    result = program.extra["tensor_parallel"]
+    result = program.tensor_parallel
     text = render_sharding_report(result)
     assert "tp=4" in text and "vocabulary 128 -> padded 128 (32 rows per rank)" in text
     for spec in result.specs.values():

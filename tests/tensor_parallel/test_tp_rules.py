@@ -124,7 +124,7 @@ def programs():
 def test_attention_forms_shard_and_match(programs, name, tp, sp):
     base, batch = programs[name]
     program = tensor_parallel_pass(base, TPConfig(tp=tp, sp=sp))
-    result = program.extra["tensor_parallel"]
+    result = program.tensor_parallel
     # 2 kv heads over tp=4: k/v replicated by design (each rank scatters its heads' k/v),
     # so the k-norm statistic is whole on every rank while the q-norm's is split.
     gqa_replicated = {"kv.weight"} if (name, tp) == ("qk-norm-all-heads", 4) else set()
@@ -136,7 +136,7 @@ def test_attention_forms_shard_and_match(programs, name, tp, sp):
 def test_a_norm_over_split_heads_all_reduces_its_statistic_only(programs):
     base, _ = programs["qk-norm-all-heads"]
     program = tensor_parallel_pass(base, TPConfig(tp=2))
-    result = program.extra["tensor_parallel"]
+    result = program.tensor_parallel
     assert result.kind_of("q.weight") is ShardKind.COLUMN and result.kind_of("kv.weight") is ShardKind.COLUMN
     # Megatron's 2 g per layer (attention, MLP), the head's, plus one per QK-norm statistic,
     # each of a (B, T, 1) statistic, never of a (B, T, channels) activation.
@@ -196,7 +196,7 @@ def test_dropless_moe_with_expert_modules(tp):
     batch = (ids, ids.roll(-1, 1))
     base = canonicalize_pass(fxpipe.capture(ExpertModules(), batch))
     program = tensor_parallel_pass(base, TPConfig(tp=tp))
-    result = program.extra["tensor_parallel"]
+    result = program.tensor_parallel
     assert [n for n, _, _ in result.coverage.whole] == ["router.weight"]
     for e in range(4):
         assert result.kind_of(f"experts.{e}.up.weight") is ShardKind.COLUMN
@@ -229,6 +229,6 @@ def test_matmul_attention_heads_tp_cannot_cut_stay_replicated(tp):
     batch = (ids, ids.roll(-1, 1))
     base = canonicalize_pass(fxpipe.capture(MatmulGQA(), batch))
     program = tensor_parallel_pass(base, TPConfig(tp=tp))
-    whole = {n for n, _, _ in program.extra["tensor_parallel"].coverage.whole}
+    whole = {n for n, _, _ in program.tensor_parallel.coverage.whole}
     assert whole == (set() if tp == 2 else {"q.weight", "kv.weight", "o.weight"})
     _check(base, program, batch, tp)

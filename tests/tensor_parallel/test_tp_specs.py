@@ -5,14 +5,14 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from fxpipe.passes.tensor_parallel import ShardKind, ShardSpec, shard_state, unshard_state
-from fxpipe.passes.tensor_parallel.specs import ranges_of
+from fxpipe.sharding import ranges_of
 from tests.tensor_parallel._tp_helpers import compile_tp
 
 
 @pytest.mark.parametrize("name,tp", [("hf:gpt2", 2), ("hf:gpt2", 4), ("hf:llama", 4), ("gpt-tiny", 2)])
 def test_round_trip(name, tp):
     base, program, _ = compile_tp(name, tp)
-    specs = program.extra["tensor_parallel"].specs
+    specs = program.tensor_parallel.specs
     shards = [shard_state(base.state, specs, r) for r in range(tp)]
     for p in program.params:  # every rank's shard has the shape the graph expects
         assert all(tuple(s[p.canonical].shape) == p.shape for s in shards), p.name
@@ -24,7 +24,7 @@ def test_round_trip(name, tp):
 
 def test_non_contiguous_rows_are_the_named_ones():
     base, program, _ = compile_tp("hf:gpt2", 2)
-    spec = program.extra["tensor_parallel"].specs["transformer.h.0.attn.c_attn.weight"]
+    spec = program.tensor_parallel.specs["transformer.h.0.attn.c_attn.weight"]
     full = base.state["transformer.h.0.attn.c_attn.weight"]
     shard = shard_state(base.state, {spec.name: spec}, 1)[spec.name]
     assert torch.equal(shard, full[:, spec.indices(1)])

@@ -2,7 +2,7 @@
 from fxpipe.passes.tensor_parallel.config import TPConfig
 from fxpipe.passes.tensor_parallel.result import (BlockInfo, BlockKind, CollectiveKind, CollectiveSite,
                                                   Comm, TPResult, render_sharding_report)
-from fxpipe.passes.tensor_parallel.specs import ShardKind, ShardSpec, shard_state, unshard_state
+from fxpipe.sharding import ShardKind, ShardSpec, shard_state, unshard_state
 from fxpipe.passes.tensor_parallel.tp_pass import tensor_parallel_pass
 
 __all__ = ["BlockInfo", "BlockKind", "CollectiveKind", "CollectiveSite", "Comm", "ShardKind",

@@ -1,4 +1,4 @@
-"""What the TP pass found and did: ``program.extra["tensor_parallel"]``, and its report."""
+"""What the TP pass found and did: ``program.tensor_parallel``, and its report."""
 from __future__ import annotations
 
 import enum
@@ -132,7 +132,7 @@ def render_sharding_report(result: TPResult) -> str:
     """The text ``fxpipe compile --tp T`` prints."""
     cfg = result.config
     lines = [f"tensor parallel: tp={cfg.tp}, sequence parallel {'on' if cfg.sp else 'off'}, "
-             f"scatter-gather {'on' if cfg.use_scatter_gather else 'off'}"]
+             f"scatter-gather {'on' if cfg.scatter_gather else 'off'}"]
     if result.vocab_size is not None:
         lines.append(f"  vocabulary {result.vocab_size} -> padded {result.padded_vocab} "
                      f"({(result.padded_vocab or 0) // cfg.tp} rows per rank)")

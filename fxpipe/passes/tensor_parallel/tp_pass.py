@@ -14,7 +14,7 @@ Steps, each in its own module:
 Requires: a captured (canonicalized) Program with FakeTensor shapes in
 ``meta["val"]``. Ensures: parameters carry their local shapes; ``Program.state``
 still holds the *full* tensors (the runtime shards them with ``shard_state``);
-``program.extra["tensor_parallel"]`` is a :class:`TPResult`.
+``program.tensor_parallel`` is a :class:`TPResult`.
 """
 from __future__ import annotations
 
@@ -35,26 +35,25 @@ from fxpipe.passes.tensor_parallel.sequence import plan_sequence_parallel
 from fxpipe.program import ParamKind, Program
 from fxpipe.sizes import carry_hints
 
-PASS_NAME = "tensor_parallel"
 
 
 def tensor_parallel_pass(program: Program, config: object = None) -> Program:
     """Shard ``program`` for ``config.tp`` ranks (see the module docstring).
 
     ``config``: a :class:`TPConfig`, or a driver config with a ``tensor_parallel``
-    TPConfig or ``tp``/``sp`` attributes; tp=1 returns the program unchanged::
+    TPConfig (``ParallelConfig``, the pipeline's context); tp=1 returns the program unchanged::
 
         prog = tensor_parallel_pass(canonicalize_pass(capture(model, batch)), TPConfig(tp=2))
-        specs = prog.extra["tensor_parallel"].specs
+        specs = prog.tensor_parallel.specs
         with tp_group_context(group):
             loss = prog.run(shard_state(prog.state, specs, group.rank), *batch)
     """
     cfg = tp_config_of(config)
     if cfg.tp == 1:
         return program
-    if PASS_NAME in program.extra:
+    if program.tensor_parallel is not None:
         raise ValueError(f"{program.source} is already tensor-parallel "
-                         f"(tp={program.extra[PASS_NAME].config.tp}); run the pass once, on the captured program")
+                         f"(tp={program.tensor_parallel.config.tp}); run the pass once, on the captured program")
     graph = program.graph
     weights = {p.node for p in program.params if p.kind is not ParamKind.CONSTANT}
     projections = G.find_projections(graph, weights)
@@ -100,7 +99,7 @@ def tensor_parallel_pass(program: Program, config: object = None) -> Program:
         params=tuple(dataclasses.replace(p, shape=local[p.node]) for p in program.params),
         module_paths=out.module_paths, layers=out.layers, costs={},
         size_hints=carry_hints(program.graph, out.graph_module.graph, program.size_hints),
-        extra={**program.extra, PASS_NAME: result})
+        tensor_parallel=result)
 
 
 def _plain_tp(plan: TPPlan, grad: set[str]) -> dict[str, Conversion]:

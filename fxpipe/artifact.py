@@ -1,0 +1,89 @@
+"""``CompiledPipeline``: the one artifact the compiler hands to the runtime.
+
+``compile_pipeline`` (``fxpipe/compiler.py``) returns it; ``fxpipe compile`` prints
+it; the runtime (``runtime/build.py``) runs it and recomputes nothing: the stage
+plan, the lowered per-rank actions, the shard specs, the partition with the costs it
+balanced, the model's numbers and what every pass cost are all here, typed. This
+module imports no pass, so the runtime can import it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+from fxpipe.pipeline_plan import PipelinePlan
+from fxpipe.program import Program
+from fxpipe.schedules.ir import Schedule
+from fxpipe.sharding import ShardSpec
+
+if TYPE_CHECKING:
+    from fxpipe.config import ParallelConfig
+    from fxpipe.partition import PartitionResult
+    from fxpipe.passes.partition import PartitionConfig
+    from fxpipe.passes.tensor_parallel.coverage import TPCoverage
+    from fxpipe.vocab import TokenInput
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """Whole-model numbers, counted before tensor parallelism shards the graph."""
+    num_parameters: int
+    flops_per_step: int
+    """Model FLOPs of one step over the global batch: matmul forward + backward, the
+    quantity of Megatron's 72·B·s·l·h²(1 + s/6h + V/12lh) (no recomputation)."""
+
+
+@dataclass(frozen=True)
+class PassTiming:
+    name: str
+    seconds: float
+    nodes_after: int
+
+
+@dataclass(frozen=True)
+class CompiledPipeline:
+    """What the compile pipeline made for one layout (``until`` may stop it early)."""
+    config: "ParallelConfig"
+    """The layout it was compiled for."""
+    schedule: Schedule
+    """The compute-only schedule (F, B, I, W per rank) the partition was solved for."""
+    program: Program
+    """The last Program: tensor-parallel and costed; with ``stages`` once partitioned."""
+    plan: PipelinePlan | None
+    """One GraphModule per stage and the values between them; None when the pipeline
+    stopped before ``split``."""
+    actions: Schedule | None
+    """``schedule`` lowered: per-rank lists with SEND/RECV placed (what each rank's
+    executor walks); None without a plan."""
+    timings: tuple[PassTiming, ...]
+    capture_s: float = 0.0
+
+    @property
+    def specs(self) -> Mapping[str, ShardSpec]:
+        """Tensor-parallel ShardSpec per sharded parameter (empty without TP)."""
+        tp = self.program.tensor_parallel
+        return tp.specs if tp is not None else {}
+
+    @property
+    def coverage(self) -> "TPCoverage | None":
+        """What tensor parallelism left whole, and this rank's share (None without TP)."""
+        tp = self.program.tensor_parallel
+        return tp.coverage if tp is not None else None
+
+    @property
+    def stats(self) -> ModelStats | None:
+        return self.program.model_stats
+
+    @property
+    def token_inputs(self) -> "tuple[TokenInput, ...]":
+        return self.program.token_inputs
+
+    @property
+    def partition(self) -> "PartitionResult | None":
+        """The partitioner's result: per-stage predicted times and memory (None before ``partition``)."""
+        return self.program.partition
+
+    @property
+    def partition_config(self) -> "PartitionConfig | None":
+        """What the partition balanced: modelled or measured node times, link, memory limit."""
+        return self.program.partition_config

@@ -1,0 +1,133 @@
+"""``fxpipe.parallelize``: compile a model for this rank's place in the mesh, then run it.
+
+Every rank runs the same call (launched by torchrun or ``fxpipe run``): the compile
+pipeline (``fxpipe/compiler.py``) with the mesh's two hooks, then the runtime built
+from what it returned (``runtime/build.py``)::
+
+    parallelize ─> compile_pipeline ─> CompiledPipeline ─> build_runtime ─> ParallelModel
+                    (hooks: MeshHooks)                                      .train_step -> actions
+
+The hooks are what make the compile collective: with measured costs each rank times a
+share of the graph and all see every time; global rank 0 solves the partition and
+broadcasts the assignment (a time-limited solver need not agree with itself), from
+which every rank splits the same plan.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fxpipe.compiler import CompileHooks, compile_pipeline
+from fxpipe.config import ParallelConfig
+from fxpipe.costs import apply_profile, measured_profile
+from fxpipe.passes.partition import partition_pass
+from fxpipe.program import Program
+from fxpipe.runtime.api import ParallelModel
+from fxpipe.runtime.build import build_runtime
+from fxpipe.runtime.launch import init_distributed
+from fxpipe.runtime.mesh import Mesh, MeshGroups, build_groups
+from fxpipe.runtime.shards import ShardBuilder
+from fxpipe.tp import DropoutRNG, ProcessGroupTP, tp_group_context
+from fxpipe.vocab import check_token_ids
+
+
+def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
+                example_inputs: Sequence[torch.Tensor],
+                loss_fn: Callable[..., torch.Tensor] | None = None, loss_scaler: dict | None = None,
+                init_fn: Callable[[nn.Module], None] | None = None,
+                weights: str | os.PathLike | None = None, device: torch.device | None = None,
+                **layout: Any) -> ParallelModel:
+    """Compile ``model`` for tensor × pipeline × data parallelism on this rank.
+
+    The layout is a :class:`fxpipe.ParallelConfig`, given whole (``config``) or as its
+    fields by keyword (``tp=2, pp=2, microbatches=8, schedule="interleaved"``; strings
+    are parsed into its enums; each field is documented there). ``example_inputs`` is
+    one global batch as ``train_step`` will receive it (every rank passes the same
+    batch; each data-parallel rank trains on its rows). ``weights``: a Hugging Face
+    safetensors directory to take the parameters from (each rank reads its shards only,
+    ``fxpipe/weights.py``); a model built on the meta device is otherwise initialised
+    shard by shard by its own init scheme (``fxpipe/init.py``, ``init_fn`` to override).
+    ``loss_scaler``: ``LossScaler`` arguments under fp16 (``runtime/precision.py``).
+    """
+    config = ParallelConfig(**layout) if config is None else dataclasses.replace(config, **layout)
+    timeout = timedelta(seconds=config.timeout_s)
+    device = init_distributed(timeout, device)
+    config = config.with_world(dist.get_world_size())
+    example = tuple(example_inputs) if not isinstance(example_inputs, torch.Tensor) else (example_inputs,)
+    first_mb = first_microbatch(example, config)
+    groups = build_groups(Mesh(tp=config.tp, dp=config.dp, pp=config.pp), timeout)
+    tp_group, rng = ProcessGroupTP(groups.tp_group), DropoutRNG(config.seed, groups.tp_rank)
+    context = (lambda: tp_group_context(tp_group, rng)) if config.tp > 1 else contextlib.nullcontext
+    hooks = MeshHooks(config, groups, model, example, first_mb, device, context, weights, init_fn)
+    compiled = compile_pipeline(model, first_mb, config, loss_fn=loss_fn, device=device, hooks=hooks.compile_hooks())
+    coverage = compiled.coverage
+    if coverage is not None and not coverage.complete and dist.get_rank() == 0:
+        print(coverage.describe(), flush=True)  # never silent (strict_tp=True makes it an error)
+    return build_runtime(compiled, groups, hooks.shards(compiled.program), model=model, device=device,
+                         context=context, tp_group=tp_group, tp_rng=rng, loss_scaler=loss_scaler)
+
+
+def first_microbatch(example: tuple[torch.Tensor, ...], config: ParallelConfig) -> tuple[torch.Tensor, ...]:
+    """The rows of one microbatch of one data-parallel replica (what is captured)."""
+    rows, dp, m = example[0].shape[0], config.replicas, config.num_microbatches
+    if rows % (dp * m):
+        raise ValueError(f"batch of {rows} rows cannot be split into dp·microbatches = {dp}·{m} "
+                         f"equal microbatches; use a batch that is a multiple of {dp * m}")
+    return tuple(t[:rows // (dp * m)] for t in example)
+
+
+@dataclass
+class MeshHooks:
+    """The compile pipeline's hooks on a mesh of ranks (``CompileHooks``)."""
+    config: ParallelConfig
+    groups: MeshGroups
+    model: nn.Module
+    example: tuple[torch.Tensor, ...]
+    first_mb: tuple[torch.Tensor, ...]
+    device: torch.device
+    context: Callable
+    weights: str | os.PathLike | None
+    init_fn: Callable[[nn.Module], None] | None
+    _shards: ShardBuilder | None = None
+
+    def compile_hooks(self) -> CompileHooks:
+        return CompileHooks(measure=self.measure, solve=self.solve, check=self.check)
+
+    def shards(self, program: Program) -> ShardBuilder:
+        """This rank's parameter builder, made once the tensor-parallel pass has set the
+        shard specs, shared by the cost measurement and the runtime."""
+        if self._shards is None:
+            tp = program.tensor_parallel
+            self._shards = ShardBuilder(program, tp.specs if tp is not None else {}, self.model,
+                                        tp_rank=self.groups.tp_rank, device=self.device, seed=self.config.seed,
+                                        weights=self.weights, init_fn=self.init_fn)
+        return self._shards
+
+    def measure(self, program, pconfig, ctx):
+        # Balance measured times (fxpipe/costs): each rank times a share of the graph.
+        profile, probe, fine = measured_profile(
+            program, pconfig, self.config.costs, device=self.device,
+            batch=tuple(t.to(self.device) for t in self.first_mb), mesh=self.groups.mesh,
+            mesh_groups=self.groups, context=self.context, state_for=self.shards(program).tensors)
+        return apply_profile(pconfig, profile, probe, fine, ctx.schedule.splits_backward)
+
+    def solve(self, program, pconfig):
+        # Rank 0 solves and everyone takes its answer: a time-limited solver need not
+        # return the same assignment on every rank, and ranks must agree exactly.
+        solved = partition_pass(program, pconfig) if dist.get_rank() == 0 else None
+        box = [(dict(solved.stages), solved.partition) if solved is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        assignment, result = box[0]
+        return program.replace(stages=assignment, partition=result)
+
+    def check(self, program):
+        # Token ids past the vocabulary: refused before costs are measured or solved for.
+        check_token_ids(self.example, program.token_inputs)

@@ -1,0 +1,119 @@
+"""``build_runtime``: one rank's runtime objects from a ``CompiledPipeline``.
+
+Everything here is read off the artifact (``fxpipe/artifact.py``): the stages this
+rank runs and their parameters from the plan, its action list from the lowered
+schedule, the shard of every parameter from the shard specs. Nothing is compiled,
+lowered or solved again; the mesh's process groups are the only other input.
+
+    compiled ─┬─ ShardBuilder ─> state (this rank's shards), fp32 masters, ZeRO owners
+              ├─ StageRunner per stage of this rank (compiled by Inductor if asked)
+              ├─ Transport (plan shapes, scatter-gather over the tp group)
+              ├─ PipelineExecutor (compiled.actions[pp_rank])
+              └─ GradSync (tied copies, data parallel)   -> ParallelModel
+"""
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+from typing import Any, Callable, ContextManager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fxpipe.artifact import CompiledPipeline
+from fxpipe.pipeline_plan import PipelinePlan
+from fxpipe.program import ParamKind
+from fxpipe.runtime.api import ParallelModel
+from fxpipe.runtime.executor import PipelineExecutor
+from fxpipe.runtime.grad_sync import GradSync
+from fxpipe.runtime.mesh import MeshGroups
+from fxpipe.runtime.precision import LossScaler, MasterWeights, Precision
+from fxpipe.runtime.shards import ShardBuilder
+from fxpipe.runtime.stage_runner import StageRunner
+from fxpipe.runtime.transport import Transport
+from fxpipe.runtime.zero import ZeroPartition
+from fxpipe.schedules.ir import ActionKind, Schedule
+from fxpipe.sharding import shard_state
+from fxpipe.tp import DropoutRNG, TPGroup
+
+
+def build_runtime(compiled: CompiledPipeline, groups: MeshGroups, shards: ShardBuilder, *, model: nn.Module,
+                  device: torch.device, context: Callable[[], ContextManager], tp_group: TPGroup,
+                  tp_rng: DropoutRNG, loss_scaler: dict | None = None) -> ParallelModel:
+    """This rank's ``ParallelModel`` for ``compiled`` (see the module docstring). ``shards``
+    builds parameters at their local shapes (the one the cost measurement used, if any);
+    ``context`` enters the tensor-parallel group and dropout streams around stage code."""
+    assert compiled.plan is not None and compiled.actions is not None, "compile the whole pipeline first"
+    config, plan, specs = compiled.config, compiled.plan, compiled.specs
+    timeout = timedelta(seconds=config.timeout_s)
+    my_stages = compiled.schedule.stages_of_rank(groups.pp_rank)
+    names = dict.fromkeys(n for s in my_stages for n in plan.stage_params(s))
+    deferred = shards.deferred(names)
+    mine = shards.build(names)
+    state = {n: t for n, (t, _) in mine.items()}
+    shards.forget()  # tensors timed by the cost profile and not needed here are dropped
+    # The shards are taken: the plan keeps parameter shapes only (meta), so no full copy
+    # of the model stays alive in this process (buffers and constants are small).
+    kinds = {p.canonical: p.kind for p in plan.program.params}
+    plan = dataclasses.replace(plan, program=plan.program.replace(state={
+        n: t.to("meta") if kinds.get(n) is ParamKind.PARAMETER else t for n, t in plan.program.state.items()}))
+    # ZeRO-1 (runtime/zero.py): each data-parallel replica owns a balanced share of the
+    # trainable tensors; only the owner keeps optimizer state and an fp32 master.
+    zero = ZeroPartition.build(groups, {n: t for n, t in state.items() if t.requires_grad}) \
+        if config.zero and groups.mesh.dp > 1 else None
+    master = None
+    prec = config.precision
+    if prec is not Precision.FP32:
+        owned = [n for n, t in state.items() if t.requires_grad and (zero is None or zero.owns(n))]
+        if deferred:
+            shards32 = {n: mine[n][1] if mine[n][1] is not None else shards.shard(n).float() for n in owned}
+        else:
+            originals = dict(model.named_parameters())
+            shards32 = shard_state({n: originals[n].detach().float() for n in owned}, specs, groups.tp_rank)
+        masters = {n: t.to(device).clone().requires_grad_(True) for n, t in shards32.items()}
+        master = MasterWeights(prec, state, masters,
+                               LossScaler(**(loss_scaler or {})) if prec is Precision.FP16 else None)
+    runners = {s: StageRunner(plan, plan.stages[s], state, loss_scale=1.0 / config.num_microbatches,
+                              context=context) for s in my_stages}
+    compiled_stages = _compile_runners(runners, plan, compiled.schedule, state, groups, context, device) \
+        if config.compile else ()
+    value_ids = {n: i for i, n in enumerate(sorted(plan.values))}
+    transport = Transport(device=device, timeout=timeout, value_ids=value_ids, num_values=max(1, len(value_ids)),
+                          scatter_gather=tp_group if config.scatter_gather else None)
+    executor = PipelineExecutor(plan, compiled.actions, groups.pp_rank, runners, transport, groups.pp_peer)
+    holders = {**master.masters, **master.loose} if master else state
+    grad_sync = GradSync.build(plan, compiled.schedule, groups, holders, timeout, like=state, zero=zero)
+    return ParallelModel(plan, compiled.actions, groups, state, executor, grad_sync, config, device,
+                         master=master, specs=specs, model_stats=compiled.stats, partition=compiled.partition,
+                         compiled_stages=compiled_stages, token_inputs=compiled.token_inputs, tp_rng=tp_rng)
+
+
+def _compile_runners(runners: dict, plan: PipelinePlan, sched: Schedule, state: dict, groups: MeshGroups,
+                     context: Callable, device: torch.device) -> tuple:
+    """Compile this rank's stages (``runtime/compiled.py``) and hand them to their runners."""
+    from fxpipe.runtime.compiled import compile_stages, example_args
+
+    def agree(ok: dict) -> dict:
+        # Every rank running a stage (its TP group and DP replicas) runs it compiled or
+        # every one eagerly, never mixed. Also the barrier after compiling: compile times
+        # differ per stage, and the first step's transfers would time out waiting for a
+        # peer still compiling — hence a group of its own with a long timeout.
+        group = dist.new_group(backend="gloo", timeout=timedelta(hours=2))
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, ok, group=group)
+        dist.destroy_process_group(group)
+        return {s: all(o.get(s, True) for o in everyone) for s in ok}
+
+    work = {s: (plan.stages[s].graph_module, example_args(plan, plan.stages[s], state, device))
+            for s in runners}
+    # Stages a zero-bubble schedule runs as I and W get their backward compiled as two
+    # graphs (runtime/compiled_split.py); the others keep one compiled backward.
+    weighed = {a.stage for actions in sched.actions for a in actions if a.kind is ActionKind.W}
+    split = {s: len(plan.stages[s].inputs) for s in runners if s in weighed}
+    first = groups.tp_rank == 0 and groups.dp_rank == 0  # one progress line per stage
+    fns, records = compile_stages(work, context=context, agree=agree, split=split,
+                                  log=(lambda line: print(line, flush=True)) if first else None)
+    for s, runner in runners.items():
+        runner.compiled = fns[s] if fns[s] is not plan.stages[s].graph_module else None
+    return tuple(records)
