@@ -6,22 +6,21 @@ import sys
 import pytest
 
 from fxpipe.cli import main
-from fxpipe.data import ByteBatches, stdlib_corpus
+from fxpipe.data import DataStream, PackedWindows, stdlib_stream
 
 
-def test_batches_are_a_function_of_seed_and_step():
-    data = ByteBatches(stdlib_corpus(1 << 20), batch_size=3, seq_len=16, seed=1)
-    a, b = data.batch(5), data.batch(5)
-    assert all((x == y).all() for x, y in zip(a, b))
-    assert (a[0][:, 1:] == a[1][:, :-1]).all(), "targets are the inputs shifted by one"
-    assert not (data.batch(6)[0] == a[0]).all()
+def test_builtin_batches_are_a_function_of_seed_and_position():
+    windows = PackedWindows(stdlib_stream(1 << 20), seq=16)
+    a, b = DataStream(windows, 3, seed=1), DataStream(windows, 3, seed=1)
+    assert all((a.next_batch() == b.next_batch()).all() for _ in range(3))
+    assert not (DataStream(windows, 3, seed=2).next_batch() == a.next_batch()).all()
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--global-batch", "10"], "global batch 10"),
     (["--schedule", "nope"], "valid names are: gpipe, 1f1b"),
     (["--model", "nope"], "unknown model"),
-    (["--pp", "0"], "--pp must be >= 1"),
+    (["--eval-interval", "5", "--val-fraction", "0"], "--eval-interval needs validation data"),
     (["--seq", "100000"], "exceeds gpt-small's block size"),
 ])
 def test_bad_flags_fail_fast(capsys, argv, message):
