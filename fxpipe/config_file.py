@@ -52,8 +52,11 @@ def _value(path: str, flag: "Flag", value: Any) -> Any:
         if not isinstance(value, bool):
             raise ValueError(f"{where} must be true or false, got {value!r}")
         return value
-    if isinstance(value, (dict, list, bool)) or (flag.type is str and not isinstance(value, str)):
-        raise ValueError(f"{where} must be {'a string' if flag.type is str else 'a number'}, got {value!r}")
+    from fxpipe.cli.flags import optional_path
+
+    text = flag.type in (str, optional_path)
+    if isinstance(value, (dict, list, bool)) or isinstance(value, str) != text:
+        raise ValueError(f"{where} must be {'a string' if text else 'a number'}, got {value!r}")
     try:
         parsed = flag.type(str(value)) if flag.type is not None else value
     except (argparse.ArgumentTypeError, ValueError) as exc:
@@ -75,15 +78,17 @@ def _toml_value(value: Any) -> str:
 
 
 def to_toml(config: "TrainConfig") -> str:
-    """The resolved run config as TOML with the flags' keys (None fields left out:
-    absent is their default)."""
-    from fxpipe.cli.flags import LAYOUT_FLAGS, Kind, TRAIN_FLAGS
+    """The resolved run config as TOML with the flags' keys (None fields left out: their
+    default is None, but for files on by default, written as "none")."""
+    from fxpipe.cli.flags import LAYOUT_FLAGS, TRAIN_FLAGS, Kind, optional_path
 
     lines = []
     for flags, obj in ((TRAIN_FLAGS, config), (LAYOUT_FLAGS, config.parallel)):
         for name, flag in flags.items():
             value = getattr(obj, name)
-            if value is None:
+            if value is None and flag.type is optional_path:
+                value = "none"  # a file that is on by default, turned off
+            elif value is None:
                 continue
             if flag.kind is Kind.NEGATED:
                 value = bool(value)
