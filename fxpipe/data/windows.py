@@ -121,4 +121,7 @@ class DataStream:
             raise ValueError(f"the checkpoint was trained on {theirs[0]} windows of {theirs[1]} tokens "
                              f"({state.get('source')}), this run has {ours[0]} of {ours[1]} "
                              f"({self.windows.stream.source}); resume with the same --data and --seq")
+        if state.get("seed") != self.seed:  # another seed is another order of the windows
+            raise ValueError(f"the checkpoint's data order was drawn with --seed {state.get('seed')}, this run's "
+                             f"is {self.seed}; resume with --seed {state.get('seed')}")
         self.position = position

@@ -357,6 +357,12 @@ def test_fxpipe_run_resume_equals_an_uninterrupted_run(cli_runs):
     assert {**_losses(first), **_losses(second)} == {i: reference[i] for i in range(1, 11)}
     assert [s for s, _ in list_checkpoints(cli_runs["root"] / "ckpt")] == [3, 6, 10]
     assert (cli_runs["root"] / "m.pt").exists()
+    # The data position (windows consumed: steps × global batch 4·4) is what the resume read
+    # on from; the resolved config is saved beside the checkpoints.
+    from fxpipe.runtime.checkpoint_manifest import read_manifest
+    kept = dict(list_checkpoints(cli_runs["root"] / "ckpt"))
+    assert [read_manifest(kept[s])["extra"]["data"]["position"] for s in (3, 6, 10)] == [48, 96, 160]
+    assert 'model = "gpt-tiny"' in (cli_runs["root"] / "ckpt" / "fxpipe-run.toml").read_text()
 
 
 @pytest.mark.slow
