@@ -1,34 +1,38 @@
-"""Gradient-norm clipping over shards, run inside one spawned world of 4 (importable by
-the children): each layout's global norm and clipped gradients against
-torch.nn.utils.clip_grad_norm_ on the unsharded model in the same process."""
+"""Gradient-norm clipping over shards (importable by the children of test_zero's world
+of 4): a layout's global norm and clipped gradients against
+torch.nn.utils.clip_grad_norm_ on the unsharded model, in the same process."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from tests.runtime._ckpt_cases import batch, build, workload
-from tests.runtime._reuse_capture import reusing_captures
+from tests.runtime._ckpt_cases import batch, workload
 
-LAYOUTS = {"tp2pp2": dict(tp=2, pp=2), "dp2pp2_zero1": dict(pp=2, dp=2, zero=1),
-           "tp2dp2": dict(tp=2, pp=1, dp=2), "tp2dp2_zero1": dict(tp=2, pp=1, dp=2, zero=1)}
+SHARE = 0.5
+"""max_norm as a share of the reference norm: the clip acts."""
 
 
-def reference(max_norm_share: float) -> tuple[float, float, dict[str, torch.Tensor]]:
-    """(norm, max_norm, clipped gradients) of one process on step 0's batch."""
+def reference(params: dict[str, torch.Tensor], step: int) -> tuple[float, float, dict[str, torch.Tensor]]:
+    """(norm, max_norm, clipped gradients) of one process holding ``params``, on ``step``'s batch."""
     w = workload()
-    loss = w.model(*batch(w, 0))  # fxpipe's GPT returns the loss given targets
+    w.model.load_state_dict(params, strict=False)  # a tied pair is stored once
+    loss = w.model(*batch(w, step))  # fxpipe's GPT returns the loss given targets
     loss.backward()
-    params = dict(w.model.named_parameters())  # a tied pair appears once
-    norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params.values()])))
-    max_norm = norm * max_norm_share
-    returned = float(torch.nn.utils.clip_grad_norm_(params.values(), max_norm))
-    return returned, max_norm, {n: p.grad.clone() for n, p in params.items()}
+    named = dict(w.model.named_parameters())  # a tied pair appears once
+    norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in named.values()])))
+    returned = float(torch.nn.utils.clip_grad_norm_(named.values(), norm * SHARE))
+    assert abs(returned - norm) <= 1e-6 * norm
+    return returned, norm * SHARE, {n: p.grad.clone() for n, p in named.items()}
 
 
-def gathered_grads(pm) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient, from all shards, replicas and stages."""
-    local = {n: t.grad.detach().clone() for n, t in pm.named_parameters() if t.grad is not None}
-    if pm.zero is not None:  # each replica holds the gradients it owns
+def gathered_grads(pm, params: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient (or value: every replica holds every value after
+    ``sync_parameters``), from all shards, replicas and stages."""
+    if params:
+        local = {n: t.detach().clone() for n, t in pm.state.items() if t.requires_grad}
+    else:
+        local = {n: t.grad.detach().clone() for n, t in pm.named_parameters() if t.grad is not None}
+    if pm.zero is not None and not params:  # each replica holds the gradients it owns
         parts: list = [None] * pm.groups.mesh.dp
         dist.all_gather_object(parts, local, group=pm.groups.dp_group)
         local = {n: g for part in parts for n, g in part.items()}
@@ -42,19 +46,12 @@ def gathered_grads(pm) -> dict[str, torch.Tensor]:
     return full
 
 
-@reusing_captures
-def world_clip(rank: int, world: int) -> dict:
+def clip_check(pm, w, step: int) -> dict:
+    """One more step's gradients on ``pm`` clipped by fxpipe, and the reference's."""
     from fxpipe.runtime.grad_norm import clip_grad_norm
 
-    out = {}
-    for share in (0.5, 2.0):  # clipped, and a max_norm above the norm (unchanged)
-        ref_norm, max_norm, ref_grads = reference(share)
-        for key, kwargs in LAYOUTS.items():
-            if share == 2.0 and key != "tp2pp2":
-                continue
-            pm, w, _, _ = build("gpt-tiny", **kwargs)
-            pm.train_step(batch(w, 0))
-            norm = clip_grad_norm(pm, max_norm)
-            out[(key, share)] = dict(norm=norm, ref_norm=ref_norm, grads=gathered_grads(pm), ref=ref_grads)
-            pm.close()
-    return out
+    pm.sync_parameters()
+    ref_norm, max_norm, ref_grads = reference(gathered_grads(pm, params=True), step)
+    pm.train_step(batch(w, step))
+    norm = clip_grad_norm(pm, max_norm)
+    return dict(norm=norm, ref_norm=ref_norm, grads=gathered_grads(pm), ref=ref_grads)
