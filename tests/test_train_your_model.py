@@ -1,10 +1,13 @@
 """`fxpipe run` on your model and your data (issue 26's "Done when"): a tiny Llama saved
 with save_pretrained, a BPE tokenizer trained here with `tokenizers`, text written
 here; tp=2 × pp=2, cosine LR, gradient clipping, validation and a metrics file —
-one launch, its first two losses against one process on the same tokens."""
+one job, its first two losses against one process on the same tokens. The job is
+the README's two-node launch: two torchrun invocations (--nnodes 2, c10d
+rendezvous on 127.0.0.1) of 2 processes each, and it checkpoints."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -13,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fxpipe.runtime.checkpoint import list_checkpoints
 from tests.data._corpus import train_bpe, write_corpus
+from tests.runtime._dist import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, MBS, M, STEPS = 32, 2, 2, 20
@@ -40,9 +45,19 @@ def job(tmp_path_factory):
             "--grad-clip", "1.0", "--metrics-file", str(root / "m.jsonl"), "--seq", str(SEQ),
             "--micro-batch-size", str(MBS), "--microbatches", str(M), "--lr", "3e-3", "--log-interval", "1",
             "--timeline", "none", "--costs", "model", "--partition", "uniform"]
-    out = subprocess.run([sys.executable, "-m", "fxpipe", "run", *argv], cwd=root, capture_output=True, text=True,
-                         timeout=600)
-    return root, argv, out
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "yours"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    nodes = [subprocess.Popen([*torchrun, "-m", "fxpipe", "run", *argv, "--checkpoint-dir", str(root / "ckpt"),
+                               "--save-interval", "10"], cwd=root, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        outputs = [node.communicate(timeout=600) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    return root, argv, [(node.returncode, out, err) for node, (out, err) in zip(nodes, outputs)]
 
 
 def _reference(root: Path, argv: list[str], steps: int) -> tuple[list[float], list[float]]:
@@ -78,12 +93,16 @@ def _reference(root: Path, argv: list[str], steps: int) -> tuple[list[float], li
 
 @pytest.mark.slow
 def test_your_model_on_your_data(job):
-    root, argv, out = job
-    assert out.returncode == 0, out.stderr[-3000:]
-    losses = [float(x) for x in re.findall(r"iter\s+\d+ \| loss ([0-9.]+) \|", out.stdout)]
-    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.5, out.stdout
-    evals = re.findall(r"eval\s+(\d+) \| val loss ([0-9.]+) \| perplexity ([0-9.]+)", out.stdout)
-    assert [int(s) for s, _, _ in evals] == [10, 20], out.stdout
+    root, argv, nodes = job
+    for code, _, err in nodes:
+        assert code == 0, err[-3000:]
+    stdout = "".join(out for _, out, _ in nodes)  # rank 0 prints on whichever node it landed
+    assert "tp=2 pp=2 dp=1" in stdout
+    losses = [float(x) for x in re.findall(r"iter\s+\d+ \| loss ([0-9.]+) \|", stdout)]
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.5, stdout
+    evals = re.findall(r"eval\s+(\d+) \| val loss ([0-9.]+) \| perplexity ([0-9.]+)", stdout)
+    assert [int(s) for s, _, _ in evals] == [10, 20], stdout
+    assert [s for s, _ in list_checkpoints(root / "ckpt")] == [10, 20]
     assert float(evals[1][1]) < float(evals[0][1])
     assert all(abs(float(p) - torch.tensor(float(v)).exp().item()) < 0.01 * float(p) for _, v, p in evals)
     records = [json.loads(line) for line in (root / "m.jsonl").read_text().splitlines()]
