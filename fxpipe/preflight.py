@@ -164,6 +164,14 @@ def check_paths(config: "TrainConfig") -> Path | None:
             check_writable_file(export, "--export")
     if config.timeline is not None:
         check_writable_file(Path(config.timeline + ".json"), "--timeline")
+    if config.metrics_file is not None:
+        check_writable_file(Path(config.metrics_file), "--metrics-file")
+    if config.tensorboard_dir is not None:
+        import importlib.util
+        if importlib.util.find_spec("tensorboard") is None:
+            raise PreflightError("--tensorboard-dir needs the tensorboard package: pip install tensorboard "
+                                 "(or leave it out: --metrics-file writes the same scalars as JSON lines)")
+        check_writable_dir(Path(config.tensorboard_dir), "--tensorboard-dir", "choose a directory that this user can write")
     return resume
 
 

@@ -26,7 +26,7 @@ class DataFacts:
 
 def check_data(config: "TrainConfig") -> DataFacts:
     from fxpipe.data import max_token, open_data
-    from fxpipe.train import tokenizer_path
+    from fxpipe.train_setup import tokenizer_path
 
     flag = "--data" if config.data is not None else "the built-in data"
     try:

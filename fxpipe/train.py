@@ -167,7 +167,8 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
     from fxpipe.runtime.api import parallelize
     from fxpipe.runtime.checkpoint import export_consolidated, load_checkpoint
     from fxpipe.runtime.grad_norm import clip_grad_norm, global_grad_norm
-    from fxpipe.train_loop import MetricsWriter, lr_scheduler, param_groups
+    from fxpipe.train_loop import MetricsWriter, lr_scheduler, param_groups, peak_memory_gib, validate
+    from fxpipe.train_setup import build_job, weights_dir
 
     seed, layout = config.parallel.seed, config.parallel
     torch.manual_seed(seed)
@@ -251,7 +252,7 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
                                    bubble=bubbles[-1], memory_gib=peak_memory_gib()))
         if source.val is not None and config.eval_interval and (
                 (step + 1) % config.eval_interval == 0 or step + 1 == config.steps):
-            _validate(pm, w, source.val, config, step + 1, metrics)
+            validate(pm, w, source.val, config, step + 1, metrics)
         if config.save_interval and (step + 1) % config.save_interval == 0:
             last_saved = _save(pm, opt, sched, stream, step + 1, config)
     stopped = stop.agreed()  # again: a signal during the last step must stop every rank alike
@@ -289,68 +290,6 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
               f"bubble {summary['bubble']:.1%}, stage imbalance {imbalance:.3f}, parameter share per tp rank "
               f"{pm.parameter_share:.2f} (ideal {1 / layout.tp:.2f})", flush=True)
     return summary
-
-
-def build_job(config: TrainConfig):
-    """(workload, data source) of the run, as every rank and the launcher's checks build
-    them. A Hugging Face model directory is built on the meta device: each rank takes
-    only its shards (``weights_dir``) or initialises them itself."""
-    from fxpipe.data import open_data
-    from fxpipe.models import build_workload
-    from fxpipe.models.hf_dir import is_model_dir
-
-    device = "meta" if is_model_dir(config.model) else "cpu"
-    w = build_workload(config.model, batch=config.batch, seq=config.seq, seed=config.parallel.seed, device=device)
-    source = open_data(config.data, seq=config.seq, val_data=config.val_data, val_fraction=config.val_fraction,
-                       tokenizer=tokenizer_path(config), dtype=config.data_dtype.value)
-    return w, source
-
-
-def tokenizer_path(config: TrainConfig) -> str | None:
-    """--tokenizer, else the --model directory's own tokenizer when it has one."""
-    from pathlib import Path
-
-    from fxpipe.models.hf_dir import is_model_dir
-
-    if config.tokenizer is not None:
-        return config.tokenizer
-    if is_model_dir(config.model) and (Path(config.model) / "tokenizer.json").is_file():
-        return config.model
-    return None
-
-
-def weights_dir(config: TrainConfig) -> str | None:
-    """--init-from, else the --model directory when it holds safetensors."""
-    from fxpipe.models.hf_dir import has_weights, is_model_dir
-
-    if config.init_from is not None:
-        return config.init_from
-    return config.model if is_model_dir(config.model) and has_weights(config.model) else None
-
-
-def peak_memory_gib() -> float:
-    """This process's peak memory: the GPU's allocator peak, else the peak resident set."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
-def _validate(pm: Any, w: Any, windows: Any, config: TrainConfig, step: int, metrics: Any) -> None:
-    """Validation loss and perplexity over the first ``eval_steps`` global batches of the
-    validation windows, in order (the same tokens at every evaluation)."""
-    import math
-
-    from fxpipe.data import DataStream
-    from fxpipe.train_loop import evaluate
-
-    val = DataStream(windows, config.batch, dp=pm.groups.mesh.dp, dp_rank=pm.groups.dp_rank, shuffle=False)
-    loss = evaluate(pm, (w.batch_from_tokens(val.global_rows(val.next_batch())) for _ in range(config.eval_steps)))
-    if metrics is not None:
-        perplexity = math.exp(min(loss, 700.0))
-        print(f"eval {step:5d} | val loss {loss:.4f} | perplexity {perplexity:.2f}", flush=True)
-        metrics.write(dict(step=step, val_loss=loss, val_perplexity=perplexity))
 
 
 def _save(pm: Any, opt: Any, sched: Any, stream: Any, step: int, config: TrainConfig) -> int:

@@ -109,3 +109,26 @@ class MetricsWriter:
         if self.tb is not None:
             self.tb.close()
 
+
+def peak_memory_gib() -> float:
+    """This process's peak memory: the GPU's allocator peak, else the peak resident set."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def validate(pm: Any, w: Any, windows: Any, config: "TrainConfig", step: int, metrics: Any) -> None:
+    """Validation loss and perplexity over the first ``eval_steps`` global batches of the
+    validation windows, in order (the same tokens at every evaluation)."""
+    import math
+
+    from fxpipe.data import DataStream
+
+    val = DataStream(windows, config.batch, dp=pm.groups.mesh.dp, dp_rank=pm.groups.dp_rank, shuffle=False)
+    loss = evaluate(pm, (w.batch_from_tokens(val.global_rows(val.next_batch())) for _ in range(config.eval_steps)))
+    if metrics is not None:
+        perplexity = math.exp(min(loss, 700.0))
+        print(f"eval {step:5d} | val loss {loss:.4f} | perplexity {perplexity:.2f}", flush=True)
+        metrics.write(dict(step=step, val_loss=loss, val_perplexity=perplexity))

@@ -104,6 +104,8 @@ CASES = [
      ["vocabulary of 256 tokens", "tokenizer of", "has 300", "at least 300"], _text_and_wide_tokenizer),
     ("run-model-dir-not-causal-lm", RUN + ["--model", "{tmp}/vit"],
      ["config.json is a 'vit' model (ViTConfig), not a causal language model"], _not_a_causal_lm),
+    ("run-metrics-file-missing-dir", RUN + ["--metrics-file", "{tmp}/nope/m.jsonl"],
+     ["--metrics-file", "nope does not exist"], None),
     ("run-config-unknown-key", RUN + ["--config", "{tmp}/run.toml"],
      ["unknown key 'learning-rate'; valid keys:", "lr, lr-schedule"], _token_files),
     # -- fxpipe run: flags alone

@@ -68,7 +68,7 @@ def _reference(root: Path, argv: list[str], steps: int) -> tuple[list[float], li
     from fxpipe.cli.run import resolve
     from fxpipe.data import DataStream
     from fxpipe.losses import next_token_loss
-    from fxpipe.train import build_job
+    from fxpipe.train_setup import build_job
     from fxpipe.train_loop import lr_scheduler, param_groups
 
     config = resolve(build_parser().parse_args(["run", *argv]))
