@@ -39,10 +39,13 @@ class TrainConfig:
     (config.json, with or without safetensors: built on the meta device, each rank loading its shards)."""
     parallel: "ParallelConfig" = field(default_factory=_default_layout)
     micro_batch_size: int = 4
+    """Sequences per microbatch b."""
     global_batch: int | None = None
     """Sequences per step; default micro_batch_size · microbatches · dp."""
     seq: int = 128
+    """Tokens per sequence s (windows of s + 1 tokens: inputs and their next tokens)."""
     steps: int = 80
+    """Optimizer steps; the LR schedule decays over them."""
     # ---- data (fxpipe/data) ----
     data: str | None = None
     """A token file (.bin, .npy), text (.txt, .jsonl, a directory of them); None: the standard library's source."""
@@ -56,6 +59,7 @@ class TrainConfig:
     """Element type of a .bin token file (the file does not say): uint16 or uint32."""
     # ---- optimizer ----
     lr: float = 2e-3
+    """Peak AdamW learning rate (betas 0.9, 0.95)."""
     lr_schedule: str = "constant"
     """After warm-up: constant, cosine or linear decay to min_lr at the last step (``fxpipe/train_loop.py``)."""
     warmup: int = 5
@@ -76,6 +80,7 @@ class TrainConfig:
     tensorboard_dir: str | None = None
     """Write TensorBoard scalars here (needs the tensorboard package)."""
     log_interval: int = 10
+    """Steps between log lines (and metrics records); the first step is always logged."""
     timeline: str | None = "fxpipe-timeline"
     """Path prefix for the measured timeline of the last step (.json Perfetto, .png); None: off."""
     init_from: str | None = None

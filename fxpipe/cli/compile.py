@@ -89,10 +89,10 @@ def _measured_config(program, config, ctx, workload, layout: ParallelConfig, tar
 
     if layout.costs == "measure":
         if layout.tp > 1:
-            return config, (f"{layout.hardware} model: measuring needs the tp ranks (fxpipe run --costs "
-                            f"measure caches a profile; pass its path)")
+            return config, (f"{layout.hardware} cost model, as measuring needs the tp ranks (fxpipe run "
+                            f"--costs measure caches a profile: pass its path)")
         if any(t.is_meta for t in program.state.values()):
-            return config, f"{layout.hardware} model: {target.model} has no weights to time (meta device)"
+            return config, f"{layout.hardware} cost model, as {target.model} has no weights to time (meta device)"
     device = torch.device("cpu")
     state_for = lambda names: {n: program.state[n].detach().clone().requires_grad_(  # noqa: E731
         program.state[n].requires_grad) for n in names}
