@@ -12,7 +12,6 @@ beside the checkpoints (``fxpipe-run.toml``), it runs again with ``--config``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import enum
 import tomllib
 from typing import TYPE_CHECKING, Any, Mapping
@@ -95,6 +94,3 @@ def to_toml(config: "TrainConfig") -> str:
             lines.append(f"{flag.key} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
 
-
-def fields_of(cls: type) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)}

@@ -46,6 +46,9 @@ def check_data(config: "TrainConfig") -> DataFacts:
             + (f" before the {config.val_fraction:g} validation share" if source.val is not None
                and config.val_data is None else "")
             + "); give more data, or lower --micro-batch-size, --microbatches, --dp or --seq")
+    if source.val is not None and source.val.count == 0:
+        raise PreflightError(f"--val-data {config.val_data} holds {len(source.val.stream.tokens)} tokens, fewer than "
+                             f"one window of --seq {config.seq} + 1; give more validation data")
     largest = max_token(train.stream.tokens)  # the whole stream: validation windows included
     if source.val is not None and source.val.stream is not train.stream:
         largest = max(largest, max_token(source.val.stream.tokens))

@@ -73,6 +73,7 @@ def _token_files(tmp: Path) -> None:
     (tmp / "empty.bin").write_bytes(b"")
     (tmp / "odd.bin").write_bytes(b"\0" * 4001)
     np.zeros(30, dtype=np.uint16).tofile(tmp / "short.bin")
+    np.zeros(10, dtype=np.uint16).tofile(tmp / "tiny.bin")
     ids = np.arange(4000, dtype=np.uint16) % 200
     ids[1234] = 300  # past gpt-tiny's 256
     ids.tofile(tmp / "wide.bin")
@@ -104,6 +105,8 @@ CASES = [
      ["vocabulary of 256 tokens", "tokenizer of", "has 300", "at least 300"], _text_and_wide_tokenizer),
     ("run-model-dir-not-causal-lm", RUN + ["--model", "{tmp}/vit"],
      ["config.json is a 'vit' model (ViTConfig), not a causal language model"], _not_a_causal_lm),
+    ("run-val-data-short", RUN + ["--data", "{tmp}/ok.bin", "--val-data", "{tmp}/tiny.bin"],
+     ["--val-data", "tiny.bin holds 10 tokens, fewer than one window of --seq 16 + 1"], _token_files),
     ("run-metrics-file-missing-dir", RUN + ["--metrics-file", "{tmp}/nope/m.jsonl"],
      ["--metrics-file", "nope does not exist"], None),
     ("run-config-unknown-key", RUN + ["--config", "{tmp}/run.toml"],
