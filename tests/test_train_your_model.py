@@ -3,7 +3,9 @@ with save_pretrained, a BPE tokenizer trained here with `tokenizers`, text writt
 here; tp=2 × pp=2, cosine LR, gradient clipping, validation and a metrics file —
 one job, its first two losses against one process on the same tokens. The job is
 the README's two-node launch: two torchrun invocations (--nnodes 2, c10d
-rendezvous on 127.0.0.1) of 2 processes each, and it checkpoints."""
+rendezvous on 127.0.0.1) of 2 processes each; it checkpoints, balances stages on
+measured costs and prints the run report (the elastic launcher's own path is run
+by tests/runtime/test_checkpoint.py's fxpipe run cases)."""
 from __future__ import annotations
 
 import json
@@ -44,7 +46,7 @@ def job(tmp_path_factory):
             "--tp", "2", "--pp", "2", "--steps", str(STEPS), "--eval-interval", "10", "--lr-schedule", "cosine",
             "--grad-clip", "1.0", "--metrics-file", str(root / "m.jsonl"), "--seq", str(SEQ),
             "--micro-batch-size", str(MBS), "--microbatches", str(M), "--lr", "3e-3", "--log-interval", "1",
-            "--timeline", "none", "--costs", "model", "--partition", "uniform"]
+            "--timeline", str(root / "tl")]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "yours"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -103,6 +105,14 @@ def test_your_model_on_your_data(job):
     evals = re.findall(r"eval\s+(\d+) \| val loss ([0-9.]+) \| perplexity ([0-9.]+)", stdout)
     assert [int(s) for s, _, _ in evals] == [10, 20], stdout
     assert [s for s, _ in list_checkpoints(root / "ckpt")] == [10, 20]
+    # The report every run prints: throughput, the measured costs the partition balanced,
+    # per-stage predicted vs measured times (tp=2 × pp=2: two stages), the timeline.
+    assert "tokens/s" in stdout and "TFLOP/s/process" in stdout and "bubble" in stdout
+    assert any("costs: timing" in err or "costs: reusing" in err for _, _, err in nodes)
+    table = re.search(r"stage balance.*?\n(?:.*\n){1}((?:\s+\d+\s+\d+(?:\s+[0-9.]+){5}\n){2})"
+                      r"measured imbalance .*: ([0-9.]+)", stdout)
+    assert table and float(table.group(2)) >= 1.0, stdout
+    assert (root / "tl.json").exists() and (root / "tl.png").exists()
     assert float(evals[1][1]) < float(evals[0][1])
     assert all(abs(float(p) - torch.tensor(float(v)).exp().item()) < 0.01 * float(p) for _, v, p in evals)
     records = [json.loads(line) for line in (root / "m.jsonl").read_text().splitlines()]
