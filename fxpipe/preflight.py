@@ -34,10 +34,9 @@ from fxpipe.preflight_files import (PreflightError, check_owner, check_resume, c
 
 if TYPE_CHECKING:
     from fxpipe.artifact import CompiledPipeline
+    from fxpipe.preflight_data import DataFacts
     from fxpipe.train import TrainConfig
 
-DATA_VOCAB = 256
-"""``fxpipe run`` trains on bytes (``fxpipe/data.py``): ids 0..255."""
 META_ABOVE_PARAMS = 3e8
 """Registry GPTs larger than this are captured on the meta device."""
 
@@ -46,8 +45,11 @@ def check_run(config: "TrainConfig", *, model: bool = True) -> "CompiledPipeline
     """The file-system and model checks, cheapest first (``check_flags`` runs on the flags,
     before the config exists); ``model=False`` skips capturing the model. Returns what
     the model check compiled (tensor-parallel, costed), or None."""
+    from fxpipe.preflight_data import check_data
+
     resume = check_paths(config)
-    return check_model(config, resume) if model else None
+    data = check_data(config)
+    return check_model(config, resume, data) if model else None
 
 
 # ---- 1. flags --------------------------------------------------------------------------------
@@ -164,19 +166,31 @@ def check_paths(config: "TrainConfig") -> Path | None:
             check_writable_file(export, "--export")
     if config.timeline is not None:
         check_writable_file(Path(config.timeline + ".json"), "--timeline")
+    if config.metrics_file is not None:
+        check_writable_file(Path(config.metrics_file), "--metrics-file")
+    if config.tensorboard_dir is not None:
+        import importlib.util
+        if importlib.util.find_spec("tensorboard") is None:
+            raise PreflightError("--tensorboard-dir needs the tensorboard package: pip install tensorboard "
+                                 "(or leave it out: --metrics-file writes the same scalars as JSON lines)")
+        check_writable_dir(Path(config.tensorboard_dir), "--tensorboard-dir", "choose a directory that this user can write")
     return resume
 
 
 # ---- 3. the model ----------------------------------------------------------------------------
 def capture_device(model: str) -> str:
-    """Meta (no weights allocated) for registry GPTs above ~300M parameters, else cpu."""
+    """Meta (no weights allocated) for registry GPTs above ~300M parameters and Hugging
+    Face model directories (each rank loads its shards), else cpu."""
+    from fxpipe.models.hf_dir import is_model_dir
     from fxpipe.models.registry import GPT_CONFIGS
 
+    if is_model_dir(model):
+        return "meta"
     cfg = GPT_CONFIGS.get(model)
     return "meta" if cfg is not None and cfg.num_params > META_ABOVE_PARAMS else "cpu"
 
 
-def check_model(config: "TrainConfig", resume: Path | None = None) -> "CompiledPipeline":
+def check_model(config: "TrainConfig", resume: Path | None = None, data: "DataFacts | None" = None) -> "CompiledPipeline":
     """Capture and compile the model as the workers will, through the cheap passes (a
     non-ILP partition too; the ILP and measured costs are left to the workers)."""
     import torch
@@ -185,14 +199,17 @@ def check_model(config: "TrainConfig", resume: Path | None = None) -> "CompiledP
     from fxpipe.partition import Method, PartitionError
     from fxpipe.vocab import TokenRole
 
+    if data is None:
+        from fxpipe.preflight_data import check_data
+        data = check_data(config)
     device = capture_device(config.model)
     w = _workload(config, device)
-    if w.vocab_size is not None and w.vocab_size < DATA_VOCAB:
-        raise PreflightError(_vocab_message(config.model, w.vocab_size, "the rows of its embedding"))
-    # The batch the workers build from byte windows, with the largest byte as every id. It
-    # is built on the CPU (ids are checked there: a meta tensor has no values) and only
-    # then moved to the capture device.
-    tokens = torch.full((config.micro_batch_size, config.seq + 1), DATA_VOCAB - 1, dtype=torch.long)
+    if w.vocab_size is not None:
+        _check_vocab(config.model, w.vocab_size, "the rows of its embedding", data)
+    # The batch the workers build from the data's windows, with its largest id as every
+    # id. It is built on the CPU (ids are checked there: a meta tensor has no values)
+    # and only then moved to the capture device.
+    tokens = torch.full((config.micro_batch_size, config.seq + 1), data.largest_id, dtype=torch.long)
     cpu_example = w.batch_from_tokens(tokens)
     example = tuple(t.to(device) for t in cpu_example)
     layout = config.parallel
@@ -203,10 +220,8 @@ def check_model(config: "TrainConfig", resume: Path | None = None) -> "CompiledP
     except PartitionError as exc:
         raise PreflightError(f"--partition {layout.partition.value}: {exc}") from None
     for t in result.token_inputs:
-        if int(cpu_example[t.input_index].max()) >= t.vocab_size:
-            role = "embedding" if t.role is TokenRole.EMBEDDING else "loss (the logits' classes)"
-            raise PreflightError(_vocab_message(config.model, t.vocab_size,
-                                                f"the rows of its {role} at {t.module or t.node}"))
+        role = "embedding" if t.role is TokenRole.EMBEDDING else "loss (the logits' classes)"
+        _check_vocab(config.model, t.vocab_size, f"the rows of its {role} at {t.module or t.node}", data)
     if config.resume:
         check_resume(result.program, resume or resume_path(config), config)
     if config.init_from is not None:
@@ -214,9 +229,18 @@ def check_model(config: "TrainConfig", resume: Path | None = None) -> "CompiledP
     return result
 
 
-def _vocab_message(model: str, vocab: int, where: str) -> str:
-    return (f"{model} has a vocabulary of {vocab} tokens ({where}), but fxpipe run trains on bytes: "
-            f"the data's largest id is {DATA_VOCAB - 1}; give the model a vocabulary of at least {DATA_VOCAB}")
+def _check_vocab(model: str, vocab: int, where: str, data: "DataFacts") -> None:
+    """The tokenizer's vocabulary, then the data's largest id, against the model's
+    (never clamped: an id past the vocabulary trains on other tokens)."""
+    if data.tokenizer_vocab is not None and data.tokenizer_vocab > vocab:
+        raise PreflightError(f"{model} has a vocabulary of {vocab} tokens ({where}), but the tokenizer of "
+                             f"{data.source} has {data.tokenizer_vocab}: its largest id is "
+                             f"{data.tokenizer_vocab - 1}; give the model a vocabulary of at least "
+                             f"{data.tokenizer_vocab}, or use the model's own tokenizer")
+    if data.largest_id >= vocab:
+        raise PreflightError(f"{model} has a vocabulary of {vocab} tokens ({where}), but the largest token id "
+                             f"in {data.source} is {data.largest_id}; give the model a vocabulary of at least "
+                             f"{data.largest_id + 1}, or re-tokenize the data with the model's tokenizer")
 
 
 def _workload(config: "TrainConfig", device: str):

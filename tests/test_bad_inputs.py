@@ -67,7 +67,50 @@ def _empty_ckpt(tmp: Path) -> None:
     (tmp / "ck").mkdir()
 
 
+def _token_files(tmp: Path) -> None:
+    import numpy as np
+    np.arange(4000, dtype=np.uint16).__mod__(200).tofile(tmp / "ok.bin")
+    (tmp / "empty.bin").write_bytes(b"")
+    (tmp / "odd.bin").write_bytes(b"\0" * 4001)
+    np.zeros(30, dtype=np.uint16).tofile(tmp / "short.bin")
+    np.zeros(10, dtype=np.uint16).tofile(tmp / "tiny.bin")
+    ids = np.arange(4000, dtype=np.uint16) % 200
+    ids[1234] = 300  # past gpt-tiny's 256
+    ids.tofile(tmp / "wide.bin")
+    (tmp / "run.toml").write_text('model = "gpt-tiny"\nlearning-rate = 1e-3\n')
+
+
+def _text_and_wide_tokenizer(tmp: Path) -> None:
+    from tests.data._corpus import train_bpe, write_corpus
+    train_bpe(tmp / "tok", write_corpus(tmp / "texts"), vocab_size=300)
+
+
+def _not_a_causal_lm(tmp: Path) -> None:
+    import transformers
+    transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64).save_pretrained(tmp / "vit")
+
+
 CASES = [
+    # -- fxpipe run: data, tokenizer and model directory (item 6 of issue 26: before any worker)
+    ("run-data-missing", RUN + ["--data", "{tmp}/nope.bin"], ["--data: no such file", "nope.bin"], None),
+    ("run-data-empty", RUN + ["--data", "{tmp}/empty.bin"], ["empty.bin is empty (0 bytes)"], _token_files),
+    ("run-data-dtype", RUN + ["--data", "{tmp}/odd.bin"],
+     ["odd.bin is 4001 bytes, not a multiple of 2 (uint16)"], _token_files),
+    ("run-data-short", RUN + ["--data", "{tmp}/short.bin"],
+     ["short.bin holds 30 tokens: 1 training windows of --seq 16", "one global batch of 4 sequences"], _token_files),
+    ("run-data-ids-over-vocab", RUN + ["--data", "{tmp}/wide.bin"],
+     ["vocabulary of 256 tokens", "largest token id in", "wide.bin is 300", "at least 301"], _token_files),
+    ("run-tokenizer-over-vocab", RUN + ["--data", "{tmp}/texts", "--tokenizer", "{tmp}/tok"],
+     ["vocabulary of 256 tokens", "tokenizer of", "has 300", "at least 300"], _text_and_wide_tokenizer),
+    ("run-model-dir-not-causal-lm", RUN + ["--model", "{tmp}/vit"],
+     ["config.json is a 'vit' model (ViTConfig), not a causal language model"], _not_a_causal_lm),
+    ("run-val-data-short", RUN + ["--data", "{tmp}/ok.bin", "--val-data", "{tmp}/tiny.bin"],
+     ["--val-data", "tiny.bin holds 10 tokens, fewer than one window of --seq 16 + 1"], _token_files),
+    ("run-metrics-file-missing-dir", RUN + ["--metrics-file", "{tmp}/nope/m.jsonl"],
+     ["--metrics-file", "nope does not exist"], None),
+    ("run-config-unknown-key", RUN + ["--config", "{tmp}/run.toml"],
+     ["unknown key 'learning-rate'; valid keys:", "lr, lr-schedule"], _token_files),
     # -- fxpipe run: flags alone
     ("run-timeout-0", RUN + ["--timeout", "0"], ["--timeout must be a positive", "got 0.0"], None),
     ("run-timeout-negative", RUN + ["--timeout=-5"], ["--timeout", "got -5.0"], None),
@@ -86,7 +129,7 @@ CASES = [
     ("run-global-batch", RUN + ["--global-batch", "7"],
      ["global batch 7", "2·2·1 = 4", "--micro-batch-size 1 --microbatches 7"], None),
     ("run-steps-0", RUN + ["--steps", "0"], ["--steps must be >= 1, got 0"], None),
-    ("run-pp-0", RUN + ["--pp", "0"], ["--pp must be >= 1, got 0"], None),
+    ("run-pp-0", RUN + ["--pp", "0"], ["argument --pp: must be >= 1, got 0"], None),  # as compile: one flag
     ("run-micro-batch-0", RUN + ["--micro-batch-size", "0"], ["--micro-batch-size must be >= 1"], None),
     ("run-save-interval-no-dir", RUN + ["--save-interval", "2"], ["need --checkpoint-dir"], None),
     ("run-save-interval-0", RUN + ["--save-interval", "0", "--checkpoint-dir", "{tmp}/ck"],

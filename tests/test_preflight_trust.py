@@ -274,7 +274,7 @@ def test_export_removes_the_weights_it_replaces(tmp_path):
 
 def test_vocabulary_smaller_than_the_data_is_refused(monkeypatch, capsys):
     _refused(RUN + ["--model", "hf:llama"], monkeypatch, capsys,
-             "hf:llama has a vocabulary of 128 tokens", "the data's largest id is 255", "at least 256")
+             "hf:llama has a vocabulary of 128 tokens", "the tokenizer of the Python standard library's source has 256: its largest id is 255", "at least 256")
     w = build_workload("hf:llama", batch=1, seq=4)
     with pytest.raises(ValueError, match="token id 255 is outside the model's vocabulary of 128"):
         w.batch_from_tokens(torch.full((1, 5), 255))

@@ -12,7 +12,9 @@ batch and the loss function — exactly what ``fxpipe.capture`` and
   ``zoo:moe``, ``zoo:autocast``, ``zoo:complex-rope``, ``zoo:llama3``,
   ``zoo:torchtune-llama`` (needs torchtune);
 - ``package.module:function`` — a user function returning ``(model, batch)`` or
-  ``(model, batch, loss_fn)``.
+  ``(model, batch, loss_fn)``;
+- a Hugging Face model directory (``config.json``), built on the meta device
+  (``fxpipe/models/hf_dir.py``).
 """
 from __future__ import annotations
 
@@ -130,6 +132,9 @@ def build_workload(name: str, *, batch: int = 2, seq: int | None = None,
                         labels_shifted=False)
     if name.startswith("zoo:"):
         return _zoo_workload(name, batch, seq or 16, device, seed, layers or 2)
+    from fxpipe.models.hf_dir import dir_workload, is_model_dir
+    if is_model_dir(name):  # a Hugging Face model directory (fxpipe/models/hf_dir.py)
+        return dir_workload(name, batch=batch, seq=seq or 128, device=device, seed=seed)
     if ":" in name:
         return _user_workload(name)
     raise ValueError(f"unknown model {name!r}; valid names: {', '.join(model_names())}, "

@@ -1,6 +1,6 @@
 """``fxpipe plan`` and ``fxpipe calibrate``: argument parsing and printing only.
 
-``fxpipe/cli.py`` wires them in::
+``fxpipe/cli/plan.py`` and ``fxpipe/cli/calibrate.py`` wire them in::
 
     p = sub.add_parser("plan", ...); add_plan_arguments(p); p.set_defaults(fn=run_plan)
     p = sub.add_parser("calibrate", ...); add_calibrate_arguments(p); p.set_defaults(fn=run_calibrate)

@@ -1,6 +1,6 @@
 """``fxpipe viz``: generate, lower, validate, simulate and draw a schedule.
 
-The lead's ``fxpipe/cli.py`` wires these in as a subcommand::
+``fxpipe/cli/viz.py`` wires these in as a subcommand::
 
     viz = subparsers.add_parser("viz", help="draw a pipeline schedule")
     add_viz_arguments(viz)

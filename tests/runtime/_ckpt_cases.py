@@ -26,7 +26,7 @@ def workload(name: str = "gpt-tiny", *, seed: int = 0, layers: int = LAYERS):
 
 
 def batch(w, step: int) -> tuple[torch.Tensor, ...]:
-    """The batch of ``step``: a pure function of the step, as in fxpipe.data."""
+    """The batch of ``step``: a pure function of the step."""
     gen = torch.Generator().manual_seed(1000 + step)
     return w.batch_from_tokens(torch.randint(0, w.vocab_size, (BATCH, SEQ + 1), generator=gen))
 

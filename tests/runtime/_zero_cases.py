@@ -5,6 +5,7 @@ from pathlib import Path
 
 
 from tests.runtime._ckpt_cases import SAVE_AT, STEPS, build, no_gather, train
+from tests.runtime._clip_cases import clip_check
 from tests.runtime._reuse_capture import reusing_captures
 
 STEP_RANGE = range(STEPS)
@@ -17,7 +18,9 @@ def _run(zero: int, *, pp: int, dp: int, tp: int = 1, precision: str = "fp32") -
     params = pm.full_state_dict() if pm.master is None else None
     masters = {n: t.detach().clone() for n, t in pm.named_parameters()}
     state_elems = sum(t.numel() for s in opt.state.values() for t in s.values() if t.dim() > 0)
-    return dict(losses=losses, params=params, masters=masters, state_elems=state_elems,
+    # --grad-clip on the trained model: one more step's gradients (no optimizer step).
+    clip = clip_check(pm, w, STEPS) if precision == "fp32" else None
+    return dict(losses=losses, params=params, masters=masters, state_elems=state_elems, clip=clip,
                 replicas=(pm.groups.pp_rank, pm.groups.tp_rank),
                 owned=sorted(n for n, _ in pm.named_parameters()),
                 trainable=sorted(n for n, t in pm.state.items() if t.requires_grad))
@@ -26,13 +29,16 @@ def _run(zero: int, *, pp: int, dp: int, tp: int = 1, precision: str = "fp32") -
 @reusing_captures
 def world_zero(rank: int, world: int, root: str) -> dict:
     """dp=2 × pp=2 and tp=2 × dp=2: ZeRO-1 against plain data parallel, fp32 and bf16; a
-    ZeRO-1 checkpoint resumed without ZeRO and in another layout."""
+    ZeRO-1 checkpoint resumed without ZeRO and in another layout; gradient clipping over
+    the shards of those layouts and of tp=2 × pp=2 (tests/runtime/_clip_cases.py)."""
     from fxpipe.runtime.checkpoint import load_checkpoint, save_checkpoint
 
     out = {}
     for key, kwargs in (("dp2pp2", dict(pp=2, dp=2)), ("tp2dp2", dict(pp=1, dp=2, tp=2))):
         out[(key, 0)] = _run(0, **kwargs)
         out[(key, 1)] = _run(1, **kwargs)
+    pm, w, _, _ = build("gpt-tiny", pp=2, tp=2)
+    out["clip_tp2pp2"] = clip_check(pm, w, 0)
     out[("bf16", 0)] = _run(0, pp=2, dp=2, precision="bf16")
     out[("bf16", 1)] = _run(1, pp=2, dp=2, precision="bf16")
 

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -322,13 +323,26 @@ def _losses(stdout: str) -> dict[int, str]:
 
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
-    """Three launches: 6 steps saving every 3, --resume to 10, and alongside them an
-    open-ended run stopped with Ctrl-C after step 10 — the uninterrupted reference
-    (the LR schedule and the batches do not depend on --steps)."""
+    """Three launches: an open-ended run saving every 3 steps, killed (SIGKILL: no save)
+    after step 7, --resume to 10 — the data stream must continue at the token after
+    step 6's —, and alongside them an open-ended run stopped with Ctrl-C after step 10:
+    the uninterrupted reference (the LR schedule and the batches do not depend on --steps)."""
     root = tmp_path_factory.mktemp("cli")
     # Ctrl-C signals the terminal's whole foreground process group: launcher and workers.
     endless = _start("--steps", "100000", "--checkpoint-dir", str(root / "stopped"), start_new_session=True)
-    first = _start("--steps", "6", "--save-interval", "3", "--checkpoint-dir", str(root / "ckpt"))
+    first = _start("--steps", "100000", "--save-interval", "3", "--checkpoint-dir", str(root / "ckpt"),
+                   start_new_session=True)
+    killed: list[str] = []
+
+    def kill_after_step_7() -> None:
+        for line in first.stdout:
+            killed.append(line)
+            if line.startswith("iter     7 "):
+                os.killpg(first.pid, signal.SIGKILL)  # launcher and workers, mid-run
+                break
+
+    watcher = threading.Thread(target=kill_after_step_7)
+    watcher.start()
     try:
         head = []
         for line in endless.stdout:
@@ -337,10 +351,13 @@ def cli_runs(tmp_path_factory):
                 os.killpg(endless.pid, signal.SIGINT)
                 break
         out, err = endless.communicate(timeout=60)
+        watcher.join(timeout=300)
+        first.communicate(timeout=60)
     finally:
-        if endless.poll() is None:
-            os.killpg(endless.pid, signal.SIGKILL)
-    first = _finish(first)
+        for proc in (endless, first):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    first = "".join(killed)
     kept_after_first = [s for s, _ in list_checkpoints(root / "ckpt")]
     second = _finish(_start("--steps", "10", "--checkpoint-dir", str(root / "ckpt"), "--resume",
                             "--export", str(root / "m.pt")))
@@ -357,6 +374,12 @@ def test_fxpipe_run_resume_equals_an_uninterrupted_run(cli_runs):
     assert {**_losses(first), **_losses(second)} == {i: reference[i] for i in range(1, 11)}
     assert [s for s, _ in list_checkpoints(cli_runs["root"] / "ckpt")] == [3, 6, 10]
     assert (cli_runs["root"] / "m.pt").exists()
+    # The data position (windows consumed: steps × global batch 4·4) is what the resume read
+    # on from; the resolved config is saved beside the checkpoints.
+    from fxpipe.runtime.checkpoint_manifest import read_manifest
+    kept = dict(list_checkpoints(cli_runs["root"] / "ckpt"))
+    assert [read_manifest(kept[s])["extra"]["data"]["position"] for s in (3, 6, 10)] == [48, 96, 160]
+    assert 'model = "gpt-tiny"' in (cli_runs["root"] / "ckpt" / "fxpipe-run.toml").read_text()
 
 
 @pytest.mark.slow

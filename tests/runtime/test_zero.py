@@ -65,3 +65,18 @@ def test_zero1_checkpoint_resumes_in_another_layout(world4, key):
         r = rank_results[key]
         assert r["step"] == cases.SAVE_AT
         assert r["losses"] == pytest.approx(reference[cases.SAVE_AT:], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_clipping_over_shards_equals_one_process(world4):
+    """--grad-clip: the global norm over tp/pp/dp shards — tied embeddings across pipeline
+    ranks, tp-replicated tensors, ZeRO-1 owners — and the clipped gradients equal
+    torch.nn.utils.clip_grad_norm_ on one process."""
+    results = [r["clip_tp2pp2"] for r in world4]
+    results += [r[(layout, zero)]["clip"] for r in world4 for layout in ("dp2pp2", "tp2dp2") for zero in (0, 1)]
+    assert len(results) == 20
+    for r in results:
+        assert r["norm"] == pytest.approx(r["ref_norm"], rel=1e-5)
+        assert sorted(r["grads"]) == sorted(r["ref"])
+        for name, g in r["grads"].items():
+            torch.testing.assert_close(g, r["ref"][name], rtol=1e-4, atol=1e-6, msg=name)

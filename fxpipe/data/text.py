@@ -1,0 +1,134 @@
+"""Text data: ``.txt`` files, ``.jsonl`` files with a ``text`` field, or a directory of
+them, tokenized once into a token file cached beside the data.
+
+The cache is keyed by content, not by name or date: its file name carries a digest of
+every text file's relative path and bytes, the tokenizer's digest and this format's
+version, so editing one file or changing tokenizer makes another cache, and a cache
+is never stale. It is written to a temporary name and renamed, so a run killed while
+tokenizing leaves no half file under the cache's name (and two ranks tokenizing at
+once under torchrun write the same bytes).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from fxpipe.data.tokenizer import ByteTokenizer, HFTokenizer
+from fxpipe.data.tokens import TokenDtype, open_token_file
+from fxpipe.safe_io import check_regular, open_regular, read_bounded
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+MAX_TEXT_FILE = 4 << 30
+"""One text file larger than this is refused (tokenize it into a .bin with your own tool)."""
+TEXT_FIELD = "text"
+"""The field of a .jsonl line holding the document (Hugging Face datasets' convention)."""
+CACHE_VERSION = b"fxpipe-tokens-v1"
+_BATCH_DOCS = 1024
+
+
+def text_files(path: Path) -> list[Path]:
+    """``path`` itself, or the .txt/.jsonl regular files under directory ``path`` in
+    sorted order (links are not followed: a link could lead outside the data)."""
+    if not path.is_dir():
+        check_regular(path)
+        return [path]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            f = Path(dirpath) / name
+            if f.suffix in TEXT_SUFFIXES and not name.startswith(".") and not f.is_symlink():
+                check_regular(f)
+                files.append(f)
+    if not files:
+        raise ValueError(f"{path} holds no .txt or .jsonl files; give a directory of text, or a "
+                         f"token file (.bin, .npy)")
+    return files
+
+
+def content_digest(files: list[Path], root: Path, tokenizer_digest: str) -> str:
+    """sha256 of the files' relative paths and bytes, the tokenizer and the format."""
+    h = hashlib.sha256(CACHE_VERSION + b"\0" + tokenizer_digest.encode())
+    for f in files:
+        h.update(b"\0" + str(f.relative_to(root) if f != root else f.name).encode() + b"\0")
+        fd = open_regular(f)
+        try:
+            while chunk := os.read(fd, 1 << 22):
+                h.update(chunk)
+        finally:
+            os.close(fd)
+    return h.hexdigest()
+
+
+def documents(files: list[Path]) -> Iterator[str | bytes]:
+    """Each .txt file is one document; each line of a .jsonl file is one (its ``text``)."""
+    for f in files:
+        data = read_bounded(f, MAX_TEXT_FILE)
+        if f.suffix != ".jsonl":
+            yield data
+            continue
+        for lineno, line in enumerate(data.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                doc = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+                raise ValueError(f"{f}:{lineno} is not a JSON object ({type(exc).__name__})") from None
+            text = doc.get(TEXT_FIELD) if isinstance(doc, dict) else None
+            if not isinstance(text, str):
+                raise ValueError(f"{f}:{lineno} has no string field {TEXT_FIELD!r}; each .jsonl line must be "
+                                 f"an object like {{\"{TEXT_FIELD}\": \"...\"}}")
+            yield text
+
+
+def tokenize(docs: Iterator[str | bytes], tokenizer: "ByteTokenizer | HFTokenizer",
+             dtype: TokenDtype) -> np.ndarray:
+    """Every document's ids followed by the tokenizer's EOS, as one flat array."""
+    parts: list[np.ndarray] = []
+    batch: list[str | bytes] = []
+    eos = np.array([tokenizer.eos_id], dtype=dtype.value)
+
+    def flush() -> None:
+        for ids in tokenizer.encode_batch(batch):
+            arr = np.frombuffer(ids, dtype=np.uint8) if isinstance(ids, bytes) else np.asarray(ids)
+            parts.extend((arr.astype(dtype.value), eos))
+        batch.clear()
+
+    for doc in docs:
+        batch.append(doc)
+        if len(batch) == _BATCH_DOCS:
+            flush()
+    flush()
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype.value)
+
+
+def cache_path(path: Path, digest: str, dtype: TokenDtype) -> Path:
+    """Beside the data: ``.NAME.fxpipe-DIGEST.DTYPE.bin`` in the data's directory (for a
+    directory of text, in its parent)."""
+    return path.parent / f".{path.name}.fxpipe-{digest[:20]}.{dtype.value}.bin"
+
+
+def cached_tokens(path: str | os.PathLike, tokenizer: "ByteTokenizer | HFTokenizer") -> tuple[np.ndarray, Path]:
+    """The token ids of the text at ``path`` (tokenized now, or read from the cache)."""
+    path = Path(path)
+    files = text_files(path)
+    dtype = TokenDtype.fitting(tokenizer.vocab_size)
+    cache = cache_path(path, content_digest(files, path if path.is_dir() else path, tokenizer.digest), dtype)
+    if cache.is_file() and not cache.is_symlink():
+        return open_token_file(cache, dtype), cache
+    tokens = tokenize(documents(files), tokenizer, dtype)
+    if tokens.size == 0:
+        raise ValueError(f"{path} holds no text")
+    tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+    try:
+        tokens.astype(np.dtype(dtype.value).newbyteorder("<")).tofile(tmp)
+        os.replace(tmp, cache)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return tokens, cache  # a read-only data directory: tokenized again next time
+    return open_token_file(cache, dtype), cache

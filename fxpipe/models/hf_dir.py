@@ -1,0 +1,84 @@
+"""``--model DIR``: a Hugging Face model directory (``config.json``, with or without
+safetensors), built on the meta device from its config.
+
+No weights are allocated here: ``AutoModelForCausalLM.from_config`` under
+``torch.device("meta")`` gives the module tree and shapes, and each rank then takes
+only its shards — from the directory's safetensors through the slice reader
+(``fxpipe/weights.py``, ``parallelize(weights=DIR)``), or, for a directory without
+weights, from the model's own init scheme applied shard by shard (``fxpipe/init.py``).
+The batch follows nanoGPT's convention (inputs, next tokens) so all ``seq`` positions
+are trained (``next_token_loss``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fxpipe.losses import next_token_loss
+from fxpipe.safe_io import read_bounded
+from fxpipe.weights import INDEX, SINGLE
+
+MAX_CONFIG_BYTES = 4 << 20
+"""config.json larger than this is refused unread (a real one is a few KB)."""
+
+
+def is_model_dir(name: str) -> bool:
+    """Whether ``--model`` names a directory holding a config.json."""
+    return Path(name).is_dir() and (Path(name) / "config.json").exists()
+
+
+def has_weights(directory: str) -> bool:
+    return any((Path(directory) / f).exists() for f in (SINGLE, INDEX))
+
+
+def load_config(directory: str):
+    """The directory's ``PretrainedConfig``, refused unless a causal LM transformers knows
+    (no remote code is run: ``trust_remote_code`` stays off)."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(directory) / "config.json"
+    try:
+        doc = json.loads(read_bounded(path, MAX_CONFIG_BYTES))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"{path} is not readable JSON ({type(exc).__name__})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("model_type"), str):
+        raise ValueError(f"{path} has no 'model_type'; it must be a Hugging Face config.json (save_pretrained)")
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"--model {directory}: transformers cannot read its config.json "
+                         f"({' '.join(str(exc).split())[:200]})") from None
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        raise ValueError(f"--model {directory}: config.json is a {doc['model_type']!r} model "
+                         f"({type(config).__name__}), not a causal language model; fxpipe run trains models "
+                         f"AutoModelForCausalLM can build (llama, gpt2, qwen2, mistral, ...)")
+    return config
+
+
+def vocab_size(config) -> int:
+    return int(config.get_text_config().vocab_size)
+
+
+def build_model(directory: str, device: torch.device | str = "meta") -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(directory)
+    config.use_cache = False  # no KV cache in training (and none to capture)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config)
+    # fp32 parameters whatever the files store (a bf16 checkpoint widens on load):
+    # --precision chooses the compute dtype, the masters stay fp32.
+    return model.to(torch.float32)
+
+
+def dir_workload(directory: str, *, batch: int, seq: int, device: torch.device | str, seed: int):
+    from fxpipe.models.registry import Workload, _token_batch
+
+    model = build_model(directory, device)
+    vocab = vocab_size(model.config)
+    x = _token_batch(batch, seq + 1, vocab, device, seed)
+    return Workload(model, (x[:, :-1].contiguous(), x[:, 1:].contiguous()), next_token_loss, None,
+                    vocab_size=vocab)

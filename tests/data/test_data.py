@@ -1,0 +1,126 @@
+"""The data path (fxpipe/data): token files, text through a tokenizer and its cache,
+packed windows, disjoint per-replica shares and a position that resumes exactly."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from fxpipe.data import (ByteTokenizer, DataStream, PackedWindows, TokenStream, load_tokenizer, max_token,
+                         open_data, open_token_file, stdlib_stream)
+from fxpipe.data.text import cached_tokens
+from tests.data._corpus import train_bpe, write_corpus
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_bin_token_file_is_memory_mapped(tmp_path, dtype):
+    ids = np.arange(70000 if dtype == "uint32" else 1000, dtype=dtype)
+    ids.tofile(tmp_path / "t.bin")
+    got = open_token_file(tmp_path / "t.bin", dtype)
+    assert isinstance(got, np.memmap) and (got == ids).all() and max_token(got) == ids.max()
+
+
+def test_npy_token_file(tmp_path):
+    np.save(tmp_path / "t.npy", np.array([5, 1, 9], dtype=np.int32))
+    assert open_token_file(tmp_path / "t.npy").tolist() == [5, 1, 9]
+    np.save(tmp_path / "bad.npy", np.zeros((2, 2), dtype=np.int32))
+    with pytest.raises(ValueError, match="2-D int32 array"):
+        open_token_file(tmp_path / "bad.npy")
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError, match="not a plain numpy array file"):
+        open_token_file(tmp_path / "obj.npy")  # never unpickled
+
+
+def test_bad_token_files_name_the_numbers_and_the_fix(tmp_path):
+    (tmp_path / "odd.bin").write_bytes(b"\0" * 6)
+    with pytest.raises(ValueError, match=r"6 bytes, not a multiple of 4 \(uint32\).*--data-dtype uint16"):
+        open_token_file(tmp_path / "odd.bin", "uint32")
+    (tmp_path / "empty.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="is empty"):
+        open_token_file(tmp_path / "empty.bin")
+    os.mkfifo(tmp_path / "fifo.bin")
+    with pytest.raises(ValueError, match="a FIFO, not a regular file"):
+        open_token_file(tmp_path / "fifo.bin")
+    with pytest.raises(ValueError, match="unknown --data-dtype 'int8'"):
+        open_token_file(tmp_path / "empty.bin", "int8")
+
+
+def test_text_is_tokenized_with_eos_between_documents_and_cached(tmp_path):
+    texts = write_corpus(tmp_path / "texts")
+    tokdir = train_bpe(tmp_path / "tok", texts, vocab_size=300)
+    tok = load_tokenizer(tokdir)
+    assert tok.eos_id == tok.impl.token_to_id("<|endoftext|>")
+    tokens, cache = cached_tokens(tmp_path / "texts", tok)
+    # The reference: each document encoded alone by the tokenizers library, EOS appended,
+    # in the sorted file order (a.txt, then b.jsonl's lines).
+    ref = []
+    for doc in texts:
+        ref += tok.impl.encode(doc, add_special_tokens=False).ids + [tok.eos_id]
+    assert tokens.tolist() == ref
+    assert cache.parent == tmp_path and cache.name.startswith(".texts.fxpipe-")
+    before = cache.stat().st_mtime_ns
+    again, cache2 = cached_tokens(tmp_path / "texts", tok)
+    assert cache2 == cache and cache.stat().st_mtime_ns == before and isinstance(again, np.memmap)
+    (tmp_path / "texts" / "a.txt").write_text(texts[0] + " changed")
+    assert cached_tokens(tmp_path / "texts", tok)[1] != cache, "the cache is keyed by content"
+    assert cached_tokens(tmp_path / "texts", ByteTokenizer())[1] != cache, "and by tokenizer"
+
+
+def test_jsonl_line_without_text_is_refused(tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:2 has no string field 'text'"):
+        cached_tokens(tmp_path / "d.jsonl", ByteTokenizer())
+
+
+def _stream(n: int) -> TokenStream:
+    return TokenStream(np.arange(n, dtype=np.uint32), "arange")
+
+
+def test_windows_pack_seq_plus_one_tokens():
+    w = PackedWindows(_stream(103), seq=10)
+    assert w.count == 10 and w.window(3).tolist() == list(range(30, 41))
+    train, val = w.split(0.2)
+    assert (train.count, val.count) == (8, 2) and val.window(0).tolist() == list(range(80, 91))
+
+
+def test_replica_shares_are_disjoint_and_make_the_global_batch():
+    w = PackedWindows(_stream(10 * 16 + 1), seq=16)  # 10 windows: batches straddle epochs
+    one = DataStream(w, global_batch=4, seed=3)
+    halves = [DataStream(w, global_batch=4, dp=2, dp_rank=r, seed=3) for r in range(2)]
+    seen = []
+    for _ in range(5):  # two epochs
+        full = one.next_batch()
+        parts = [h.next_batch() for h in halves]
+        assert torch.equal(torch.cat(parts), full)
+        assert torch.equal(halves[1].global_rows(parts[1])[2:], parts[1])
+        seen += full[:, 0].tolist()
+    assert sorted(seen[:10]) == sorted(seen[10:20]) == list(range(0, 160, 16)), "each window once per epoch"
+    assert seen[:10] != seen[10:20], "a new order each epoch"
+
+
+def test_position_resumes_exactly_in_another_layout():
+    w = PackedWindows(_stream(50 * 8 + 1), seq=8)
+    ref = DataStream(w, global_batch=6, seed=1)
+    batches = [ref.next_batch() for _ in range(12)]
+    first = DataStream(w, global_batch=6, dp=3, dp_rank=0, seed=1)
+    for _ in range(5):
+        first.next_batch()
+    state = json.loads(json.dumps(first.state()))  # as a checkpoint's extra keeps it
+    resumed = [DataStream(w, global_batch=6, dp=2, dp_rank=r, seed=1) for r in range(2)]
+    for r in resumed:
+        r.load_state(state)
+    for step in range(5, 12):
+        assert torch.equal(torch.cat([r.next_batch() for r in resumed]), batches[step])
+    with pytest.raises(ValueError, match="trained on 50 windows of 8 tokens.*this run has 25 of 16"):
+        DataStream(PackedWindows(_stream(50 * 8 + 1), seq=16), global_batch=6, seed=1).load_state(state)
+
+
+def test_builtin_default_goes_through_the_same_path():
+    s = stdlib_stream(1 << 16)
+    assert s.vocab_size == 256 and max_token(s.tokens) < 256
+    assert (s.tokens == 0).sum() >= 1, "files separated by the byte tokenizer's EOS (NUL)"
+    src = open_data(None, seq=32, val_fraction=0.05)
+    assert src.val is not None and src.train.count + src.val.count == src.train.total_windows
