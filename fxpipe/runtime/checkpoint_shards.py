@@ -14,6 +14,12 @@ DTensor cannot express non-contiguous placements; DCP's chunk model can, and
 Data-parallel replicas and tied copies offer identical chunks under identical
 (key, offset) indexes, and DCP's default planner writes each once
 (``_dedup_save_plans``).
+
+Rows split over pipeline ranks (``sharding.PipelineRows``) are chunks the same way:
+the rank's spec has its rows folded in (``sharding.compose``). Rows that several
+pipeline ranks hold (a tied table on the first stage, head rows on the last) would be
+chunks of different extents over the same rows, which DCP refuses as overlapping, so
+each row is written by the lowest pipeline rank holding it (``first_held``).
 """
 from __future__ import annotations
 
@@ -25,7 +31,9 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-from fxpipe.sharding import ShardKind, ShardSpec
+import dataclasses
+
+from fxpipe.sharding import PipelineRows, ShardKind, ShardSpec, ranges_of
 
 # torch marks ShardedTensor as deprecated in favour of DTensor, which cannot express
 # non-contiguous ranges (above); DCP still saves and reshards it. Silence that one note.
@@ -91,3 +99,19 @@ def wrap_state(tensors: Mapping[str, torch.Tensor], specs: Mapping[str, ShardSpe
         else:
             out[name] = t
     return out
+
+
+def first_held(rows: PipelineRows, pp_rank: int) -> list[int]:
+    """Local rows of ``pp_rank`` that no lower pipeline rank holds: what it writes."""
+    lower = {i for p in range(pp_rank) for i in rows.positions(p)}
+    return [j for j, i in enumerate(rows.positions(pp_rank)) if i not in lower]
+
+
+def restrict(spec: ShardSpec, keep: list[int]) -> ShardSpec:
+    """``spec`` for the local rows ``keep`` only (in order) of a dim-0 shard."""
+    assert spec.dim == 0 and keep
+    ranges = []
+    for t in range(spec.tp):
+        held = spec.indices(t)
+        ranges.append(ranges_of([held[j] for j in keep if j < len(held)]))
+    return dataclasses.replace(spec, local_shape=(len(keep), *spec.local_shape[1:]), ranges=tuple(ranges))

@@ -36,13 +36,14 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str
 
 
 def train(pm, w, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """``steps`` of AdamW on ``pm``: per-step losses and the first step's full gradients."""
+    """``steps`` of AdamW on ``pm``: per-step losses and the first step's full gradients
+    (every rank's share gathered: TP shards, and the rows of a split vocabulary layer)."""
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     losses, grads = [], {}
     for step in range(steps):
         losses.append(pm.train_step(w.example_inputs))
         if step == 0:
-            grads = pm.unshard_tp({n: t.grad.clone() for n, t in pm.named_parameters()})
+            grads = pm.gather_full({n: t.grad.clone() for n, t in pm.named_parameters()})
         opt.step()
     return losses, grads
 
