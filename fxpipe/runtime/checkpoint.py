@@ -123,6 +123,11 @@ def _chunked(pm: "ParallelModel", tensors: dict[str, torch.Tensor]) -> dict[str,
 def _model_state(pm: "ParallelModel") -> dict[str, Any]:
     pm.sync_parameters()  # after an optimizer step, every copy current (ZeRO-1: the owners')
     local = _chunked(pm, {n: t.detach() for n, t in _saved_model_tensors(pm).items()})
+    if pm.groups.pp_rank == 0:  # buffers no stage reads are in no rank's state: the Program's copy
+        held = {n for st in range(pm.plan.num_stages) for n in pm.plan.stage_params(st)}
+        program = pm.plan.program
+        local.update({p.canonical: program.state[p.canonical].detach().cpu() for p in program.params
+                      if p.kind is ParamKind.BUFFER and p.canonical not in held})
     return {f"model.{n}": t for n, t in local.items()}
 
 

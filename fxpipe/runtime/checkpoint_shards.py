@@ -27,6 +27,7 @@ import warnings
 from typing import Mapping
 
 import torch
+import torch.distributed as dist
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
@@ -55,11 +56,24 @@ def _sizes(spec: ShardSpec, length: int) -> list[int]:
 def _global_metadata(spec: ShardSpec, tp_global_ranks: list[int], dtype: torch.dtype,
                      device: torch.device) -> ShardedTensorMetadata:
     """Every tp rank's ranges, placed on that rank's global rank (ShardedTensor's
-    placements name global ranks)."""
+    placements name global ranks). Where they do not tile the tensor (a pipeline rank's
+    rows: the other rows live on other pipeline ranks) the rest is one filler shard per
+    gap placed on another rank: ShardedTensor insists on a tiling, while DCP reads and
+    writes only this rank's local shards, so the fillers never touch the checkpoint."""
     dev = "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
     shards = [ShardMetadata(shard_offsets=_offsets(spec, a), shard_sizes=_sizes(spec, b - a),
                             placement=f"rank:{g}/{dev}")
               for t, g in enumerate(tp_global_ranks) for a, b in spec.ranges[t]]
+    assert spec.dim is not None
+    held = sorted((a, b) for r in spec.ranges for a, b in r)
+    gaps, at = [], 0
+    for a, b in held + [(spec.full_shape[spec.dim], spec.full_shape[spec.dim])]:
+        if a > at:
+            gaps.append((at, a))
+        at = max(at, b)
+    other = (dist.get_rank() + 1) % dist.get_world_size() if gaps else None
+    shards += [ShardMetadata(shard_offsets=_offsets(spec, a), shard_sizes=_sizes(spec, b - a),
+                             placement=f"rank:{other}/{dev}") for a, b in gaps]
     return ShardedTensorMetadata(shards_metadata=shards, size=torch.Size(spec.full_shape),
                                  tensor_properties=TensorProperties(dtype=dtype))
 
@@ -71,6 +85,8 @@ def as_chunks(local: torch.Tensor, spec: ShardSpec, tp_rank: int, tp_global_rank
     assert spec.dim is not None
     global_md = _global_metadata(spec, tp_global_ranks, local.dtype, local.device)
     mine = [md for md in global_md.shards_metadata if md.placement.rank() == tp_global_ranks[tp_rank]]
+    if len(global_md.shards_metadata) > sum(len(r) for r in spec.ranges):
+        group = None  # fillers sit on ranks outside the tp group: placements are checked against the world
     shards, offset = [], 0
     for md, (a, b) in zip(mine, spec.ranges[tp_rank]):
         shards.append(Shard(tensor=local.narrow(spec.dim, offset, b - a), metadata=md))

@@ -82,7 +82,9 @@ def _train_case(parallelize, simulate, rank: int, case: dict) -> dict:
     bound = simulate(pm.schedule).peak_in_flight[pm.groups.pp_rank]
     result = dict(case=case, losses=losses, peak=pm.last_stats.peak_in_flight, bound=bound,
                   grads=grads, chunked=sum(v.tp_replicated for v in pm.plan.values.values()),
-                  scatter_gather=pm.executor.transport.scatter_gather is not None)
+                  scatter_gather=pm.executor.transport.scatter_gather is not None,
+                  rows={n: r.ranks for n, r in pm.plan.row_shards.items()},
+                  held={n: tuple(t.shape) for n, t in pm.state.items() if n in pm.plan.row_shards})
     full = pm.full_state_dict()
     if rank == 0:
         result["params"] = full
