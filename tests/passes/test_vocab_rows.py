@@ -84,3 +84,31 @@ def test_tied_rows_sum_per_range_and_are_written_once():
     assert first_held(untied, 1) == list(range(1, 7))  # row 3 is written by rank 0
     spec = restrict(compose(None, untied, 1, (10, 2)), first_held(untied, 1))
     assert spec.ranges == (((4, 10),),) and spec.local_shape == (6, 2)
+
+
+def test_an_even_head_split_holds_an_even_share_of_rows():
+    """The head's blocks cut in half between two stages (the ILP places rows for time;
+    here the cut is chosen): each rank's head parameter is within 10% of V·h/S bytes."""
+    from fxpipe.compiler import compile_program, capture_for
+    from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
+    from fxpipe.passes.split import split_pass
+    from fxpipe.passes.vocab_rows import vocab_rows_pass
+
+    model, batch, loss_fn = _wide_vocab.workload()
+    config = ParallelConfig(pp=2, microbatches=4, costs="model", split_loss=True).with_world(2)
+    mb = tuple(t[:2] for t in batch)
+    program = compile_program(capture_for(model, mb, config, loss_fn), config, until="split_loss").program
+    (split,), (loss,) = program.matmul_splits, program.loss_splits
+    k = len(split.blocks)
+    second = {n for i in range(k // 2, k) for n in (*split.blocks[i].nodes, *loss.blocks[i].nodes)}
+    stages = {}
+    for node in program.graph.nodes:  # stage 1: the second half's blocks and all they feed
+        if node.op == "call_function":
+            later = node.name in second or any(stages.get(a.name) == 1 for a in node.all_input_nodes)
+            stages[node.name] = 1 if later else 0
+    plan = split_pass(coalesce_blocks_pass(program.replace(stages=stages)), num_stages=2)
+    rows = vocab_rows_pass(plan, (0, 1), {}).row_shards["lm_head.weight"]
+    even = _wide_vocab.VOCAB / 2
+    for p in range(2):
+        assert abs(rows.local_rows(p) - even) <= 0.1 * even, rows.ranks
+    assert rows.ranks == (((0, split.blocks[k // 2].start),), ((split.blocks[k // 2].start, _wide_vocab.VOCAB),))
