@@ -58,6 +58,7 @@ class ShardBuilder:
                            seed=self.seed, weights=self.weights, init_fn=self.init_fn)
         out.built = {n: v for n, v in self.built.items() if specs.get(n) == self.specs.get(n)}
         out._rules = self._rules
+        self.built.clear()  # what the cost measurement built under the old specs is not kept twice
         return out
 
     def deferred(self, names: Iterable[str]) -> bool:
