@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Mapping
 from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.program import Program
 from fxpipe.schedules.ir import Schedule
-from fxpipe.sharding import ShardSpec
+from fxpipe.sharding import ShardSpec, rank_specs
 
 if TYPE_CHECKING:
     from fxpipe.config import ParallelConfig
@@ -63,6 +63,15 @@ class CompiledPipeline:
         """Tensor-parallel ShardSpec per sharded parameter (empty without TP)."""
         tp = self.program.tensor_parallel
         return tp.specs if tp is not None else {}
+
+    def rank_specs(self, pp_rank: int) -> dict[str, ShardSpec]:
+        """What pipeline rank ``pp_rank`` holds of every split parameter: the
+        tensor-parallel specs with its pipeline rows folded in (``sharding.rank_specs``)."""
+        rows = self.plan.row_shards if self.plan is not None else {}
+        if not rows:
+            return dict(self.specs)
+        from fxpipe.mismatch import full_shapes
+        return rank_specs(self.specs, rows, pp_rank, full_shapes(self.program, self.specs))
 
     @property
     def coverage(self) -> "TPCoverage | None":

@@ -22,6 +22,7 @@ token ids against the vocabulary, before anything is measured).
     partition               stage of every node (ILP by default; hook: who solves)
     coalesce_blocks         a split's neighbouring blocks on one stage back into one
     split                   Program -> PipelinePlan: one GraphModule per stage, values between them
+    vocab_rows              each pipeline rank holds only the rows of the LM head (tied embedding) it reads
     recompute               activation recomputation regions per stage
     (lower)                 the schedule with SEND/RECV placed, per rank (``schedules/lowering.py``)
 
@@ -52,6 +53,7 @@ from fxpipe.passes.recompute import apply_recompute
 from fxpipe.passes.split import split_pass
 from fxpipe.passes.split_loss import split_loss_pass
 from fxpipe.passes.split_matmul import split_matmul_pass
+from fxpipe.passes.vocab_rows import vocab_rows_pass
 from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.program import Program
 from fxpipe.recompute_mode import RecomputeMode
@@ -138,6 +140,11 @@ def split_step(program: Program, ctx: CompileContext) -> PipelinePlan:
     return split_pass(program, num_stages=ctx.schedule.num_stages)
 
 
+def vocab_rows_step(plan: PipelinePlan, ctx: CompileContext) -> PipelinePlan:
+    tp = plan.program.tensor_parallel
+    return vocab_rows_pass(plan, ctx.schedule.stage_ranks, tp.specs if tp is not None else {})
+
+
 def recompute_step(plan: PipelinePlan, ctx: CompileContext) -> PipelinePlan:
     mode = ctx.config.recompute
     if mode is RecomputeMode.NONE:
@@ -172,6 +179,10 @@ PIPELINE: tuple[PassSpec, ...] = (
              "neighbouring blocks of one split that landed on one stage merged back into one "
              "(one weight-slice backward per stage); after partition, which decides where they are"),
     PassSpec("split", split_step, "cut the Program into one GraphModule per stage and the values between them"),
+    PassSpec("vocab_rows", vocab_rows_step,
+             "a parameter a rank's stages read only as row slices (split LM-head blocks) held as those "
+             "rows only (Yeung et al. 2025); after split, which decides the stages, and before recompute "
+             "outlines regions"),
     PassSpec("recompute", recompute_step,
              "activation recomputation per stage, after the split (a layer cut by a stage "
              "boundary is recomputed piecewise)"),

@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe.program import Program, TensorSpec
+from fxpipe.sharding import PipelineRows
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,11 @@ class PipelinePlan:
     (Megatron's embedding group)."""
     param_stages: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     """Canonical parameter name -> stages that use it."""
+    row_shards: Mapping[str, PipelineRows] = field(default_factory=dict)
+    """Parameters whose rows are split over pipeline ranks (``passes/vocab_rows.py``):
+    each rank holds, updates and checkpoints only its rows, and its stage graphs index
+    them; the gradient of rows held by several ranks is summed range by range. Such a
+    name is not in ``tied_stages``."""
 
     @property
     def num_stages(self) -> int:

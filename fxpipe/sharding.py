@@ -10,6 +10,13 @@ tensor dim it is split along and, per TP rank, the index ranges along that dim,
 in order. Ranges may be non-contiguous: GPT-2's fused ``c_attn`` gives rank r
 its heads of q, of k and of v, three ranges. Vocabulary shards may end in zero
 padding rows (the vocabulary is padded to a multiple of tp, Megatron-style).
+
+Pipeline stages may own rows too (``PipelineRows``: vocabulary parallelism across
+stages, Yeung et al., MLSys 2025, arXiv 2411.05288): the rows of the LM head (and of a
+tied embedding) that a pipeline rank's stages read. ``compose`` folds a pipeline
+rank's rows into the tensor-parallel spec, so one ``ShardSpec`` per rank still says
+what it holds, and everything that reads specs (shard building, weights, init,
+checkpoint chunks) works unchanged for either split or both.
 """
 from __future__ import annotations
 
@@ -28,6 +35,8 @@ class ShardKind(enum.Enum):
     """Input channels split (Megatron row-parallel: attention output, MLP down)."""
     VOCAB = "vocab"
     """Vocabulary rows split (vocab-parallel embedding and LM head)."""
+    ROWS = "rows"
+    """Rows split over pipeline ranks only (``PipelineRows``, composed with no TP split)."""
     REPLICATED = "replicated"
     """Every rank holds the full tensor."""
 
@@ -139,4 +148,83 @@ def unshard_state(per_rank_states: Sequence[Mapping[str, torch.Tensor]],
                 full.narrow(spec.dim, a, b - a).copy_(state[name].narrow(spec.dim, offset, b - a))
                 offset += b - a
         out[name] = full
+    return out
+
+
+@dataclass(frozen=True)
+class PipelineRows:
+    """The rows (dim 0) of one parameter that each pipeline rank holds.
+
+    Written by ``passes/vocab_rows.py`` when the stages of a rank read a parameter only
+    through row slices (the blocks of a split LM head); every stage graph of that rank
+    indexes the rank's rows. Row numbers are those of the tensor-parallel local tensor
+    (what the graphs index; the full tensor without TP). A rank whose stages read the
+    whole tensor (a tied embedding lookup) holds every row; one whose stages do not
+    read it holds none."""
+    name: str
+    """Canonical name of the parameter."""
+    rows: int
+    """Length of dim 0 of the (tensor-parallel local) tensor."""
+    ranks: tuple[Ranges, ...]
+    """Per pipeline rank, the ``(start, stop)`` ranges it holds, in order."""
+
+    def positions(self, pp_rank: int) -> list[int]:
+        return [i for a, b in self.ranks[pp_rank] for i in range(a, b)]
+
+    def local_rows(self, pp_rank: int) -> int:
+        return sum(b - a for a, b in self.ranks[pp_rank])
+
+    def segments(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(start, stop, pipeline ranks holding it) for every maximal run of rows held
+        by the same ranks: what the tied-gradient sum reduces, range by range."""
+        cuts = sorted({0, self.rows, *(x for r in self.ranks for ab in r for x in ab)})
+        out: list[tuple[int, int, tuple[int, ...]]] = []
+        for a, b in zip(cuts, cuts[1:]):
+            holders = tuple(p for p, r in enumerate(self.ranks) if any(x <= a and b <= y for x, y in r))
+            if out and out[-1][2] == holders and out[-1][1] == a:
+                out[-1] = (out[-1][0], b, holders)
+            else:
+                out.append((a, b, holders))
+        return [seg for seg in out if seg[2]]
+
+    def offset(self, pp_rank: int, row: int) -> int:
+        """Position of ``row`` in ``pp_rank``'s local tensor."""
+        pos = 0
+        for a, b in self.ranks[pp_rank]:
+            if a <= row < b:
+                return pos + row - a
+            pos += b - a
+        raise AssertionError(f"pipeline rank {pp_rank} does not hold row {row} of {self.name}")
+
+
+def compose(spec: ShardSpec | None, rows: PipelineRows, pp_rank: int,
+            full_shape: tuple[int, ...]) -> ShardSpec:
+    """The ``ShardSpec`` of what pipeline rank ``pp_rank`` holds of ``rows.name``: its
+    pipeline rows of each tensor-parallel rank's shard (``full_shape``: the model's
+    shape). Padding rows of a vocabulary shard stay last, as ``shard_tensor`` expects."""
+    positions = rows.positions(pp_rank)
+    local = (len(positions), *full_shape[1:])
+    if spec is None or spec.kind is ShardKind.REPLICATED:
+        return ShardSpec(name=rows.name, kind=ShardKind.ROWS, full_shape=tuple(full_shape), local_shape=local,
+                         dim=0, ranges=(ranges_of(positions),), members=spec.members if spec else (),
+                         reason=f"pipeline rows {ranges_of(positions)}")
+    assert spec.dim == 0, f"{spec.name}: pipeline rows compose with a dim-0 shard only"
+    per_tp = []
+    for t in range(spec.tp):
+        held = spec.indices(t)
+        per_tp.append(ranges_of([held[p] for p in positions if p < len(held)]))
+    return ShardSpec(name=spec.name, kind=spec.kind, full_shape=spec.full_shape, local_shape=local, dim=0,
+                     ranges=tuple(per_tp), members=spec.members,
+                     reason=f"{spec.reason}; pipeline rows {ranges_of(positions)}")
+
+
+def rank_specs(specs: Mapping[str, ShardSpec], rows: Mapping[str, PipelineRows], pp_rank: int,
+               full_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, ShardSpec]:
+    """Every parameter's spec on pipeline rank ``pp_rank``: the tensor-parallel specs with
+    the rank's pipeline rows folded in (``compose``); a rank holding none of a
+    parameter's rows keeps the TP spec (it holds no tensor of it)."""
+    out = dict(specs)
+    for name, r in rows.items():
+        if r.ranks[pp_rank]:
+            out[name] = compose(specs.get(name), r, pp_rank, full_shapes[name])
     return out

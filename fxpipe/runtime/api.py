@@ -81,6 +81,7 @@ class ParallelModel:
         run) calls this between them. The model cannot train afterwards."""
         mine = [self.groups.tp_group, self.groups.dp_group, self.groups.pp_group]
         mine += [group for _, group in self.grad_sync.tied]
+        mine += [group for _, _, group in self.grad_sync.rows]
         for group in dict.fromkeys(g for g in mine if g is not None):
             if group is not dist.GroupMember.NON_GROUP_MEMBER and group is not dist.GroupMember.WORLD:
                 dist.destroy_process_group(group)
@@ -129,16 +130,39 @@ class ParallelModel:
         dist.all_gather_object(shards, local, group=self.groups.tp_group)
         return unshard_state(shards, self.specs)
 
+    def gather_full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full tensors of the whole model from every rank's share of them (parameters or
+        gradients by canonical name, on CPU): tensor-parallel shards gathered over the
+        tp group, then pipeline ranks' tensors and row ranges (``plan.row_shards``)
+        over the pp group. Every rank gets everything: for tests and small exports
+        (checkpoints and ``export_consolidated`` never gather). Collective."""
+        local = self.unshard_tp(local)
+        rows = {}  # the global rows of each row-split tensor this pp rank holds
+        for name in self.plan.row_shards:
+            spec = self.specs.get(name)
+            if name in local and spec is not None:
+                rows[name] = sorted({i for t in range(spec.tp) for i in spec.indices(t)})
+                if tuple(local[name].shape) != tuple(spec.full_shape):  # tp=1: still the local rows
+                    t = local[name]
+                    local[name] = t.new_zeros(spec.full_shape)
+                    local[name][torch.tensor(spec.indices(0), dtype=torch.long)] = t[:len(spec.indices(0))]
+        gathered: list[Any] = [None] * self.groups.mesh.pp
+        dist.all_gather_object(gathered, (local, rows), group=self.groups.pp_group)
+        full: dict[str, torch.Tensor] = {}
+        for part, held in gathered:
+            for n, t in part.items():
+                if n not in held:
+                    full.setdefault(n, t)
+                    continue
+                if n not in full:
+                    full[n] = torch.zeros_like(t)
+                index = torch.tensor(held[n], dtype=torch.long)
+                full[n][index] = t[index]
+        return full
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model, gathered from all pipeline ranks (on CPU)."""
-        local = self.unshard_tp({n: t.detach().cpu() for n, t in self.named_parameters()})
-        gathered: list[Any] = [None] * self.groups.mesh.pp
-        dist.all_gather_object(gathered, local, group=self.groups.pp_group)
-        full: dict[str, torch.Tensor] = {}
-        for part in gathered:
-            for n, t in part.items():
-                full.setdefault(n, t)
-        return full
+        return self.gather_full({n: t.detach().cpu() for n, t in self.named_parameters()})
 
     # ---- training ------------------------------------------------------------------------
     def _microbatches(self, batch: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:

@@ -45,7 +45,12 @@ def build_runtime(compiled: CompiledPipeline, groups: MeshGroups, shards: ShardB
     builds parameters at their local shapes (the one the cost measurement used, if any);
     ``context`` enters the tensor-parallel group and dropout streams around stage code."""
     assert compiled.plan is not None and compiled.actions is not None, "compile the whole pipeline first"
-    config, plan, specs = compiled.config, compiled.plan, compiled.specs
+    config, plan = compiled.config, compiled.plan
+    # This rank's share of every split parameter: its TP shard, of which only the rows
+    # its stages read where the vocabulary layers are split over stages (vocab_rows).
+    specs = compiled.rank_specs(groups.pp_rank)
+    if specs != dict(compiled.specs):
+        shards = shards.with_specs(specs)
     timeout = timedelta(seconds=config.timeout_s)
     my_stages = compiled.schedule.stages_of_rank(groups.pp_rank)
     names = dict.fromkeys(n for s in my_stages for n in plan.stage_params(s))

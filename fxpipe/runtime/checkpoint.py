@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from fxpipe.sharding import ShardSpec
 from fxpipe.mismatch import full_shapes, raise_if_mismatched
 from fxpipe.program import ParamKind, Program
-from fxpipe.runtime.checkpoint_shards import empty_chunks, is_sharded, wrap_state
+from fxpipe.runtime.checkpoint_shards import empty_chunks, first_held, is_sharded, restrict, wrap_state
 from fxpipe.runtime.checkpoint_files import (POINTER_FILE, SafeReader, adopt_run, commit, committed,
                                              latest_checkpoint, list_checkpoints, prune, read_pointer,
                                              remove_debris, remove_other_runs, resolve, run_id, step_dirname,
@@ -94,16 +94,40 @@ def _tp_ranks(pm: "ParallelModel") -> list[int]:
 
 
 def _chunked(pm: "ParallelModel", tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """This rank's tensor-parallel shards as DCP chunks of the full shape (no gather;
-    ``checkpoint_shards.py``); everything else as it is."""
-    if pm.groups.mesh.tp == 1:
+    """This rank's shards (tensor-parallel, and rows split over pipeline ranks) as DCP
+    chunks of the full shape (no gather; ``checkpoint_shards.py``); everything else as
+    it is. A row held by several pipeline ranks is written by the lowest of them."""
+    specs = dict(pm.specs)
+    if not any(is_sharded(s) for s in specs.values()):
         return tensors
-    return wrap_state(tensors, pm.specs, pm.groups.tp_rank, _tp_ranks(pm), pm.groups.tp_group)
+    keeps = {}
+    for name, rows in pm.plan.row_shards.items():
+        if name in specs and rows.ranks[pm.groups.pp_rank]:
+            keep = first_held(rows, pm.groups.pp_rank)
+            if len(keep) < rows.local_rows(pm.groups.pp_rank):
+                keeps[name] = keep
+                if keep:
+                    specs[name] = restrict(specs[name], keep)
+    out = {}
+    for name, t in tensors.items():
+        keep = keeps.get(name)
+        if keep is not None:
+            if not keep:
+                continue  # every row written by a lower pipeline rank (the step counter too)
+            if t.dim() and t.shape[0] == pm.specs[name].local_shape[0]:
+                t = t.index_select(0, torch.tensor(keep, dtype=torch.long, device=t.device))
+        out[name] = t
+    return wrap_state(out, specs, pm.groups.tp_rank, _tp_ranks(pm), pm.groups.tp_group)
 
 
 def _model_state(pm: "ParallelModel") -> dict[str, Any]:
     pm.sync_parameters()  # after an optimizer step, every copy current (ZeRO-1: the owners')
     local = _chunked(pm, {n: t.detach() for n, t in _saved_model_tensors(pm).items()})
+    if pm.groups.pp_rank == 0:  # buffers no stage reads are in no rank's state: the Program's copy
+        held = {n for st in range(pm.plan.num_stages) for n in pm.plan.stage_params(st)}
+        program = pm.plan.program
+        local.update({p.canonical: program.state[p.canonical].detach().cpu() for p in program.params
+                      if p.kind is ParamKind.BUFFER and p.canonical not in held})
     return {f"model.{n}": t for n, t in local.items()}
 
 
@@ -297,7 +321,7 @@ def _local_targets(pm: "ParallelModel", saved: Mapping[str, Any], prefix: str, n
         if not key.startswith(prefix) or name_of(key) not in wanted:
             continue
         spec, shape, dtype = pm.specs.get(name_of(key)), tuple(md.size), md.properties.dtype
-        if pm.groups.mesh.tp > 1 and is_sharded(spec) and shape == tuple(spec.full_shape):
+        if is_sharded(spec) and shape == tuple(spec.full_shape):
             out[key] = empty_chunks(spec, pm.groups.tp_rank, _tp_ranks(pm), pm.groups.tp_group, dtype)
         else:
             full = torch.empty(shape, dtype=dtype)

@@ -14,6 +14,12 @@ DTensor cannot express non-contiguous placements; DCP's chunk model can, and
 Data-parallel replicas and tied copies offer identical chunks under identical
 (key, offset) indexes, and DCP's default planner writes each once
 (``_dedup_save_plans``).
+
+Rows split over pipeline ranks (``sharding.PipelineRows``) are chunks the same way:
+the rank's spec has its rows folded in (``sharding.compose``). Rows that several
+pipeline ranks hold (a tied table on the first stage, head rows on the last) would be
+chunks of different extents over the same rows, which DCP refuses as overlapping, so
+each row is written by the lowest pipeline rank holding it (``first_held``).
 """
 from __future__ import annotations
 
@@ -21,11 +27,14 @@ import warnings
 from typing import Mapping
 
 import torch
+import torch.distributed as dist
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-from fxpipe.sharding import ShardKind, ShardSpec
+import dataclasses
+
+from fxpipe.sharding import PipelineRows, ShardKind, ShardSpec, ranges_of
 
 # torch marks ShardedTensor as deprecated in favour of DTensor, which cannot express
 # non-contiguous ranges (above); DCP still saves and reshards it. Silence that one note.
@@ -47,11 +56,24 @@ def _sizes(spec: ShardSpec, length: int) -> list[int]:
 def _global_metadata(spec: ShardSpec, tp_global_ranks: list[int], dtype: torch.dtype,
                      device: torch.device) -> ShardedTensorMetadata:
     """Every tp rank's ranges, placed on that rank's global rank (ShardedTensor's
-    placements name global ranks)."""
+    placements name global ranks). Where they do not tile the tensor (a pipeline rank's
+    rows: the other rows live on other pipeline ranks) the rest is one filler shard per
+    gap placed on another rank: ShardedTensor insists on a tiling, while DCP reads and
+    writes only this rank's local shards, so the fillers never touch the checkpoint."""
     dev = "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
     shards = [ShardMetadata(shard_offsets=_offsets(spec, a), shard_sizes=_sizes(spec, b - a),
                             placement=f"rank:{g}/{dev}")
               for t, g in enumerate(tp_global_ranks) for a, b in spec.ranges[t]]
+    assert spec.dim is not None
+    held = sorted((a, b) for r in spec.ranges for a, b in r)
+    gaps, at = [], 0
+    for a, b in held + [(spec.full_shape[spec.dim], spec.full_shape[spec.dim])]:
+        if a > at:
+            gaps.append((at, a))
+        at = max(at, b)
+    other = (dist.get_rank() + 1) % dist.get_world_size() if gaps else None
+    shards += [ShardMetadata(shard_offsets=_offsets(spec, a), shard_sizes=_sizes(spec, b - a),
+                             placement=f"rank:{other}/{dev}") for a, b in gaps]
     return ShardedTensorMetadata(shards_metadata=shards, size=torch.Size(spec.full_shape),
                                  tensor_properties=TensorProperties(dtype=dtype))
 
@@ -63,6 +85,8 @@ def as_chunks(local: torch.Tensor, spec: ShardSpec, tp_rank: int, tp_global_rank
     assert spec.dim is not None
     global_md = _global_metadata(spec, tp_global_ranks, local.dtype, local.device)
     mine = [md for md in global_md.shards_metadata if md.placement.rank() == tp_global_ranks[tp_rank]]
+    if len(global_md.shards_metadata) > sum(len(r) for r in spec.ranges):
+        group = None  # fillers sit on ranks outside the tp group: placements are checked against the world
     shards, offset = [], 0
     for md, (a, b) in zip(mine, spec.ranges[tp_rank]):
         shards.append(Shard(tensor=local.narrow(spec.dim, offset, b - a), metadata=md))
@@ -91,3 +115,19 @@ def wrap_state(tensors: Mapping[str, torch.Tensor], specs: Mapping[str, ShardSpe
         else:
             out[name] = t
     return out
+
+
+def first_held(rows: PipelineRows, pp_rank: int) -> list[int]:
+    """Local rows of ``pp_rank`` that no lower pipeline rank holds: what it writes."""
+    lower = {i for p in range(pp_rank) for i in rows.positions(p)}
+    return [j for j, i in enumerate(rows.positions(pp_rank)) if i not in lower]
+
+
+def restrict(spec: ShardSpec, keep: list[int]) -> ShardSpec:
+    """``spec`` for the local rows ``keep`` only (in order) of a dim-0 shard."""
+    assert spec.dim == 0 and keep
+    ranges = []
+    for t in range(spec.tp):
+        held = spec.indices(t)
+        ranges.append(ranges_of([held[j] for j in keep if j < len(held)]))
+    return dataclasses.replace(spec, local_shape=(len(keep), *spec.local_shape[1:]), ranges=tuple(ranges))

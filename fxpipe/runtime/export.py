@@ -210,10 +210,6 @@ def export_consolidated(source: Any, path: str | os.PathLike, *, hf_config: Any 
     dist.barrier()
     state = _model_state(pm)
     names = state_dict_names(pm.plan.program)
-    if rank == 0:  # persistent buffers that no stage reads are in no rank's state: the Program's copy
-        held = {n for s in range(pm.plan.num_stages) for n in pm.plan.stage_params(s)}
-        state.update({f"model.{c}": pm.plan.program.state[c].detach().cpu()
-                      for c in set(names.values()) - held})
     dcp.save(state, storage_writer=FileSystemWriter(tmp))
     result = None
     try:

@@ -4,6 +4,11 @@
    used by stages on several pipeline ranks exists once per rank; each copy got
    only its own stages' gradient, so the copies' gradients are summed (all-reduce
    over exactly those ranks) and the copies stay identical after the optimizer step.
+   A parameter whose rows are split over pipeline ranks (``PipelinePlan.row_shards``:
+   vocabulary parallelism across stages) is summed range by range instead: each run
+   of rows held by several ranks (a tied embedding's table on the first stage and the
+   head rows of a later one) over exactly the ranks holding it; rows one rank holds
+   alone need nothing (Yeung et al., MLSys 2025, arXiv 2411.05288).
 2. Data parallel: every gradient averaged over the dp group (gloo has no AVG op:
    sum, then divide); with ZeRO-1, reduced onto its owner only (``zero.py``).
 Gradients are flattened into one buffer per collective to pay latency once.
@@ -45,6 +50,9 @@ class GradSync:
     """Canonical name -> a tensor of the gradient's shape (the compute leaf)."""
     tied: list[tuple[str, Any]] = field(default_factory=list)
     """(canonical name, process group over the pp ranks holding it) for this rank."""
+    rows: list[tuple[str, tuple[tuple[int, int], ...], Any]] = field(default_factory=list)
+    """(canonical name, (local start, length) of each run of rows, process group over the
+    pp ranks holding those runs) for the row-split parameters of this rank."""
     zero: Any = None
     """A ``ZeroPartition``: reduce each gradient onto its data-parallel owner."""
 
@@ -64,8 +72,22 @@ class GradSync:
             group = subgroup(families, groups.rank, timeout)
             if groups.pp_rank in pp_ranks:
                 tied.append((name, group))
+        rows = []
+        for name in sorted(plan.row_shards):
+            shard = plan.row_shards[name]
+            by_holders: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+            for a, b, holders in shard.segments():
+                if len(holders) > 1:
+                    by_holders.setdefault(holders, []).append((a, b))
+            for holders, segments in sorted(by_holders.items()):
+                families = [[mesh.rank(pp=p, dp=d, tp=t) for p in holders]
+                            for d in range(mesh.dp) for t in range(mesh.tp)]
+                group = subgroup(families, groups.rank, timeout)
+                if groups.pp_rank in holders:
+                    local = tuple((shard.offset(groups.pp_rank, a), b - a) for a, b in segments)
+                    rows.append((name, local, group))
         like = like if like is not None else {n: t for n, t in state.items() if isinstance(t, torch.Tensor)}
-        return GradSync(groups, state, like, tied, zero)
+        return GradSync(groups, state, like, tied, rows, zero)
 
     def _grad(self, name: str) -> torch.Tensor:
         holder = self.state[name]
@@ -80,6 +102,9 @@ class GradSync:
     def sync(self) -> None:
         for name, group in self.tied:
             _all_reduce_flat([self._grad(name)], group)
+        for name, pieces, group in self.rows:
+            grad = self._grad(name)
+            _all_reduce_flat([grad.narrow(0, start, length) for start, length in pieces], group)
         if self.groups.mesh.dp == 1:
             return
         trainable = [n for n, h in self.state.items() if not isinstance(h, torch.Tensor) or h.requires_grad]

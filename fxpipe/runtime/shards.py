@@ -51,6 +51,16 @@ class ShardBuilder:
         self.built: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._rules: list = []
 
+    def with_specs(self, specs: dict) -> "ShardBuilder":
+        """A builder of the same sources for other specs (a pipeline rank's rows folded
+        in, ``sharding.rank_specs``); what was built under an unchanged spec is kept."""
+        out = ShardBuilder(self.program, specs, self.model, tp_rank=self.tp_rank, device=self.device,
+                           seed=self.seed, weights=self.weights, init_fn=self.init_fn)
+        out.built = {n: v for n, v in self.built.items() if specs.get(n) == self.specs.get(n)}
+        out._rules = self._rules
+        self.built.clear()  # what the cost measurement built under the old specs is not kept twice
+        return out
+
     def deferred(self, names: Iterable[str]) -> bool:
         """Whether these tensors come from elsewhere than the captured state."""
         return self.weights is not None or any(self.program.state[n].is_meta for n in names)

@@ -36,13 +36,14 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str
 
 
 def train(pm, w, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """``steps`` of AdamW on ``pm``: per-step losses and the first step's full gradients."""
+    """``steps`` of AdamW on ``pm``: per-step losses and the first step's full gradients
+    (every rank's share gathered: TP shards, and the rows of a split vocabulary layer)."""
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     losses, grads = [], {}
     for step in range(steps):
         losses.append(pm.train_step(w.example_inputs))
         if step == 0:
-            grads = pm.unshard_tp({n: t.grad.clone() for n, t in pm.named_parameters()})
+            grads = pm.gather_full({n: t.grad.clone() for n, t in pm.named_parameters()})
         opt.step()
     return losses, grads
 
@@ -81,7 +82,9 @@ def _train_case(parallelize, simulate, rank: int, case: dict) -> dict:
     bound = simulate(pm.schedule).peak_in_flight[pm.groups.pp_rank]
     result = dict(case=case, losses=losses, peak=pm.last_stats.peak_in_flight, bound=bound,
                   grads=grads, chunked=sum(v.tp_replicated for v in pm.plan.values.values()),
-                  scatter_gather=pm.executor.transport.scatter_gather is not None)
+                  scatter_gather=pm.executor.transport.scatter_gather is not None,
+                  rows={n: r.ranks for n, r in pm.plan.row_shards.items()},
+                  held={n: tuple(t.shape) for n, t in pm.state.items() if n in pm.plan.row_shards})
     full = pm.full_state_dict()
     if rank == 0:
         result["params"] = full

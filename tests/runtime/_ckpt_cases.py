@@ -21,7 +21,19 @@ STEPS, SAVE_AT = 4, 2
 EVAL_STEP = 99
 
 
+ROWS = "tests.runtime._wide_vocab:workload"
+"""An LM head whose rows the pipeline ranks own (passes/vocab_rows.py)."""
+ROWS_LAYOUT = dict(partition="ilp", costs="model", split_loss=True)
+"""What splits the head over the stages (the uniform partition leaves ops whole)."""
+
+
 def workload(name: str = "gpt-tiny", *, seed: int = 0, layers: int = LAYERS):
+    if name == ROWS:  # a user model: its vocabulary and label convention stated here
+        import dataclasses
+
+        from tests.runtime._wide_vocab import VOCAB
+        torch.manual_seed(seed)
+        return dataclasses.replace(build_workload(name), vocab_size=VOCAB, labels_shifted=False)
     return build_workload(name, batch=BATCH, seq=SEQ, layers=layers, seed=seed)
 
 
@@ -32,7 +44,7 @@ def batch(w, step: int) -> tuple[torch.Tensor, ...]:
 
 
 def build(name: str, pp: int, dp: int | None = None, *, tp: int = 1, seed: int = 0, layers: int = LAYERS,
-          **options):
+          partition: str = "uniform", **options):
     """(ParallelModel, workload, AdamW, LR schedule). The learning rate decays, so a
     resume must restore the optimizer's param-group lr, not only its moments.
     ``options``: more ``parallelize`` arguments (precision, loss_scaler)."""
@@ -40,7 +52,7 @@ def build(name: str, pp: int, dp: int | None = None, *, tp: int = 1, seed: int =
 
     w = workload(name, seed=seed, layers=layers)
     pm = parallelize(w.model, tp=tp, pp=pp, dp=dp, microbatches=MICROBATCHES, example_inputs=batch(w, 0),
-                     loss_fn=w.loss_fn, partition="uniform", **options)
+                     loss_fn=w.loss_fn, partition=partition, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     return pm, w, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
 
@@ -111,7 +123,27 @@ def world_pp2(rank: int, world: int, root: str, killed_dir: str) -> dict:
 
     for precision, scaler in (("bf16", None), ("fp16", FP16_SCALER)):
         out[precision] = _precision_resume(root_path / precision, precision, scaler)
+    out["rows"] = _rows_run(rank, root_path)
     return out
+
+
+def _rows_run(rank: int, root: Path) -> dict:
+    """The wide-vocabulary model at pp=2 with its head rows owned per rank: saving at
+    SAVE_AT without gathering, and its export (safetensors, whole tensors)."""
+    from fxpipe.runtime.checkpoint import export_consolidated, save_checkpoint
+
+    pm, w, opt, sched = build(ROWS, pp=2, **ROWS_LAYOUT)
+    r = dict(rows={n: rows.ranks for n, rows in pm.plan.row_shards.items()},
+             local={n: tuple(t.shape) for n, t in pm.state.items()})
+    losses = train(pm, w, opt, sched, range(SAVE_AT))
+    with no_gather():
+        save_checkpoint(pm, opt, SAVE_AT, root / "rows", extra={"lr_scheduler": sched.state_dict()})
+    r["losses"] = losses + train(pm, w, opt, sched, range(SAVE_AT, STEPS))
+    params = pm.full_state_dict()
+    export_consolidated(pm, root / "rows_export", hf_config=w.model.config)
+    if rank == 0:
+        r["params"] = params
+    return r
 
 
 # fp16: the first steps overflow (the scale halves, steps are skipped), then the scale
@@ -146,19 +178,19 @@ def _precision_resume(directory: Path, precision: str, scaler: dict | None) -> d
 
 @contextlib.contextmanager
 def no_gather():
-    """Checkpoints never gather tensor-parallel shards: ``ParallelModel.unshard_tp``
-    (the only way fxpipe builds full tensors from shards) fails the case in this block."""
+    """Checkpoints never gather shards: ``ParallelModel.unshard_tp`` and ``gather_full``
+    (the only ways fxpipe builds full tensors from shards) fail the case in this block."""
     from fxpipe.runtime.api import ParallelModel
 
     def refuse(self, local):
         raise AssertionError("a checkpoint save/load gathered tensor-parallel shards")
 
-    saved = ParallelModel.unshard_tp
-    ParallelModel.unshard_tp = refuse
+    saved = ParallelModel.unshard_tp, ParallelModel.gather_full
+    ParallelModel.unshard_tp = ParallelModel.gather_full = refuse
     try:
         yield
     finally:
-        ParallelModel.unshard_tp = saved
+        ParallelModel.unshard_tp, ParallelModel.gather_full = saved
 
 
 def _resume(rank: int, pm, w, opt, sched, directory: Path) -> dict:
@@ -205,6 +237,10 @@ def world_reshard(rank: int, world: int, root: str) -> dict:
         pm, w, opt, sched = build("gpt-tiny", tp=tp, pp=pp, dp=dp, seed=1)
         for name in checkpoints:
             out[(layout, name)] = _resume(rank, pm, w, opt, sched, root_path / name)
+    # The pp=2 checkpoint of owned head rows into another row layout: four ranks' rows.
+    pm, w, opt, sched = build(ROWS, pp=4, seed=1, **ROWS_LAYOUT)
+    out[("pp4", "rows")] = _resume(rank, pm, w, opt, sched, root_path / "rows")
+    out[("pp4", "rows")]["rows"] = {n: rows.ranks for n, rows in pm.plan.row_shards.items()}
     return out
 
 

@@ -23,3 +23,15 @@ def workload(batch: int = 8, seq: int = 16):
     model = _llama(layers=LAYERS, hidden=WIDTH, heads=HEADS, vocab=VOCAB, seq=seq)
     ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
     return model, (ids, ids.clone()), causal_lm_loss
+
+
+def workload_tied(batch: int = 8, seq: int = 16):
+    """The same shape as GPT-2 (LM head tied to the token embedding): the first stage
+    reads the whole table, the head's rows are spread over the stages, and the
+    gradient of the rows several ranks hold is summed range by range."""
+    from fxpipe.models.hf import _gpt2
+
+    torch.manual_seed(0)
+    model = _gpt2(layers=LAYERS, hidden=WIDTH, heads=HEADS, vocab=VOCAB, seq=seq)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return model, (ids, ids.clone()), causal_lm_loss

@@ -20,6 +20,7 @@ from fxpipe.losses import causal_lm_loss
 from fxpipe.runtime.checkpoint import export_consolidated, latest_checkpoint, list_checkpoints, step_dirname
 from fxpipe.runtime.checkpoint_files import SafeReader
 from tests.runtime import _ckpt_cases as cases
+from tests.runtime import _wide_vocab
 from tests.runtime._dist import run_world
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,6 +174,42 @@ def test_tp_checkpoint_holds_each_shard_once(world2, world4):
         assert bool((cover == 1).all()), key
         sharded += len(md.chunks) > 1
     assert sharded >= 2 * 4, "each layer's column/row-parallel weights and their moments are chunked"
+
+
+@pytest.mark.slow
+def test_owned_rows_resume_into_another_row_layout(world2, world4):
+    """Saved at pp=2 with each rank holding its rows of the LM head; loaded at pp=4,
+    where the ranks own other rows: losses and parameters continue the saving run."""
+    saved, resumed = world2[1][0]["rows"], world4[0][("pp4", "rows")]
+    assert saved["rows"]["lm_head.weight"] != resumed["rows"]["lm_head.weight"]
+    _assert_resumed_like(world4, ("pp4", "rows"), saved)
+
+
+@pytest.mark.slow
+def test_owned_rows_are_written_as_each_ranks_chunks(world2):
+    """No rank wrote the whole head: its chunks are the ranks' row ranges, tiling it once
+    (the parameter and its Adam moments), and each rank held only its rows."""
+    r = world2[1]
+    ranks = r[0]["rows"]["rows"]["lm_head.weight"]
+    for pp_rank, rank_results in enumerate(r):
+        assert rank_results["rows"]["local"]["lm_head.weight"][0] == sum(b - a for a, b in ranks[pp_rank])
+    index = SafeReader(latest_checkpoint(world2[0] / "rows")).read_metadata().state_dict_metadata
+    for key in ("model.lm_head.weight", "optim.state.lm_head.weight.exp_avg", "optim.state.lm_head.weight.exp_avg_sq"):
+        md = index[key]
+        assert tuple(md.size) == (_wide_vocab.VOCAB, _wide_vocab.WIDTH)
+        assert sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in md.chunks) == \
+            sorted(ab for held in ranks for ab in held), key
+
+
+@pytest.mark.slow
+def test_owned_rows_export_whole_tensors(world2):
+    from safetensors.torch import load_file
+
+    exported = load_file(world2[0] / "rows_export" / "model.safetensors")
+    params = world2[1][0]["rows"]["params"]
+    assert set(exported) == set(params)
+    for name, p in params.items():
+        assert torch.equal(exported[name], p), name
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from tests.runtime._dist import run_world
 MODELS = ["gpt-tiny", "hf:gpt2", "hf:llama"]
 SHARED = "tests.runtime._shared_weights:workload"  # a weight applied in two stages
 WIDE = "tests.runtime._wide_vocab:workload"  # an untied LM head cut into blocks over both stages
+TIED = "tests.runtime._wide_vocab:workload_tied"  # the same, its head tied to the embedding (GPT-2)
 SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("zb-h1", None)]
 # Models written outside transformers (fxpipe/models/zoo), each at pp=2 and tp=2 (in the
 # world of 2) and tp=2 × pp=2 (in the world of 4), 1F1B.
@@ -34,8 +35,12 @@ def _cases(pp):
         # One Linear used in both stages: its two partial gradients must be summed.
         cases += [dict(model=SHARED, pp=2, schedule="1f1b")]
         # Its cross-entropy block by block too (split_loss): the fold crosses stages.
+        # With it, each rank holds only its rows of the head (passes/vocab_rows.py); tied,
+        # the first rank holds the table and the rows held twice sum their gradients.
         cases += [dict(model=WIDE, pp=2, schedule="1f1b", split_loss=True),
-                  dict(model=WIDE, pp=2, schedule="zb-h1")]
+                  dict(model=WIDE, pp=2, schedule="zb-h1"),
+                  dict(model=TIED, pp=2, schedule="1f1b", split_loss=True, rows=True),
+                  dict(model=TIED, pp=2, schedule="interleaved", chunks=2, split_loss=True, rows=True)]
         # The default path: costs measured on the ranks, the ILP on those.
         cases += [dict(model="hf:llama", pp=2, schedule="1f1b", costs="measure")]
         cases += _zoo_cases(1, 2) + _zoo_cases(2, 1)
@@ -62,7 +67,11 @@ def _world4_cases():
     # pp=4: every schedule on gpt-tiny; GPipe (the simplest, run for every model at
     # pp=2) is left out for the other two at pp=4.
     pp4 = [c for c in _cases(4) if c["model"] == "gpt-tiny" or c["schedule"] != "gpipe"]
-    return pp4 + [dict(model=m, pp=2, schedule="1f1b") for m in MODELS] + _tp_cases() + _zoo_cases(2, 2)
+    # Head rows owned over four ranks, tied, zero-bubble; and tp=2 × pp=2 cut right before
+    # the vocabulary-parallel head (the value sent is f's output: its gradient is partial).
+    rows = [dict(model=TIED, pp=4, schedule="zb-h1", split_loss=True, rows=True),
+            dict(model=WIDE, pp=2, tp=2, schedule="1f1b", split_loss=True)]
+    return pp4 + [dict(model=m, pp=2, schedule="1f1b") for m in MODELS] + _tp_cases() + _zoo_cases(2, 2) + rows
 
 
 def _id(c):
@@ -73,7 +82,7 @@ def _id(c):
 
 @pytest.fixture(scope="module")
 def references():
-    return {m: reference(m) for m in (*MODELS, SHARED, WIDE, *ZOO_MODELS)}
+    return {m: reference(m) for m in (*MODELS, SHARED, WIDE, TIED, *ZOO_MODELS)}
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +122,18 @@ def _check(results_by_rank, index, references):
                 scale = max(float(ref_grads[name].abs().max()), 1e-3 * largest)
                 torch.testing.assert_close(g, ref_grads[name], rtol=0, atol=bf16_rtol * scale)
     case = rank0["case"]
-    if case.get("tp", 1) > 1 and case["pp"] > 1 and not case.get("sp"):
+    if case.get("tp", 1) > 1 and case["pp"] > 1 and not case.get("sp") and case["model"] in MODELS:
         # Scatter-gather is on by default and the residual stream qualifies (SC21 §4.1).
         assert rank0["scatter_gather"] and rank0["chunked"] > 0
+    if case.get("rows"):
+        # The head's rows are split over the ranks, and each rank holds exactly its rows
+        # (the rows cases are pipeline-only: global rank = pipeline rank).
+        assert rank0["rows"], "no parameter had its rows split over pipeline ranks"
+        for name, ranks in rank0["rows"].items():
+            assert min(sum(b - a for a, b in held) for held in ranks) < ref_params[name].shape[0]
+        for pp_rank, rank_results in enumerate(results_by_rank):
+            for name, shape in rank_results[index]["held"].items():
+                assert shape[0] == sum(b - a for a, b in rank0["rows"][name][pp_rank]), (name, pp_rank)
     assert set(rank0["params"]) == set(ref_params)
     # Final parameters within 1e-5 relative, over the whole parameter vector. Per
     # element, AdamW normalises every gradient coordinate (m/sqrt(v)), so a coordinate

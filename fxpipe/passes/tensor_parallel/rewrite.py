@@ -52,6 +52,11 @@ rank, so scatter-gather may send 1/t of either between pipeline stages (SC21 §4
 The outputs of f and of the sequence all-gather hold replicated values but feed
 column-parallel ops, whose gradients are per-rank partial sums: not eligible."""
 _REPLICATING = frozenset({CollectiveKind.G, CollectiveKind.GATHER})
+PARTIAL_GRAD = "fxpipe_tp_partial_grad"
+"""Node meta key: the output of f (or of the SP gather) and the replicated-layout views
+export may put between it and the column-parallel op (an ``alias``): identical values,
+per-rank partial gradients, so never ``REPLICATED`` (a pipeline cut just before an LM
+head sent such a view as 1/t chunks and lost the other ranks' share of its gradient)."""
 
 
 class _Builder:
@@ -89,6 +94,7 @@ class _Builder:
         self.note(node, consumer if entering else producer, conv.kind,
                   purpose or f"{producer} -> {where}", conv.dim)
         node.meta[REPLICATED] = conv.kind in _REPLICATING
+        node.meta[PARTIAL_GRAD] = conv.kind in (CollectiveKind.F, CollectiveKind.GATHER_SEQ)
         return node
 
     def convert(self, producer: fx.Node, consumer: fx.Node) -> fx.Node:
@@ -118,8 +124,10 @@ class _Builder:
         new.meta = copy.copy(node.meta)
         lay = self.plan.layouts.get(node.name)
         # Identical on every TP rank: a replicated layout that is not a partial sum.
-        new.meta[REPLICATED] = lay is not None and not isinstance(lay, list) and \
-            not is_sharded(lay) and node.name not in self.plan.partial and not self.sequence_parallel
+        replicated = lay is not None and not isinstance(lay, list) and not is_sharded(lay) and \
+            node.name not in self.plan.partial
+        new.meta[PARTIAL_GRAD] = replicated and any(a.meta.get(PARTIAL_GRAD) for a in new.all_input_nodes)
+        new.meta[REPLICATED] = replicated and not new.meta[PARTIAL_GRAD] and not self.sequence_parallel
         self.env[node.name] = new
         if node.name in self.plan.partial:
             self.reduce(node)

@@ -1,0 +1,60 @@
+"""Per-rank parameter memory of the vocabulary layers, with and without owned rows.
+
+    .venv/bin/python benchmarks/vocab_rows_memory.py [--pp 2 4]
+
+The model of ``bench_runtime.py`` (HF GPT-2, 8 layers, h=256, V=50257, tied embedding
+and LM head), compiled in this process on the cost model (1F1B, m=8) with the
+whole and the blockwise cross-entropy. For every pipeline rank: the bytes of the
+parameters whose rows ``passes/vocab_rows.py`` split, as held before the pass (the
+whole tensor on every rank that reads it) and after (the rank's rows), against the
+even share V·h/S. Shapes only: nothing is timed, so the numbers do not depend on the
+machine's load. Writes nothing; prints one table per layout.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def measure(pp: int, split_loss: bool) -> list[str]:
+    from bench_runtime import B_MICRO, HIDDEN, M, VOCAB, workload
+    from fxpipe.compiler import compile_pipeline
+    from fxpipe.config import ParallelConfig
+
+    model, batch, loss_fn = workload()
+    config = ParallelConfig(pp=pp, microbatches=M, costs="model", split_loss=split_loss).with_world(pp)
+    c = compile_pipeline(model, tuple(t[:B_MICRO] for t in batch), config, loss_fn=loss_fn)
+    plan, sched = c.plan, c.schedule
+    lines = [f"pp={pp}, {'blockwise' if split_loss else 'whole'} cross-entropy: "
+             f"rows {{{', '.join(f'{n}: {r.ranks}' for n, r in plan.row_shards.items())}}}"]
+    if not plan.row_shards:
+        return lines + ["  no parameter read only as row slices on some rank: nothing split"]
+    even = VOCAB * HIDDEN * 4 / pp
+    lines.append("  | pp rank | before (MiB) | after (MiB) | after / (V·h/S) |")
+    for p in range(pp):
+        before = after = 0
+        for name in plan.row_shards:
+            info = next(i for i in plan.program.params if i.canonical == name)
+            nbytes = info.numel * 4  # fp32
+            if any(sched.stage_to_rank(s) == p for s in plan.param_stages.get(name, ())):
+                before += nbytes
+                spec = c.rank_specs(p)[name]
+                after += nbytes * spec.local_shape[0] // info.shape[0]
+        lines.append(f"  | {p} | {before / 2**20:.1f} | {after / 2**20:.1f} | {after / even:.2f} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    args = parser.parse_args()
+    for pp in args.pp:
+        for split_loss in (False, True):
+            print("\n".join(measure(pp, split_loss)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""After the split: each pipeline rank holds only the rows of a parameter its stages read.
+
+``split_matmul_pass`` cuts a heavy vocabulary projection into row blocks that the
+partitioner spreads over stages, but each block is a ``slice`` of the whole weight,
+so every stage holding a block would hold, update, checkpoint and all-reduce the whole
+V×h tensor, and the backward of its slice builds a whole-weight gradient (on HF
+GPT-2's 50257×256 head, summed busy time over two stages was 27% above one process;
+docs/costs.md). Yeung et al. (MLSys 2025, arXiv 2411.05288) partition the vocabulary
+layers over the pipeline devices instead; this pass does it by graph structure:
+
+- a trainable parameter that a stage reads only through dim-0 slices
+  (``aten.slice.Tensor(w, 0, a, b)``, step 1) needs only those rows on that stage;
+- a pipeline rank holds the union of its stages' rows (every row where one of its
+  stages reads the tensor otherwise: a tied embedding lookup), recorded as
+  ``PipelineRows`` in ``PipelinePlan.row_shards``;
+- each stage graph's slice is rebased onto the rank's rows, and its placeholder's
+  fake value gets the rank's local shape, so the slice backward builds a gradient of
+  the rank's rows only.
+
+The parameter is then a pipeline-sharded tensor like a TP shard (``sharding.compose``:
+the runtime builds, checkpoints and exports only each rank's rows). Rows that several
+ranks hold (a tied embedding on the first stage and head rows on the last) leave
+``tied_stages``: their gradients are summed per row range over exactly the ranks that
+hold them (``runtime/grad_sync.py``), not as one whole-tensor all-reduce.
+A parameter that tensor parallelism splits along another dim than 0 is left alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from fxpipe.pipeline_plan import PipelinePlan
+from fxpipe.program import ParamKind
+from fxpipe.sharding import PipelineRows, ShardKind, ShardSpec, ranges_of
+
+aten = torch.ops.aten
+
+
+def _row_slice(user: fx.Node, node: fx.Node, rows: int) -> tuple[int, int] | None:
+    """(start, stop) if ``user`` is ``node[a:b]`` along dim 0 with step 1, else None."""
+    if user.op != "call_function" or user.target is not aten.slice.Tensor or user.args[0] is not node:
+        return None
+    args = list(user.args) + [None] * (5 - len(user.args))
+    dim, start, stop, step = args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0), args[2], args[3], args[4]
+    ndim = node.meta["val"].dim()
+    if not isinstance(dim, int) or dim % ndim != 0 or step not in (None, 1):
+        return None
+    if not all(x is None or isinstance(x, int) for x in (start, stop)):
+        return None
+    start = 0 if start is None else (start + rows if start < 0 else start)
+    stop = rows if stop is None else (stop + rows if stop < 0 else stop)
+    start, stop = max(0, min(start, rows)), max(0, min(stop, rows))
+    return (start, stop) if stop > start else None
+
+
+def _stage_reads(plan: PipelinePlan, stage: int, rows_of: Mapping[str, int]) -> dict[str, set[int] | None]:
+    """Canonical name -> rows stage ``stage`` reads (None: the whole tensor)."""
+    canon = plan.canonical
+    st = plan.stages[stage]
+    placeholders = [n for n in st.graph_module.graph.nodes if n.op == "placeholder"][:len(st.params)]
+    out: dict[str, set[int] | None] = {}
+    for node, name in zip(placeholders, st.params):
+        c = canon[name]
+        if c not in rows_of:
+            continue
+        rows: set[int] | None = set()
+        for user in node.users:
+            ab = _row_slice(user, node, rows_of[c])
+            if ab is None:
+                rows = None
+                break
+            rows.update(range(*ab))
+        prev = out.get(c, set())
+        out[c] = None if rows is None or prev is None else prev | rows
+    return out
+
+
+def _rebase(plan: PipelinePlan, stage: int, rows: PipelineRows, pp_rank: int) -> None:
+    """Point stage ``stage``'s slices of ``rows.name`` at the rank's local rows."""
+    canon = plan.canonical
+    st = plan.stages[stage]
+    gm = st.graph_module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][:len(st.params)]
+    local = rows.local_rows(pp_rank)
+    for node, name in zip(placeholders, st.params):
+        if canon[name] != rows.name:
+            continue
+        for user in list(node.users):
+            ab = _row_slice(user, node, rows.rows)
+            if ab is None:  # a whole read: the rank holds every row, nothing to rebase
+                assert local == rows.rows
+                continue
+            start = rows.offset(pp_rank, ab[0])
+            user.args = (node, 0, start, start + ab[1] - ab[0])
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.shape[0] != local:
+            with detect_fake_mode([val]) or torch._subclasses.fake_tensor.FakeTensorMode():
+                node.meta["val"] = val.new_empty((local, *val.shape[1:]))
+    gm.recompile()
+
+
+def vocab_rows_pass(plan: PipelinePlan, stage_ranks: Sequence[int], specs: Mapping[str, ShardSpec]) -> PipelinePlan:
+    """Give every pipeline rank only the rows it reads of each row-sliced parameter
+    (module docstring). ``stage_ranks[s]``: the pipeline rank running stage s;
+    ``specs``: the tensor-parallel specs (a parameter split along dim > 0 stays whole)."""
+    program = plan.program
+    pp = max(stage_ranks) + 1 if stage_ranks else 1
+    if pp < 2:
+        return plan
+    rows_of = {}
+    for p in program.params:
+        spec = specs.get(p.canonical)
+        if p.kind is ParamKind.PARAMETER and p.requires_grad and p.shape and \
+                (spec is None or spec.kind is ShardKind.REPLICATED or spec.dim == 0):
+            rows_of[p.canonical] = p.shape[0]
+    held: dict[str, list[set[int]]] = {}
+    for s in range(plan.num_stages):
+        for c, rows in _stage_reads(plan, s, rows_of).items():
+            per_rank = held.setdefault(c, [set() for _ in range(pp)])
+            per_rank[stage_ranks[s]] |= set(range(rows_of[c])) if rows is None else rows
+    row_shards = {}
+    for c, per_rank in sorted(held.items()):
+        if all(len(r) in (0, rows_of[c]) for r in per_rank):
+            continue  # every holder needs the whole tensor: nothing to split
+        row_shards[c] = PipelineRows(name=c, rows=rows_of[c], ranks=tuple(ranges_of(sorted(r)) for r in per_rank))
+    if not row_shards:
+        return plan
+    stages = tuple(dataclasses.replace(st, graph_module=fx.GraphModule(st.graph_module, _copy(st.graph_module)))
+                   for st in plan.stages)
+    plan = dataclasses.replace(plan, stages=stages)
+    for s in range(plan.num_stages):
+        for c in _stage_reads(plan, s, {c: rows_of[c] for c in row_shards}):
+            _rebase(plan, s, row_shards[c], stage_ranks[s])
+    tied = {n: s for n, s in plan.tied_stages.items() if n not in row_shards}
+    return dataclasses.replace(plan, tied_stages=tied, row_shards=row_shards)
+
+
+def _copy(gm: fx.GraphModule) -> fx.Graph:
+    """A copy of ``gm``'s graph (node metadata included), so the input plan is unchanged."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return graph

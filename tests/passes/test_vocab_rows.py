@@ -1,0 +1,114 @@
+"""The vocabulary rows each pipeline rank owns (passes/vocab_rows.py, sharding.PipelineRows).
+
+In process: the compiled plan of the wide-vocabulary model (its LM head cut into blocks
+over the stages), the rank specs composed with a tensor-parallel vocabulary shard, the
+per-range tied-gradient segments and the rows a checkpoint writes per rank. Equality
+with one process is checked in the equivalence worlds (tests/runtime/test_equivalence.py).
+"""
+import pytest
+import torch
+
+from fxpipe.compiler import compile_pipeline
+from fxpipe.config import ParallelConfig
+from fxpipe.runtime.checkpoint_shards import first_held, restrict
+from fxpipe.sharding import PipelineRows, ShardKind, ShardSpec, compose, shard_tensor
+from tests.runtime import _wide_vocab
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """The untied wide-vocabulary Llama at pp=4 (1F1B, blockwise loss, cost model; pp=2 and
+    the tied model run in the equivalence worlds)."""
+    model, batch, loss_fn = _wide_vocab.workload()
+    out = {}
+    for pp in (4,):
+        config = ParallelConfig(pp=pp, microbatches=4, costs="model", split_loss=True).with_world(pp)
+        out[pp] = compile_pipeline(model, tuple(t[:2] for t in batch), config, loss_fn=loss_fn)
+    return out
+
+
+@pytest.mark.parametrize("pp", [4])
+def test_each_stage_reads_only_its_rows(compiled, pp):
+    c = compiled[pp]
+    plan = c.plan
+    rows = plan.row_shards["lm_head.weight"]
+    vocab, width = _wide_vocab.VOCAB, _wide_vocab.WIDTH
+    held = [rows.positions(p) for p in range(pp)]
+    # Untied: every row held exactly once over the ranks, so the ranks together hold one
+    # copy of the head (before: every rank with a block held all V·h of it).
+    assert sorted(i for h in held for i in h) == list(range(vocab))
+    assert sum(c.rank_specs(p)["lm_head.weight"].local_shape[0] for p in range(pp) if held[p]) == vocab
+    assert "lm_head.weight" not in plan.tied_stages  # nothing to all-reduce: no row is held twice
+    assert [seg[2] for seg in rows.segments()] == [(p,) for p in range(pp) if held[p]]
+    for stage in plan.stages:
+        rank = c.schedule.stage_to_rank(stage.index)
+        spec = c.rank_specs(rank).get("lm_head.weight")
+        names = [n for n in stage.graph_module.graph.nodes if n.op == "placeholder"][:len(stage.params)]
+        for node, name in zip(names, stage.params):
+            if name != "lm_head.weight":
+                continue
+            # The stage graph's parameter is the rank's rows, and every read is a slice in them.
+            assert tuple(node.meta["val"].shape) == tuple(spec.local_shape) == (len(held[rank]), width)
+            for user in node.users:
+                assert user.target is aten.slice.Tensor and user.args[1] == 0
+                assert 0 <= user.args[2] < user.args[3] <= len(held[rank])
+
+
+def test_compose_with_a_padded_vocabulary_shard():
+    """tp=2 × pipeline rows: rank (pp p, tp t) holds its pipeline positions of tp rank t's
+    shard, padding rows last; shard_tensor of the composed spec equals slicing the
+    tensor-parallel shard by the pipeline positions."""
+    full = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3)  # V=7, padded to 8 over tp=2
+    tp = ShardSpec(name="w", kind=ShardKind.VOCAB, full_shape=(7, 3), local_shape=(4, 3), dim=0,
+                   ranges=(((0, 4),), ((4, 7),)))
+    rows = PipelineRows(name="w", rows=4, ranks=(((0, 1),), ((1, 4),)))
+    for p in range(2):
+        spec = compose(tp, rows, p, (7, 3))
+        for t in range(2):
+            expected = shard_tensor(full, tp, t)[rows.positions(p)]
+            assert torch.equal(shard_tensor(full, spec, t), expected), (p, t)
+    assert compose(tp, rows, 1, (7, 3)).ranges == (((1, 4),), ((5, 7),))  # tp rank 1 ends in one pad row
+    only_pp = compose(None, rows, 1, (4, 3))
+    assert only_pp.kind is ShardKind.ROWS and only_pp.local_shape == (3, 3)
+
+
+def test_tied_rows_sum_per_range_and_are_written_once():
+    """A tied table on rank 0 and head rows on ranks 1 and 2 (interleaved rows on 2)."""
+    rows = PipelineRows(name="w", rows=10, ranks=(((0, 10),), ((2, 5),), ((5, 7), (8, 10))))
+    assert rows.segments() == [(0, 2, (0,)), (2, 5, (0, 1)), (5, 7, (0, 2)), (7, 8, (0,)), (8, 10, (0, 2))]
+    assert rows.offset(2, 8) == 2
+    assert first_held(rows, 0) == list(range(10)) and first_held(rows, 1) == [] == first_held(rows, 2)
+    untied = PipelineRows(name="w", rows=10, ranks=(((0, 4),), ((3, 10),)))
+    assert first_held(untied, 1) == list(range(1, 7))  # row 3 is written by rank 0
+    spec = restrict(compose(None, untied, 1, (10, 2)), first_held(untied, 1))
+    assert spec.ranges == (((4, 10),),) and spec.local_shape == (6, 2)
+
+
+def test_an_even_head_split_holds_an_even_share_of_rows():
+    """The head's blocks cut in half between two stages (the ILP places rows for time;
+    here the cut is chosen): each rank's head parameter is within 10% of V·h/S bytes."""
+    from fxpipe.compiler import compile_program, capture_for
+    from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
+    from fxpipe.passes.split import split_pass
+    from fxpipe.passes.vocab_rows import vocab_rows_pass
+
+    model, batch, loss_fn = _wide_vocab.workload()
+    config = ParallelConfig(pp=2, microbatches=4, costs="model", split_loss=True).with_world(2)
+    mb = tuple(t[:2] for t in batch)
+    program = compile_program(capture_for(model, mb, config, loss_fn), config, until="split_loss").program
+    (split,), (loss,) = program.matmul_splits, program.loss_splits
+    k = len(split.blocks)
+    second = {n for i in range(k // 2, k) for n in (*split.blocks[i].nodes, *loss.blocks[i].nodes)}
+    stages = {}
+    for node in program.graph.nodes:  # stage 1: the second half's blocks and all they feed
+        if node.op == "call_function":
+            later = node.name in second or any(stages.get(a.name) == 1 for a in node.all_input_nodes)
+            stages[node.name] = 1 if later else 0
+    plan = split_pass(coalesce_blocks_pass(program.replace(stages=stages)), num_stages=2)
+    rows = vocab_rows_pass(plan, (0, 1), {}).row_shards["lm_head.weight"]
+    even = _wide_vocab.VOCAB / 2
+    for p in range(2):
+        assert abs(rows.local_rows(p) - even) <= 0.1 * even, rows.ranks
+    assert rows.ranks == (((0, split.blocks[k // 2].start),), ((split.blocks[k // 2].start, _wide_vocab.VOCAB),))
