@@ -7,7 +7,10 @@ once for the norm to equal it:
   ranks); a replicated one is whole on every tp rank (counted on tp rank 0 only);
 - pipeline parallel: stages hold disjoint parameters, except a tied group (the
   embedding and LM head of SC21 §3.3) held on several pipeline ranks with summed,
-  equal gradients (counted on the lowest of those ranks only);
+  equal gradients (counted on the lowest of those ranks only), and a parameter whose
+  rows are split over pipeline ranks (``PipelinePlan.row_shards``: a split LM head,
+  maybe tied to a whole embedding table): each run of rows is summed over the ranks
+  holding it (``grad_sync``), so it is counted on the lowest of them only;
 - data parallel: after the all-reduce every replica holds the same gradient (counted
   on dp rank 0 only); under ZeRO-1 each replica holds only the gradients it owns
   (``ParallelModel.named_parameters`` yields those), which partition the set.
@@ -35,7 +38,8 @@ def counted_here(pm: "ParallelModel") -> list[str]:
     groups = pm.groups
     tied_first = {}  # tied name -> the lowest pipeline rank holding a copy
     for name, stages in pm.plan.tied_stages.items():
-        tied_first[name] = min(pm.schedule.stage_to_rank(s) for s in stages)
+        if stages:  # a name no stage reads has no copy to count
+            tied_first[name] = min(pm.schedule.stage_to_rank(s) for s in stages)
     names = []
     for name, _ in pm.named_parameters():
         spec = pm.specs.get(name)
@@ -50,6 +54,17 @@ def counted_here(pm: "ParallelModel") -> list[str]:
     return names
 
 
+def _counted_rows(pm: "ParallelModel", name: str, grad: torch.Tensor) -> list[torch.Tensor]:
+    """The parts of this rank's ``grad`` it counts: all of it, or, for rows split over
+    pipeline ranks, the runs of rows of which this rank is the lowest holder."""
+    shard = pm.plan.row_shards.get(name)
+    if shard is None:
+        return [grad]
+    pp_rank = pm.groups.pp_rank
+    return [grad.narrow(0, shard.offset(pp_rank, a), b - a)
+            for a, b, holders in shard.segments() if min(holders) == pp_rank]
+
+
 @torch.no_grad()
 def global_grad_norm(pm: "ParallelModel") -> float:
     """The L2 norm of the whole model's gradient (collective: every rank calls it)."""
@@ -58,7 +73,8 @@ def global_grad_norm(pm: "ParallelModel") -> float:
     for name in counted_here(pm):
         grad = params[name].grad
         if grad is not None:
-            total += grad.detach().to(torch.float64).square().sum().cpu()
+            for piece in _counted_rows(pm, name, grad.detach()):
+                total += piece.to(torch.float64).square().sum().cpu()
     dist.all_reduce(total)
     return math.sqrt(float(total))
 

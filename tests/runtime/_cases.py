@@ -35,17 +35,21 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str
     return losses, {n: p.detach().clone() for n, p in w.model.named_parameters()}, grads
 
 
-def train(pm, w, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """``steps`` of AdamW on ``pm``: per-step losses and the first step's full gradients
-    (every rank's share gathered: TP shards, and the rows of a split vocabulary layer)."""
+def train(pm, w, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor], float]:
+    """``steps`` of AdamW on ``pm``: per-step losses, the first step's full gradients
+    (every rank's share gathered: TP shards, and the rows of a split vocabulary layer)
+    and its global gradient norm as clipping computes it (each parameter counted once)."""
+    from fxpipe.runtime.grad_norm import global_grad_norm
+
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     losses, grads = [], {}
     for step in range(steps):
         losses.append(pm.train_step(w.example_inputs))
         if step == 0:
             grads = pm.gather_full({n: t.grad.clone() for n, t in pm.named_parameters()})
+            norm = global_grad_norm(pm)
         opt.step()
-    return losses, grads
+    return losses, grads, norm
 
 
 def train_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
@@ -77,11 +81,11 @@ def _train_case(parallelize, simulate, rank: int, case: dict) -> dict:
                      # The matrix checks the runtime on fixed cuts; measured costs move
                      # the cuts run to run (they have their own tests and cases below).
                      costs=case.get("costs", "model"), split_loss=case.get("split_loss", False))
-    losses, grads = train(pm, w)
+    losses, grads, norm = train(pm, w)
     # The schedule's own peak, from the simulator (independent of the executor).
     bound = simulate(pm.schedule).peak_in_flight[pm.groups.pp_rank]
     result = dict(case=case, losses=losses, peak=pm.last_stats.peak_in_flight, bound=bound,
-                  grads=grads, chunked=sum(v.tp_replicated for v in pm.plan.values.values()),
+                  grads=grads, norm=norm, chunked=sum(v.tp_replicated for v in pm.plan.values.values()),
                   scatter_gather=pm.executor.transport.scatter_gather is not None,
                   rows={n: r.ranks for n, r in pm.plan.row_shards.items()},
                   held={n: tuple(t.shape) for n, t in pm.state.items() if n in pm.plan.row_shards})

@@ -24,7 +24,7 @@ def _train(case: dict, compile: bool) -> dict:
                      example_inputs=w.example_inputs, loss_fn=w.loss_fn, partition="uniform",
                      recompute=case.get("recompute", "none"), precision=case.get("precision", "fp32"),
                      compile=compile)
-    losses, grads = train(pm, w, STEPS)
+    losses, grads, _ = train(pm, w, STEPS)
     return dict(losses=losses, grads=grads, compiled=[(r.stage, r.compiled, r.reason) for r in pm.compiled_stages],
                 split={r.stage: r.split for r in pm.compiled_stages}, collectives=_collectives(pm))
 

@@ -109,10 +109,14 @@ def _check(results_by_rank, index, references):
     ref_losses, ref_params, ref_grads = references[rank0["case"]["model"]]
     bf16_rtol = _bf16_rtol(rank0["case"]["model"])
     largest = max(float(g.abs().max()) for g in ref_grads.values())
+    # The first step's global gradient norm as clipping computes it (each parameter, tied
+    # copy and row range counted once) equals torch's over the one-process gradients.
+    ref_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()])))
     for rank_results in results_by_rank:
         r = rank_results[index]
         # Every rank reports the same mean loss, equal to one process's.
         assert r["losses"] == pytest.approx(ref_losses, rel=1e-5)
+        assert r["norm"] == pytest.approx(ref_norm, rel=1e-5 if bf16_rtol is None else bf16_rtol)
         # Activation memory: never more microbatches in flight than the schedule's peak.
         assert r["peak"] <= r["bound"]
         for name, g in r["grads"].items():
