@@ -20,7 +20,7 @@ from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.layout import Layout, LayoutFailure, layout_of, local_range, replicated
-from fxpipe.passes.tensor_parallel.provenance import Provenance
+from fxpipe.passes.tensor_parallel.provenance import Provenance, index_dim
 from fxpipe.passes.tensor_parallel.result import CollectiveKind
 
 
@@ -87,7 +87,7 @@ def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: 
         v = G.val(node)
         ids = prov.ids.get(node.name)
         if isinstance(ids, list):
-            plan.layouts[node.name] = [layout_of(i, tuple(int(s) for s in t.shape), asg, tp,
+            plan.layouts[node.name] = [layout_of(i, tuple(G._dim(s) for s in t.shape), asg, tp,
                                                  describe(node.name)) for i, t in zip(ids, v)]
         elif ids is not None:
             plan.layouts[node.name] = layout_of(ids, shape(node), asg, tp, describe(node.name))
@@ -218,6 +218,10 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
         if norm_dim(arg(node, 1, "dim", 0), len(plan.layouts[node.args[0].name].full)) in \
                 plan.layouts[node.args[0].name].sharded:
             raise _Refuse("unbinds a sharded dim")
+    elif t is G.INDEX:
+        x = plan.layouts[node.args[0].name]
+        if index_dim(node) in x.sharded:
+            raise _Refuse("indexes a sharded dim")
     elif t is G.INDEX_ADD:
         if norm_dim(node.args[1], len(lay.full)) in lay.sharded:
             raise _Refuse("index_add along a sharded dim")
@@ -315,8 +319,22 @@ def _slice(plan: TPPlan, node: fx.Node, where: str) -> None:
     dim = norm_dim(arg(node, 1, "dim", 0), len(x.full))
     if dim not in x.sharded:
         return
-    if arg(node, 4, "step", 1) != 1:
-        raise _Refuse("strided slice of a sharded dim")
+    step = arg(node, 4, "step", 1)
     start, stop, _ = slice(arg(node, 2, "start"), arg(node, 3, "end")).indices(x.full[dim])
-    a, b = local_range(x, dim, start, stop, where, np.zeros(0))
-    plan.new_args[node.name] = (node.args[0], dim, a, b, 1)
+    if step == 1:
+        a, b = local_range(x, dim, start, stop, where, np.zeros(0))
+        plan.new_args[node.name] = (node.args[0], dim, a, b, 1)
+        return
+    # x[..., start::step] of a shard (gpt-oss's interleaved gate/up): every rank must take
+    # its part at the same local start with the same step.
+    found = set()
+    for held in x.positions[x.sharded.index(dim)]:
+        inside = np.flatnonzero(np.isin(held, np.arange(start, stop, step)))
+        if len(inside) == 0 or not np.array_equal(
+                inside, np.arange(inside[0], inside[0] + step * len(inside), step)):
+            raise _Refuse("a strided slice takes an irregular part of the shard")
+        found.add((int(inside[0]), len(inside)))
+    if len(found) != 1 or x.vocab:
+        raise _Refuse("a strided slice takes different parts of the shard on different ranks")
+    a, n = found.pop()
+    plan.new_args[node.name] = (node.args[0], dim, a, a + step * (n - 1) + 1, step)

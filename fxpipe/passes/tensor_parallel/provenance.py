@@ -218,6 +218,8 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
     if t in G.SPLITS:
         ids = inputs[x.name]
         dim = norm_dim(arg(node, 2, "dim", 0), ids.ndim)
+        if ids.shape[dim] == 1:  # pieces of a dim without channels (sizes may be data-dependent)
+            return [ids] * len(G.val(node))
         outs, start = [], 0
         for v in G.val(node):
             n = int(v.shape[dim])
@@ -237,6 +239,8 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         ids = inputs[x.name]
         dim = norm_dim(arg(node, 1, "dim", 0), ids.ndim)
         return [np.take(ids, i if ids.shape[dim] > 1 else 0, axis=dim) for i in range(len(G.val(node)))]
+    if t is G.INDEX:  # rows gathered by an index tensor (tokens routed to experts)
+        return _index(node, inputs)
     if t is G.INDEX_ADD:  # a dropless MoE's combine: expert outputs added at their tokens' rows
         dim = norm_dim(node.args[1], len(shape(node)))
         arrays = [_align(inputs[a.name], len(shape(node))) for a in (x, node.args[3]) if a.name in inputs]
@@ -270,6 +274,28 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
             out = np.broadcast_arrays(out, other)[0]
         return out
     raise _Unsupported("no channel rule for this op")
+
+
+def index_dim(node: fx.Node) -> int | None:
+    """The dim of ``aten.index.Tensor`` indexed by its one index tensor (None: another form)."""
+    indices = node.args[1]
+    given = [i for i, t in enumerate(indices) if t is not None]
+    return given[0] if len(given) == 1 else None
+
+
+def _index(node: fx.Node, inputs: dict) -> np.ndarray:
+    """x[..., idx, ...] with one index tensor along a dim that carries no channel: the
+    output keeps x's channels on the other dims (DTensor shards them alike)."""
+    x, indices = node.args[0], node.args[1]
+    p = index_dim(node)
+    if p is None or x.name not in inputs or any(
+            isinstance(i, fx.Node) and i.name in inputs for i in indices):
+        raise _Unsupported("advanced indexing by values that carry channels or by several tensors")
+    ids = _align(inputs[x.name], len(shape(x)))
+    if ids.shape[p] > 1:
+        raise _Unsupported("indexes a dim that carries channels")
+    k = len(shape(indices[p]))
+    return ids.reshape(ids.shape[:p] + (1,) * k + ids.shape[p + 1:])
 
 
 def _reduction(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
@@ -387,6 +413,15 @@ def _cat(prov: Provenance, node: fx.Node, inputs: dict, stack: bool = False) -> 
     dim = norm_dim(arg(node, 1, "dim", 0), nd)
     if any(t.name not in inputs for t in tensors):
         raise _Unsupported("concatenates channels with replicated values")
+    if not stack and all(_align(inputs[t.name], nd).shape[dim] == 1 for t in tensors):
+        # Rows of several tensors stacked along a dim that carries no channel (the tokens
+        # of every expert, one after another): channel j of each is column j of the result.
+        out = _align(inputs[tensors[0].name], nd)
+        for t in tensors[1:]:
+            other = _align(inputs[t.name], nd)
+            prov.union(out, other)
+            out = np.broadcast_arrays(out, other)[0]
+        return out
     parts = []
     for t in tensors:
         ids = np.expand_dims(_align(inputs[t.name], nd - 1), dim) if stack else _align(inputs[t.name], nd)
@@ -415,14 +450,17 @@ def _attention(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     mask = arg(node, 3, "attn_mask")
     if isinstance(mask, fx.Node) and mask.name in inputs:
         raise _Unsupported("the attention mask carries channels")
-    if any(x.name not in inputs for x in (q, k, v)):
+    gqa = bool(node.kwargs.get("enable_gqa", False))
+    if q.name not in inputs or (gqa and any(x.name not in inputs for x in (k, v))):
         raise _Unsupported("q, k and v must all come from projections")
     qs, ks, vs = shape(q), shape(k), shape(v)
-    heads = [np.broadcast_to(_heads(inputs[x.name], n), (s[1], s[3]))
+    # k/v that carry no channels (computed by ops without a channel rule, e.g. heads
+    # tiled by ``repeat``) are replicated: each rank takes its query heads' share (scatter).
+    heads = [np.broadcast_to(_heads(inputs[x.name], n), (s[1], s[3])) if x.name in inputs
+             else np.zeros((s[1], 0), dtype=np.int64)
              for x, s, n in ((q, qs, "query"), (k, ks, "key"), (v, vs, "value"))]
     out = prov.fresh(node.name, (1, qs[1], 1, vs[3]))
-    prov.attention[node.name] = AttentionUse(node.name, heads[0], heads[1], heads[2], out[0, :, 0, :],
-                                             bool(node.kwargs.get("enable_gqa", False)))
+    prov.attention[node.name] = AttentionUse(node.name, heads[0], heads[1], heads[2], out[0, :, 0, :], gqa)
     return out
 
 
