@@ -162,10 +162,12 @@ def parallel_phase(world: int, columns: list[str], families: list[str], rows: di
                 diff = compare(result["losses"], result["grads"], ref_losses, ref_grads,
                                grad_rtol(mt, RTOL))
                 cell = Cell("mismatch", diff) if diff else Cell("pass")
-                if not diff and COLUMNS[col][0] > 1:
-                    reps = (rows[mt].get("tp_analysis") or {}).get("replicated") or []
-                    if reps:
-                        cell = Cell("replicated", replicated=reps)
+                if COLUMNS[col][0] > 1:
+                    analysis = rows[mt].get("tp_analysis") or {}
+                    if not diff and analysis.get("replicated"):
+                        cell = Cell("replicated", replicated=analysis["replicated"])
+                    # Every rank holds the same local shapes: rank 0's share is the largest.
+                    cell.share = analysis.get("share")
         cell.seconds = seconds
         rows[mt][col] = cell.to_json()
         save()

@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
+from fxpipe.passes.tensor_parallel.norms import private_norm
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class Provenance:
     """(an id, op) for every reduction that mixes channels: why a class cannot split."""
     statistics: dict[str, np.ndarray] = field(default_factory=dict)
     """Linear reduction (mean/sum) over channels only -> the channel ids it sums."""
+    private: set[str] = field(default_factory=set)
+    """Statistics whose input only their own norm reads (``norms.private_norm``)."""
     split_statistics: frozenset[str] = frozenset()
     """Of those, the ones whose channels stay split: a partial sum, all-reduced
     (``split_statistics``); the others unite their channels like any reduction."""
@@ -317,6 +320,8 @@ def _reduction(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
         keepdim = keep_index is None or bool(arg(node, keep_index, "keepdim", False))
     if node.target in G.LINEAR_REDUCTIONS and all(ids.shape[d] == 1 for d in range(nd) if d not in dims):
         prov.statistics[node.name] = np.unique(ids)
+        if private_norm(node):
+            prov.private.add(node.name)
         if node.name in prov.split_statistics:
             return None  # the all-reduced statistic is whole on every rank: it carries no channel
     for d in dims:
@@ -336,7 +341,8 @@ def split_statistics(prov: Provenance) -> frozenset[str]:
     stream must unite its channels, or they would look like row-parallel inputs."""
     qk = np.concatenate([np.concatenate([u.q.ravel(), u.k.ravel()]) for u in prov.attention.values()]
                         or [np.zeros(0, dtype=np.int64)])
-    return frozenset(node for node, ids in prov.statistics.items() if ids.size > 1 and np.isin(ids, qk).all())
+    return frozenset(node for node, ids in prov.statistics.items()
+                     if ids.size > 1 and (np.isin(ids, qk).all() or node in prov.private))
 
 
 def _matmul(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
