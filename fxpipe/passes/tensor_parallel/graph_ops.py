@@ -59,6 +59,8 @@ UNBIND = aten.unbind.int
 STACK = aten.stack.default
 SELECT = aten.select.int
 INDEX = aten.index.Tensor
+NEW_EMPTY = aten.new_empty.default
+SLICE_SCATTER = aten.slice_scatter.default
 TYPE_AS = aten.type_as.default
 # Shape-only ops a collective may move across (a sum commutes with a view).
 VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,

@@ -171,6 +171,12 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
         return
     if t in (G.aten.view.default, G.aten._unsafe_view.default, G.aten.reshape.default,
              G.aten.expand.default):
+        x = node.args[0]
+        if t is G.aten.expand.default and is_sharded(lay) and not is_sharded(plan.layouts[x.name]):
+            # Copies of a replicated value, each rank expanding to its own heads: f sums
+            # the gradients of every rank's copies.
+            if x.name in grad:
+                plan.conversions[(node.name, x.name)] = [Conversion(CollectiveKind.F)]
         sizes = list(node.args[1])
         plan.new_args[node.name] = (node.args[0], [lay.shape[d] if d in lay.sharded and s != -1 else s
                                                    for d, s in enumerate(sizes)], *node.args[2:])
@@ -218,6 +224,13 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
         if norm_dim(arg(node, 1, "dim", 0), len(plan.layouts[node.args[0].name].full)) in \
                 plan.layouts[node.args[0].name].sharded:
             raise _Refuse("unbinds a sharded dim")
+    elif t is G.NEW_EMPTY:
+        return  # its sizes are arguments: a full, replicated tensor, whatever its input holds
+    elif t is G.SLICE_SCATTER:
+        if norm_dim(arg(node, 2, "dim", 0), len(lay.full)) in lay.sharded:
+            raise _Refuse("writes a slice of a sharded dim")
+        for a in node.args[:2]:
+            _operand(plan, node, a, lay, grad)
     elif t is G.INDEX:
         x = plan.layouts[node.args[0].name]
         if index_dim(node) in x.sharded:

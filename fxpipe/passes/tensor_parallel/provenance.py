@@ -66,6 +66,11 @@ class Provenance:
     private: set[str] = field(default_factory=set)
     """Statistics whose input only their own norm reads (``norms.private_norm``)."""
     split_statistics: frozenset[str] = frozenset()
+    broadcasts: dict[str, np.ndarray] = field(default_factory=dict)
+    """Expand of a value whose channels vary along its last dim only, to copies along
+    another dim -> the channel ids copied."""
+    copies: frozenset[str] = frozenset()
+    """Of those, the ones whose every copy gets ids of its own (``shared_copies``)."""
     """Of those, the ones whose channels stay split: a partial sum, all-reduced
     (``split_statistics``); the others unite their channels like any reduction."""
 
@@ -123,10 +128,12 @@ def reshape_ids(ids: np.ndarray, in_shape: tuple[int, ...], out_shape: tuple[int
 
 
 def analyze(graph: fx.Graph, projections: dict[str, Projection],
-            split_statistics: frozenset[str] = frozenset()) -> Provenance:
+            split_statistics: frozenset[str] = frozenset(), copies: frozenset[str] = frozenset()
+            ) -> Provenance:
     """One forward sweep over the graph in topological order; ``split_statistics``:
-    mean/sum nodes whose channels stay split (see ``split_statistics``)."""
-    prov = Provenance(split_statistics=split_statistics)
+    mean/sum nodes whose channels stay split (see ``split_statistics``); ``copies``:
+    expands whose copies are channels of their own (see ``shared_copies``)."""
+    prov = Provenance(split_statistics=split_statistics, copies=copies)
     for node in graph.nodes:
         if node.op == "output":
             for a in node.all_input_nodes:
@@ -183,7 +190,7 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         if not isinstance(ids, list):
             raise _Unsupported("indexing a tensor")
         return ids[node.args[1]]
-    if t in G.LIKE:
+    if t in G.LIKE or t is G.NEW_EMPTY:
         return None
     if any(isinstance(v, list) for v in inputs.values()):
         raise _Unsupported("a multi-output value used directly")
@@ -207,7 +214,7 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
     if t is G.aten.unsqueeze.default:
         return np.expand_dims(inputs[x.name], norm_dim(node.args[1], len(shape(node))))
     if t is G.aten.expand.default:  # only size-1 dims expand, and they carry no channel
-        return _align(inputs[x.name], len(shape(node)))
+        return _expand(prov, node, _align(inputs[x.name], len(shape(node))))
     if t in G.SQUEEZES:
         return reshape_ids(inputs[x.name], shape(x), shape(node))
     if t is G.aten.slice.Tensor:
@@ -242,6 +249,8 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         ids = inputs[x.name]
         dim = norm_dim(arg(node, 1, "dim", 0), ids.ndim)
         return [np.take(ids, i if ids.shape[dim] > 1 else 0, axis=dim) for i in range(len(G.val(node)))]
+    if t is G.SLICE_SCATTER:
+        return _slice_scatter(prov, node, inputs)
     if t is G.INDEX:  # rows gathered by an index tensor (tokens routed to experts)
         return _index(node, inputs)
     if t is G.INDEX_ADD:  # a dropless MoE's combine: expert outputs added at their tokens' rows
@@ -277,6 +286,32 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
             out = np.broadcast_arrays(out, other)[0]
         return out
     raise _Unsupported("no channel rule for this op")
+
+
+def _slice_scatter(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
+    """base[..., start:end:step, ...] = src (a functionalized in-place write: MLA's key
+    assembled in a new tensor). A part that carries no channels (the new tensor's
+    unwritten positions, a replicated src) takes the ids of the other part's first
+    index along ``dim``: it is held wherever that part's rows are, scattered there."""
+    base, src = node.args[:2]
+    nd = len(shape(node))
+    dim = norm_dim(arg(node, 2, "dim", 0), nd)
+    region = [slice(None)] * nd
+    region[dim] = slice(arg(node, 3, "start"), arg(node, 4, "end"), arg(node, 5, "step", 1))
+    b, s = (_align(inputs[a.name], nd) if a.name in inputs else None for a in (base, src))
+    b = b if b is not None else np.take(s, [0], axis=dim)
+    s = s if s is not None else np.take(b, [0], axis=dim)
+    size = list(np.broadcast_shapes(*[tuple(1 if d == dim else n for d, n in enumerate(p.shape))
+                                      for p in (b, s)]))
+    if b.shape[dim] > 1 or s.shape[dim] > 1:
+        size[dim] = shape(node)[dim]
+    out = np.broadcast_to(b, size).copy()
+    if s.shape[dim] > 1 or b.shape[dim] > 1:
+        target = out[tuple(region)]
+        out[tuple(region)] = np.broadcast_to(s, target.shape)
+    else:
+        prov.union(out, s)
+    return out
 
 
 def index_dim(node: fx.Node) -> int | None:
@@ -333,7 +368,31 @@ def _reduction(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     return ids if keepdim else np.squeeze(ids, axis=tuple(dims))
 
 
-def split_statistics(prov: Provenance) -> frozenset[str]:
+def _expand(prov: Provenance, node: fx.Node, ids: np.ndarray) -> np.ndarray:
+    """Broadcast ids; an expand in ``prov.copies`` gives each copy ids of its own."""
+    x_shape, out_shape = shape(node.args[0]), shape(node)
+    x_shape = (1,) * (len(out_shape) - len(x_shape)) + x_shape
+    copied = [d for d in range(len(out_shape) - 1) if x_shape[d] == 1 and out_shape[d] > 1]
+    if not copied or any(s > 1 for s in ids.shape[:-1]) or ids.shape[-1] == 1:
+        return ids
+    prov.broadcasts[node.name] = np.unique(ids)
+    if node.name not in prov.copies:
+        return ids
+    size = [out_shape[d] if d in copied else 1 for d in range(len(out_shape) - 1)] + [ids.shape[-1]]
+    return prov.fresh(node.name, tuple(size))
+
+
+def shared_copies(prov: Provenance) -> frozenset[str]:
+    """Expands that copy a key (or value) part shared by all heads to every head — the
+    decoupled rotary key of multi-head latent attention — so that copy h belongs to
+    head h, and the shared part stays replicated (each rank expands to its own heads;
+    f sums the copies' gradients), instead of uniting every head into one class."""
+    kv = np.concatenate([np.concatenate([u.k.ravel(), u.v.ravel()]) for u in prov.attention.values()]
+                        or [np.zeros(0, dtype=np.int64)])
+    return frozenset(node for node, ids in prov.broadcasts.items() if np.isin(ids, kv).any())
+
+
+def split_statistics(prov: Provenance, private: bool = True) -> frozenset[str]:
     """Means/sums over the query/key channels of all heads (OLMo 2's QK-norm): kept split
     by heads, each rank sums its own channels and one all-reduce of the statistic
     (a DTensor ``Partial`` sum) makes it whole — rather than one class of all heads, which
@@ -342,7 +401,7 @@ def split_statistics(prov: Provenance) -> frozenset[str]:
     qk = np.concatenate([np.concatenate([u.q.ravel(), u.k.ravel()]) for u in prov.attention.values()]
                         or [np.zeros(0, dtype=np.int64)])
     return frozenset(node for node, ids in prov.statistics.items()
-                     if ids.size > 1 and (np.isin(ids, qk).all() or node in prov.private))
+                     if ids.size > 1 and (np.isin(ids, qk).all() or (private and node in prov.private)))
 
 
 def _matmul(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
