@@ -60,11 +60,19 @@ STACK = aten.stack.default
 SELECT = aten.select.int
 INDEX = aten.index.Tensor
 NEW_EMPTY = aten.new_empty.default
+PADS = frozenset({aten.pad.default, aten.constant_pad_nd.default})
 SLICE_SCATTER = aten.slice_scatter.default
 TYPE_AS = aten.type_as.default
 # Shape-only ops a collective may move across (a sum commutes with a view).
 VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                    aten.alias.default})
+
+
+def padded_dims(node: fx.Node) -> dict[int, tuple[int, int]]:
+    """dim -> (before, after) of an ``aten.pad``/``constant_pad_nd`` (pairs from the last dim)."""
+    pad, nd = list(node.args[1]), len(shape(node))
+    return {nd - 1 - i: (pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)
+            if pad[2 * i] or pad[2 * i + 1]}
 
 
 def is_pointwise(target: Any) -> bool:

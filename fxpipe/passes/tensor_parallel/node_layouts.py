@@ -224,6 +224,9 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
         if norm_dim(arg(node, 1, "dim", 0), len(plan.layouts[node.args[0].name].full)) in \
                 plan.layouts[node.args[0].name].sharded:
             raise _Refuse("unbinds a sharded dim")
+    elif t in G.PADS:
+        if set(G.padded_dims(node)) & set(plan.layouts[node.args[0].name].sharded):
+            raise _Refuse("pads a sharded dim")
     elif t is G.NEW_EMPTY:
         return  # its sizes are arguments: a full, replicated tensor, whatever its input holds
     elif t is G.SLICE_SCATTER:

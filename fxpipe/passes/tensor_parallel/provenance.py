@@ -249,6 +249,15 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         ids = inputs[x.name]
         dim = norm_dim(arg(node, 1, "dim", 0), ids.ndim)
         return [np.take(ids, i if ids.shape[dim] > 1 else 0, axis=dim) for i in range(len(G.val(node)))]
+    if t in G.PADS:  # padded positions hold a constant: they go where their row's channels go
+        ids = _align(inputs[x.name], len(shape(node)))
+        if node.target is G.aten.pad.default and arg(node, 2, "mode", "constant") != "constant":
+            raise _Unsupported("a reflecting or replicating pad")
+        widths = [(0, 0) if ids.shape[d] == 1 else p for d, p in
+                  ((d, G.padded_dims(node).get(d, (0, 0))) for d in range(ids.ndim))]
+        if any(a < 0 or b < 0 for a, b in widths):
+            raise _Unsupported("a negative pad (a crop)")
+        return np.pad(ids, widths, mode="edge")
     if t is G.SLICE_SCATTER:
         return _slice_scatter(prov, node, inputs)
     if t is G.INDEX:  # rows gathered by an index tensor (tokens routed to experts)
