@@ -124,7 +124,16 @@ def reshape_ids(ids: np.ndarray, in_shape: tuple[int, ...], out_shape: tuple[int
                 src[d] = in_shape[d]
             for d in gb:
                 dst[d] = out_shape[d]
-    return np.broadcast_to(ids, src).reshape(dst)
+    return _compact(np.broadcast_to(ids, src).reshape(dst))
+
+
+def _compact(ids: np.ndarray) -> np.ndarray:
+    """Size 1 along every dim the ids do not vary along: a view that merged batch with
+    heads (Bloom's (B·H, T, D)) and split them again carries the heads only."""
+    for d in range(ids.ndim):
+        if ids.shape[d] > 1 and (ids == np.take(ids, [0], axis=d)).all():
+            ids = np.take(ids, [0], axis=d)
+    return ids
 
 
 def analyze(graph: fx.Graph, projections: dict[str, Projection],
