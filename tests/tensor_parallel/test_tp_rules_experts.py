@@ -118,11 +118,45 @@ class LatentAttention(_LM):
         return F.scaled_dot_product_attention(q, k, F.pad(v, (0, self.R)), is_causal=True)[..., :D]
 
 
+class SinkAttention(_LM):
+    """Attention with per-head sinks through logsumexp (gpt-oss, Granite), the output
+    reshaped by view_as, a sub-norm that casts back with type_as over all heads (nGPT-style
+    Dory), and logits scaled per vocabulary entry."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(H, 3 * H)
+        self.sinks = nn.Parameter(torch.randn(HEADS))
+        self.norm_w = nn.Parameter(1 + 0.1 * torch.randn(H))
+        self.logit_scale = nn.Parameter(1 + 0.1 * torch.randn(V))
+
+    def attend(self, x):
+        B = x.shape[0]
+        q, k, v = self.qkv(x).view(B, T, 3, HEADS, D).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(D) + torch.full((T, T), float("-inf")).triu(1)
+        sinks = self.sinks.view(1, HEADS, 1, 1).expand(B, HEADS, T, 1)
+        lse = torch.logsumexp(torch.cat([scores, sinks], -1), dim=-1, keepdim=True)
+        y = (scores - lse).exp() @ v  # softmax with a sink column, dropped
+        flat = y.transpose(1, 2).reshape(B, T, H)
+        h = flat.float()
+        normed = (h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) / H + 1e-6)).type_as(h)
+        return (self.norm_w * normed).view_as(flat).view(B, T, HEADS, D).transpose(1, 2)
+
+    def forward(self, ids, targets):
+        x = self.emb(ids)
+        B = x.shape[0]
+        x = x + self.o(self.attend(self.ln1(x)).transpose(1, 2).reshape(B, T, H))
+        x = x + self.down(F.gelu(self.up(self.ln2(x))))
+        logits = self.head(x) * self.logit_scale
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 MODELS = {"grouped": lambda: StackedExperts("grouped"), "bmm": lambda: StackedExperts("bmm"),
-          "select": lambda: StackedExperts("select"), "sub-norm": SubNormMLP, "latent": LatentAttention}
+          "select": lambda: StackedExperts("select"), "sub-norm": SubNormMLP, "latent": LatentAttention,
+          "sinks": SinkAttention}
 # What stays whole, by design: the router (top-k needs every logit); MLA's latents.
 WHOLE = {"grouped": {"router.weight"}, "bmm": {"router.weight"}, "select": {"router.weight"},
-         "sub-norm": set(), "latent": {"q_a.weight", "kv_a.weight"}}
+         "sub-norm": set(), "latent": {"q_a.weight", "kv_a.weight"}, "sinks": set()}
 CASES = [(m, tp) for m in MODELS for tp in (2, 4)]
 
 

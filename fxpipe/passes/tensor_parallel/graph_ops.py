@@ -45,7 +45,10 @@ REDUCTIONS: dict[Any, tuple[int, int | None]] = {
     aten.mean.dim: (1, 2), aten.sum.dim_IntList: (1, 2), aten.amax.default: (1, 2),
     aten.amin.default: (1, 2), aten.softmax.int: (1, None), aten._softmax.default: (1, None),
     aten.log_softmax.int: (1, None), aten._log_softmax.default: (1, None),
+    aten.logsumexp.default: (1, 2), aten.max.dim: (1, 2), aten.min.dim: (1, 2),
 }
+# Reductions returning (values, indices).
+PAIRED_REDUCTIONS = frozenset({aten.max.dim, aten.min.dim})
 NORMS = frozenset({aten.layer_norm.default, aten.rms_norm.default})
 # Linear reductions: over channels split across ranks they give a partial sum, made whole
 # by one all-reduce of the (small) statistic rather than a gather of the activation.

@@ -180,6 +180,10 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
         sizes = list(node.args[1])
         plan.new_args[node.name] = (node.args[0], [lay.shape[d] if d in lay.sharded and s != -1 else s
                                                    for d, s in enumerate(sizes)], *node.args[2:])
+    elif t is G.aten.view_as.default:
+        other = plan.layouts.get(node.args[1].name)
+        if other is None or other.shape != lay.shape:
+            raise _Refuse("view_as a tensor of another local shape")
     elif t is G.aten.unflatten.int:
         dim = norm_dim(node.args[1], len(lay.full))
         sizes = [lay.shape[dim + i] if dim + i in lay.sharded and s != -1 else s
@@ -209,7 +213,14 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
             plan.statistics[node.name] = local / full if t is G.aten.mean.dim else 1.0
         for a in node.all_input_nodes[1:]:
             _operand(plan, node, a, lay, grad)
-    elif t in G.TRANSPOSES or t in G.SQUEEZES or t in (G.aten.unsqueeze.default, G.aten.cat.default,
+    elif t is G.aten.cat.default:
+        dim = norm_dim(arg(node, 1, "dim", 0), len(lay.full))
+        for a in node.args[0]:
+            if not is_sharded(plan.layouts[a.name]):
+                if dim in lay.sharded:
+                    raise _Refuse("concatenates replicated values along a sharded dim")
+                _operand(plan, node, a, lay, grad)
+    elif t in G.TRANSPOSES or t in G.SQUEEZES or t in (G.aten.unsqueeze.default,
                                                          G.aten.flatten.using_ints, G.STACK):
         return
     elif t in G.BATCHED_MATMULS:

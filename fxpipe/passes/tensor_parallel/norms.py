@@ -47,8 +47,9 @@ def private_norm(stat: fx.Node) -> bool:
     names = {n.name for n in chain} | {stat.name}
     for node in chain:
         for user in node.users:
-            if user.name in names:
-                continue
+            if user.name in names or (user.target in (G.TYPE_AS, G.aten.view_as.default)
+                                      and user.args[0] is not node):
+                continue  # type_as(y, x) / view_as(y, x) read only x's dtype / shape
             others = [a for a in user.all_input_nodes if a.name not in names]
             if not (G.is_pointwise(user.target) and others and
                     all(_derived(a, stat) or not isinstance(G.val(a), G.torch.Tensor) for a in others)):

@@ -289,6 +289,9 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         return _attention(prov, node, inputs)
     if t is G.CROSS_ENTROPY:
         return _loss(prov, node, inputs)
+    if t in G.PAIRED_REDUCTIONS:  # values and indices, both reduced alike
+        out = _reduction(prov, node, inputs)
+        return [out, out]
     if t in G.REDUCTIONS or t in G.NORMS:
         return _reduction(prov, node, inputs)
     if t in G.BATCHED_MATMULS:
@@ -494,8 +497,17 @@ def _cat(prov: Provenance, node: fx.Node, inputs: dict, stack: bool = False) -> 
     tensors = node.args[0]
     nd = len(shape(node))
     dim = norm_dim(arg(node, 1, "dim", 0), nd)
-    if any(t.name not in inputs for t in tensors):
-        raise _Unsupported("concatenates channels with replicated values")
+    carrying = [t for t in tensors if t.name in inputs]
+    if not carrying:
+        return None
+    if len(carrying) < len(tensors):
+        # Replicated values beside channels (gpt-oss's per-head sinks as an extra score
+        # column): they go where the first index along ``dim`` of the channels goes,
+        # each rank taking its part of them (scatter), or the layout check refuses.
+        if stack:
+            raise _Unsupported("stacks channels with replicated values")
+        like = np.take(_align(inputs[carrying[0].name], nd), [0], axis=dim)
+        inputs = {**inputs, **{t.name: like for t in tensors if t.name not in inputs}}
     if not stack and all(_align(inputs[t.name], nd).shape[dim] == 1 for t in tensors):
         # Rows of several tensors stacked along a dim that carries no channel (the tokens
         # of every expert, one after another): channel j of each is column j of the result.
