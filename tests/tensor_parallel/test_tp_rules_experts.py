@@ -188,3 +188,47 @@ def test_rule_classes_shard_and_match(programs, name, tp):
         assert result.kind_of("kv_b.weight") is ShardKind.COLUMN and result.kind_of("q_b.weight") is ShardKind.COLUMN
         assert result.specs["unread.weight"].local_shape == (H // tp, H)
     _check(base, program, batch, tp)
+
+
+@pytest.mark.parametrize("name", ["grouped", "latent"])
+def test_values_marked_replicated_are_identical_on_every_rank(programs, name):
+    """Scatter-gather between pipeline stages sends 1/tp of a value (and of its gradient)
+    marked replicated: every such value and gradient must be the same on every rank —
+    views of a sharded weight (a transposed expert stack) and views after an f (the
+    latent before a column-parallel projection) are not."""
+    import torch.fx as fx
+
+    from fxpipe.passes.tensor_parallel import shard_state
+    from fxpipe.passes.tensor_parallel.rewrite import REPLICATED
+    from fxpipe.tp import run_emulated, tp_group_context
+    from tests.tensor_parallel._tp_helpers import leaves
+
+    base, batch = programs[name]
+    program = tensor_parallel_pass(base, TPConfig(tp=2))
+    specs, gm = program.extra["tensor_parallel"].specs, program.graph_module
+    marked = {n.name for n in gm.graph.nodes if n.meta.get(REPLICATED) and n.op == "call_function"}
+
+    def step(group):
+        state, seen = leaves(shard_state(base.state, specs, group.rank)), {}
+
+        class Record(fx.Interpreter):
+            def run_node(self, n):
+                out = super().run_node(n)
+                if n.name in marked and isinstance(out, torch.Tensor):
+                    if out.requires_grad:
+                        out.retain_grad()
+                    seen[n.name] = out
+                return out
+
+        with tp_group_context(group):
+            out = Record(gm).run(*[state[p.canonical] for p in program.params], *batch)
+        (out[program.loss_output] if isinstance(out, (tuple, list)) else out).backward()
+        return {k: (v.detach(), v.grad) for k, v in seen.items()}
+
+    ranks = run_emulated(2, step)
+    assert len(ranks[0]) > 10
+    for k, (value, grad) in ranks[0].items():
+        other, other_grad = ranks[1][k]
+        assert torch.equal(value, other), f"{k}: marked replicated, values differ"
+        assert (grad is None) == (other_grad is None), k
+        assert grad is None or torch.allclose(grad, other_grad, atol=1e-6), f"{k}: gradients differ"

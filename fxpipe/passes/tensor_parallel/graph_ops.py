@@ -31,7 +31,10 @@ DROPOUT = aten.dropout.default
 
 # Ops that re-describe a tensor's shape; their output shape comes from meta["val"].
 RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-                      aten.flatten.using_ints, aten.unflatten.int, aten.view_as.default})
+                      aten.flatten.using_ints, aten.unflatten.int, aten.view_as.default,
+                      aten.reshape_as.default})
+# Ops shaped by their second operand: (x, other) -> x viewed or expanded to other's shape.
+SHAPED_AS = frozenset({aten.view_as.default, aten.reshape_as.default, aten.expand_as.default})
 # Ops whose output is the input, channel for channel (beyond the `pointwise` tag).
 SAME_LAYOUT = frozenset({aten.alias.default, aten.contiguous.default, aten.clone.default,
                          aten.detach.default, aten.to.dtype, aten.to.dtype_layout,

@@ -180,10 +180,22 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
         sizes = list(node.args[1])
         plan.new_args[node.name] = (node.args[0], [lay.shape[d] if d in lay.sharded and s != -1 else s
                                                    for d, s in enumerate(sizes)], *node.args[2:])
-    elif t is G.aten.view_as.default:
+    elif t in G.SHAPED_AS:
         other = plan.layouts.get(node.args[1].name)
+        if not is_sharded(lay) and min(lay.full) >= 0:
+            # A replicated result shaped like a shard (a mask expanded to split scores):
+            # spelled with its full sizes, so every rank holds all of it.
+            plan.new_target[node.name] = {G.aten.view_as.default: G.aten.view.default,
+                                          G.aten.reshape_as.default: G.aten.reshape.default,
+                                          G.aten.expand_as.default: G.aten.expand.default}[t]
+            plan.new_args[node.name] = (node.args[0], list(lay.full))
+            return
         if other is None or other.shape != lay.shape:
-            raise _Refuse("view_as a tensor of another local shape")
+            raise _Refuse(f"{t} a tensor of another local shape")
+        x = plan.layouts[node.args[0].name]
+        if t is G.aten.expand_as.default and is_sharded(lay) and not is_sharded(x):
+            if node.args[0].name in grad:  # each rank's copies: f sums their gradients
+                plan.conversions[(node.name, node.args[0].name)] = [Conversion(CollectiveKind.F)]
     elif t is G.aten.unflatten.int:
         dim = norm_dim(node.args[1], len(lay.full))
         sizes = [lay.shape[dim + i] if dim + i in lay.sharded and s != -1 else s

@@ -205,6 +205,8 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         raise _Unsupported("a multi-output value used directly")
     x = node.args[0] if node.args else None
     if t in G.RESHAPES:
+        if x.name not in inputs:
+            return None  # view_as / reshape_as read only the shape of ``other``
         if 0 in shape(x):
             raise _Unsupported("an empty tensor")
         return reshape_ids(inputs[x.name], shape(x), shape(node))
@@ -222,6 +224,10 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         return np.transpose(inputs[x.name], perm)
     if t is G.aten.unsqueeze.default:
         return np.expand_dims(inputs[x.name], norm_dim(node.args[1], len(shape(node))))
+    if t is G.aten.expand_as.default:
+        if node.args[1].name in inputs and x.name not in inputs:
+            return None  # only the shape of ``other`` is read
+        return _align(inputs[x.name], len(shape(node)))
     if t is G.aten.expand.default:  # only size-1 dims expand, and they carry no channel
         return _expand(prov, node, _align(inputs[x.name], len(shape(node))))
     if t in G.SQUEEZES:
