@@ -228,7 +228,7 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
     elif t is G.aten.cat.default:
         dim = norm_dim(arg(node, 1, "dim", 0), len(lay.full))
         for a in node.args[0]:
-            if not is_sharded(plan.layouts[a.name]):
+            if not is_sharded(plan.layouts[a.name]) and 0 not in shape(a):  # (an empty part: nothing to narrow)
                 if dim in lay.sharded:
                     raise _Refuse("concatenates replicated values along a sharded dim")
                 _operand(plan, node, a, lay, grad)

@@ -130,6 +130,8 @@ def reshape_ids(ids: np.ndarray, in_shape: tuple[int, ...], out_shape: tuple[int
 def _compact(ids: np.ndarray) -> np.ndarray:
     """Size 1 along every dim the ids do not vary along: a view that merged batch with
     heads (Bloom's (B·H, T, D)) and split them again carries the heads only."""
+    if ids.size == 0:
+        return ids
     for d in range(ids.ndim):
         if ids.shape[d] > 1 and (ids == np.take(ids, [0], axis=d)).all():
             ids = np.take(ids, [0], axis=d)
