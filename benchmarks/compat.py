@@ -162,10 +162,12 @@ def parallel_phase(world: int, columns: list[str], families: list[str], rows: di
                 diff = compare(result["losses"], result["grads"], ref_losses, ref_grads,
                                grad_rtol(mt, RTOL))
                 cell = Cell("mismatch", diff) if diff else Cell("pass")
-                if not diff and COLUMNS[col][0] > 1:
-                    reps = (rows[mt].get("tp_analysis") or {}).get("replicated") or []
-                    if reps:
-                        cell = Cell("replicated", replicated=reps)
+                if COLUMNS[col][0] > 1:
+                    analysis = rows[mt].get("tp_analysis") or {}
+                    if not diff and analysis.get("replicated"):
+                        cell = Cell("replicated", replicated=analysis["replicated"])
+                    # Every rank holds the same local shapes: rank 0's share is the largest.
+                    cell.share = analysis.get("share")
         cell.seconds = seconds
         rows[mt][col] = cell.to_json()
         save()
@@ -206,9 +208,13 @@ def main(argv: list[str] | None = None) -> None:
                 json.dump(data, f, indent=1, sort_keys=True)
             os.replace(RESULTS + ".tmp", RESULTS)
 
+        columns = [c for c in args.columns.split(",") if c]
+        before = {mt: dict(rows[mt]) for mt in families if mt in rows}
         local_phase(families, rows, refs, args.capture_timeout)
+        for mt, old in before.items():
+            if rows[mt].get("built") and rows[mt]["capture"]["status"] == "pass":
+                _keep_cells(rows[mt], old, columns)
         save()
-        columns = args.columns.split(",")
         for world in sorted({COLUMNS[c][0] * COLUMNS[c][1] for c in columns}):
             cols = [c for c in columns if COLUMNS[c][0] * COLUMNS[c][1] == world]
             parallel_phase(world, cols, families, rows, refs, args.timeout, save)
@@ -220,6 +226,21 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.out, "w") as f:
         f.write(render(data, notes))
     log(f"wrote {os.path.relpath(args.out)} and {os.path.relpath(RESULTS)}")
+
+
+def _keep_cells(row: dict, old: dict, columns: list[str]) -> None:
+    """``--columns``: the columns not run keep their cells. A kept tp cell that passed
+    takes the share of this run's TP analysis only when the analysis left the same
+    weight matrices whole for the same reasons (the same sharding as when it ran)."""
+    analysis = row.get("tp_analysis") or {}
+    for col in COLUMNS:
+        if col in columns or col not in old:
+            continue
+        cell = row[col] = dict(old[col])
+        if COLUMNS[col][0] > 1 and cell.get("status") in ("pass", "replicated") and \
+                analysis.get("status") == "pass" and \
+                [list(r) for r in analysis.get("replicated") or []] == [list(r) for r in cell.get("replicated") or []]:
+            cell["share"] = analysis.get("share")
 
 
 def _meta(seconds: float, old: dict | None, merged: bool) -> dict:

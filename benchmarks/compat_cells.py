@@ -45,6 +45,8 @@ class Cell:
     seconds: float = 0.0
     replicated: list = field(default_factory=list)
     """(count, reason) of weight matrices left replicated by the TP pass."""
+    share: float | None = None
+    """tp cells: the largest TP rank's share of the model's parameters (ideal 1/tp)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -141,8 +143,9 @@ def capture_cell(model_type: str) -> tuple[Cell, Cell | None]:
         tp_program, _ = run_passes(program, TPConfig(tp=2))
     except Exception as exc:
         return cell, classify(exc)
-    reps = replicated_matrices(tp_program.tensor_parallel)
-    return cell, Cell("pass", replicated=reps)
+    result = tp_program.tensor_parallel
+    return cell, Cell("pass", replicated=replicated_matrices(result),
+                      share=round(result.coverage.share, 4))
 
 
 def compare(losses: list[float], grads: dict[str, torch.Tensor],

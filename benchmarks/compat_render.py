@@ -6,7 +6,7 @@ from collections import Counter
 
 COLUMNS = ("capture", "tp2", "pp2", "tp2xpp2")
 TITLES = {"capture": "capture", "tp2": "tp2", "pp2": "pp2", "tp2xpp2": "tp2×pp2"}
-MARK = {"pass": "✅ pass", "replicated": "✅ replicated", "mismatch": "❌ **MISMATCH**",
+MARK = {"pass": "✅ pass", "replicated": "🟨 replicated", "mismatch": "❌ **MISMATCH**",
         "refused": "⛔ refused", "error": "💥 error", "timeout": "⏱ timeout", "skipped": "— skipped"}
 
 
@@ -25,10 +25,18 @@ def _regroup(pairs: list) -> list:
     return [(n, r) for r, n in counts.most_common()]
 
 
+SHARDED = 0.60
+"""A tp cell counts as sharded when it passes and its largest rank holds at most this
+share of the model's parameters (issue 24's bar; ideal 1/tp = 0.50 at tp=2)."""
+SHARE_BINS = (0.55, 0.60, 0.70, 0.80, 0.90, 1.00)
+
+
 def _cell(cell: dict | None) -> str:
     if not cell:
         return "not run"
     text = MARK.get(cell["status"], cell["status"])
+    if cell.get("share") is not None and cell["status"] in ("pass", "replicated"):
+        text += f" · share {cell['share']:.2f}"
     if cell["status"] == "replicated":
         pairs = _regroup(cell["replicated"])
         total = sum(n for n, _ in pairs)
@@ -44,6 +52,26 @@ def _counts_table(built: dict) -> list[str]:
     out = ["| column | " + " | ".join(s for s in MARK) + " |", "|---|" + "---|" * len(MARK)]
     for c in COLUMNS:
         out.append(f"| {TITLES[c]} | " + " | ".join(str(counts[c].get(s, 0)) for s in MARK) + " |")
+    return out
+
+
+def sharded(cell: dict | None) -> bool:
+    return bool(cell) and cell.get("status") in ("pass", "replicated") and \
+        cell.get("share") is not None and cell["share"] <= SHARDED + 1e-9
+
+
+def _share_table(built: dict) -> list[str]:
+    """Per tp column: families sharded (share <= SHARDED) and the share distribution."""
+    heads = [f"≤ {b:.2f}" for b in SHARE_BINS]
+    out = [f"| column | sharded (share ≤ {SHARDED:.2f}) | no share recorded | " + " | ".join(heads) + " |",
+           "|---|---|---|" + "---|" * len(heads)]
+    for c in ("tp2", "tp2xpp2"):
+        cells = [r.get(c) for r in built.values() if (r.get(c) or {}).get("status") in ("pass", "replicated")]
+        shares = [x["share"] for x in cells if x.get("share") is not None]
+        bins = [sum(1 for v in shares if lo < v <= hi + 1e-9)
+                for lo, hi in zip((0.0,) + SHARE_BINS[:-1], SHARE_BINS)]
+        out.append(f"| {TITLES[c]} | **{sum(sharded(x) for x in cells)}** | {len(cells) - len(shares)} | "
+                   + " | ".join(map(str, bins)) + " |")
     return out
 
 
@@ -105,6 +133,13 @@ def render(data: dict, notes: str = "") -> str:
         f"attempted: **{len(built)}**; not buildable offline as tiny text models: {len(unbuilt)}",
         "",
         *_counts_table(built),
+        "",
+        "The largest TP rank's share of the model's parameters (`share` in each tp cell of",
+        "the JSON; every rank holds the same local shapes; at tp2×pp2 the share of the TP",
+        "group, before the pipeline splits it), over the tp cells that passed (**pass** or",
+        "**replicated**); a family counts as sharded at share ≤ 0.60 (ideal 0.50):",
+        "",
+        *_share_table(built),
         "", "## Matrix", "", *_matrix("family", built),
         "", "## Beyond transformers", "",
         "Models written as users bring them, outside transformers (`fxpipe/models/zoo`, names",
@@ -114,7 +149,7 @@ def render(data: dict, notes: str = "") -> str:
         "",
     ]
     zoo_built = {k: v for k, v in zoo.items() if v.get("built")}
-    out += [*_counts_table(zoo_built), "", *_matrix("model", zoo_built)]
+    out += [*_counts_table(zoo_built), "", *_share_table(zoo_built), "", *_matrix("model", zoo_built)]
     for name, row in zoo.items():
         if not row.get("built"):
             out.append(f"| `{name}` | not built: {row['reason'].replace('|', '/')} | | | |")

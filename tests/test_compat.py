@@ -32,6 +32,7 @@ def test_capture_cell(model_type):
     cap, analysis = compat_cells.capture_cell(model_type)
     assert cap.status == "pass", cap.detail
     assert analysis is not None and analysis.status in ("pass", "refused", "error")
+    assert analysis.status != "pass" or 0.5 <= analysis.share <= 1.0
     for count, reason in analysis.replicated:
         assert count > 0 and reason
 
@@ -87,14 +88,16 @@ def _raise(exc):
 
 def test_render_lists_every_cell():
     row = {"built": True, "capture": {"status": "pass"},
-           "tp2": {"status": "replicated", "replicated": [[2, "why"]], "detail": ""},
+           "tp2": {"status": "replicated", "replicated": [[2, "why"]], "detail": "", "share": 0.58},
            "pp2": {"status": "error", "detail": "KeyError: x"}, "tp2xpp2": {"status": "skipped", "detail": "tp2"}}
     zoo_row = {**row, "tp2": {"status": "mismatch", "detail": "step 1 loss 2 vs 1"}}
     rows = {"a": {**row, "transformers": "5.24.0"},
             "b": {"built": False, "reason": "no config", "transformers": "5.24.0"},
             "c": {**row, "transformers": "5.23.0"}, "zoo:m": zoo_row}
     text = render({"rows": rows, "meta": {}})
-    assert "| `a` | ✅ pass | ✅ replicated (2 matrices): 2× why | 💥 error: KeyError: x |" in text
+    assert "| `a` | ✅ pass | 🟨 replicated · share 0.58 (2 matrices): 2× why | 💥 error: KeyError: x |" in text
+    # Sharded: a passing tp cell whose largest rank holds at most 0.60 of the parameters.
+    assert "| tp2 | **2** | 0 | 0 | 2 | 0 | 0 | 0 | 0 |" in text.split("## Matrix")[0]
     assert "| `b` | no config |" in text
     # A page merged from two transformers releases says so; zoo rows are a table of their own.
     assert "- transformers 5.24.0 (2 families), 5.23.0 (1 families), " in text

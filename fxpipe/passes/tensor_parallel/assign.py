@@ -98,7 +98,7 @@ def _attention_edges(use: AttentionUse, tp: int, describe: Callable[[str], str]
         kv_of = [h // (heads // k_heads) for h in range(heads)]
     else:
         kv_of = list(range(heads))
-    split = kv % tp == 0
+    split = kv % tp == 0 and use.k.size > 0 and use.v.size > 0
     if not split and use.enable_gqa:
         raise ValueError(
             f"tensor parallelism: {describe(use.node)}: {kv} key/value heads must be split over "

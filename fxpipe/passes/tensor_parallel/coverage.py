@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
-from fxpipe.passes.tensor_parallel.specs import ShardKind, ShardSpec
+from fxpipe.sharding import ShardKind, ShardSpec
 from fxpipe.program import Program
 
 TOP_REASONS = 3

@@ -31,7 +31,10 @@ DROPOUT = aten.dropout.default
 
 # Ops that re-describe a tensor's shape; their output shape comes from meta["val"].
 RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-                      aten.flatten.using_ints, aten.unflatten.int, aten.view_as.default})
+                      aten.flatten.using_ints, aten.unflatten.int, aten.view_as.default,
+                      aten.reshape_as.default})
+# Ops shaped by their second operand: (x, other) -> x viewed or expanded to other's shape.
+SHAPED_AS = frozenset({aten.view_as.default, aten.reshape_as.default, aten.expand_as.default})
 # Ops whose output is the input, channel for channel (beyond the `pointwise` tag).
 SAME_LAYOUT = frozenset({aten.alias.default, aten.contiguous.default, aten.clone.default,
                          aten.detach.default, aten.to.dtype, aten.to.dtype_layout,
@@ -45,7 +48,10 @@ REDUCTIONS: dict[Any, tuple[int, int | None]] = {
     aten.mean.dim: (1, 2), aten.sum.dim_IntList: (1, 2), aten.amax.default: (1, 2),
     aten.amin.default: (1, 2), aten.softmax.int: (1, None), aten._softmax.default: (1, None),
     aten.log_softmax.int: (1, None), aten._log_softmax.default: (1, None),
+    aten.logsumexp.default: (1, 2), aten.max.dim: (1, 2), aten.min.dim: (1, 2),
 }
+# Reductions returning (values, indices).
+PAIRED_REDUCTIONS = frozenset({aten.max.dim, aten.min.dim})
 NORMS = frozenset({aten.layer_norm.default, aten.rms_norm.default})
 # Linear reductions: over channels split across ranks they give a partial sum, made whole
 # by one all-reduce of the (small) statistic rather than a gather of the activation.
@@ -58,10 +64,21 @@ INDEX_ADD = aten.index_add.default
 UNBIND = aten.unbind.int
 STACK = aten.stack.default
 SELECT = aten.select.int
+INDEX = aten.index.Tensor
+NEW_EMPTY = aten.new_empty.default
+PADS = frozenset({aten.pad.default, aten.constant_pad_nd.default})
+SLICE_SCATTER = aten.slice_scatter.default
 TYPE_AS = aten.type_as.default
 # Shape-only ops a collective may move across (a sum commutes with a view).
 VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                    aten.alias.default})
+
+
+def padded_dims(node: fx.Node) -> dict[int, tuple[int, int]]:
+    """dim -> (before, after) of an ``aten.pad``/``constant_pad_nd`` (pairs from the last dim)."""
+    pad, nd = list(node.args[1]), len(shape(node))
+    return {nd - 1 - i: (pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)
+            if pad[2 * i] or pad[2 * i + 1]}
 
 
 def is_pointwise(target: Any) -> bool:
@@ -122,23 +139,62 @@ class Projection:
     """Index in ``node.args`` of the activation."""
     bias: str | None
     """Placeholder of the bias parameter, if the op adds one."""
+    contract_dim: int | None = None
+    """Weight dim contracted with the input's channels; None: the other dim of a 2-D weight.
+    Stacked expert weights (E, ., .) name it (grouped_mm, bmm, a selected expert)."""
 
     @property
     def in_dim(self) -> int:
-        return 1 - self.out_dim
+        return 1 - self.out_dim if self.contract_dim is None else self.contract_dim
 
 
-def _weight_of(node: Any, params: set[str]) -> tuple[str, bool] | None:
-    """(placeholder, transposed) when ``node`` is a 2-D parameter or its transpose."""
+def _weight_of(node: Any, params: set[str], ndim: int = 2) -> tuple[str, tuple[int, ...]] | None:
+    """(placeholder, axes) when ``node`` is an ``ndim``-D view of a parameter made by
+    transposes or by selecting one expert of a stacked (E, ., .) parameter: ``axes[i]``
+    is the parameter dim that the view's dim i indexes."""
     if not isinstance(node, fx.Node):
         return None
-    if node.op == "placeholder" and node.name in params and len(shape(node)) == 2:
-        return node.name, False
-    if node.op == "call_function" and node.target in TRANSPOSES:
-        inner = _weight_of(node.args[0], params)
-        if inner is not None:
-            return inner[0], not inner[1]
+    if node.op == "placeholder":
+        if node.name in params and len(shape(node)) == ndim:
+            return node.name, tuple(range(ndim))
+        return None
+    if node.op != "call_function":
+        return None
+    t = node.target
+    if t in TRANSPOSES:
+        inner = _weight_of(node.args[0], params, ndim)
+        if inner is None:
+            return None
+        name, axes = inner
+        if t is aten.permute.default:
+            perm = [norm_dim(d, ndim) for d in node.args[1]]
+        elif t in (aten.t.default, aten.numpy_T.default):
+            perm = list(reversed(range(ndim)))
+        else:
+            perm = list(range(ndim))
+            d0, d1 = norm_dim(node.args[1], ndim), norm_dim(node.args[2], ndim)
+            perm[d0], perm[d1] = perm[d1], perm[d0]
+        return name, tuple(axes[p] for p in perm)
+    if t is SELECT and isinstance(node.args[2], int):
+        # One expert's matrix of a stacked (E, ., .) weight: w[e] (JetMoE's experts).
+        inner = _weight_of(node.args[0], params, ndim + 1)
+        if inner is None or norm_dim(node.args[1], ndim + 1) != 0:
+            return None
+        return inner[0], inner[1][1:]
     return None
+
+
+def is_grouped_mm(node: fx.Node) -> bool:
+    """``aten._grouped_mm`` without a bias, or an op with its (input, weight, offs) schema
+    and meaning (Hugging Face's ``grouped_mm_fallback``): (S, K) x (E, K, N) -> (S, N),
+    the rows of expert e given by the cumulative counts ``offs``."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or len(node.args) < 3:
+        return False
+    if schema.name == "aten::_grouped_mm":
+        return arg(node, 3, "bias") is None and arg(node, 4, "out_dtype") is None
+    return schema.name.endswith("::grouped_mm_fallback") and \
+        [a.name for a in schema.arguments] == ["input", "weight", "offs"]
 
 
 def find_projections(graph: fx.Graph, params: set[str]) -> dict[str, Projection]:
@@ -151,15 +207,15 @@ def find_projections(graph: fx.Graph, params: set[str]) -> dict[str, Projection]
             b = arg(node, 2, "bias")
             if w is None or (b is not None and not _is_param(b, params)):
                 continue
-            # linear computes x @ W.T: W is (out, in), or (in, out) when it arrives transposed.
-            found[node.name] = Projection(node.name, w[0], 1 if w[1] else 0, 0,
-                                          b.name if b is not None else None)
+            # linear computes x @ W.T: the view of W is (out, in).
+            found[node.name] = Projection(node.name, w[0], w[1][0], 0,
+                                          b.name if b is not None else None, w[1][1])
         elif node.target is MATMUL:
             # x @ W (Falcon's ``input @ self.weight.T``): like mm, with any leading dims.
             w = _weight_of(node.args[1], params)
             if w is None or len(shape(node.args[0])) < 2:
                 continue
-            found[node.name] = Projection(node.name, w[0], 0 if w[1] else 1, 0, None)
+            found[node.name] = Projection(node.name, w[0], w[1][1], 0, None, w[1][0])
         elif node.target in (ADDMM, MM):
             w_index, x_index = (2, 1) if node.target is ADDMM else (1, 0)
             w = _weight_of(node.args[w_index], params)
@@ -168,9 +224,20 @@ def find_projections(graph: fx.Graph, params: set[str]) -> dict[str, Projection]
                 continue
             if len(shape(node.args[x_index])) != 2:
                 continue
-            # mm computes x @ W: W is (in, out) (GPT-2's Conv1D), or (out, in) transposed.
-            found[node.name] = Projection(node.name, w[0], 0 if w[1] else 1, x_index,
-                                          b.name if b is not None else None)
+            # mm computes x @ W: the view of W is (in, out) (GPT-2's Conv1D).
+            found[node.name] = Projection(node.name, w[0], w[1][1], x_index,
+                                          b.name if b is not None else None, w[1][0])
+        elif is_grouped_mm(node) or node.target is aten.bmm.default:
+            # Stacked expert weights (E, in, out): every expert's FFN is split alike, its
+            # output channels (or contracted channels) over the ranks, as a dense MLP's.
+            w = _weight_of(node.args[1], params, 3)
+            if w is None or w[1][0] != 0:
+                continue
+            if node.target is not aten.bmm.default and len(shape(node.args[0])) != 2:
+                continue
+            if node.target is aten.bmm.default and len(shape(node.args[0])) != 3:
+                continue
+            found[node.name] = Projection(node.name, w[0], w[1][2], 0, None, w[1][1])
     return found
 
 

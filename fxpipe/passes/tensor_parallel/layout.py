@@ -76,6 +76,8 @@ def layout_of(ids: np.ndarray, full: tuple[int, ...], asg: Assignment, tp: int, 
                        for r, h in enumerate(held)):
                 raise LayoutFailure(ids, f"vocabulary shards of {where} are not contiguous blocks")
             vocab = True
+            if size * tp == full[d]:  # no padding: rank r holds the r-th of tp equal blocks
+                blocks.add(d)
         elif len(counts) != 1:
             raise LayoutFailure(ids, f"{where} would hold {sorted(counts)} elements on different "
                                      f"ranks along dim {d}")

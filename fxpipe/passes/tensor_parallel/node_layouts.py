@@ -20,7 +20,7 @@ from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.layout import Layout, LayoutFailure, layout_of, local_range, replicated
-from fxpipe.passes.tensor_parallel.provenance import Provenance
+from fxpipe.passes.tensor_parallel.provenance import Provenance, index_dim
 from fxpipe.passes.tensor_parallel.result import CollectiveKind
 
 
@@ -87,7 +87,7 @@ def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: 
         v = G.val(node)
         ids = prov.ids.get(node.name)
         if isinstance(ids, list):
-            plan.layouts[node.name] = [layout_of(i, tuple(int(s) for s in t.shape), asg, tp,
+            plan.layouts[node.name] = [layout_of(i, tuple(G._dim(s) for s in t.shape), asg, tp,
                                                  describe(node.name)) for i, t in zip(ids, v)]
         elif ids is not None:
             plan.layouts[node.name] = layout_of(ids, shape(node), asg, tp, describe(node.name))
@@ -171,9 +171,31 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
         return
     if t in (G.aten.view.default, G.aten._unsafe_view.default, G.aten.reshape.default,
              G.aten.expand.default):
+        x = node.args[0]
+        if t is G.aten.expand.default and is_sharded(lay) and not is_sharded(plan.layouts[x.name]):
+            # Copies of a replicated value, each rank expanding to its own heads: f sums
+            # the gradients of every rank's copies.
+            if x.name in grad:
+                plan.conversions[(node.name, x.name)] = [Conversion(CollectiveKind.F)]
         sizes = list(node.args[1])
         plan.new_args[node.name] = (node.args[0], [lay.shape[d] if d in lay.sharded and s != -1 else s
                                                    for d, s in enumerate(sizes)], *node.args[2:])
+    elif t in G.SHAPED_AS:
+        other = plan.layouts.get(node.args[1].name)
+        if not is_sharded(lay) and min(lay.full) >= 0:
+            # A replicated result shaped like a shard (a mask expanded to split scores):
+            # spelled with its full sizes, so every rank holds all of it.
+            plan.new_target[node.name] = {G.aten.view_as.default: G.aten.view.default,
+                                          G.aten.reshape_as.default: G.aten.reshape.default,
+                                          G.aten.expand_as.default: G.aten.expand.default}[t]
+            plan.new_args[node.name] = (node.args[0], list(lay.full))
+            return
+        if other is None or other.shape != lay.shape:
+            raise _Refuse(f"{t} a tensor of another local shape")
+        x = plan.layouts[node.args[0].name]
+        if t is G.aten.expand_as.default and is_sharded(lay) and not is_sharded(x):
+            if node.args[0].name in grad:  # each rank's copies: f sums their gradients
+                plan.conversions[(node.name, node.args[0].name)] = [Conversion(CollectiveKind.F)]
     elif t is G.aten.unflatten.int:
         dim = norm_dim(node.args[1], len(lay.full))
         sizes = [lay.shape[dim + i] if dim + i in lay.sharded and s != -1 else s
@@ -203,7 +225,14 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
             plan.statistics[node.name] = local / full if t is G.aten.mean.dim else 1.0
         for a in node.all_input_nodes[1:]:
             _operand(plan, node, a, lay, grad)
-    elif t in G.TRANSPOSES or t in G.SQUEEZES or t in (G.aten.unsqueeze.default, G.aten.cat.default,
+    elif t is G.aten.cat.default:
+        dim = norm_dim(arg(node, 1, "dim", 0), len(lay.full))
+        for a in node.args[0]:
+            if not is_sharded(plan.layouts[a.name]) and 0 not in shape(a):  # (an empty part: nothing to narrow)
+                if dim in lay.sharded:
+                    raise _Refuse("concatenates replicated values along a sharded dim")
+                _operand(plan, node, a, lay, grad)
+    elif t in G.TRANSPOSES or t in G.SQUEEZES or t in (G.aten.unsqueeze.default,
                                                          G.aten.flatten.using_ints, G.STACK):
         return
     elif t in G.BATCHED_MATMULS:
@@ -218,6 +247,20 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
         if norm_dim(arg(node, 1, "dim", 0), len(plan.layouts[node.args[0].name].full)) in \
                 plan.layouts[node.args[0].name].sharded:
             raise _Refuse("unbinds a sharded dim")
+    elif t in G.PADS:
+        if set(G.padded_dims(node)) & set(plan.layouts[node.args[0].name].sharded):
+            raise _Refuse("pads a sharded dim")
+    elif t is G.NEW_EMPTY:
+        return  # its sizes are arguments: a full, replicated tensor, whatever its input holds
+    elif t is G.SLICE_SCATTER:
+        if norm_dim(arg(node, 2, "dim", 0), len(lay.full)) in lay.sharded:
+            raise _Refuse("writes a slice of a sharded dim")
+        for a in node.args[:2]:
+            _operand(plan, node, a, lay, grad)
+    elif t is G.INDEX:
+        x = plan.layouts[node.args[0].name]
+        if index_dim(node) in x.sharded:
+            raise _Refuse("indexes a sharded dim")
     elif t is G.INDEX_ADD:
         if norm_dim(node.args[1], len(lay.full)) in lay.sharded:
             raise _Refuse("index_add along a sharded dim")
@@ -315,8 +358,22 @@ def _slice(plan: TPPlan, node: fx.Node, where: str) -> None:
     dim = norm_dim(arg(node, 1, "dim", 0), len(x.full))
     if dim not in x.sharded:
         return
-    if arg(node, 4, "step", 1) != 1:
-        raise _Refuse("strided slice of a sharded dim")
+    step = arg(node, 4, "step", 1)
     start, stop, _ = slice(arg(node, 2, "start"), arg(node, 3, "end")).indices(x.full[dim])
-    a, b = local_range(x, dim, start, stop, where, np.zeros(0))
-    plan.new_args[node.name] = (node.args[0], dim, a, b, 1)
+    if step == 1:
+        a, b = local_range(x, dim, start, stop, where, np.zeros(0))
+        plan.new_args[node.name] = (node.args[0], dim, a, b, 1)
+        return
+    # x[..., start::step] of a shard (gpt-oss's interleaved gate/up): every rank must take
+    # its part at the same local start with the same step.
+    found = set()
+    for held in x.positions[x.sharded.index(dim)]:
+        inside = np.flatnonzero(np.isin(held, np.arange(start, stop, step)))
+        if len(inside) == 0 or not np.array_equal(
+                inside, np.arange(inside[0], inside[0] + step * len(inside), step)):
+            raise _Refuse("a strided slice takes an irregular part of the shard")
+        found.add((int(inside[0]), len(inside)))
+    if len(found) != 1 or x.vocab:
+        raise _Refuse("a strided slice takes different parts of the shard on different ranks")
+    a, n = found.pop()
+    plan.new_args[node.name] = (node.args[0], dim, a, a + step * (n - 1) + 1, step)

@@ -20,7 +20,7 @@ from fxpipe.passes.tensor_parallel.layout import LayoutFailure
 from fxpipe.passes.tensor_parallel.node_layouts import TPPlan
 from fxpipe.passes.tensor_parallel.provenance import Provenance
 from fxpipe.passes.tensor_parallel.result import BlockInfo, BlockKind
-from fxpipe.passes.tensor_parallel.specs import ShardKind, ShardSpec, ranges_of
+from fxpipe.sharding import ShardKind, ShardSpec, ranges_of
 from fxpipe.program import ParamKind, Program
 
 
@@ -113,7 +113,8 @@ class _Specs:
             for user in node.users:
                 # A weight read through transposes (Falcon's ``x @ w.T``) is the projection's.
                 reader = user
-                while reader.op == "call_function" and reader.target in G.TRANSPOSES and len(reader.users) == 1:
+                while reader.op == "call_function" and (reader.target in G.TRANSPOSES or reader.target is G.SELECT) \
+                        and len(reader.users) == 1:
                     reader = next(iter(reader.users))
                 if (user.name, node.name) not in claimed and (reader.name, node.name) not in claimed:
                     self.propose(node.name, _Proposal(ShardKind.REPLICATED, None, (), 0,
@@ -170,6 +171,11 @@ class _Specs:
             members = groups.get(canonical, (canonical,))
             if len(keys) > 1:
                 self.conflict(canonical, props)
+            if not props and info.kind is ParamKind.PARAMETER:
+                spec = _unread(info, members, self.tp)
+                if spec is not None:
+                    specs[canonical] = spec
+                    continue
             if not props or props[0].kind is ShardKind.REPLICATED:
                 reason = props[0].reason if props else "not read by the graph"
                 specs[canonical] = ShardSpec(canonical, ShardKind.REPLICATED, info.shape, info.shape,
@@ -196,6 +202,21 @@ class _Specs:
                 ids.append(np.arange(first, first + count))
         raise LayoutFailure(np.concatenate(ids), f"{canonical} is used with different placements "
                                                  f"({', '.join(sorted({q.kind.value for q in props}))})")
+
+
+def _unread(info, members: tuple[str, ...], tp: int) -> ShardSpec | None:
+    """A parameter the graph never reads (a decoder's cross-attention without an encoder)
+    has no gradient and no reader: each rank keeps one block of it, along its first
+    dim that tp divides, so that no rank holds it whole. None: no such dim."""
+    dim = next((d for d, n in enumerate(info.shape) if n % tp == 0 and n >= tp), None)
+    if dim is None:
+        return None
+    block = info.shape[dim] // tp
+    local = list(info.shape)
+    local[dim] = block
+    return ShardSpec(info.name, ShardKind.COLUMN, info.shape, tuple(local), dim,
+                     tuple(((r * block, (r + 1) * block),) for r in range(tp)), members,
+                     "not read by the graph: split in equal blocks (no rank reads it)")
 
 
 class _DropLookups(Exception):

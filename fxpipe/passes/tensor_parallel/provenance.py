@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
+from fxpipe.passes.tensor_parallel.norms import private_norm
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,14 @@ class Provenance:
     """(an id, op) for every reduction that mixes channels: why a class cannot split."""
     statistics: dict[str, np.ndarray] = field(default_factory=dict)
     """Linear reduction (mean/sum) over channels only -> the channel ids it sums."""
+    private: set[str] = field(default_factory=set)
+    """Statistics whose input only their own norm reads (``norms.private_norm``)."""
     split_statistics: frozenset[str] = frozenset()
+    broadcasts: dict[str, np.ndarray] = field(default_factory=dict)
+    """Expand of a value whose channels vary along its last dim only, to copies along
+    another dim -> the channel ids copied."""
+    copies: frozenset[str] = frozenset()
+    """Of those, the ones whose every copy gets ids of its own (``shared_copies``)."""
     """Of those, the ones whose channels stay split: a partial sum, all-reduced
     (``split_statistics``); the others unite their channels like any reduction."""
 
@@ -116,14 +124,27 @@ def reshape_ids(ids: np.ndarray, in_shape: tuple[int, ...], out_shape: tuple[int
                 src[d] = in_shape[d]
             for d in gb:
                 dst[d] = out_shape[d]
-    return np.broadcast_to(ids, src).reshape(dst)
+    return _compact(np.broadcast_to(ids, src).reshape(dst))
+
+
+def _compact(ids: np.ndarray) -> np.ndarray:
+    """Size 1 along every dim the ids do not vary along: a view that merged batch with
+    heads (Bloom's (B·H, T, D)) and split them again carries the heads only."""
+    if ids.size == 0:
+        return ids
+    for d in range(ids.ndim):
+        if ids.shape[d] > 1 and (ids == np.take(ids, [0], axis=d)).all():
+            ids = np.take(ids, [0], axis=d)
+    return ids
 
 
 def analyze(graph: fx.Graph, projections: dict[str, Projection],
-            split_statistics: frozenset[str] = frozenset()) -> Provenance:
+            split_statistics: frozenset[str] = frozenset(), copies: frozenset[str] = frozenset()
+            ) -> Provenance:
     """One forward sweep over the graph in topological order; ``split_statistics``:
-    mean/sum nodes whose channels stay split (see ``split_statistics``)."""
-    prov = Provenance(split_statistics=split_statistics)
+    mean/sum nodes whose channels stay split (see ``split_statistics``); ``copies``:
+    expands whose copies are channels of their own (see ``shared_copies``)."""
+    prov = Provenance(split_statistics=split_statistics, copies=copies)
     for node in graph.nodes:
         if node.op == "output":
             for a in node.all_input_nodes:
@@ -180,12 +201,14 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         if not isinstance(ids, list):
             raise _Unsupported("indexing a tensor")
         return ids[node.args[1]]
-    if t in G.LIKE:
+    if t in G.LIKE or t is G.NEW_EMPTY:
         return None
     if any(isinstance(v, list) for v in inputs.values()):
         raise _Unsupported("a multi-output value used directly")
     x = node.args[0] if node.args else None
     if t in G.RESHAPES:
+        if x.name not in inputs:
+            return None  # view_as / reshape_as read only the shape of ``other``
         if 0 in shape(x):
             raise _Unsupported("an empty tensor")
         return reshape_ids(inputs[x.name], shape(x), shape(node))
@@ -203,8 +226,12 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         return np.transpose(inputs[x.name], perm)
     if t is G.aten.unsqueeze.default:
         return np.expand_dims(inputs[x.name], norm_dim(node.args[1], len(shape(node))))
-    if t is G.aten.expand.default:  # only size-1 dims expand, and they carry no channel
+    if t is G.aten.expand_as.default:
+        if node.args[1].name in inputs and x.name not in inputs:
+            return None  # only the shape of ``other`` is read
         return _align(inputs[x.name], len(shape(node)))
+    if t is G.aten.expand.default:  # only size-1 dims expand, and they carry no channel
+        return _expand(prov, node, _align(inputs[x.name], len(shape(node))))
     if t in G.SQUEEZES:
         return reshape_ids(inputs[x.name], shape(x), shape(node))
     if t is G.aten.slice.Tensor:
@@ -218,6 +245,8 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
     if t in G.SPLITS:
         ids = inputs[x.name]
         dim = norm_dim(arg(node, 2, "dim", 0), ids.ndim)
+        if ids.shape[dim] == 1:  # pieces of a dim without channels (sizes may be data-dependent)
+            return [ids] * len(G.val(node))
         outs, start = [], 0
         for v in G.val(node):
             n = int(v.shape[dim])
@@ -237,6 +266,19 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         ids = inputs[x.name]
         dim = norm_dim(arg(node, 1, "dim", 0), ids.ndim)
         return [np.take(ids, i if ids.shape[dim] > 1 else 0, axis=dim) for i in range(len(G.val(node)))]
+    if t in G.PADS:  # padded positions hold a constant: they go where their row's channels go
+        ids = _align(inputs[x.name], len(shape(node)))
+        if node.target is G.aten.pad.default and arg(node, 2, "mode", "constant") != "constant":
+            raise _Unsupported("a reflecting or replicating pad")
+        widths = [(0, 0) if ids.shape[d] == 1 else p for d, p in
+                  ((d, G.padded_dims(node).get(d, (0, 0))) for d in range(ids.ndim))]
+        if any(a < 0 or b < 0 for a, b in widths):
+            raise _Unsupported("a negative pad (a crop)")
+        return np.pad(ids, widths, mode="edge")
+    if t is G.SLICE_SCATTER:
+        return _slice_scatter(prov, node, inputs)
+    if t is G.INDEX:  # rows gathered by an index tensor (tokens routed to experts)
+        return _index(node, inputs)
     if t is G.INDEX_ADD:  # a dropless MoE's combine: expert outputs added at their tokens' rows
         dim = norm_dim(node.args[1], len(shape(node)))
         arrays = [_align(inputs[a.name], len(shape(node))) for a in (x, node.args[3]) if a.name in inputs]
@@ -255,6 +297,9 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         return _attention(prov, node, inputs)
     if t is G.CROSS_ENTROPY:
         return _loss(prov, node, inputs)
+    if t in G.PAIRED_REDUCTIONS:  # values and indices, both reduced alike
+        out = _reduction(prov, node, inputs)
+        return [out, out]
     if t in G.REDUCTIONS or t in G.NORMS:
         return _reduction(prov, node, inputs)
     if t in G.BATCHED_MATMULS:
@@ -270,6 +315,54 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
             out = np.broadcast_arrays(out, other)[0]
         return out
     raise _Unsupported("no channel rule for this op")
+
+
+def _slice_scatter(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
+    """base[..., start:end:step, ...] = src (a functionalized in-place write: MLA's key
+    assembled in a new tensor). A part that carries no channels (the new tensor's
+    unwritten positions, a replicated src) takes the ids of the other part's first
+    index along ``dim``: it is held wherever that part's rows are, scattered there."""
+    base, src = node.args[:2]
+    nd = len(shape(node))
+    dim = norm_dim(arg(node, 2, "dim", 0), nd)
+    region = [slice(None)] * nd
+    region[dim] = slice(arg(node, 3, "start"), arg(node, 4, "end"), arg(node, 5, "step", 1))
+    b, s = (_align(inputs[a.name], nd) if a.name in inputs else None for a in (base, src))
+    b = b if b is not None else np.take(s, [0], axis=dim)
+    s = s if s is not None else np.take(b, [0], axis=dim)
+    size = list(np.broadcast_shapes(*[tuple(1 if d == dim else n for d, n in enumerate(p.shape))
+                                      for p in (b, s)]))
+    if b.shape[dim] > 1 or s.shape[dim] > 1:
+        size[dim] = shape(node)[dim]
+    out = np.broadcast_to(b, size).copy()
+    if s.shape[dim] > 1 or b.shape[dim] > 1:
+        target = out[tuple(region)]
+        out[tuple(region)] = np.broadcast_to(s, target.shape)
+    else:
+        prov.union(out, s)
+    return out
+
+
+def index_dim(node: fx.Node) -> int | None:
+    """The dim of ``aten.index.Tensor`` indexed by its one index tensor (None: another form)."""
+    indices = node.args[1]
+    given = [i for i, t in enumerate(indices) if t is not None]
+    return given[0] if len(given) == 1 else None
+
+
+def _index(node: fx.Node, inputs: dict) -> np.ndarray:
+    """x[..., idx, ...] with one index tensor along a dim that carries no channel: the
+    output keeps x's channels on the other dims (DTensor shards them alike)."""
+    x, indices = node.args[0], node.args[1]
+    p = index_dim(node)
+    if p is None or x.name not in inputs or any(
+            isinstance(i, fx.Node) and i.name in inputs for i in indices):
+        raise _Unsupported("advanced indexing by values that carry channels or by several tensors")
+    ids = _align(inputs[x.name], len(shape(x)))
+    if ids.shape[p] > 1:
+        raise _Unsupported("indexes a dim that carries channels")
+    k = len(shape(indices[p]))
+    return ids.reshape(ids.shape[:p] + (1,) * k + ids.shape[p + 1:])
 
 
 def _reduction(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
@@ -291,6 +384,8 @@ def _reduction(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
         keepdim = keep_index is None or bool(arg(node, keep_index, "keepdim", False))
     if node.target in G.LINEAR_REDUCTIONS and all(ids.shape[d] == 1 for d in range(nd) if d not in dims):
         prov.statistics[node.name] = np.unique(ids)
+        if private_norm(node):
+            prov.private.add(node.name)
         if node.name in prov.split_statistics:
             return None  # the all-reduced statistic is whole on every rank: it carries no channel
     for d in dims:
@@ -302,7 +397,31 @@ def _reduction(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     return ids if keepdim else np.squeeze(ids, axis=tuple(dims))
 
 
-def split_statistics(prov: Provenance) -> frozenset[str]:
+def _expand(prov: Provenance, node: fx.Node, ids: np.ndarray) -> np.ndarray:
+    """Broadcast ids; an expand in ``prov.copies`` gives each copy ids of its own."""
+    x_shape, out_shape = shape(node.args[0]), shape(node)
+    x_shape = (1,) * (len(out_shape) - len(x_shape)) + x_shape
+    copied = [d for d in range(len(out_shape) - 1) if x_shape[d] == 1 and out_shape[d] > 1]
+    if not copied or any(s > 1 for s in ids.shape[:-1]) or ids.shape[-1] == 1:
+        return ids
+    prov.broadcasts[node.name] = np.unique(ids)
+    if node.name not in prov.copies:
+        return ids
+    size = [out_shape[d] if d in copied else 1 for d in range(len(out_shape) - 1)] + [ids.shape[-1]]
+    return prov.fresh(node.name, tuple(size))
+
+
+def shared_copies(prov: Provenance) -> frozenset[str]:
+    """Expands that copy a key (or value) part shared by all heads to every head — the
+    decoupled rotary key of multi-head latent attention — so that copy h belongs to
+    head h, and the shared part stays replicated (each rank expands to its own heads;
+    f sums the copies' gradients), instead of uniting every head into one class."""
+    kv = np.concatenate([np.concatenate([u.k.ravel(), u.v.ravel()]) for u in prov.attention.values()]
+                        or [np.zeros(0, dtype=np.int64)])
+    return frozenset(node for node, ids in prov.broadcasts.items() if np.isin(ids, kv).any())
+
+
+def split_statistics(prov: Provenance, private: bool = True) -> frozenset[str]:
     """Means/sums over the query/key channels of all heads (OLMo 2's QK-norm): kept split
     by heads, each rank sums its own channels and one all-reduce of the statistic
     (a DTensor ``Partial`` sum) makes it whole — rather than one class of all heads, which
@@ -310,7 +429,8 @@ def split_statistics(prov: Provenance) -> frozenset[str]:
     stream must unite its channels, or they would look like row-parallel inputs."""
     qk = np.concatenate([np.concatenate([u.q.ravel(), u.k.ravel()]) for u in prov.attention.values()]
                         or [np.zeros(0, dtype=np.int64)])
-    return frozenset(node for node, ids in prov.statistics.items() if ids.size > 1 and np.isin(ids, qk).all())
+    return frozenset(node for node, ids in prov.statistics.items()
+                     if ids.size > 1 and (np.isin(ids, qk).all() or (private and node in prov.private)))
 
 
 def _matmul(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
@@ -385,8 +505,26 @@ def _cat(prov: Provenance, node: fx.Node, inputs: dict, stack: bool = False) -> 
     tensors = node.args[0]
     nd = len(shape(node))
     dim = norm_dim(arg(node, 1, "dim", 0), nd)
-    if any(t.name not in inputs for t in tensors):
-        raise _Unsupported("concatenates channels with replicated values")
+    carrying = [t for t in tensors if t.name in inputs]
+    if not carrying:
+        return None
+    if len(carrying) < len(tensors):
+        # Replicated values beside channels (gpt-oss's per-head sinks as an extra score
+        # column): they go where the first index along ``dim`` of the channels goes,
+        # each rank taking its part of them (scatter), or the layout check refuses.
+        if stack:
+            raise _Unsupported("stacks channels with replicated values")
+        like = np.take(_align(inputs[carrying[0].name], nd), [0], axis=dim)
+        inputs = {**inputs, **{t.name: like for t in tensors if t.name not in inputs}}
+    if not stack and all(_align(inputs[t.name], nd).shape[dim] == 1 for t in tensors):
+        # Rows of several tensors stacked along a dim that carries no channel (the tokens
+        # of every expert, one after another): channel j of each is column j of the result.
+        out = _align(inputs[tensors[0].name], nd)
+        for t in tensors[1:]:
+            other = _align(inputs[t.name], nd)
+            prov.union(out, other)
+            out = np.broadcast_arrays(out, other)[0]
+        return out
     parts = []
     for t in tensors:
         ids = np.expand_dims(_align(inputs[t.name], nd - 1), dim) if stack else _align(inputs[t.name], nd)
@@ -415,14 +553,17 @@ def _attention(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     mask = arg(node, 3, "attn_mask")
     if isinstance(mask, fx.Node) and mask.name in inputs:
         raise _Unsupported("the attention mask carries channels")
-    if any(x.name not in inputs for x in (q, k, v)):
+    gqa = bool(node.kwargs.get("enable_gqa", False))
+    if q.name not in inputs or (gqa and any(x.name not in inputs for x in (k, v))):
         raise _Unsupported("q, k and v must all come from projections")
     qs, ks, vs = shape(q), shape(k), shape(v)
-    heads = [np.broadcast_to(_heads(inputs[x.name], n), (s[1], s[3]))
+    # k/v that carry no channels (computed by ops without a channel rule, e.g. heads
+    # tiled by ``repeat``) are replicated: each rank takes its query heads' share (scatter).
+    heads = [np.broadcast_to(_heads(inputs[x.name], n), (s[1], s[3])) if x.name in inputs
+             else np.zeros((s[1], 0), dtype=np.int64)
              for x, s, n in ((q, qs, "query"), (k, ks, "key"), (v, vs, "value"))]
     out = prov.fresh(node.name, (1, qs[1], 1, vs[3]))
-    prov.attention[node.name] = AttentionUse(node.name, heads[0], heads[1], heads[2], out[0, :, 0, :],
-                                             bool(node.kwargs.get("enable_gqa", False)))
+    prov.attention[node.name] = AttentionUse(node.name, heads[0], heads[1], heads[2], out[0, :, 0, :], gqa)
     return out
 
 

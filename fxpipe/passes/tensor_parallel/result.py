@@ -8,7 +8,7 @@ from typing import Mapping
 
 from fxpipe.passes.tensor_parallel.config import TPConfig
 from fxpipe.passes.tensor_parallel.coverage import TPCoverage
-from fxpipe.passes.tensor_parallel.specs import ShardKind, ShardSpec
+from fxpipe.sharding import ShardKind, ShardSpec
 
 
 class Comm(enum.Enum):

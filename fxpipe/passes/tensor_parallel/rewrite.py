@@ -53,18 +53,24 @@ The outputs of f and of the sequence all-gather hold replicated values but feed
 column-parallel ops, whose gradients are per-rank partial sums: not eligible."""
 _REPLICATING = frozenset({CollectiveKind.G, CollectiveKind.GATHER})
 PARTIAL_GRAD = "fxpipe_tp_partial_grad"
-"""Node meta key: the output of f (or of the SP gather) and the replicated-layout views
-export may put between it and the column-parallel op (an ``alias``): identical values,
-per-rank partial gradients, so never ``REPLICATED`` (a pipeline cut just before an LM
-head sent such a view as 1/t chunks and lost the other ranks' share of its gradient)."""
+"""Node meta key: the output of f (or of the SP gather) and the replicated-layout values
+computed from it on the way to the column-parallel op (an ``alias`` export puts there):
+identical values, per-rank partial gradients, so never ``REPLICATED`` (a pipeline cut just
+before an LM head sent such a view as 1/t chunks and lost the other ranks' share of its
+gradient)."""
+_UNINITIALISED = frozenset({G.aten.new_empty.default, G.aten.empty_like.default,
+                            G.aten.empty.memory_format})
 
 
 class _Builder:
-    def __init__(self, program: Program, plan: TPPlan, reduce_kind: dict[str, Conversion]) -> None:
+    def __init__(self, program: Program, plan: TPPlan, reduce_kind: dict[str, Conversion],
+                 sharded_params: set[str] = frozenset()) -> None:
         self.program, self.plan, self.reduce_kind = program, plan, reduce_kind
         self.graph = fx.Graph()
         self.env: dict[str, fx.Node] = {}
         self.cache: dict[tuple, fx.Node] = {}
+        self.after_f: set[str] = set()
+        self.shard_views: set[str] = set(sharded_params)
         self.sites: list[CollectiveSite] = []
         self.paths = dict(program.module_paths)
         self.layers = dict(program.layers)
@@ -123,11 +129,27 @@ class _Builder:
                                          self.map(kwargs, node), name=node.name)
         new.meta = copy.copy(node.meta)
         lay = self.plan.layouts.get(node.name)
-        # Identical on every TP rank: a replicated layout that is not a partial sum.
+        # A view between an f and the column-parallel op it serves (f hoisted above the
+        # views, node_layouts.hoist) holds a replicated value whose gradient is partial.
+        after_f = any(a.target is _OP[CollectiveKind.F] or a.name in self.after_f
+                      for a in new.all_input_nodes)
+        if after_f and node.op == "call_function" and node.target in G.VIEWS:
+            self.after_f.add(new.name)
+        # A view of a sharded weight (a stacked expert weight transposed) holds each rank's
+        # shard, whatever its channel layout says; so does an uninitialised tensor.
+        local = node.name in self.shard_views or node.target in _UNINITIALISED or any(
+            a.name in self.shard_views for a in new.all_input_nodes)
+        if local and node.op == "call_function" and (node.target in G.TRANSPOSES or
+                                                     node.target in G.VIEWS or node.target is G.SELECT):
+            self.shard_views.add(new.name)
+        # Identical on every TP rank, value and gradient: a replicated layout that is not
+        # a partial sum (nor a statistic before its all-reduce), not after an f.
         replicated = lay is not None and not isinstance(lay, list) and not is_sharded(lay) and \
             node.name not in self.plan.partial
         new.meta[PARTIAL_GRAD] = replicated and any(a.meta.get(PARTIAL_GRAD) for a in new.all_input_nodes)
-        new.meta[REPLICATED] = replicated and not new.meta[PARTIAL_GRAD] and not self.sequence_parallel
+        new.meta[REPLICATED] = replicated and not new.meta[PARTIAL_GRAD] and \
+            node.name not in self.plan.statistics and not after_f and not local and \
+            not self.sequence_parallel
         self.env[node.name] = new
         if node.name in self.plan.partial:
             self.reduce(node)
@@ -191,7 +213,8 @@ def rewrite(program: Program, plan: TPPlan, reduce_kind: dict[str, Conversion],
 
     ``reduce_kind``: sink node -> the reduction after it (g, or a reduce-scatter
     under sequence parallelism); ``local_params``: placeholder -> local shape."""
-    b = _Builder(program, plan, reduce_kind)
+    sharded = {p.node for p in program.params if tuple(local_params.get(p.node, p.shape)) != tuple(p.shape)}
+    b = _Builder(program, plan, reduce_kind, sharded)
     for node in program.graph.nodes:
         b.copy(node)
     for name in plan.vocab_ce:

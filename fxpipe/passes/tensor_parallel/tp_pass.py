@@ -22,15 +22,13 @@ import dataclasses
 import math
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
-from fxpipe.passes.tensor_parallel.assign import assign
 from fxpipe.passes.tensor_parallel.config import TPConfig, tp_config_of
 from fxpipe.passes.tensor_parallel.coverage import measure_coverage
-from fxpipe.passes.tensor_parallel.layout import LayoutFailure
-from fxpipe.passes.tensor_parallel.placement import blocks, build_specs
-from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan, build_plan
-from fxpipe.passes.tensor_parallel.provenance import analyze, split_statistics
+from fxpipe.passes.tensor_parallel.placement import blocks
+from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan
 from fxpipe.passes.tensor_parallel.result import CollectiveKind, TPResult
 from fxpipe.passes.tensor_parallel.rewrite import rewrite
+from fxpipe.passes.tensor_parallel.search import search
 from fxpipe.passes.tensor_parallel.sequence import plan_sequence_parallel
 from fxpipe.program import ParamKind, Program
 from fxpipe.sizes import carry_hints
@@ -59,28 +57,14 @@ def tensor_parallel_pass(program: Program, config: object = None) -> Program:
     projections = G.find_projections(graph, weights)
     embeddings = G.token_embeddings(graph, weights, set(program.inputs))
     grad = G.grad_carrying(graph, {p.node for p in program.params if p.requires_grad})
-    prov = analyze(graph, projections)
-    statistics = split_statistics(prov)
-    if statistics:  # a second sweep, with those reductions no longer uniting their channels
-        prov = analyze(graph, projections, statistics)
 
     def describe(node: str) -> str:
         path = program.module_paths.get(node) or node
         layer = program.layers.get(node)
         return path if layer is None else f"layer {layer} ({path})"
 
-    replicate: list = []
-    for _ in range(prov.n_ids + 1):  # each failed round replicates at least one more class
-        asg = assign(prov, cfg.tp, replicate, describe)
-        try:
-            plan = build_plan(graph, prov, asg, projections, embeddings, grad, cfg.tp, describe)
-            specs = build_specs(program, prov, asg, plan, describe)
-            break
-        except LayoutFailure as failure:
-            replicate.append((failure.ids, failure.reason))
-    else:  # pragma: no cover - the loop always makes progress
-        raise AssertionError("tensor-parallel layout search did not converge")
-
+    found = search(program, graph, projections, embeddings, grad, cfg.tp, describe)
+    prov, asg, plan, specs = found.prov, found.asg, found.plan, found.specs
     coverage = measure_coverage(program, specs, cfg.tp)
     if cfg.strict and not coverage.complete:
         raise ValueError(f"strict_tp: {coverage.describe()}; drop strict_tp to train with them "

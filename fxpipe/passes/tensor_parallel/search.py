@@ -1,0 +1,76 @@
+"""The layout search: provenance, then assign/plan/placement until every layout is
+expressible, for each way of reading the graph's optional rules; the one that leaves
+each rank the smallest share of the parameters wins.
+
+Two rules are choices, not facts: a private norm's statistic may be all-reduced
+(its channels split) or unite its channels (``norms.private_norm``): the first
+is right for a sub-norm before a row-parallel projection, the second for the
+low-rank latent of multi-head latent attention, whose next projection must stay
+column-parallel. Both readings are planned and measured; each is correct.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.fx as fx
+
+from fxpipe.passes.tensor_parallel.assign import Assignment, assign
+from fxpipe.passes.tensor_parallel.coverage import measure_coverage
+from fxpipe.passes.tensor_parallel.graph_ops import Projection
+from fxpipe.passes.tensor_parallel.layout import LayoutFailure
+from fxpipe.passes.tensor_parallel.node_layouts import TPPlan, build_plan
+from fxpipe.passes.tensor_parallel.placement import build_specs
+from fxpipe.passes.tensor_parallel.provenance import Provenance, analyze, shared_copies, split_statistics
+from fxpipe.sharding import ShardSpec
+from fxpipe.program import Program
+
+
+@dataclass(frozen=True)
+class Layouts:
+    prov: Provenance
+    asg: Assignment
+    plan: TPPlan
+    specs: dict[str, ShardSpec]
+
+
+def search(program: Program, graph: fx.Graph, projections: dict[str, Projection],
+           embeddings: dict[str, str], grad: set[str], tp: int,
+           describe: Callable[[str], str]) -> Layouts:
+    first = analyze(graph, projections)
+    copies = shared_copies(first)
+    readings = []
+    for private in (False, True):
+        stats = split_statistics(first, private)
+        if (stats, copies) not in readings:
+            readings.append((stats, copies))
+    best, best_share = None, 2.0
+    for i, (stats, cp) in enumerate(readings):
+        # a second sweep, with those reductions no longer uniting their channels and
+        # those expands' copies channels of their own
+        prov = analyze(graph, projections, stats, cp) if stats or cp else first
+        try:
+            found = _layouts(program, graph, prov, projections, embeddings, grad, tp, describe)
+        except ValueError:
+            if i == 0:
+                raise  # heads or FFN sizes that tp does not divide: the user's to fix
+            continue  # an optional reading that splits what tp cannot: not taken
+        share = measure_coverage(program, found.specs, tp).share
+        if share < best_share - 1e-12:
+            best, best_share = found, share
+    assert best is not None
+    return best
+
+
+def _layouts(program: Program, graph: fx.Graph, prov: Provenance, projections: dict[str, Projection],
+             embeddings: dict[str, str], grad: set[str], tp: int, describe: Callable[[str], str]) -> Layouts:
+    replicate: list = []
+    for _ in range(prov.n_ids + 1):  # each failed round replicates at least one more class
+        asg = assign(prov, tp, replicate, describe)
+        try:
+            plan = build_plan(graph, prov, asg, projections, embeddings, grad, tp, describe)
+            specs = build_specs(program, prov, asg, plan, describe)
+            return Layouts(prov, asg, plan, specs)
+        except LayoutFailure as failure:
+            replicate.append((failure.ids, failure.reason))
+    raise AssertionError("tensor-parallel layout search did not converge")  # pragma: no cover
