@@ -126,8 +126,10 @@ def _model_state(pm: "ParallelModel") -> dict[str, Any]:
     if pm.groups.pp_rank == 0:  # buffers no stage reads are in no rank's state: the Program's copy
         held = {n for st in range(pm.plan.num_stages) for n in pm.plan.stage_params(st)}
         program = pm.plan.program
+        # A model built on meta never materialises a buffer no stage reads: nothing to save.
         local.update({p.canonical: program.state[p.canonical].detach().cpu() for p in program.params
-                      if p.kind is ParamKind.BUFFER and p.canonical not in held})
+                      if p.kind is ParamKind.BUFFER and p.canonical not in held
+                      and not program.state[p.canonical].is_meta})
     return {f"model.{n}": t for n, t in local.items()}
 
 
