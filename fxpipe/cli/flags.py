@@ -18,48 +18,36 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 
+def _number(text: str, cast: Callable[[str], Any], ok: Callable[[Any], bool], expected: str, must: str) -> Any:
+    """``text`` parsed by ``cast`` and checked by ``ok``; argparse's error says what was
+    expected (not a number) or what it must be (out of range)."""
+    try:
+        value = cast(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {must}, got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (a size or count of zero is never meant)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    return _number(text, int, lambda v: v >= 1, "an integer >= 1", ">= 1")
 
 
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+    return _number(text, float, lambda v: math.isfinite(v) and v > 0, "a number > 0", "a finite number > 0")
 
 
 def fraction(text: str) -> float:
     """argparse type: a number in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
+    return _number(text, float, lambda v: 0 <= v < 1, "a number in [0, 1)", "in [0, 1)")
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0 (0: off)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0", ">= 0")
 
 
 class Kind(enum.Enum):
