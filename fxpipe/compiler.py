@@ -142,7 +142,8 @@ def split_step(program: Program, ctx: CompileContext) -> PipelinePlan:
 
 def vocab_rows_step(plan: PipelinePlan, ctx: CompileContext) -> PipelinePlan:
     tp = plan.program.tensor_parallel
-    return vocab_rows_pass(plan, ctx.schedule.stage_ranks, tp.specs if tp is not None else {})
+    return vocab_rows_pass(plan, ctx.schedule.stage_ranks, tp.specs if tp is not None else {},
+                           tp=ctx.config.tp)
 
 
 def recompute_step(plan: PipelinePlan, ctx: CompileContext) -> PipelinePlan:

@@ -76,6 +76,12 @@ def _toml_value(value: Any) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+ONE_TIME = frozenset({"resume_from", "overwrite"})
+"""Fields that describe one launch, not the run: a saved config replayed later must not
+resume from the step this launch began at again (skipping the newer checkpoints), nor
+overwrite the directory it saves into."""
+
+
 def to_toml(config: "TrainConfig") -> str:
     """The resolved run config as TOML with the flags' keys (None fields left out: their
     default is None, but for files on by default, written as "none")."""
@@ -84,6 +90,8 @@ def to_toml(config: "TrainConfig") -> str:
     lines = []
     for flags, obj in ((TRAIN_FLAGS, config), (LAYOUT_FLAGS, config.parallel)):
         for name, flag in flags.items():
+            if name in ONE_TIME:
+                continue
             value = getattr(obj, name)
             if value is None and flag.type is optional_path:
                 value = "none"  # a file that is on by default, turned off

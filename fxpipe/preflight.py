@@ -224,8 +224,14 @@ def check_model(config: "TrainConfig", resume: Path | None = None, data: "DataFa
         _check_vocab(config.model, t.vocab_size, f"the rows of its {role} at {t.module or t.node}", data)
     if config.resume:
         check_resume(result.program, resume or resume_path(config), config)
-    if config.init_from is not None:
-        check_weights(result.program, config.init_from)
+    from fxpipe.train_setup import weights_dir
+
+    try:
+        weights = weights_dir(config)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
+    if weights is not None:  # --init-from, or the --model directory's own safetensors
+        check_weights(result.program, weights)
     return result
 
 

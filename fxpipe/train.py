@@ -113,7 +113,13 @@ class TrainConfig:
             object.__setattr__(self, "resume", True)
         if self.save_interval is not None and self.save_interval < 1:
             raise ValueError(f"--save-interval must be >= 1, got {self.save_interval}")
+        # Sizes first: the global-batch hint below divides by them.
+        for name in ("micro_batch_size", "seq", "steps", "log_interval", "eval_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         layout = self.parallel
+        if self.global_batch is not None and self.global_batch < 1:
+            raise ValueError(f"--global-batch must be >= 1, got {self.global_batch}")
         if self.global_batch is not None:
             per_step = self.micro_batch_size * layout.num_microbatches * layout.dp
             if self.global_batch != per_step:
@@ -121,9 +127,6 @@ class TrainConfig:
                     f"global batch {self.global_batch} != micro-batch size · microbatches · dp = "
                     f"{self.micro_batch_size}·{layout.num_microbatches}·{layout.dp} = {per_step}; "
                     f"{_batch_hint(self.global_batch, self.micro_batch_size, layout.dp)}")
-        for name in ("micro_batch_size", "seq", "steps", "log_interval", "eval_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         from fxpipe.data.tokens import TokenDtype
         from fxpipe.train_loop import LRSchedule
 
@@ -302,6 +305,7 @@ def _save(pm: Any, opt: Any, sched: Any, stream: Any, step: int, config: TrainCo
 
     from fxpipe.config_file import SAVED_NAME, to_toml
     from fxpipe.runtime.checkpoint import save_checkpoint
+    from fxpipe.runtime.checkpoint_files import write_atomic
     from fxpipe.runtime.checkpoint_size import checkpoint_size
 
     start = time.perf_counter()
@@ -310,7 +314,8 @@ def _save(pm: Any, opt: Any, sched: Any, stream: Any, step: int, config: TrainCo
                            overwrite=config.overwrite)
     if dist.get_rank() == 0:
         # The resolved config beside the checkpoints: `fxpipe run --config` runs it again.
-        (Path(config.checkpoint_dir) / SAVED_NAME).write_text(to_toml(config))
+        # Atomic and never through a link planted under its name (write_atomic).
+        write_atomic(Path(config.checkpoint_dir) / SAVED_NAME, to_toml(config).encode())
         print(f"checkpoint: {path} in {time.perf_counter() - start:.2f} s, "
               f"{checkpoint_size(path).describe()}", flush=True)
     return step

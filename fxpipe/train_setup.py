@@ -24,6 +24,9 @@ def build_job(config: "TrainConfig"):
     return w, source
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def tokenizer_path(config: "TrainConfig") -> str | None:
     """--tokenizer, else the --model directory's own tokenizer when it has one."""
     from pathlib import Path
@@ -32,15 +35,21 @@ def tokenizer_path(config: "TrainConfig") -> str | None:
 
     if config.tokenizer is not None:
         return config.tokenizer
-    if is_model_dir(config.model) and (Path(config.model) / "tokenizer.json").is_file():
+    # tokenizer.json (fast), or a tokenizer_config.json / SentencePiece model that the Hugging
+    # Face directory loader reads: never bytes for a model that brought its own tokenizer.
+    if is_model_dir(config.model) and any((Path(config.model) / f).is_file() for f in TOKENIZER_FILES):
         return config.model
     return None
 
 
 def weights_dir(config: "TrainConfig") -> str | None:
-    """--init-from, else the --model directory when it holds safetensors."""
-    from fxpipe.models.hf_dir import has_weights, is_model_dir
+    """--init-from, else the --model directory when it holds safetensors (one holding its
+    weights only as pickles is refused: it would otherwise train from random weights)."""
+    from fxpipe.models.hf_dir import check_weights_readable, has_weights, is_model_dir
 
     if config.init_from is not None:
         return config.init_from
-    return config.model if is_model_dir(config.model) and has_weights(config.model) else None
+    if not is_model_dir(config.model):
+        return None
+    check_weights_readable(config.model)
+    return config.model if has_weights(config.model) else None

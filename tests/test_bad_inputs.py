@@ -128,12 +128,12 @@ CASES = [
     ("run-seq-over-block", RUN + ["--seq", "100"], ["--seq 100", "block size 64"], None),
     ("run-global-batch", RUN + ["--global-batch", "7"],
      ["global batch 7", "2·2·1 = 4", "--micro-batch-size 1 --microbatches 7"], None),
-    ("run-steps-0", RUN + ["--steps", "0"], ["--steps must be >= 1, got 0"], None),
+    ("run-steps-0", RUN + ["--steps", "0"], ["argument --steps: must be >= 1, got 0"], None),
     ("run-pp-0", RUN + ["--pp", "0"], ["argument --pp: must be >= 1, got 0"], None),  # as compile: one flag
-    ("run-micro-batch-0", RUN + ["--micro-batch-size", "0"], ["--micro-batch-size must be >= 1"], None),
+    ("run-micro-batch-0", RUN + ["--micro-batch-size", "0"], ["argument --micro-batch-size: must be >= 1"], None),
     ("run-save-interval-no-dir", RUN + ["--save-interval", "2"], ["need --checkpoint-dir"], None),
     ("run-save-interval-0", RUN + ["--save-interval", "0", "--checkpoint-dir", "{tmp}/ck"],
-     ["--save-interval must be >= 1, got 0"], None),
+     ["argument --save-interval: must be >= 1, got 0"], None),
     # -- fxpipe run: the file system
     ("run-ckpt-dir-is-file", RUN + ["--checkpoint-dir", "{tmp}/afile"], ["--checkpoint-dir", "afile is a file"], _a_file),
     ("run-ckpt-dir-under-file", RUN + ["--checkpoint-dir", "{tmp}/afile/sub"],

@@ -135,10 +135,10 @@ TRAIN_FLAGS = _flags(
     Flag("model", "registry name (gpt-tiny, gpt-small, gpt2-small, gpt2-medium, gpt3-175b, hf:gpt2, hf:llama, "
          "hf:gpt_neox, hf:opt), package.module:function returning (model, batch[, loss_fn]), or a Hugging "
          "Face model directory (config.json, with or without safetensors)", metavar="NAME|DIR"),
-    Flag("micro_batch_size", "sequences per microbatch b", int),
-    Flag("global_batch", "sequences per step; must equal b·m·dp (default: b·m·dp)", int),
+    Flag("micro_batch_size", "sequences per microbatch b", positive_int),
+    Flag("global_batch", "sequences per step; must equal b·m·dp (default: b·m·dp)", positive_int),
     Flag("seq", "sequence length s", positive_int),
-    Flag("steps", "training steps", int),
+    Flag("steps", "training steps", positive_int),
     Flag("data", "training data: a token file (.bin uint16/uint32, .npy), text (.txt, .jsonl with a "
          "'text' field) or a directory of text (default: the Python standard library's source as bytes)",
          metavar="PATH"),
@@ -163,7 +163,7 @@ TRAIN_FLAGS = _flags(
     Flag("metrics_file", "append one JSON object per logged step and validation to this file",
          metavar="FILE"),
     Flag("tensorboard_dir", "write TensorBoard scalars here (needs the tensorboard package)", metavar="DIR"),
-    Flag("log_interval", "steps between log lines", int),
+    Flag("log_interval", "steps between log lines", positive_int),
     Flag("timeline", "path prefix for the last step's measured timeline (.json, .png); 'none' to skip",
          optional_path),
     Flag("init_from", "take the weights from a Hugging Face directory (save_pretrained: model.safetensors or "
@@ -171,7 +171,7 @@ TRAIN_FLAGS = _flags(
     Flag("checkpoint_dir", "save torch.distributed.checkpoint checkpoints here (atomic) at the end, every "
          "--save-interval steps and on SIGTERM/Ctrl-C, after which the job exits 128+signal "
          "(default: no checkpoints)", metavar="DIR"),
-    Flag("save_interval", "save every N steps (default: only at the end)", int, metavar="N"),
+    Flag("save_interval", "save every N steps (default: only at the end)", positive_int, metavar="N"),
     Flag("resume", "continue from the latest checkpoint in --checkpoint-dir: model, optimizer, RNG and "
          "data position; any tp/pp/dp layout", None, Kind.SWITCH),
     Flag("overwrite", "start a new run in a --checkpoint-dir that holds another run's checkpoints, deleting "

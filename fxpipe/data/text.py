@@ -36,6 +36,10 @@ def text_files(path: Path) -> list[Path]:
     sorted order (links are not followed: a link could lead outside the data)."""
     if not path.is_dir():
         check_regular(path)
+        if path.suffix not in TEXT_SUFFIXES:  # a .parquet or .pt read as text trains on its bytes
+            raise ValueError(f"{path}: fxpipe reads text from .txt or .jsonl files and tokens from .bin "
+                             f"or .npy files, not {path.suffix or 'a file without a suffix'}; convert it, "
+                             f"or give a directory of .txt/.jsonl files")
         return [path]
     files = []
     for dirpath, dirnames, filenames in os.walk(path):

@@ -73,6 +73,10 @@ def _eos_name(directory: Path) -> str | None:
     return eos if isinstance(eos, str) else None
 
 
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+"""Files of a Hugging Face tokenizer directory besides its vocabulary files."""
+
+
 def load_tokenizer(path: str | os.PathLike) -> HFTokenizer:
     """``path``: a ``tokenizer.json`` file, or a directory holding one (its
     ``tokenizer_config.json`` names the EOS), or a Hugging Face tokenizer directory
@@ -108,7 +112,11 @@ def load_tokenizer(path: str | os.PathLike) -> HFTokenizer:
                          f"directory ({' '.join(str(exc).split())[:200]})") from None
     if impl.eos_token_id is None:
         raise ValueError(f"--tokenizer {path} has no EOS token to separate documents")
+    # The tokenizer's own files only: a model directory beside them holds weights far larger
+    # than any tokenizer, which say nothing about the ids.
+    names = {*getattr(impl, "vocab_files_names", {}).values(), *TOKENIZER_SIDE_FILES}
     digest = hashlib.sha256()
-    for f in sorted(p for p in path.iterdir() if p.is_file() and not p.is_symlink()):
-        digest.update(f.name.encode() + b"\0" + read_bounded(f, MAX_TOKENIZER_BYTES))
+    for f in sorted(path / n for n in names):
+        if f.is_file() and not f.is_symlink():
+            digest.update(f.name.encode() + b"\0" + read_bounded(f, MAX_TOKENIZER_BYTES))
     return HFTokenizer(impl, len(impl), impl.eos_token_id, digest.hexdigest(), str(path))

@@ -62,9 +62,13 @@ def open_token_file(path: str | os.PathLike, dtype: "str | TokenDtype" = TokenDt
     if path.suffix == ".npy":
         try:
             array = np.load(path, mmap_mode="r", allow_pickle=False)
-        except ValueError as exc:
-            raise ValueError(f"{path} is not a plain numpy array file ({exc}); save the ids with "
-                             f"numpy.save(path, ids) as a 1-D integer array") from None
+        except (ValueError, EOFError, OSError) as exc:  # EOFError: an empty or cut-off file
+            raise ValueError(f"{path} is not a plain numpy array file ({exc or type(exc).__name__}); "
+                             f"save the ids with numpy.save(path, ids) as a 1-D integer array") from None
+        if not isinstance(array, np.ndarray):  # an .npz archive under a .npy name
+            array.close()
+            raise ValueError(f"{path} is a numpy archive (.npz), not one array; save the ids with "
+                             f"numpy.save(path, ids) as a 1-D integer array")
         if array.ndim != 1 or array.dtype.kind not in "iu":
             raise ValueError(f"{path} holds a {array.ndim}-D {array.dtype} array; a token file is a 1-D "
                              f"integer array (numpy.save(path, ids.ravel().astype(numpy.uint32)))")

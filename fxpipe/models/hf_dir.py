@@ -32,6 +32,23 @@ def has_weights(directory: str) -> bool:
     return any((Path(directory) / f).exists() for f in (SINGLE, INDEX))
 
 
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+"""Weight files fxpipe never loads (pickles can run code): a directory holding only these
+is refused rather than trained from a random initialisation."""
+
+
+def check_weights_readable(directory: str) -> None:
+    """A model directory whose weights exist only as pickles is refused, naming one."""
+    if has_weights(directory):
+        return
+    found = sorted(p.name for pattern in PICKLED_WEIGHTS for p in Path(directory).glob(pattern))
+    if found:
+        raise ValueError(f"{directory} holds its weights as {found[0]}"
+                         f"{f' and {len(found) - 1} more' if len(found) > 1 else ''} (pickle), which fxpipe "
+                         f"does not load; save them as safetensors (model.save_pretrained(DIR)) or pass "
+                         f"--init-from a safetensors directory")
+
+
 def load_config(directory: str):
     """The directory's ``PretrainedConfig``, refused unless a causal LM transformers knows
     (no remote code is run: ``trust_remote_code`` stays off)."""

@@ -103,10 +103,14 @@ def _rebase(plan: PipelinePlan, stage: int, rows: PipelineRows, pp_rank: int) ->
     gm.recompile()
 
 
-def vocab_rows_pass(plan: PipelinePlan, stage_ranks: Sequence[int], specs: Mapping[str, ShardSpec]) -> PipelinePlan:
+def vocab_rows_pass(plan: PipelinePlan, stage_ranks: Sequence[int], specs: Mapping[str, ShardSpec],
+                    tp: int = 1) -> PipelinePlan:
     """Give every pipeline rank only the rows it reads of each row-sliced parameter
     (module docstring). ``stage_ranks[s]``: the pipeline rank running stage s;
-    ``specs``: the tensor-parallel specs (a parameter split along dim > 0 stays whole)."""
+    ``specs``: the tensor-parallel specs (a parameter split along dim > 0 stays whole);
+    ``tp``: the tensor-parallel size. Under tp > 1 only a parameter TP splits along its
+    rows is split further: a replicated one would need one row set per TP rank in its
+    spec, which the shard contract's composition does not build, so it stays whole."""
     program = plan.program
     pp = max(stage_ranks) + 1 if stage_ranks else 1
     if pp < 2:
@@ -115,7 +119,8 @@ def vocab_rows_pass(plan: PipelinePlan, stage_ranks: Sequence[int], specs: Mappi
     for p in program.params:
         spec = specs.get(p.canonical)
         if p.kind is ParamKind.PARAMETER and p.requires_grad and p.shape and \
-                (spec is None or spec.kind is ShardKind.REPLICATED or spec.dim == 0):
+                (spec is not None and spec.kind is not ShardKind.REPLICATED and spec.dim == 0 or
+                 tp == 1 and (spec is None or spec.kind is ShardKind.REPLICATED)):
             rows_of[p.canonical] = p.shape[0]
     held: dict[str, list[set[int]]] = {}
     for s in range(plan.num_stages):

@@ -97,3 +97,14 @@ def test_saved_config_runs_again(tmp_path):
     (tmp_path / "saved.toml").write_text(to_toml(config))
     again = resolve(build_parser().parse_args(["run", "--config", str(tmp_path / "saved.toml")]))
     assert again == config
+
+
+def test_saved_config_replays_the_run_not_the_launch():
+    """The config saved beside checkpoints leaves out what described one launch: replayed
+    after later saves, it must not resume from that launch's step again (nor overwrite)."""
+    config = resolve(build_parser().parse_args(["run", "--checkpoint-dir", "ck", "--resume-from", "4",
+                                                "--overwrite", "--steps", "9"]))
+    assert config.resume_from == 4 and config.overwrite
+    text = to_toml(config)
+    assert "steps = 9" in text and "resume = true" in text
+    assert "resume-from" not in text and "overwrite" not in text

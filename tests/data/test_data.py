@@ -124,3 +124,37 @@ def test_builtin_default_goes_through_the_same_path():
     assert (s.tokens == 0).sum() >= 1, "files separated by the byte tokenizer's EOS (NUL)"
     src = open_data(None, seq=32, val_fraction=0.05)
     assert src.val is not None and src.train.count + src.val.count == src.train.total_windows
+
+
+def test_files_that_are_neither_text_nor_tokens_are_refused(tmp_path):
+    """A single --data file must be text (.txt, .jsonl) or tokens (.bin, .npy): a
+    .parquet read as text would train on its bytes; an empty or archived .npy is one line."""
+    (tmp_path / "train.parquet").write_bytes(os.urandom(2048))
+    with pytest.raises(ValueError, match=r"train.parquet: fxpipe reads text from .txt or .jsonl.*not \.parquet"):
+        open_data(str(tmp_path / "train.parquet"), seq=8)
+    (tmp_path / "empty.npy").write_bytes(b"")
+    with pytest.raises(ValueError, match="empty.npy is not a plain numpy array file"):
+        open_token_file(tmp_path / "empty.npy")
+    np.savez(tmp_path / "ids.npz", ids=np.arange(10))
+    os.replace(tmp_path / "ids.npz", tmp_path / "ids.npy")
+    with pytest.raises(ValueError, match=r"ids.npy is a numpy archive \(.npz\), not one array"):
+        open_token_file(tmp_path / "ids.npy")
+
+
+def test_model_directory_tokenizer_and_pickled_weights(tmp_path):
+    """A model directory's own tokenizer is used whatever form it takes (never bytes for a
+    model that brought one); weights only as pickles are refused, not trained from scratch."""
+    from fxpipe.train import TrainConfig
+    from fxpipe.train_setup import tokenizer_path, weights_dir
+
+    (tmp_path / "config.json").write_text("{}")
+    config = TrainConfig(model=str(tmp_path))
+    assert tokenizer_path(config) is None and weights_dir(config) is None  # nothing there: bytes, init
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert tokenizer_path(config) == str(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x02")
+    with pytest.raises(ValueError, match=r"holds its weights as pytorch_model.bin \(pickle\).*safetensors"):
+        weights_dir(config)
+    (tmp_path / "elsewhere").mkdir()
+    assert weights_dir(TrainConfig(model=str(tmp_path), init_from=str(tmp_path / "elsewhere"))) == \
+        str(tmp_path / "elsewhere")

@@ -112,3 +112,6 @@ def test_an_even_head_split_holds_an_even_share_of_rows():
     for p in range(2):
         assert abs(rows.local_rows(p) - even) <= 0.1 * even, rows.ranks
     assert rows.ranks == (((0, split.blocks[k // 2].start),), ((split.blocks[k // 2].start, _wide_vocab.VOCAB),))
+    # Under tp > 1 a head TP left whole (no spec) is not split by rows: its spec would need
+    # one row set per TP rank.
+    assert not vocab_rows_pass(plan, (0, 1), {}, tp=2).row_shards

@@ -56,7 +56,6 @@ def test_partial_and_dangling_checkpoints_are_ignored(tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["--resume"], "need --checkpoint-dir"),
     (["--save-interval", "2"], "need --checkpoint-dir"),
-    (["--checkpoint-dir", "x", "--save-interval", "0"], "--save-interval must be >= 1"),
     (["--resume-from", "3"], "need --checkpoint-dir"),
     (["--checkpoint-dir", "x", "--resume-from", "-1"], "--resume-from must be a step >= 0, got -1"),
 ])
