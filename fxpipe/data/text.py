@@ -123,16 +123,53 @@ def cached_tokens(path: str | os.PathLike, tokenizer: "ByteTokenizer | HFTokeniz
     files = text_files(path)
     dtype = TokenDtype.fitting(tokenizer.vocab_size)
     cache = cache_path(path, content_digest(files, path if path.is_dir() else path, tokenizer.digest), dtype)
-    if cache.is_file() and not cache.is_symlink():
+    if _cache_intact(cache):
         return open_token_file(cache, dtype), cache
     tokens = tokenize(documents(files), tokenizer, dtype)
     if tokens.size == 0:
         raise ValueError(f"{path} holds no text")
     tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
     try:
-        tokens.astype(np.dtype(dtype.value).newbyteorder("<")).tofile(tmp)
+        _write_synced(tmp, lambda f: tokens.astype(np.dtype(dtype.value).newbyteorder("<")).tofile(f))
         os.replace(tmp, cache)
+        # The payload's digest beside it, written last: a cache cut short (a crash, a full
+        # disk) or edited no longer matches and is tokenized again, never trained on.
+        side = _sum_path(cache)
+        _write_synced(tmp, lambda f: f.write(_payload_digest(cache).encode()))
+        os.replace(tmp, side)
     except OSError:
         tmp.unlink(missing_ok=True)
         return tokens, cache  # a read-only data directory: tokenized again next time
     return open_token_file(cache, dtype), cache
+
+
+def _sum_path(cache: Path) -> Path:
+    return cache.with_name(cache.name + ".sha256")
+
+
+def _payload_digest(cache: Path) -> str:
+    h = hashlib.sha256()
+    fd = open_regular(cache, follow=False)
+    with open(fd, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _cache_intact(cache: Path) -> bool:
+    """The cache and its digest file are regular files (no links) and agree."""
+    side = _sum_path(cache)
+    try:
+        expected = read_bounded(side, 128, follow=False).decode("ascii").strip()
+        return expected == _payload_digest(cache)
+    except (OSError, ValueError, UnicodeDecodeError):  # missing, a link, not regular, garbled
+        return False
+
+
+def _write_synced(tmp: Path, write) -> None:
+    """``write(file)`` into a new ``tmp`` (never through a link), flushed to disk."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with open(fd, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())

@@ -69,6 +69,20 @@ def test_text_is_tokenized_with_eos_between_documents_and_cached(tmp_path):
     assert cached_tokens(tmp_path / "texts", ByteTokenizer())[1] != cache, "and by tokenizer"
 
 
+def test_a_cut_or_edited_token_cache_is_tokenized_again(tmp_path):
+    """The cache's name says what it was made from; its digest file says what it holds:
+    a cache cut short (a crash before the disk had it) or edited is never trained on."""
+    texts = write_corpus(tmp_path / "texts")
+    tok = ByteTokenizer()
+    tokens, cache = cached_tokens(tmp_path / "texts", tok)
+    ref = np.array(tokens).tolist()
+    for damage in (lambda b: b[: len(b) // 2], lambda b: bytes([b[0] ^ 1]) + b[1:]):
+        cache.write_bytes(damage(cache.read_bytes()))
+        again, cache2 = cached_tokens(tmp_path / "texts", tok)
+        assert cache2 == cache and np.array(again).tolist() == ref
+    assert len(texts) > 0
+
+
 def test_jsonl_line_without_text_is_refused(tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"d.jsonl:2 has no string field 'text'"):
