@@ -73,11 +73,26 @@ def param_groups(named: Iterable[tuple[str, torch.Tensor]], weight_decay: float)
 def evaluate(pm: Any, batches: Iterable[tuple[torch.Tensor, ...]]) -> float:
     """Mean loss over ``batches``. The runtime has no forward-only schedule yet, so each
     batch runs the training schedule and its gradients are discarded (the next
-    ``train_step`` zeroes them); no optimizer step is taken. Models trained with
-    dropout see it here too."""
+    ``train_step`` zeroes them); no optimizer step is taken. What a training step also
+    changes is put back, so validation leaves the run as it found it: fp16's loss scale
+    (an overflow or a growth counted on validation batches would move it) and the buffers
+    the forward writes (running statistics, counters). Models trained with dropout see it
+    here too."""
+    from fxpipe.program import ParamKind
+
+    scaler = getattr(pm.master, "scaler", None) if pm.master is not None else None
+    kept_scale = dict(vars(scaler)) if scaler is not None else None
+    kinds = {p.canonical: p.kind for p in pm.plan.program.params}
+    buffers = {n: t.detach().clone() for n, t in pm.state.items()
+               if kinds.get(n) is ParamKind.BUFFER and isinstance(t, torch.Tensor)}
     losses = [pm.train_step(batch) for batch in batches]
     for t in pm.parameters():
         t.grad = None
+    if kept_scale is not None:
+        vars(scaler).update(kept_scale)
+    with torch.no_grad():
+        for n, t in buffers.items():
+            pm.state[n].copy_(t)
     return sum(losses) / len(losses)
 
 

@@ -57,3 +57,32 @@ def test_no_weight_decay_on_biases_and_norm_weights():
                                                           if "norm" in n}
     assert all(t.dim() == 2 for t in decay["params"]) and len(decay["params"]) + len(no_decay["params"]) == \
         len(list(model.parameters()))
+
+
+def test_evaluation_leaves_the_loss_scale_and_written_buffers_as_it_found_them():
+    """Validation runs the training step (no forward-only schedule): what that step changes
+    besides gradients — fp16's loss scale, buffers the forward writes — is put back."""
+    from types import SimpleNamespace
+
+    from fxpipe.program import ParamKind
+    from fxpipe.runtime.precision import LossScaler
+    from fxpipe.train_loop import evaluate
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    state = {"w": weight, "running": torch.zeros(2)}
+    scaler = LossScaler(scale=1024.0, good_steps=3)
+
+    def train_step(batch):  # what a step does: a gradient, an overflow halving the scale, a write
+        weight.grad = torch.ones(2)
+        scaler.update(overflow=True)
+        state["running"].add_(batch)
+        return float(batch.sum())
+
+    params = [SimpleNamespace(canonical="w", kind=ParamKind.PARAMETER),
+              SimpleNamespace(canonical="running", kind=ParamKind.BUFFER)]
+    pm = SimpleNamespace(master=SimpleNamespace(scaler=scaler), state=state, train_step=train_step,
+                         plan=SimpleNamespace(program=SimpleNamespace(params=params)),
+                         parameters=lambda: [weight])
+    assert evaluate(pm, [torch.ones(2), 3 * torch.ones(2)]) == 4.0
+    assert (scaler.scale, scaler.good_steps, scaler.skipped) == (1024.0, 3, 0)
+    assert state["running"].tolist() == [0.0, 0.0] and weight.grad is None
