@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+from fxpipe.enums import parse_enum
+
 
 class RecomputeMode(enum.Enum):
     NONE = "none"
@@ -13,9 +15,5 @@ class RecomputeMode(enum.Enum):
     """Whole transformer layer; only its input is kept."""
 
     @classmethod
-    def parse(cls, name: str) -> "RecomputeMode":
-        try:
-            return cls(name.lower())
-        except ValueError:
-            raise ValueError(f"unknown recompute mode {name!r}; valid: "
-                             f"{', '.join(m.value for m in cls)}") from None
+    def parse(cls, name: "str | RecomputeMode") -> "RecomputeMode":
+        return parse_enum(cls, name, "recompute mode")

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+from fxpipe.enums import parse_enum
+
 if TYPE_CHECKING:
     from fxpipe.train import TrainConfig
 
@@ -29,12 +31,7 @@ class LRSchedule(enum.Enum):
 
     @classmethod
     def parse(cls, name: "str | LRSchedule") -> "LRSchedule":
-        if isinstance(name, cls):
-            return name
-        try:
-            return cls(str(name).lower())
-        except ValueError:
-            raise ValueError(f"unknown --lr-schedule {name!r}; valid: {', '.join(k.value for k in cls)}") from None
+        return parse_enum(cls, name, "--lr-schedule")
 
 
 def lr_factor(step: int, *, schedule: LRSchedule, warmup: int, steps: int, lr: float, min_lr: float) -> float:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fxpipe.enums import parse_enum
 from fxpipe.safe_io import check_regular
 
 
@@ -34,13 +35,7 @@ class TokenDtype(enum.Enum):
 
     @classmethod
     def parse(cls, name: "str | TokenDtype") -> "TokenDtype":
-        if isinstance(name, cls):
-            return name
-        try:
-            return cls(str(name).lower())
-        except ValueError:
-            raise ValueError(f"unknown --data-dtype {name!r}; valid: "
-                             f"{', '.join(k.value for k in cls)}") from None
+        return parse_enum(cls, name, "--data-dtype")
 
     @classmethod
     def fitting(cls, vocab_size: int) -> "TokenDtype":

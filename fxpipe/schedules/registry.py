@@ -5,6 +5,8 @@ import enum
 from dataclasses import dataclass
 from typing import Callable
 
+from fxpipe.enums import parse_enum
+
 from .generators import gpipe, interleaved, one_f_one_b, zb_h1, zb_v
 from .ir import Schedule
 
@@ -21,13 +23,7 @@ class ScheduleKind(enum.Enum):
 
     @classmethod
     def parse(cls, name: "str | ScheduleKind") -> "ScheduleKind":
-        if isinstance(name, cls):
-            return name
-        try:
-            return cls(str(name).lower())
-        except ValueError:
-            raise ValueError(f"unknown schedule {name!r}; valid names are: "
-                             f"{', '.join(k.value for k in cls)}") from None
+        return parse_enum(cls, name, "schedule", "valid names are")
 
 
 @dataclass(frozen=True, kw_only=True)
