@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # pass results, typed here and defined beside the pass that w
     from fxpipe.passes.recompute import RecomputeRegion
     from fxpipe.passes.split_loss import BlockwiseLoss
     from fxpipe.passes.split_matmul import MatmulSplit
+    from fxpipe.passes.expert_parallel import EPResult
     from fxpipe.passes.tensor_parallel import TPResult
     from fxpipe.vocab import TokenInput
 
@@ -136,6 +137,8 @@ class Program:
     """Batch inputs that are token ids, with their vocabulary (``model_stats``, ``fxpipe/vocab.py``)."""
     tensor_parallel: "TPResult | None" = None
     """Shard specs, blocks, collectives and coverage (``tensor_parallel``; None: not sharded)."""
+    expert_parallel: "EPResult | None" = None
+    """Experts owned per expert-parallel rank and their shard specs (``expert_parallel``)."""
     matmul_splits: tuple["MatmulSplit", ...] = ()
     """Ops cut into output-feature blocks (``split_matmul``; merged by ``coalesce_blocks``)."""
     loss_splits: tuple["BlockwiseLoss", ...] = ()

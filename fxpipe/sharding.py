@@ -37,6 +37,9 @@ class ShardKind(enum.Enum):
     """Vocabulary rows split (vocab-parallel embedding and LM head)."""
     ROWS = "rows"
     """Rows split over pipeline ranks only (``PipelineRows``, composed with no TP split)."""
+    EXPERTS = "experts"
+    """Stacked experts (dim 0) split over the expert-parallel ranks (``passes/expert_parallel.py``):
+    ``ranges`` are per expert-parallel rank, not per TP rank."""
     REPLICATED = "replicated"
     """Every rank holds the full tensor."""
 

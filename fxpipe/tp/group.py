@@ -96,6 +96,14 @@ class ProcessGroupTP:
         scatter(out, src, group=self.group)
         return out.movedim(0, dim).contiguous()
 
+    def all_to_all(self, t: torch.Tensor, send: Sequence[int], recv: Sequence[int]) -> torch.Tensor:
+        """Rows ``send[r]`` of ``t`` (in order) go to rank r; ``recv[r]`` rows come from it."""
+        src = t.detach().contiguous()
+        out = src.new_empty((sum(recv), *src.shape[1:]))
+        self._dist.all_to_all_single(out, src, output_split_sizes=list(recv), input_split_sizes=list(send),
+                                     group=self.group)
+        return out
+
     def __repr__(self) -> str:
         return f"ProcessGroupTP(rank={self._rank}, size={self._size})"
 
@@ -166,6 +174,12 @@ class EmulatedGroup:
         total = functools.reduce(torch.add, parts[1:], parts[0].clone())
         assert total.shape[dim] % self._size == 0, (tuple(t.shape), dim, self._size)
         return total.chunk(self._size, dim=dim)[self._rank].contiguous()
+
+    def all_to_all(self, t: torch.Tensor, send: Sequence[int], recv: Sequence[int]) -> torch.Tensor:
+        parts = self._exchange(t)
+        starts = [sum(r_send[:self._rank]) for r_send in self._rv.exchange(self._rank, list(send))]
+        pieces = [p.narrow(0, a, n) for p, a, n in zip(parts, starts, recv)]
+        return torch.cat(pieces).clone() if pieces else t.new_empty((0, *t.shape[1:]))
 
     def __repr__(self) -> str:
         return f"EmulatedGroup(rank={self._rank}, size={self._size})"
