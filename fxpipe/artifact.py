@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Mapping
 from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.program import Program
 from fxpipe.schedules.ir import Schedule
-from fxpipe.sharding import ShardSpec, rank_specs
+from fxpipe.sharding import ShardSpec, expert_rank_spec, rank_specs
 
 if TYPE_CHECKING:
     from fxpipe.config import ParallelConfig
@@ -64,14 +64,17 @@ class CompiledPipeline:
         tp = self.program.tensor_parallel
         return tp.specs if tp is not None else {}
 
-    def rank_specs(self, pp_rank: int) -> dict[str, ShardSpec]:
-        """What pipeline rank ``pp_rank`` holds of every split parameter: the
-        tensor-parallel specs with its pipeline rows folded in (``sharding.rank_specs``)."""
+    def rank_specs(self, pp_rank: int, ep_rank: int = 0) -> dict[str, ShardSpec]:
+        """What pipeline rank ``pp_rank`` (expert-parallel rank ``ep_rank``) holds of every
+        split parameter: the tensor-parallel specs with its pipeline rows folded in
+        (``sharding.rank_specs``) and its experts of every expert-parallel stack."""
+        ep = self.program.expert_parallel
+        experts = {n: expert_rank_spec(s, ep_rank) for n, s in ep.specs.items()} if ep is not None else {}
         rows = self.plan.row_shards if self.plan is not None else {}
         if not rows:
-            return dict(self.specs)
+            return {**self.specs, **experts}
         from fxpipe.mismatch import full_shapes
-        return rank_specs(self.specs, rows, pp_rank, full_shapes(self.program, self.specs))
+        return {**rank_specs(self.specs, rows, pp_rank, full_shapes(self.program, self.specs)), **experts}
 
     @property
     def coverage(self) -> "TPCoverage | None":

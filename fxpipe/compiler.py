@@ -14,6 +14,7 @@ token ids against the vocabulary, before anything is measured).
     canonicalize            drop asserts and dead values
     model_stats             whole-model FLOPs, parameter count, token inputs (before TP shards them)
     tensor_parallel         Megatron column/row blocks, vocabulary-parallel embedding and loss
+    expert_parallel         grouped MoEs' experts owned by ep data-parallel ranks, all-to-all around them
     cost                    FLOPs and bytes per node, per tp rank
     device                  retarget device constants to the device stages run on
     split_matmul            cut ops heavier than half a stage's share into blocks
@@ -104,6 +105,19 @@ def model_stats_pass(program: Program, ctx: CompileContext) -> Program:
     return program
 
 
+def expert_parallel_step(program: Program, ctx: CompileContext) -> Program:
+    if ctx.config.ep == 1:
+        return program
+    from fxpipe.passes.expert_parallel import expert_parallel_pass
+
+    out = expert_parallel_pass(program, ctx.config.expert_parallel)
+    if not out.expert_parallel.layers:
+        why = "; ".join(out.expert_parallel.skipped) or "no grouped matmul over stacked (E, ., .) weights"
+        raise ValueError(f"ep={ctx.config.ep} but no MoE in the model can be expert-parallel ({why}); "
+                         f"use ep=1 (expert parallelism needs experts as stacked weights run by grouped_mm)")
+    return out
+
+
 def device_pass(program: Program, ctx: CompileContext) -> Program:
     return retarget_device_pass(program, ctx.device)
 
@@ -162,6 +176,9 @@ PIPELINE: tuple[PassSpec, ...] = (
     PassSpec("model_stats", model_stats_pass,
              "count the whole model's FLOPs and parameters and find token inputs before TP shards them"),
     _GRAPH["tensor_parallel"],
+    PassSpec("expert_parallel", expert_parallel_step,
+             "config.ep > 1: each grouped MoE's experts owned by ep data-parallel ranks, tokens dispatched "
+             "and combined by all-to-all; before cost, so the experts are costed at their local count"),
     _GRAPH["cost"],
     PassSpec("device", device_pass,
              "rewrite device constants captured on cpu/meta to the stages' device"),

@@ -51,6 +51,10 @@ class ParallelConfig:
     """Fail (``ValueError`` naming them) when tensor parallelism leaves weight matrices whole."""
     zero: int = 0
     """1: ZeRO stage 1 over data parallel (``runtime/zero.py``)."""
+    ep: int = 1
+    """Expert parallelism (``passes/expert_parallel.py``): each grouped MoE's experts owned by
+    ep consecutive data-parallel ranks, E/ep each, tokens exchanged by all-to-all; must
+    divide dp. 1: every replica holds every expert."""
     costs: str = "measure"
     """What the partitioner balances: 'measure', 'model' or a cost profile's path (``fxpipe/costs``)."""
     split_loss: bool = False
@@ -89,6 +93,14 @@ class ParallelConfig:
         if self.zero not in (0, 1):
             raise ValueError(f"zero must be 0 (off) or 1 (optimizer state and fp32 masters sharded over "
                              f"data parallel), got {self.zero}")
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"ep must be a positive integer (data-parallel ranks sharing the experts), got {self.ep!r}")
+        if self.ep > 1:
+            self.expert_parallel  # ep against dp, when dp is given  # noqa: B018
+            for name, value, ok in (("tp", self.tp, 1), ("pp", self.pp, 1), ("zero", self.zero, 0)):
+                if value != ok:
+                    raise ValueError(f"ep={self.ep} with {name}={value} is not built yet: expert parallelism runs "
+                                     f"with {name}={ok}; use ep=1 to combine {name} with a MoE")
         if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout_s}")
         if self.memory_limit_gb is not None and not self.memory_limit_gb > 0:
@@ -130,6 +142,13 @@ class ParallelConfig:
         from fxpipe.passes.tensor_parallel import TPConfig
 
         return TPConfig(tp=self.tp, sp=self.sp, scatter_gather=self.scatter_gather, strict=self.strict_tp)
+
+    @property
+    def expert_parallel(self):
+        """The expert-parallel pass's view (``passes/expert_parallel.py``); checks that ep divides dp."""
+        from fxpipe.passes.expert_parallel import EPConfig
+
+        return EPConfig(ep=self.ep, dp=self.replicas if self.dp is not None else self.ep)
 
     @property
     def balances_time(self) -> bool:

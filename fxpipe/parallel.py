@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,6 +34,8 @@ from fxpipe.program import Program
 from fxpipe.runtime.api import ParallelModel
 from fxpipe.runtime.build import build_runtime
 from fxpipe.runtime.launch import init_distributed
+from fxpipe.ep import expert_group_context
+from fxpipe.runtime.experts import ExpertGroups, build_expert_groups
 from fxpipe.runtime.mesh import Mesh, MeshGroups, build_groups
 from fxpipe.runtime.shards import ShardBuilder
 from fxpipe.tp import DropoutRNG, ProcessGroupTP, tp_group_context
@@ -68,11 +71,22 @@ def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
     context = (lambda: tp_group_context(tp_group, rng)) if config.tp > 1 else contextlib.nullcontext
     hooks = MeshHooks(config, groups, model, example, first_mb, device, context, weights, init_fn)
     compiled = compile_pipeline(model, first_mb, config, loss_fn=loss_fn, device=device, hooks=hooks.compile_hooks())
+    experts = None
+    if config.ep > 1:  # after the pass found the experts; every rank creates the groups in one order
+        experts = build_expert_groups(groups, config.ep, compiled.program.expert_parallel.expert_params, timeout)
+        context = functools.partial(expert_context, experts, context)
     coverage = compiled.coverage
     if coverage is not None and not coverage.complete and dist.get_rank() == 0:
         print(coverage.describe(), flush=True)  # never silent (strict_tp=True makes it an error)
     return build_runtime(compiled, groups, hooks.shards(compiled.program), model=model, device=device,
-                         context=context, tp_group=tp_group, tp_rng=rng, loss_scaler=loss_scaler)
+                         context=context, tp_group=tp_group, tp_rng=rng, loss_scaler=loss_scaler, experts=experts)
+
+
+@contextlib.contextmanager
+def expert_context(experts: ExpertGroups, inner: Callable[[], Any]):
+    """The expert group's context (``fxpipe/ep``) around the tensor-parallel one."""
+    with expert_group_context(experts.group, experts.context), inner():
+        yield
 
 
 def first_microbatch(example: tuple[torch.Tensor, ...], config: ParallelConfig) -> tuple[torch.Tensor, ...]:

@@ -231,3 +231,13 @@ def rank_specs(specs: Mapping[str, ShardSpec], rows: Mapping[str, PipelineRows],
         if r.ranks[pp_rank]:
             out[name] = compose(specs.get(name), r, pp_rank, full_shapes[name])
     return out
+
+
+def expert_rank_spec(spec: ShardSpec, ep_rank: int) -> ShardSpec:
+    """What expert-parallel rank ``ep_rank`` holds of a stacked expert weight, as a
+    one-rank spec (read with rank 0, as ``compose`` makes them): its experts' range of
+    dim 0. Weights, init replay and the fp32 masters then build just those experts."""
+    assert spec.kind is ShardKind.EXPERTS, spec
+    return ShardSpec(name=spec.name, kind=spec.kind, full_shape=spec.full_shape, local_shape=spec.local_shape,
+                     dim=0, ranges=(spec.ranges[ep_rank],), members=spec.members,
+                     reason=f"{spec.reason}; expert-parallel rank {ep_rank}")

@@ -19,6 +19,7 @@ from fxpipe.partition import PartitionResult
 from fxpipe.sharding import unshard_state
 from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.runtime.executor import PipelineExecutor
+from fxpipe.runtime.experts import ExpertGroups, gather_experts, tokens_per_expert
 from fxpipe.runtime.grad_sync import GradSync
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.precision import MasterWeights
@@ -44,7 +45,8 @@ class ParallelModel:
                  config: ParallelConfig, device: torch.device, *, master: MasterWeights | None = None,
                  specs: dict | None = None, model_stats: ModelStats | None = None,
                  partition: PartitionResult | None = None, compiled_stages: tuple = (),
-                 token_inputs: tuple[TokenInput, ...] = (), tp_rng: DropoutRNG | None = None) -> None:
+                 token_inputs: tuple[TokenInput, ...] = (), tp_rng: DropoutRNG | None = None,
+                 experts: ExpertGroups | None = None) -> None:
         self.plan, self.schedule, self.groups = plan, schedule, groups
         self.state, self.executor, self.grad_sync = state, executor, grad_sync
         self.config = config
@@ -63,6 +65,8 @@ class ParallelModel:
         """Batch inputs that are token ids, with their vocabulary (``fxpipe/vocab.py``)."""
         self.tp_rng = tp_rng
         """The tensor-parallel dropout streams (Megatron's RNG tracker), saved in checkpoints."""
+        self.experts = experts
+        """Expert parallelism (``runtime/experts.py``): groups, expert parameters, token counts."""
         self.zero: ZeroPartition | None = grad_sync.zero
         """ZeRO-1: which data-parallel replica owns (steps) each trainable tensor."""
         self.last_step_skipped = False
@@ -82,6 +86,7 @@ class ParallelModel:
         mine = [self.groups.tp_group, self.groups.dp_group, self.groups.pp_group]
         mine += [group for _, group in self.grad_sync.tied]
         mine += [group for _, _, group in self.grad_sync.rows]
+        mine += self.experts.process_groups if self.experts is not None else []
         for group in dict.fromkeys(g for g in mine if g is not None):
             if group is not dist.GroupMember.NON_GROUP_MEMBER and group is not dist.GroupMember.WORLD:
                 dist.destroy_process_group(group)
@@ -137,6 +142,8 @@ class ParallelModel:
         over the pp group. Every rank gets everything: for tests and small exports
         (checkpoints and ``export_consolidated`` never gather). Collective."""
         local = self.unshard_tp(local)
+        if self.experts is not None:
+            local = gather_experts(local, self.experts)
         rows = {}  # the global rows of each row-split tensor this pp rank holds
         for name in self.plan.row_shards:
             spec = self.specs.get(name)
@@ -159,6 +166,11 @@ class ParallelModel:
                 index = torch.tensor(held[n], dtype=torch.long)
                 full[n][index] = t[index]
         return full
+
+    def tokens_per_expert(self) -> dict[int, list[int]]:
+        """Expert parallelism: MoE layer -> tokens routed to each of its experts over every
+        step so far, on the global batch (collective); empty without expert parallelism."""
+        return tokens_per_expert(self.experts, self.groups.dp_group) if self.experts is not None else {}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model, gathered from all pipeline ranks (on CPU)."""

@@ -9,7 +9,7 @@ lowered or solved again; the mesh's process groups are the only other input.
               ├─ StageRunner per stage of this rank (compiled by Inductor if asked)
               ├─ Transport (plan shapes, scatter-gather over the tp group)
               ├─ PipelineExecutor (compiled.actions[pp_rank])
-              └─ GradSync (tied copies, data parallel)   -> ParallelModel
+              └─ GradSync (tied copies, data parallel, expert replicas)   -> ParallelModel
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.program import ParamKind
 from fxpipe.runtime.api import ParallelModel
 from fxpipe.runtime.executor import PipelineExecutor
+from fxpipe.runtime.experts import ExpertGroups
 from fxpipe.runtime.grad_sync import GradSync
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.precision import LossScaler, MasterWeights, Precision
@@ -40,15 +41,17 @@ from fxpipe.tp import DropoutRNG, TPGroup
 
 def build_runtime(compiled: CompiledPipeline, groups: MeshGroups, shards: ShardBuilder, *, model: nn.Module,
                   device: torch.device, context: Callable[[], ContextManager], tp_group: TPGroup,
-                  tp_rng: DropoutRNG, loss_scaler: dict | None = None) -> ParallelModel:
+                  tp_rng: DropoutRNG, loss_scaler: dict | None = None,
+                  experts: ExpertGroups | None = None) -> ParallelModel:
     """This rank's ``ParallelModel`` for ``compiled`` (see the module docstring). ``shards``
     builds parameters at their local shapes (the one the cost measurement used, if any);
     ``context`` enters the tensor-parallel group and dropout streams around stage code."""
     assert compiled.plan is not None and compiled.actions is not None, "compile the whole pipeline first"
     config, plan = compiled.config, compiled.plan
     # This rank's share of every split parameter: its TP shard, of which only the rows
-    # its stages read where the vocabulary layers are split over stages (vocab_rows).
-    specs = compiled.rank_specs(groups.pp_rank)
+    # its stages read where the vocabulary layers are split over stages (vocab_rows),
+    # and of expert-parallel stacks its own experts (runtime/experts.py).
+    specs = compiled.rank_specs(groups.pp_rank, experts.ep_rank if experts is not None else 0)
     if specs != dict(compiled.specs):
         shards = shards.with_specs(specs)
     timeout = timedelta(seconds=config.timeout_s)
@@ -88,10 +91,12 @@ def build_runtime(compiled: CompiledPipeline, groups: MeshGroups, shards: ShardB
                           scatter_gather=tp_group if config.scatter_gather else None)
     executor = PipelineExecutor(plan, compiled.actions, groups.pp_rank, runners, transport, groups.pp_peer)
     holders = {**master.masters, **master.loose} if master else state
-    grad_sync = GradSync.build(plan, compiled.schedule, groups, holders, timeout, like=state, zero=zero)
+    grad_sync = GradSync.build(plan, compiled.schedule, groups, holders, timeout, like=state, zero=zero,
+                               experts=experts)
     return ParallelModel(plan, compiled.actions, groups, state, executor, grad_sync, config, device,
                          master=master, specs=specs, model_stats=compiled.stats, partition=compiled.partition,
-                         compiled_stages=compiled_stages, token_inputs=compiled.token_inputs, tp_rng=tp_rng)
+                         compiled_stages=compiled_stages, token_inputs=compiled.token_inputs, tp_rng=tp_rng,
+                         experts=experts)
 
 
 def _compile_runners(runners: dict, plan: PipelinePlan, sched: Schedule, state: dict, groups: MeshGroups,

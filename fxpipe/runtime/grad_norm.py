@@ -48,7 +48,9 @@ def counted_here(pm: "ParallelModel") -> list[str]:
             continue
         if tied_first.get(name, groups.pp_rank) != groups.pp_rank:
             continue
-        if pm.zero is None and groups.dp_rank != 0:
+        # An expert-parallel stack differs per expert rank: counted by the first replica of each.
+        first_replica = groups.dp_rank < (pm.experts.ep if pm.experts is not None and name in pm.experts.params else 1)
+        if pm.zero is None and not first_replica:
             continue
         names.append(name)
     return names

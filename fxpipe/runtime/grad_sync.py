@@ -11,6 +11,8 @@
    alone need nothing (Yeung et al., MLSys 2025, arXiv 2411.05288).
 2. Data parallel: every gradient averaged over the dp group (gloo has no AVG op:
    sum, then divide); with ZeRO-1, reduced onto its owner only (``zero.py``).
+   Expert-parallel stacks (``runtime/experts.py``) are summed over the ranks holding
+   the same experts only, and divided by dp.
 Gradients are flattened into one buffer per collective to pay latency once.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fxpipe.pipeline_plan import PipelinePlan
+from fxpipe.runtime.experts import sync_expert_grads
 from fxpipe.runtime.mesh import MeshGroups, subgroup
 from fxpipe.schedules.ir import Schedule
 
@@ -55,11 +58,13 @@ class GradSync:
     pp ranks holding those runs) for the row-split parameters of this rank."""
     zero: Any = None
     """A ``ZeroPartition``: reduce each gradient onto its data-parallel owner."""
+    experts: Any = None
+    """``ExpertGroups``: expert-parallel parameters and the ranks holding the same experts."""
 
     @staticmethod
     def build(plan: PipelinePlan, schedule: Schedule, groups: MeshGroups,
               state: dict[str, Any], timeout: timedelta, like: dict[str, torch.Tensor] | None = None,
-              zero: Any = None) -> "GradSync":
+              zero: Any = None, experts: Any = None) -> "GradSync":
         mesh = groups.mesh
         tied = []
         # Every rank creates every group in the same order (new_group is collective).
@@ -87,7 +92,7 @@ class GradSync:
                     local = tuple((shard.offset(groups.pp_rank, a), b - a) for a, b in segments)
                     rows.append((name, local, group))
         like = like if like is not None else {n: t for n, t in state.items() if isinstance(t, torch.Tensor)}
-        return GradSync(groups, state, like, tied, rows, zero)
+        return GradSync(groups, state, like, tied, rows, zero, experts)
 
     def _grad(self, name: str) -> torch.Tensor:
         holder = self.state[name]
@@ -114,4 +119,8 @@ class GradSync:
             for n in trainable:
                 self.state[n].grad = owned.get(n)  # None on the replicas that do not own it
             return
-        _all_reduce_flat([self._grad(n) for n in trainable], self.groups.dp_group, 1.0 / self.groups.mesh.dp)
+        owned = self.experts.params if self.experts is not None else frozenset()
+        _all_reduce_flat([self._grad(n) for n in trainable if n not in owned], self.groups.dp_group,
+                         1.0 / self.groups.mesh.dp)
+        if self.experts is not None:
+            sync_expert_grads([self._grad(n) for n in trainable if n in owned], self.experts, self.groups.mesh.dp)
