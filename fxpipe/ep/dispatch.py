@@ -50,10 +50,12 @@ def expert_major(counts: torch.Tensor) -> torch.Tensor:
     return block_start + within
 
 
-def ep_dispatch(x: torch.Tensor, offs: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, Route]:
+def ep_dispatch(x: torch.Tensor, offs: torch.Tensor, layer: int, *rows_alike: torch.Tensor) -> tuple:
     """This rank's tokens sorted by expert (``x``, rows of expert e up to ``offs[e]``) ->
     every rank's tokens for the experts this rank owns, grouped by local expert, their
-    cumulative counts, and the route back. Counts tokens per expert for ``layer``."""
+    cumulative counts, the route back, and ``rows_alike`` (tensors with a row per row of
+    ``x``, such as per-expert biases gathered per token) moved the same way. Counts
+    tokens per expert for ``layer``."""
     ctx = current_expert_context()
     group = ctx.group
     P, E = group.size, offs.numel()
@@ -67,7 +69,8 @@ def ep_dispatch(x: torch.Tensor, offs: torch.Tensor, layer: int) -> tuple[torch.
     rows = all_to_all(x, send, recv, group)  # (Σ recv, H), source-major
     order = expert_major(got)
     offs_local = got.sum(0).cumsum(0).to(offs.dtype)
-    return rows[order], offs_local, Route(send, recv, order)
+    moved = tuple(all_to_all(t, send, recv, group)[order] for t in rows_alike)
+    return (rows[order], offs_local, Route(send, recv, order), *moved)
 
 
 def ep_combine(y: torch.Tensor, route: Route) -> torch.Tensor:

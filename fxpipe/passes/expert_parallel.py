@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe.ep.dispatch import ep_combine, ep_dispatch
-from fxpipe.passes.tensor_parallel.graph_ops import SPLITS, TRANSPOSES, is_grouped_mm, is_pointwise, shape
+from fxpipe.passes.tensor_parallel.graph_ops import SPLITS, TRANSPOSES, arg, is_grouped_mm, is_pointwise, shape
 from fxpipe.program import ParamKind, Program
 from fxpipe.sharding import ShardKind, ShardSpec
 
@@ -89,6 +89,12 @@ def _stacked_param(node: object, params: dict[str, str]) -> str | None:
     return node.name if isinstance(node, fx.Node) and node.name in params else None
 
 
+def _feature_dim(n: fx.Node) -> bool:
+    """Whether a slice / narrow / split / chunk cuts along a dim other than the rows."""
+    index = 1 if n.target in (aten.slice.Tensor, aten.narrow.default) else 2
+    return arg(n, index, "dim", 0) % len(shape(n.args[0])) != 0
+
+
 def _region(first: fx.Node, last: fx.Node, x: fx.Node) -> list[fx.Node]:
     """Nodes that read ``x`` (directly or not) and feed ``last``, in graph order."""
     down, todo = set(), [x]
@@ -115,14 +121,11 @@ def _why_not(mms: list[fx.Node], region: list[fx.Node], x: fx.Node, offs: fx.Nod
         if n.op != "call_function":
             return f"{n.name} is not an op"
         if not (n in mms or is_pointwise(n.target) or n.target is operator.getitem or
-                (n.target in _ROW_WISE and n.args[1] % len(shape(n.args[0])) != 0)):
+                (n.target in _ROW_WISE and _feature_dim(n))):
             return f"{n.name} ({n.target}) is not row-wise"
         for parent in n.all_input_nodes:
             if parent in inside or parent is x or parent is offs or _stacked_param(parent, params) is not None:
                 continue
-            if parent.op != "get_attr" and "val" in parent.meta and parent.meta["val"].ndim and \
-                    shape(parent)[0] == rows:
-                return f"{n.name} reads {parent.name}, rows the dispatch does not move"
         if n is not region[-1] and n not in mms and any(u not in inside for u in n.users):
             return f"{n.name} is read outside the experts"
         if n in mms and n.target is not None and "val" in n.meta and shape(n)[0] != rows:
@@ -139,6 +142,21 @@ def _why_not(mms: list[fx.Node], region: list[fx.Node], x: fx.Node, offs: fx.Nod
             elif u not in mms:
                 return f"{params[name]} is read outside the grouped matmuls ({u.name})"
     return None
+
+
+def _rows_alike(region: list[fx.Node], x: fx.Node, offs: fx.Node, params: dict[str, str]) -> list[fx.Node]:
+    """Values from outside the region with a row per row of ``x`` (gpt-oss's per-expert
+    biases gathered per token): dispatched with ``x``, the same route."""
+    inside, rows, out = set(region), shape(x)[0], []
+    for n in region:
+        for parent in n.all_input_nodes:
+            if parent in inside or parent is x or parent is offs or parent in out or \
+                    _stacked_param(parent, params) is not None:
+                continue
+            value = parent.meta.get("val")
+            if isinstance(value, torch.Tensor) and value.ndim and shape(parent)[0] == rows:
+                out.append(parent)
+    return out
 
 
 def expert_parallel_pass(program: Program, config: EPConfig) -> Program:
@@ -172,12 +190,20 @@ def expert_parallel_pass(program: Program, config: EPConfig) -> Program:
         layer = len(layers)
         # Dispatch where the region starts: x and offs are both computed by then (offs is
         # read by the first grouped matmul, which comes after every row-wise op before it).
+        alike = _rows_alike(region, x, offs, params)
+        if any(order[a] > order[region[0]] for a in alike):
+            skipped.append(f"{last.name}: a value with a row per token is computed after the experts start")
+            continue
         with gm.graph.inserting_before(region[0]):
-            sent = gm.graph.call_function(ep_dispatch, (x, offs, layer))
-            rows, offs_local, route = (gm.graph.call_function(operator.getitem, (sent, i)) for i in range(3))
-        rows.meta["val"] = x.meta.get("val")
+            sent = gm.graph.call_function(ep_dispatch, (x, offs, layer, *alike))
+            rows, offs_local, route, *moved = (gm.graph.call_function(operator.getitem, (sent, i))
+                                               for i in range(3 + len(alike)))
+        swap = {x: rows, offs: offs_local, **dict(zip(alike, moved))}
+        for before, after in swap.items():
+            if before is not offs:  # rows moved keep their meta (a data-dependent count either way)
+                after.meta["val"] = before.meta.get("val")
         for n in region:
-            n.args = tuple(rows if a is x else offs_local if a is offs else a for a in n.args)
+            n.args = tuple(swap.get(a, a) if isinstance(a, fx.Node) else a for a in n.args)
         with gm.graph.inserting_after(last):
             back = gm.graph.call_function(ep_combine, (last, route))
         back.meta["val"] = last.meta.get("val")
