@@ -215,14 +215,6 @@ def _scaler_state(pm: "ParallelModel") -> dict | None:
 
 
 # ---- save ------------------------------------------------------------------------------------
-def refuse_experts(pm: "ParallelModel", what: str) -> None:
-    # Each expert rank holds different experts of one stack; the DCP chunks are written
-    # per tensor-parallel rank only, so saving would keep one rank's experts as the whole.
-    if pm.experts is not None:
-        raise ValueError(f"{what} with expert parallelism (ep={pm.experts.ep}) is not built yet: the expert stacks "
-                         f"are split over data-parallel ranks; use ep=1 for a run that saves, loads or exports")
-
-
 def save_checkpoint(pm: "ParallelModel", optimizer: torch.optim.Optimizer, step: int, directory: str | os.PathLike,
                     *, extra: dict | None = None, keep_last: int | None = 3, overwrite: bool = False) -> Path:
     """Save this job's state after ``step`` optimizer steps; collective (every rank calls).
@@ -233,7 +225,6 @@ def save_checkpoint(pm: "ParallelModel", optimizer: torch.optim.Optimizer, step:
     all); another run's are never pruned, unless ``overwrite`` (``fxpipe run
     --overwrite``), which removes every other run's checkpoints. ``extra`` must be JSON-serialisable and the same on every rank (rank 0's is kept).
     Returns the checkpoint's directory."""
-    refuse_experts(pm, "saving a checkpoint")
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if keep_last is not None and keep_last < 1:
@@ -482,7 +473,6 @@ def load_checkpoint(pm: "ParallelModel", optimizer: torch.optim.Optimizer | None
     restored when the checkpoint has one. RNG states are per rank, so they are restored
     rank by rank only when the layout is the one that saved; otherwise every rank takes
     rank 0's (as a fresh run seeds all ranks alike)."""
-    refuse_experts(pm, "loading a checkpoint")
     path, meta = choose_intact(directory, step)
     saved = SafeReader(path).read_metadata().state_dict_metadata
     program = pm.plan.program

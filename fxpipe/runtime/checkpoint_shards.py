@@ -20,6 +20,10 @@ the rank's spec has its rows folded in (``sharding.compose``). Rows that several
 pipeline ranks hold (a tied table on the first stage, head rows on the last) would be
 chunks of different extents over the same rows, which DCP refuses as overlapping, so
 each row is written by the lowest pipeline rank holding it (``first_held``).
+
+Expert-parallel stacks are chunks the same way: an expert rank's spec holds its
+experts' range of dim 0 (``sharding.expert_rank_spec``), the other experts' ranges are
+fillers, and the replicas of one expert rank offer identical chunks (written once).
 """
 from __future__ import annotations
 

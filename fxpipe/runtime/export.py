@@ -200,10 +200,9 @@ def export_consolidated(source: Any, path: str | os.PathLike, *, hf_config: Any 
     out = Path(path)
     if isinstance(source, (str, os.PathLike)):
         return _export(_directory_source(source), out, hf_config, max_shard_bytes)
-    from fxpipe.runtime.checkpoint import _model_state, refuse_experts, state_dict_names
+    from fxpipe.runtime.checkpoint import _model_state, state_dict_names
 
     pm, rank = source, dist.get_rank()
-    refuse_experts(pm, "exporting the model")
     tmp = out.parent / f".{out.name}.model-only.tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)

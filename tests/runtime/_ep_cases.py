@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-ROWS, STEPS, LR = 4, 2, 1e-2
+ROWS, STEPS, LR = 4, 2, 0.1
 
 
 def model_and_batch():
@@ -24,7 +24,7 @@ def reference() -> dict:
     model, batch = model_and_batch()
     chosen = []
     model.router.register_forward_hook(lambda m, i, out: chosen.append(out.softmax(-1).topk(2, dim=-1).indices))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses, grads = [], {}
     for step in range(STEPS):
         opt.zero_grad()
@@ -35,18 +35,24 @@ def reference() -> dict:
             experts = model.gate_up.shape[0]
             tokens = torch.bincount(chosen[0].flatten(), minlength=experts).tolist()
         opt.step()
+        if step == 0:
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
         losses.append(loss.item())
-    return dict(losses=losses, grads=grads, tokens=tokens,
+    return dict(losses=losses, grads=grads, tokens=tokens, params=params,
                 norm=torch.sqrt(sum(g.double().square().sum() for g in grads.values())).item())
 
 
-def ep_case(rank: int, world: int) -> dict:
+def ep_case(rank: int, world: int, directory: str) -> dict:
+    """Two SGD steps (momentum: optimizer state to checkpoint) at dp=2, ep=2; after the first, a checkpoint and a safetensors
+    export; after the second, the checkpoint loaded back and the second step run again."""
     from fxpipe.parallel import parallelize
+    from fxpipe.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from fxpipe.runtime.export import export_consolidated
     from fxpipe.runtime.grad_norm import global_grad_norm
 
     model, batch = model_and_batch()
     pm = parallelize(model, ep=2, microbatches=2, example_inputs=batch, costs="model")
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    opt = torch.optim.SGD(pm.parameters(), lr=LR, momentum=0.9)
     losses = []
     for step in range(STEPS):
         losses.append(pm.train_step(batch))
@@ -56,5 +62,16 @@ def ep_case(rank: int, world: int) -> dict:
             norm = global_grad_norm(pm)
             tokens = pm.tokens_per_expert()
         opt.step()
+        if step == 0:
+            save_checkpoint(pm, opt, 1, f"{directory}/ckpt")
+            export_consolidated(pm, f"{directory}/model.safetensors")
+    load_checkpoint(pm, opt, f"{directory}/ckpt")
+    again = pm.train_step(batch)
     pm.close()
-    return dict(losses=losses, grads=grads, norm=norm, tokens=tokens, held=held)
+    # The same checkpoint read by a layout without expert parallelism (every rank all experts).
+    model, _ = model_and_batch()
+    whole = parallelize(model, microbatches=2, example_inputs=batch, costs="model")
+    load_checkpoint(whole, None, f"{directory}/ckpt")
+    resharded = whole.full_state_dict()
+    whole.close()
+    return dict(losses=losses, grads=grads, norm=norm, tokens=tokens, held=held, again=again, resharded=resharded)

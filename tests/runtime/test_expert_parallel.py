@@ -1,6 +1,6 @@
 """Expert parallelism (``passes/expert_parallel.py``, ``fxpipe/ep``, ``runtime/experts.py``):
 a dropless grouped MoE at dp=2 with ep=2 equals one process on the full batch — losses
-over two AdamW steps, every gradient (experts, router, dense), the global gradient norm —
+over two SGD steps, every gradient (experts, router, dense), the global gradient norm —
 each rank holds half the experts, and the tokens per expert it reports are the router's
 choices counted directly. One gloo world of 2; the refusals are checked in process."""
 import pytest
@@ -14,11 +14,15 @@ from tests.runtime._dist import run_world  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def world():
-    return run_world(2, _ep_cases.ep_case)
+def world(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ep")
+    return directory, run_world(2, _ep_cases.ep_case, str(directory))
 
 
 def test_ep2_equals_one_process(world):
+    from safetensors.torch import load_file
+
+    directory, world = world
     ref = _ep_cases.reference()
     for rank, out in enumerate(world):
         assert out["held"] == {"gate_up": (2, 128, 32), "down_w": (2, 32, 64)}, rank  # 2 of 4 experts
@@ -30,6 +34,14 @@ def test_ep2_equals_one_process(world):
         assert out["norm"] == pytest.approx(ref["norm"], rel=1e-5)
         assert out["tokens"] == {0: ref["tokens"]}, rank
         assert sum(ref["tokens"]) == _ep_cases.ROWS * 8 * 2  # every token, top-2
+        # The checkpoint after step 1 holds every rank's experts: loaded back, step 2 again.
+        assert out["again"] == pytest.approx(out["losses"][1], rel=1e-6), rank
+        for name, p in ref["params"].items():  # and read back at ep=1: every expert, in place
+            torch.testing.assert_close(out["resharded"][name], p, rtol=1e-5, atol=1e-6, msg=name)
+    exported = load_file(directory / "model.safetensors")  # the whole model after step 1
+    assert exported.keys() == ref["params"].keys()
+    for name, p in ref["params"].items():
+        torch.testing.assert_close(exported[name], p, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("layout,message", [
