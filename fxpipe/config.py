@@ -97,7 +97,9 @@ class ParallelConfig:
             raise ValueError(f"ep must be a positive integer (data-parallel ranks sharing the experts), got {self.ep!r}")
         if self.ep > 1:
             self.expert_parallel  # ep against dp, when dp is given  # noqa: B018
-            for name, value, ok in (("tp", self.tp, 1), ("pp", self.pp, 1), ("zero", self.zero, 0)):
+            # compile: Inductor would trace the dispatch's all-to-all with fake tensors.
+            for name, value, ok in (("tp", self.tp, 1), ("pp", self.pp, 1), ("zero", self.zero, 0),
+                                    ("compile", self.compile, False)):
                 if value != ok:
                     raise ValueError(f"ep={self.ep} with {name}={value} is not built yet: expert parallelism runs "
                                      f"with {name}={ok}; use ep=1 to combine {name} with a MoE")

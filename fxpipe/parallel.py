@@ -73,8 +73,12 @@ def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
     compiled = compile_pipeline(model, first_mb, config, loss_fn=loss_fn, device=device, hooks=hooks.compile_hooks())
     experts = None
     if config.ep > 1:  # after the pass found the experts; every rank creates the groups in one order
-        experts = build_expert_groups(groups, config.ep, compiled.program.expert_parallel.expert_params, timeout)
+        found = compiled.program.expert_parallel
+        experts = build_expert_groups(groups, config.ep, found.expert_params, timeout)
         context = functools.partial(expert_context, experts, context)
+        if found.skipped and dist.get_rank() == 0:  # never silent: these experts stay on every replica
+            print(f"expert parallelism left {len(found.skipped)} MoE(s) data-parallel: " + "; ".join(found.skipped),
+                  flush=True)
     coverage = compiled.coverage
     if coverage is not None and not coverage.complete and dist.get_rank() == 0:
         print(coverage.describe(), flush=True)  # never silent (strict_tp=True makes it an error)

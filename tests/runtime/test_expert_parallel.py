@@ -49,6 +49,7 @@ def test_ep2_equals_one_process(world):
                        "choose ep among [1, 2, 4]"),
     (dict(ep=2, dp=2, tp=2), "ep=2 with tp=2 is not built yet"),
     (dict(ep=2, dp=2, zero=1), "ep=2 with zero=1 is not built yet"),
+    (dict(ep=2, dp=2, compile=True), "ep=2 with compile=True is not built yet"),
     (dict(ep=0), "ep must be a positive integer"),
 ])
 def test_config_refuses(layout, message):
