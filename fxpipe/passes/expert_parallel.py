@@ -123,12 +123,9 @@ def _why_not(mms: list[fx.Node], region: list[fx.Node], x: fx.Node, offs: fx.Nod
         if not (n in mms or is_pointwise(n.target) or n.target is operator.getitem or
                 (n.target in _ROW_WISE and _feature_dim(n))):
             return f"{n.name} ({n.target}) is not row-wise"
-        for parent in n.all_input_nodes:
-            if parent in inside or parent is x or parent is offs or _stacked_param(parent, params) is not None:
-                continue
         if n is not region[-1] and n not in mms and any(u not in inside for u in n.users):
             return f"{n.name} is read outside the experts"
-        if n in mms and n.target is not None and "val" in n.meta and shape(n)[0] != rows:
+        if n in mms and shape(n)[0] != rows:
             return f"{n.name} changes the number of rows"
     for name in stacks:
         node = next(p for p in x.graph.nodes if p.name == name)
@@ -150,9 +147,9 @@ def _rows_alike(region: list[fx.Node], x: fx.Node, offs: fx.Node, params: dict[s
     inside, rows, out = set(region), shape(x)[0], []
     for n in region:
         for parent in n.all_input_nodes:
-            if parent in inside or parent is x or parent is offs or parent in out or \
-                    _stacked_param(parent, params) is not None:
-                continue
+            if parent in inside or parent is x or parent is offs or parent in out or parent.op != "call_function" \
+                    or _stacked_param(parent, params) is not None:
+                continue  # a parameter or buffer whose first size happens to equal the rows is not moved
             value = parent.meta.get("val")
             if isinstance(value, torch.Tensor) and value.ndim and shape(parent)[0] == rows:
                 out.append(parent)
@@ -188,8 +185,7 @@ def expert_parallel_pass(program: Program, config: EPConfig) -> Program:
             skipped.append(f"{last.name}: {why}")
             continue
         layer = len(layers)
-        # Dispatch where the region starts: x and offs are both computed by then (offs is
-        # read by the first grouped matmul, which comes after every row-wise op before it).
+        # Dispatch where the region starts: everything it moves must be computed by then.
         alike = _rows_alike(region, x, offs, params)
         if any(order[a] > order[region[0]] for a in alike):
             skipped.append(f"{last.name}: a value with a row per token is computed after the experts start")
