@@ -80,7 +80,8 @@ def _train_case(parallelize, simulate, rank: int, case: dict) -> dict:
                      recompute=case.get("recompute", "none"),
                      # The matrix checks the runtime on fixed cuts; measured costs move
                      # the cuts run to run (they have their own tests and cases below).
-                     costs=case.get("costs", "model"), split_loss=case.get("split_loss", False))
+                     costs=case.get("costs", "model"), split_loss=case.get("split_loss", False),
+                     ep=case.get("ep", 1))
     losses, grads, norm = train(pm, w)
     # The schedule's own peak, from the simulator (independent of the executor).
     bound = simulate(pm.schedule).peak_in_flight[pm.groups.pp_rank]

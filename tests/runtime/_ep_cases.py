@@ -7,15 +7,21 @@ import torch
 ROWS, STEPS, LR = 4, 2, 0.1
 
 
-def model_and_batch():
+def model_and_batch(rows: int = ROWS):
     import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
 
     from tests.tensor_parallel.test_tp_rules_experts import T, V, StackedExperts
 
     torch.manual_seed(0)
-    ids = torch.randint(0, V, (ROWS, T))
+    ids = torch.randint(0, V, (rows, T))
     torch.manual_seed(1)
     return StackedExperts("grouped"), (ids, ids.roll(-1, 1))
+
+
+def workload():
+    """The grouped MoE by name (``tests.runtime._ep_cases:workload``) for the equivalence
+    worlds: 16 rows, a global batch for dp=4 × 4 microbatches."""
+    return model_and_batch(16)
 
 
 def reference() -> dict:

@@ -14,6 +14,7 @@ MODELS = ["gpt-tiny", "hf:gpt2", "hf:llama"]
 SHARED = "tests.runtime._shared_weights:workload"  # a weight applied in two stages
 WIDE = "tests.runtime._wide_vocab:workload"  # an untied LM head cut into blocks over both stages
 TIED = "tests.runtime._wide_vocab:workload_tied"  # the same, its head tied to the embedding (GPT-2)
+EXPERTS = "tests.runtime._ep_cases:workload"  # a dropless MoE with stacked experts run by grouped_mm
 SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("zb-h1", None)]
 # Models written outside transformers (fxpipe/models/zoo), each at pp=2 and tp=2 (in the
 # world of 2) and tp=2 × pp=2 (in the world of 4), 1F1B.
@@ -71,18 +72,23 @@ def _world4_cases():
     # the vocabulary-parallel head (the value sent is f's output: its gradient is partial).
     rows = [dict(model=TIED, pp=4, schedule="zb-h1", split_loss=True, rows=True),
             dict(model=WIDE, pp=2, tp=2, schedule="1f1b", split_loss=True)]
-    return pp4 + [dict(model=m, pp=2, schedule="1f1b") for m in MODELS] + _tp_cases() + _zoo_cases(2, 2) + rows
+    # Expert parallelism over half the data-parallel ranks (dp=4, ep=2): the experts' gradients
+    # summed over the two ranks holding the same experts (runtime/experts.py).
+    experts = [dict(model=EXPERTS, pp=1, ep=2, schedule="1f1b")]
+    return pp4 + [dict(model=m, pp=2, schedule="1f1b") for m in MODELS] + _tp_cases() + _zoo_cases(2, 2) + rows \
+        + experts
 
 
 def _id(c):
     return (f"{c['model']}-tp{c.get('tp', 1)}-pp{c['pp']}-{c['schedule']}"
-            + ("-sp" if c.get("sp") else "") + (f"-{c['recompute']}" if "recompute" in c else "")
+            + ("-sp" if c.get("sp") else "") + (f"-ep{c['ep']}" if "ep" in c else "")
+            + (f"-{c['recompute']}" if "recompute" in c else "")
             + (f"-costs-{c['costs']}" if "costs" in c else "") + ("-split-loss" if c.get("split_loss") else ""))
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {m: reference(m) for m in (*MODELS, SHARED, WIDE, TIED, *ZOO_MODELS)}
+    return {m: reference(m) for m in (*MODELS, SHARED, WIDE, TIED, EXPERTS, *ZOO_MODELS)}
 
 
 @pytest.fixture(scope="module")
