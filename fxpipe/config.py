@@ -97,12 +97,14 @@ class ParallelConfig:
             raise ValueError(f"ep must be a positive integer (data-parallel ranks sharing the experts), got {self.ep!r}")
         if self.ep > 1:
             self.expert_parallel  # ep against dp, when dp is given  # noqa: B018
-            # compile: Inductor would trace the dispatch's all-to-all with fake tensors.
+            # compile: Inductor would trace the dispatch's all-to-all with fake tensors;
+            # recompute: a recomputed dispatch would count its tokens twice.
             for name, value, ok in (("tp", self.tp, 1), ("pp", self.pp, 1), ("zero", self.zero, 0),
-                                    ("compile", self.compile, False)):
+                                    ("compile", self.compile, False), ("recompute", self.recompute, RecomputeMode.NONE)):
                 if value != ok:
-                    raise ValueError(f"ep={self.ep} with {name}={value} is not built yet: expert parallelism runs "
-                                     f"with {name}={ok}; use ep=1 to combine {name} with a MoE")
+                    shown = lambda v: v.value if isinstance(v, RecomputeMode) else v  # noqa: E731
+                    raise ValueError(f"ep={self.ep} with {name}={shown(value)} is not built yet: expert parallelism "
+                                     f"runs with {name}={shown(ok)}; use ep=1 to combine {name} with a MoE")
         if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout_s}")
         if self.memory_limit_gb is not None and not self.memory_limit_gb > 0:
