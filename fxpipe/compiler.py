@@ -140,7 +140,10 @@ def coalesce_blocks_step(program: Program, ctx: CompileContext) -> Program:
 
 def measure_costs_pass(program: Program, ctx: CompileContext) -> Program:
     config = ctx.config.partition_config(ctx.schedule)
-    if ctx.config.costs != "model" and ctx.config.balances_time and ctx.hooks.measure is not None:
+    # Not under expert parallelism: each rank times its own share of the graph, and a
+    # dispatch timed on one rank would wait for peers timing something else.
+    if ctx.config.costs != "model" and ctx.config.balances_time and ctx.hooks.measure is not None \
+            and ctx.config.ep == 1:
         config = ctx.hooks.measure(program, config, ctx)
     return program.replace(partition_config=config)
 

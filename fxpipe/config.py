@@ -99,7 +99,7 @@ class ParallelConfig:
             self.expert_parallel  # ep against dp, when dp is given  # noqa: B018
             # compile: Inductor would trace the dispatch's all-to-all with fake tensors;
             # recompute: a recomputed dispatch would count its tokens twice.
-            for name, value, ok in (("tp", self.tp, 1), ("pp", self.pp, 1), ("zero", self.zero, 0),
+            for name, value, ok in (("tp", self.tp, 1), ("zero", self.zero, 0),
                                     ("compile", self.compile, False), ("recompute", self.recompute, RecomputeMode.NONE)):
                 if value != ok:
                     shown = lambda v: v.value if isinstance(v, RecomputeMode) else v  # noqa: E731

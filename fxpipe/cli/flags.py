@@ -108,7 +108,7 @@ LAYOUT_FLAGS = _flags(
     Flag("zero", "1: ZeRO stage 1 - shard optimizer state and fp32 masters over the --dp replicas "
          "(gradients reduced to each tensor's owner, parameters broadcast)", int, choices=(0, 1)),
     Flag("ep", "expert parallelism: each grouped MoE's experts owned by EP consecutive --dp ranks (E/EP "
-         "each), tokens exchanged by all-to-all; must divide dp (with tp=1, pp=1; not with --zero, --compile, --recompute)",
+         "each), tokens exchanged by all-to-all; must divide dp (with tp=1; not with --zero, --compile, --recompute)",
          positive_int, metavar="EP"),
     Flag("costs", "what the partition balances: forward/backward times of the graph measured on this "
          "machine's ranks (cached on disk; compile measures in its own process and falls back to the "

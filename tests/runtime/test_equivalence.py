@@ -73,8 +73,9 @@ def _world4_cases():
     rows = [dict(model=TIED, pp=4, schedule="zb-h1", split_loss=True, rows=True),
             dict(model=WIDE, pp=2, tp=2, schedule="1f1b", split_loss=True)]
     # Expert parallelism over half the data-parallel ranks (dp=4, ep=2): the experts' gradients
-    # summed over the two ranks holding the same experts (runtime/experts.py).
-    experts = [dict(model=EXPERTS, pp=1, ep=2, schedule="1f1b")]
+    # summed over the two ranks holding the same experts (runtime/experts.py); and under a
+    # pipeline (dp=2 × pp=2), the experts' stage dispatching in every microbatch's F and B.
+    experts = [dict(model=EXPERTS, pp=1, ep=2, schedule="1f1b"), dict(model=EXPERTS, pp=2, ep=2, schedule="1f1b")]
     return pp4 + [dict(model=m, pp=2, schedule="1f1b") for m in MODELS] + _tp_cases() + _zoo_cases(2, 2) + rows \
         + experts
 
