@@ -297,6 +297,12 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
               f"{summary['tokens_per_s']:.0f} tokens/s, {summary['tflops_per_process']:.3g} TFLOP/s/process, "
               f"bubble {summary['bubble']:.1%}, stage imbalance {imbalance:.3f}, parameter share per tp rank "
               f"{pm.parameter_share:.2f} (ideal {1 / layout.tp:.2f})", flush=True)
+    tokens = pm.tokens_per_expert()  # collective under expert parallelism; {} without
+    if tokens:
+        summary["tokens_per_expert"] = tokens
+        if rank == 0:
+            print("tokens per expert (MoE layer: counts over the run): "
+                  + "; ".join(f"{layer}: {counts}" for layer, counts in tokens.items()), flush=True)
     return summary
 
 
