@@ -1,4 +1,5 @@
-"""Tensor-parallel groups: the three collectives TP needs, behind one small protocol.
+"""Tensor-parallel groups: the three collectives TP needs, behind one small protocol
+(plus ``all_to_all`` with uneven splits, for expert parallelism's groups: ``fxpipe/ep``).
 
 Two implementations:
 
