@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
+from fxpipe.passes.tensor_parallel.attention_forms import strided_blocks
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.layout import Layout, LayoutFailure, layout_of, local_range, replicated
 from fxpipe.passes.tensor_parallel.provenance import Provenance, index_dim
@@ -28,6 +29,9 @@ from fxpipe.passes.tensor_parallel.result import CollectiveKind
 class Conversion:
     kind: CollectiveKind
     dim: int | None = None
+    outer: int = 1
+    """SCATTER of a strided block (``attention_forms.strided_blocks``): ``dim`` viewed as
+    (outer, -1) around the scatter, which keeps block r of the inner part."""
 
 
 @dataclass(frozen=True)
@@ -284,17 +288,21 @@ def _operand(plan: TPPlan, consumer: fx.Node, a: fx.Node, ref: Layout, grad: set
         return
     ash, nd = shape(a), len(ref.full)
     off = nd - len(ash)
-    scatter_dim = None
+    scatter_dim, outer = None, 1
     for d in ref.sharded:
         ad = d - off
         if ad < 0 or ash[ad] == 1:
             continue
-        if ash[ad] == ref.full[d] and d in ref.blocks and scatter_dim is None:
-            scatter_dim = ad
-            continue
+        if ash[ad] == ref.full[d] and scatter_dim is None:
+            # a contiguous block, or heads merged with the batch (a strided block)
+            found = (1, 0) if d in ref.blocks else None if ref.vocab else strided_blocks(
+                ref.positions[ref.sharded.index(d)], ref.full[d])
+            if found is not None:
+                scatter_dim, outer = ad, found[0]
+                continue
         raise _Refuse(f"replicated input {a.name} cannot be narrowed to the shard")
     if scatter_dim is not None:
-        plan.conversions[(consumer.name, a.name)] = [Conversion(CollectiveKind.SCATTER, scatter_dim)]
+        plan.conversions[(consumer.name, a.name)] = [Conversion(CollectiveKind.SCATTER, scatter_dim, outer)]
     elif a.name in grad:
         plan.conversions[(consumer.name, a.name)] = [Conversion(CollectiveKind.F)]
 

@@ -89,7 +89,11 @@ class _Builder:
 
     def collective(self, value: fx.Node, conv: Conversion, producer: str, consumer: str,
                    purpose: str | None = None) -> fx.Node:
-        args = (value,) if conv.dim is None else (value, conv.dim, self.plan.tp)
+        if conv.outer > 1:  # heads merged with the batch: keep block r of each batch row
+            value = self.graph.create_node("call_function", G.aten.unflatten.int,
+                                           (value, conv.dim, [conv.outer, -1]), name=f"tp_rows_{producer}")
+            self.note(value, consumer)
+        args = (value,) if conv.dim is None else (value, conv.dim + (conv.outer > 1), self.plan.tp)
         node = self.graph.create_node("call_function", _OP[conv.kind], args,
                                       name=f"tp_{conv.kind.value}_{producer}")
         # A collective belongs to the layer of the block it serves: its consumer for
@@ -101,6 +105,10 @@ class _Builder:
                   purpose or f"{producer} -> {where}", conv.dim)
         node.meta[REPLICATED] = conv.kind in _REPLICATING
         node.meta[PARTIAL_GRAD] = conv.kind in (CollectiveKind.F, CollectiveKind.GATHER_SEQ)
+        if conv.outer > 1:
+            node = self.graph.create_node("call_function", G.aten.flatten.using_ints,
+                                          (node, conv.dim, conv.dim + 1), name=f"tp_merged_{producer}")
+            self.note(node, consumer)
         return node
 
     def convert(self, producer: fx.Node, consumer: fx.Node) -> fx.Node:
