@@ -39,7 +39,59 @@ class AlibiBatchMergedHeads(_LM):
         return torch.bmm(probs.view(B * HEADS, T, T), v).view(B, HEADS, T, D)
 
 
-MODELS = {"alibi-batch-merged-heads": AlibiBatchMergedHeads}
+class MultiQueryIndexPick(_LM):
+    """Falcon's multi-query attention: one fused weight used as ``x @ W.T`` and viewed as
+    (B, T, nh + 2, hd); the query heads by a slice, the one key and one value row by
+    constant indices (``[-2]``, ``[-1]``: lifted index tensors), SDPA broadcasting them
+    over the heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Parameter(torch.randn(H + 2 * D, H) / math.sqrt(H))
+
+    def attend(self, x):
+        B = x.shape[0]
+        fused = (x @ self.qkv.T).view(B, T, HEADS + 2, D)
+        q, k, v = fused[:, :, :-2], fused[:, :, [-2]], fused[:, :, [-1]]
+        return nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+
+
+class InterleavedIndexPick(_LM):
+    """Per-head interleaved fused QKV rows [q0 k0 v0 q1 k1 v1 ...] picked by constant
+    index lists (every third row): each rank's picked rows are its own heads', evenly
+    spaced in its shard, read as one strided local slice."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(H, 3 * H)
+
+    def attend(self, x):
+        B = x.shape[0]
+        fused = self.qkv(x).view(B, T, 3 * HEADS, D)
+        q, k, v = (fused[:, :, [3 * h + j for h in range(HEADS)]].transpose(1, 2) for j in range(3))
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class MultiQuerySplit(_LM):
+    """GPT-BigCode's multi-query attention: ``c_attn`` gives [q of every head | k | v] with
+    one key/value head shared by all; the query part is split by heads, the shared part
+    computed a block per rank and all-gathered; k/v expanded to every head."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(H, H + 2 * D)
+
+    def attend(self, x):
+        B = x.shape[0]
+        q, k, v = self.qkv(x).split([H, D, D], dim=-1)
+        q = q.view(B, T, HEADS, D).transpose(1, 2)
+        k, v = (t.unsqueeze(1).expand(B, HEADS, T, D) for t in (k, v))
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+MODELS = {"alibi-batch-merged-heads": AlibiBatchMergedHeads, "multi-query-index-pick": MultiQueryIndexPick,
+          "interleaved-index-pick": InterleavedIndexPick, "multi-query-split": MultiQuerySplit}
 CASES = [(m, tp) for m in MODELS for tp in (2, 4)]
 
 
@@ -59,3 +111,18 @@ def test_attention_forms_shard_and_match(programs, name, tp):
     assert not result.coverage.whole, result.coverage.describe()
     assert result.kind_of("o.weight") is ShardKind.ROW and result.kind_of("down.weight") is ShardKind.ROW
     _check(base, program, batch, tp)
+
+
+@pytest.mark.parametrize("name", ["multi-query-index-pick", "multi-query-split"])
+def test_multi_query_shared_rows_a_block_per_rank(programs, name):
+    """The fused weight holds this rank's query heads and 1/tp of the shared k/v rows
+    (disjoint over ranks: each row's gradient whole on its one holder); one all-gather
+    of those (B, T, 2·hd/tp) channels per layer makes k and v whole."""
+    base, _ = programs[name]
+    program = tensor_parallel_pass(base, TPConfig(tp=2))
+    spec = program.tensor_parallel.specs["qkv.weight" if name == "multi-query-split" else "qkv"]
+    assert spec.kind is ShardKind.COLUMN and spec.local_shape == (H // 2 + D, H)
+    assert spec.indices(0) == [*range(H // 2), *range(H, H + D)]
+    assert spec.indices(1) == [*range(H // 2, H), *range(H + D, H + 2 * D)]
+    gathers = [s for s in program.tensor_parallel.collectives if s.purpose.startswith("channels every rank")]
+    assert len(gathers) == 1

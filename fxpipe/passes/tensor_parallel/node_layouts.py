@@ -18,7 +18,8 @@ import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
-from fxpipe.passes.tensor_parallel.attention_forms import strided_blocks
+from fxpipe.passes.tensor_parallel.attention_forms import (SharedChannels, constant_values, local_index,
+                                                           strided_blocks)
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.layout import Layout, LayoutFailure, layout_of, local_range, replicated
 from fxpipe.passes.tensor_parallel.provenance import Provenance, index_dim
@@ -62,6 +63,8 @@ class TPPlan:
     vocab_embedding: dict[str, str] = field(default_factory=dict)
     """Embedding node -> weight placeholder (vocab-parallel lookups)."""
     sharded_dropout: set[str] = field(default_factory=set)
+    shared_columns: dict[str, SharedChannels] = field(default_factory=dict)
+    """Column-parallel projection -> its channels every rank uses whole (``placement``)."""
     statistics: dict[str, float] = field(default_factory=dict)
     """Mean/sum over split channels -> the factor turning the local result into this
     rank's share of the whole (local/full count for a mean); g follows it."""
@@ -262,9 +265,17 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
         for a in node.args[:2]:
             _operand(plan, node, a, lay, grad)
     elif t is G.INDEX:
-        x = plan.layouts[node.args[0].name]
-        if index_dim(node) in x.sharded:
-            raise _Refuse("indexes a sharded dim")
+        x, p = plan.layouts[node.args[0].name], index_dim(node)
+        if p in x.sharded:
+            # constant rows of a sharded dim (fused QKV picked by index): one local slice
+            picked = constant_values(node.args[1][p], prov.constants)
+            found = None if picked is None or x.vocab else local_index(
+                picked, x.full[p], x.positions[x.sharded.index(p)],
+                lay.positions[lay.sharded.index(p)] if p in lay.sharded else None)
+            if found is None:
+                raise _Refuse("indexes a sharded dim")
+            plan.new_target[node.name] = G.aten.slice.Tensor
+            plan.new_args[node.name] = (node.args[0], p, *found)
     elif t is G.INDEX_ADD:
         if norm_dim(node.args[1], len(lay.full)) in lay.sharded:
             raise _Refuse("index_add along a sharded dim")

@@ -159,6 +159,8 @@ class _Builder:
             node.name not in self.plan.statistics and not after_f and not local and \
             not self.sequence_parallel
         self.env[node.name] = new
+        if node.name in self.plan.shared_columns:
+            self.gather_shared(node)
         if node.name in self.plan.partial:
             self.reduce(node)
         if node.name in self.plan.statistics:
@@ -183,6 +185,28 @@ class _Builder:
         if node.target is G.DROPOUT and arg(node, 2, "train", False) and arg(node, 1, "p", 0.0) > 0:
             return OPS.dropout.default, (args[0], float(arg(node, 1, "p")), name in plan.sharded_dropout), {}
         return target, tuple(args), kwargs
+
+    def gather_shared(self, node: fx.Node) -> None:
+        """[before | this rank's block of the shared channels | after] -> [before | all
+        of them | after]: the layout the plan gave the projection's output."""
+        shared, value = self.plan.shared_columns[node.name], self.env[node.name]
+        dim = len(G.shape(node)) - 1
+        cuts = (0, shared.start, shared.start + shared.chunk, None)
+        parts = []
+        for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+            part = self.graph.create_node("call_function", G.aten.slice.Tensor,
+                                          (value, dim, a, b if b is not None else 2 ** 62),
+                                          name=f"tp_part_{node.name}")
+            self.note(part, node.name)
+            if i == 1:
+                part = self.collective(part, Conversion(CollectiveKind.GATHER, dim), node.name, node.name,
+                                       f"channels every rank uses whole ({node.name})")
+                part.meta[REPLICATED] = False  # conservative: never sent as 1/t chunks
+            parts.append(part)
+        joined = self.graph.create_node("call_function", G.aten.cat.default, (parts, dim),
+                                        name=f"tp_joined_{node.name}")
+        self.note(joined, node.name)
+        self.env[node.name] = joined
 
     def reduce_statistic(self, node: fx.Node) -> None:
         """Each rank's share of a mean/sum over split channels, summed by g (forward

@@ -23,7 +23,7 @@ from fxpipe.passes.tensor_parallel.node_layouts import TPPlan, build_plan
 from fxpipe.passes.tensor_parallel.placement import build_specs
 from fxpipe.passes.tensor_parallel.provenance import Provenance, analyze, shared_copies, split_statistics
 from fxpipe.sharding import ShardSpec
-from fxpipe.program import Program
+from fxpipe.program import ParamKind, Program
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,9 @@ class Layouts:
 def search(program: Program, graph: fx.Graph, projections: dict[str, Projection],
            embeddings: dict[str, str], grad: set[str], tp: int,
            describe: Callable[[str], str]) -> Layouts:
-    first = analyze(graph, projections)
+    constants = {p.node: program.state[p.canonical] for p in program.params
+                 if p.kind is ParamKind.CONSTANT and p.canonical in program.state}
+    first = analyze(graph, projections, constants=constants)
     copies = shared_copies(first)
     readings = []
     for private in (False, True):
@@ -48,7 +50,7 @@ def search(program: Program, graph: fx.Graph, projections: dict[str, Projection]
     for i, (stats, cp) in enumerate(readings):
         # a second sweep, with those reductions no longer uniting their channels and
         # those expands' copies channels of their own
-        prov = analyze(graph, projections, stats, cp) if stats or cp else first
+        prov = analyze(graph, projections, stats, cp, constants) if stats or cp else first
         try:
             found = _layouts(program, graph, prov, projections, embeddings, grad, tp, describe)
         except ValueError:
