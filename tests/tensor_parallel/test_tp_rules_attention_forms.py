@@ -90,9 +90,34 @@ class MultiQuerySplit(_LM):
         return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+class NormedProjections(MultiQuerySplit):
+    """ELECTRA's and RemBERT's shape: a small embedding, normed, projected up to the
+    hidden size (the projection writes the residual stream: a LayerNorm reads all its
+    channels), and a BERT head transform (dense, gelu, LayerNorm) before the LM head.
+    Both split by output rows, their outputs all-gathered."""
+
+    E = 16
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.emb_norm = nn.Embedding(V, self.E), nn.LayerNorm(self.E)
+        self.project = nn.Linear(self.E, H)
+        self.transform, self.head_norm = nn.Linear(H, self.E), nn.LayerNorm(self.E)
+        self.head = nn.Linear(self.E, V, bias=False)
+
+    def forward(self, ids, targets):
+        x = self.project(self.emb_norm(self.emb(ids)))
+        B = x.shape[0]
+        x = x + self.o(self.attend(self.ln1(x)).transpose(1, 2).reshape(B, T, H))
+        x = x + self.down(nn.functional.gelu(self.up(self.ln2(x))))
+        x = self.head_norm(nn.functional.gelu(self.transform(x)))
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
 MODELS = {"alibi-batch-merged-heads": AlibiBatchMergedHeads, "multi-query-index-pick": MultiQueryIndexPick,
-          "interleaved-index-pick": InterleavedIndexPick, "multi-query-split": MultiQuerySplit}
-CASES = [(m, tp) for m in MODELS for tp in (2, 4)]
+          "interleaved-index-pick": InterleavedIndexPick, "multi-query-split": MultiQuerySplit, "normed-projections": NormedProjections}
+CASES = [(m, tp, False) for m in MODELS for tp in (2, 4)] + [(m, 2, True) for m in
+                                                            ("multi-query-split", "normed-projections")]
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +128,10 @@ def programs():
     return {name: (canonicalize_pass(fxpipe.capture(cls(), batch)), batch) for name, cls in MODELS.items()}
 
 
-@pytest.mark.parametrize("name,tp", CASES, ids=[f"{m}-tp{t}" for m, t in CASES])
-def test_attention_forms_shard_and_match(programs, name, tp):
+@pytest.mark.parametrize("name,tp,sp", CASES, ids=[f"{m}-tp{t}{'-sp' if s else ''}" for m, t, s in CASES])
+def test_attention_forms_shard_and_match(programs, name, tp, sp):
     base, batch = programs[name]
-    program = tensor_parallel_pass(base, TPConfig(tp=tp))
+    program = tensor_parallel_pass(base, TPConfig(tp=tp, sp=sp))
     result = program.tensor_parallel
     assert not result.coverage.whole, result.coverage.describe()
     assert result.kind_of("o.weight") is ShardKind.ROW and result.kind_of("down.weight") is ShardKind.ROW
@@ -126,3 +151,15 @@ def test_multi_query_shared_rows_a_block_per_rank(programs, name):
     assert spec.indices(1) == [*range(H // 2, H), *range(H + D, H + 2 * D)]
     gathers = [s for s in program.tensor_parallel.collectives if s.purpose.startswith("channels every rank")]
     assert len(gathers) == 1
+
+
+def test_projections_a_norm_reads_whole_gather_their_output(programs):
+    """Each rank holds E/tp (H/tp) rows of the projection, and one all-gather per
+    projection makes its output whole (ColumnParallelLinear with gather_output)."""
+    base, _ = programs["normed-projections"]
+    result = tensor_parallel_pass(base, TPConfig(tp=2)).tensor_parallel
+    E = NormedProjections.E
+    assert result.specs["project.weight"].local_shape == (H // 2, E)
+    assert result.specs["transform.weight"].local_shape == (E // 2, H)
+    gathered = {s.purpose for s in result.collectives if s.purpose.startswith("channels every rank")}
+    assert len(gathered) == 3  # project, transform, and the shared k/v of c_attn

@@ -63,6 +63,8 @@ class TPPlan:
     vocab_embedding: dict[str, str] = field(default_factory=dict)
     """Embedding node -> weight placeholder (vocab-parallel lookups)."""
     sharded_dropout: set[str] = field(default_factory=set)
+    gathered: frozenset[str] = frozenset()
+    """Replicated projections split with their output all-gathered (``gathered``)."""
     shared_columns: dict[str, SharedChannels] = field(default_factory=dict)
     """Column-parallel projection -> its channels every rank uses whole (``placement``)."""
     statistics: dict[str, float] = field(default_factory=dict)
@@ -86,8 +88,8 @@ def is_sharded(lay: Any) -> bool:
 
 def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: dict[str, Projection],
                embeddings: dict[str, str], grad: set[str], tp: int,
-               describe: Callable[[str], str]) -> TPPlan:
-    plan = TPPlan(tp)
+               describe: Callable[[str], str], gathered: frozenset[str] = frozenset()) -> TPPlan:
+    plan = TPPlan(tp, gathered=gathered)
     plan.vocab_embedding = dict(embeddings)
     plan.vocab_ce = dict(asg.vocab)
     for node in graph.nodes:
@@ -106,7 +108,8 @@ def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: 
             continue
         lay = plan.layouts.get(node.name)
         inputs = [a for a in node.all_input_nodes if a.name in plan.layouts]
-        if not (is_sharded(lay) or any(is_sharded(plan.layouts[a.name]) for a in inputs)):
+        if not (is_sharded(lay) or any(is_sharded(plan.layouts[a.name]) for a in inputs)
+                or node.name in plan.gathered):
             continue
         try:
             _node_rule(plan, prov, node, lay, grad, describe(node.name))
@@ -132,7 +135,7 @@ def _roles(plan: TPPlan, prov: Provenance, asg: Assignment, projections: dict[st
     for name, proj in projections.items():
         first, count = prov.sources[name]
         out_ids = np.arange(first, first + count)
-        is_column = bool((asg.owner(out_ids) != ALL).any())
+        is_column = bool((asg.owner(out_ids) != ALL).any()) or name in plan.gathered
         if is_column and name in asg.rows:
             raise LayoutFailure(out_ids, f"projection {name} would be both row- and column-parallel")
         if is_column:

@@ -73,7 +73,8 @@ class _Specs:
                 # Channels every rank uses whole inside a projection whose other channels
                 # are query heads (the one k/v head of multi-query attention in a fused QKV
                 # linear): each rank computes a block of them, all-gathered after it.
-                queries = np.isin(ids[~shared], self.queries).all()
+                queries = name in self.plan.gathered or (
+                    (~shared).any() and np.isin(ids[~shared], self.queries).all())
                 found = None if len(self.by_node[proj.weight].shape) != 2 or not queries else split_shared(
                     [np.flatnonzero(own == r) for r in range(self.tp)], np.flatnonzero(shared))
                 if found is None:

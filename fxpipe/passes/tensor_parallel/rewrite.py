@@ -160,6 +160,7 @@ class _Builder:
             not self.sequence_parallel
         self.env[node.name] = new
         if node.name in self.plan.shared_columns:
+            new.meta[REPLICATED] = False  # each rank's block until the all-gather after it
             self.gather_shared(node)
         if node.name in self.plan.partial:
             self.reduce(node)
@@ -191,22 +192,28 @@ class _Builder:
         of them | after]: the layout the plan gave the projection's output."""
         shared, value = self.plan.shared_columns[node.name], self.env[node.name]
         dim = len(G.shape(node)) - 1
-        cuts = (0, shared.start, shared.start + shared.chunk, None)
+        size = self.plan.layouts[node.name].shape[dim] - shared.total + shared.chunk  # computed here
         parts = []
-        for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
-            part = self.graph.create_node("call_function", G.aten.slice.Tensor,
-                                          (value, dim, a, b if b is not None else 2 ** 62),
-                                          name=f"tp_part_{node.name}")
-            self.note(part, node.name)
-            if i == 1:
+        for a, b, block in ((0, shared.start, False), (shared.start, shared.start + shared.chunk, True),
+                            (shared.start + shared.chunk, size, False)):
+            if a == b:
+                continue
+            part = value
+            if (a, b) != (0, size):
+                part = self.graph.create_node("call_function", G.aten.slice.Tensor, (value, dim, a, b),
+                                              name=f"tp_part_{node.name}")
+                self.note(part, node.name)
+            if block:
                 part = self.collective(part, Conversion(CollectiveKind.GATHER, dim), node.name, node.name,
                                        f"channels every rank uses whole ({node.name})")
                 part.meta[REPLICATED] = False  # conservative: never sent as 1/t chunks
             parts.append(part)
-        joined = self.graph.create_node("call_function", G.aten.cat.default, (parts, dim),
-                                        name=f"tp_joined_{node.name}")
-        self.note(joined, node.name)
-        self.env[node.name] = joined
+        if len(parts) > 1:
+            joined = self.graph.create_node("call_function", G.aten.cat.default, (parts, dim),
+                                            name=f"tp_joined_{node.name}")
+            self.note(joined, node.name)
+            parts = [joined]
+        self.env[node.name] = parts[0]
 
     def reduce_statistic(self, node: fx.Node) -> None:
         """Each rank's share of a mean/sum over split channels, summed by g (forward

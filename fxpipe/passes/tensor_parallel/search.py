@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel.assign import Assignment, assign
 from fxpipe.passes.tensor_parallel.coverage import measure_coverage
+from fxpipe.passes.tensor_parallel.gathered import gathered_projections
 from fxpipe.passes.tensor_parallel.graph_ops import Projection
 from fxpipe.passes.tensor_parallel.layout import LayoutFailure
 from fxpipe.passes.tensor_parallel.node_layouts import TPPlan, build_plan
@@ -69,10 +70,16 @@ def _layouts(program: Program, graph: fx.Graph, prov: Provenance, projections: d
     replicate: list = []
     for _ in range(prov.n_ids + 1):  # each failed round replicates at least one more class
         asg = assign(prov, tp, replicate, describe)
+        gathered = gathered_projections(graph, prov, asg, projections, _weights_2d(program), tp, replicate)
         try:
-            plan = build_plan(graph, prov, asg, projections, embeddings, grad, tp, describe)
+            plan = build_plan(graph, prov, asg, projections, embeddings, grad, tp, describe, gathered)
             specs = build_specs(program, prov, asg, plan, describe)
             return Layouts(prov, asg, plan, specs)
         except LayoutFailure as failure:
             replicate.append((failure.ids, failure.reason))
     raise AssertionError("tensor-parallel layout search did not converge")  # pragma: no cover
+
+
+def _weights_2d(program: Program) -> set[str]:
+    return {p.node for p in program.params
+            if p.kind is ParamKind.PARAMETER and p.requires_grad and len(p.shape) == 2}
