@@ -7,12 +7,14 @@ Three forms, each found from the channel layout, never from names:
   row ``o``, its heads block ``j < m``): a *strided block*. A replicated operand of that
   dim (the ALiBi bias, built per head from slopes) is narrowed by viewing the dim as
   ``(outer, n)`` and keeping block r of the inner part (``strided_blocks``).
-- **Fused QKV picked by a constant index** (Falcon's ``fused[..., idx, :]``): the
+- **Fused QKV picked by a constant index** (Falcon's ``fused[..., [-2], :]``): the
   constant index picks head rows; when every picked row of each rank is one it holds,
-  the index is rewritten to the rank's local rows (``local_index``).
+  the index is rewritten to one local (strided) slice of the rank's rows
+  (``local_index``).
 - **Multi-query fused QKV** (GPT-BigCode's ``c_attn`` = [q of all heads | one k | one v]):
-  the shared k/v part is computed by every rank, its weight gradients all-reduced
-  (``placement``), while the query part is split by heads.
+  the query part is split by heads; the shared k/v part is cut into one block per
+  rank, computed there and all-gathered after the projection (``split_shared``,
+  ``SharedChannels``; ``gathered.py`` uses the same for a whole projection).
 """
 from __future__ import annotations
 

@@ -78,11 +78,11 @@ class _Specs:
                 found = None if len(self.by_node[proj.weight].shape) != 2 or not queries else split_shared(
                     [np.flatnonzero(own == r) for r in range(self.tp)], np.flatnonzero(shared))
                 if found is None:
-                    what = "query heads" if queries else "channels split over tp ranks"
-                    raise LayoutFailure(ids, f"{self.describe(name)} mixes {what} with "
-                                             f"{int(shared.sum())} channels every rank uses whole"
-                                             f"{', which tp=%d cannot cut into one block per rank' % self.tp if queries else ''}"
-                                             f": kept replicated")
+                    why = (f"which tp={self.tp} cannot cut into one block per rank" if queries
+                           else "beside channels that are not query heads")
+                    raise LayoutFailure(ids, f"{self.describe(name)} mixes channels split over tp "
+                                             f"ranks with {int(shared.sum())} channels every rank uses "
+                                             f"whole, {why}: kept replicated")
                 held, self.plan.shared_columns[name] = found
             ranges, local = tuple(ranges_of(h) for h in held), len(held[0])
             reason = f"column-parallel: output channels of {self.describe(name)}"
