@@ -115,9 +115,10 @@ class NormedProjections(MultiQuerySplit):
 
 
 MODELS = {"alibi-batch-merged-heads": AlibiBatchMergedHeads, "multi-query-index-pick": MultiQueryIndexPick,
-          "interleaved-index-pick": InterleavedIndexPick, "multi-query-split": MultiQuerySplit, "normed-projections": NormedProjections}
-CASES = [(m, tp, False) for m in MODELS for tp in (2, 4)] + [(m, 2, True) for m in
-                                                            ("multi-query-split", "normed-projections")]
+          "interleaved-index-pick": InterleavedIndexPick, "multi-query-split": MultiQuerySplit,
+          "normed-projections": NormedProjections}
+CASES = [(m, tp, False) for m in MODELS for tp in (2, 4)] + [
+    (m, 2, True) for m in ("multi-query-split", "normed-projections")]
 
 
 @pytest.fixture(scope="module")
