@@ -19,23 +19,24 @@ def _loss(out, target):
 
 
 class _Block(nn.Module):
-    def __init__(self, h: int, ffn: int) -> None:
+    def __init__(self, h: int, ffn: int, softmax: bool) -> None:
         super().__init__()
         self.up = nn.Linear(h, ffn)
         self.down = nn.Linear(ffn, h)
-        self.mix = nn.Linear(h, h)  # feeds a norm: no row-parallel partner
+        self.mix = nn.Linear(h, h)  # feeds a norm (or a softmax): no row-parallel partner
         self.norm = nn.LayerNorm(h)
+        self.softmax = softmax
 
     def forward(self, x):
         x = x + self.down(F.gelu(self.up(x)))
-        return self.norm(self.mix(x))
+        return self.norm(self.mix(x).softmax(-1) if self.softmax else self.mix(x))
 
 
 class _MLPModel(nn.Module):
-    def __init__(self, h: int = 8, ffn: int = 6) -> None:
+    def __init__(self, h: int = 8, ffn: int = 6, softmax: bool = False) -> None:
         super().__init__()
         self.emb = nn.Embedding(16, h)
-        self.blocks = nn.ModuleList([_Block(h, ffn)])
+        self.blocks = nn.ModuleList([_Block(h, ffn, softmax)])
         self.head = nn.Linear(h, 16)
 
     def forward(self, ids):
@@ -78,12 +79,19 @@ def test_sequence_not_divisible():
 
 def test_unclear_projection_stays_replicated_with_reason():
     ids = torch.randint(0, 16, (2, 4))
-    program = tensor_parallel_pass(_program(_MLPModel(ffn=8), ids), TPConfig(tp=2))
+    program = tensor_parallel_pass(_program(_MLPModel(ffn=8, softmax=True), ids), TPConfig(tp=2))
     result = program.tensor_parallel
     assert result.kind_of("blocks.0.up.weight") is ShardKind.COLUMN
     spec = result.specs["blocks.0.mix.weight"]
     assert spec.kind is ShardKind.REPLICATED
-    assert "blocks.0.mix" in spec.reason and "layer_norm" in spec.reason
+    assert "blocks.0.mix" in spec.reason and "softmax" in spec.reason
+
+
+def test_projection_only_a_norm_reads_is_split_with_its_output_gathered():
+    ids = torch.randint(0, 16, (2, 4))
+    result = tensor_parallel_pass(_program(_MLPModel(ffn=8), ids), TPConfig(tp=2)).tensor_parallel
+    assert result.kind_of("blocks.0.mix.weight") is ShardKind.COLUMN
+    assert result.specs["blocks.0.mix.weight"].local_shape == (4, 8)
 
 
 @pytest.mark.parametrize("kwargs", [dict(tp=0), dict(tp=1, sp=True), dict(tp=2.0)])

@@ -140,11 +140,16 @@ def test_loss_and_every_gradient_equal_one_process(variant, tp):
     assert any(s.kind is not ShardKind.REPLICATED for s in specs.values()), "something is split"
 
 
-def test_fused_projection_with_shared_kv_channels_stays_replicated_with_a_reason():
+def test_fused_projection_with_shared_kv_channels_holds_a_block_of_them_per_rank():
+    """Multi-query: the query rows split by heads, the shared k/v rows a block per rank
+    (all-gathered after the projection), so no row is held twice and every gradient is
+    whole on its one holder (the loss and gradients: the equivalence test above)."""
     program, _ = _program("fused-mqa")
     specs = tensor_parallel_pass(program, TPConfig(tp=2)).tensor_parallel.specs
-    spec = specs["blocks.0.attn.qkv.weight"]
-    assert spec.kind is ShardKind.REPLICATED and "partial per rank" in spec.reason, spec
+    spec, hd = specs["blocks.0.attn.qkv.weight"], H // HEADS
+    assert spec.kind is ShardKind.COLUMN and spec.local_shape == (H // 2 + hd, H), spec
+    assert spec.indices(0) == [*range(H // 2), *range(H, H + hd)]
+    assert spec.indices(1) == [*range(H // 2, H), *range(H + hd, H + 2 * hd)]
     assert specs["blocks.0.mlp.up.weight"].kind is ShardKind.COLUMN, "the MLP is still split"
 
 
@@ -159,8 +164,8 @@ def test_invariant_rejects_overlapping_shards():
 
 
 def test_invariant_catches_the_old_fused_mqa_split(monkeypatch):
-    """Without the refusal in the column placement, the invariant still fails the
-    compile instead of training with partial K/V gradients."""
+    """Had the column placement given the shared k/v rows to every rank, the invariant
+    would fail the compile instead of training with partial K/V gradients."""
     program, _ = _program("fused-mqa")
     old_column = placement._Specs.column
 

@@ -18,6 +18,8 @@ import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
+from fxpipe.passes.tensor_parallel.attention_forms import (SharedChannels, constant_values, local_index,
+                                                           strided_blocks)
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.layout import Layout, LayoutFailure, layout_of, local_range, replicated
 from fxpipe.passes.tensor_parallel.provenance import Provenance, index_dim
@@ -28,6 +30,9 @@ from fxpipe.passes.tensor_parallel.result import CollectiveKind
 class Conversion:
     kind: CollectiveKind
     dim: int | None = None
+    outer: int = 1
+    """SCATTER of a strided block (``attention_forms.strided_blocks``): ``dim`` viewed as
+    (outer, -1) around the scatter, which keeps block r of the inner part."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,10 @@ class TPPlan:
     vocab_embedding: dict[str, str] = field(default_factory=dict)
     """Embedding node -> weight placeholder (vocab-parallel lookups)."""
     sharded_dropout: set[str] = field(default_factory=set)
+    gathered: frozenset[str] = frozenset()
+    """Replicated projections split with their output all-gathered (``gathered``)."""
+    shared_columns: dict[str, SharedChannels] = field(default_factory=dict)
+    """Column-parallel projection -> its channels every rank uses whole (``placement``)."""
     statistics: dict[str, float] = field(default_factory=dict)
     """Mean/sum over split channels -> the factor turning the local result into this
     rank's share of the whole (local/full count for a mean); g follows it."""
@@ -79,8 +88,8 @@ def is_sharded(lay: Any) -> bool:
 
 def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: dict[str, Projection],
                embeddings: dict[str, str], grad: set[str], tp: int,
-               describe: Callable[[str], str]) -> TPPlan:
-    plan = TPPlan(tp)
+               describe: Callable[[str], str], gathered: frozenset[str] = frozenset()) -> TPPlan:
+    plan = TPPlan(tp, gathered=gathered)
     plan.vocab_embedding = dict(embeddings)
     plan.vocab_ce = dict(asg.vocab)
     for node in graph.nodes:
@@ -99,7 +108,8 @@ def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: 
             continue
         lay = plan.layouts.get(node.name)
         inputs = [a for a in node.all_input_nodes if a.name in plan.layouts]
-        if not (is_sharded(lay) or any(is_sharded(plan.layouts[a.name]) for a in inputs)):
+        if not (is_sharded(lay) or any(is_sharded(plan.layouts[a.name]) for a in inputs)
+                or node.name in plan.gathered):
             continue
         try:
             _node_rule(plan, prov, node, lay, grad, describe(node.name))
@@ -125,7 +135,7 @@ def _roles(plan: TPPlan, prov: Provenance, asg: Assignment, projections: dict[st
     for name, proj in projections.items():
         first, count = prov.sources[name]
         out_ids = np.arange(first, first + count)
-        is_column = bool((asg.owner(out_ids) != ALL).any())
+        is_column = bool((asg.owner(out_ids) != ALL).any()) or name in plan.gathered
         if is_column and name in asg.rows:
             raise LayoutFailure(out_ids, f"projection {name} would be both row- and column-parallel")
         if is_column:
@@ -258,9 +268,17 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
         for a in node.args[:2]:
             _operand(plan, node, a, lay, grad)
     elif t is G.INDEX:
-        x = plan.layouts[node.args[0].name]
-        if index_dim(node) in x.sharded:
-            raise _Refuse("indexes a sharded dim")
+        x, p = plan.layouts[node.args[0].name], index_dim(node)
+        if p in x.sharded:
+            # constant rows of a sharded dim (fused QKV picked by index): one local slice
+            picked = constant_values(node.args[1][p], prov.constants)
+            found = None if picked is None or x.vocab else local_index(
+                picked, x.full[p], x.positions[x.sharded.index(p)],
+                lay.positions[lay.sharded.index(p)] if p in lay.sharded else None)
+            if found is None:
+                raise _Refuse("indexes a sharded dim")
+            plan.new_target[node.name] = G.aten.slice.Tensor
+            plan.new_args[node.name] = (node.args[0], p, *found)
     elif t is G.INDEX_ADD:
         if norm_dim(node.args[1], len(lay.full)) in lay.sharded:
             raise _Refuse("index_add along a sharded dim")
@@ -284,17 +302,21 @@ def _operand(plan: TPPlan, consumer: fx.Node, a: fx.Node, ref: Layout, grad: set
         return
     ash, nd = shape(a), len(ref.full)
     off = nd - len(ash)
-    scatter_dim = None
+    scatter_dim, outer = None, 1
     for d in ref.sharded:
         ad = d - off
         if ad < 0 or ash[ad] == 1:
             continue
-        if ash[ad] == ref.full[d] and d in ref.blocks and scatter_dim is None:
-            scatter_dim = ad
-            continue
+        if ash[ad] == ref.full[d] and scatter_dim is None:
+            # a contiguous block, or heads merged with the batch (a strided block)
+            found = (1, 0) if d in ref.blocks else None if ref.vocab else strided_blocks(
+                ref.positions[ref.sharded.index(d)], ref.full[d])
+            if found is not None:
+                scatter_dim, outer = ad, found[0]
+                continue
         raise _Refuse(f"replicated input {a.name} cannot be narrowed to the shard")
     if scatter_dim is not None:
-        plan.conversions[(consumer.name, a.name)] = [Conversion(CollectiveKind.SCATTER, scatter_dim)]
+        plan.conversions[(consumer.name, a.name)] = [Conversion(CollectiveKind.SCATTER, scatter_dim, outer)]
     elif a.name in grad:
         plan.conversions[(consumer.name, a.name)] = [Conversion(CollectiveKind.F)]
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
+from fxpipe.passes.tensor_parallel.attention_forms import split_shared
 from fxpipe.passes.tensor_parallel.layout import LayoutFailure
 from fxpipe.passes.tensor_parallel.node_layouts import TPPlan
 from fxpipe.passes.tensor_parallel.provenance import Provenance
@@ -48,6 +49,8 @@ class _Specs:
         self.by_node = {p.node: p for p in program.params}
         self.props: dict[str, list[_Proposal]] = {}
         self.nodes = {n.name: n for n in program.graph.nodes}
+        self.queries = np.concatenate([u.q.ravel() for u in prov.attention.values()]
+                                      or [np.zeros(0, dtype=np.int64)])
 
     def propose(self, placeholder: str, p: _Proposal) -> None:
         self.props.setdefault(self.by_node[placeholder].canonical, []).append(p)
@@ -65,17 +68,22 @@ class _Specs:
         else:
             kind = ShardKind.COLUMN
             shared = own == ALL
-            if shared.any() and self.by_node[proj.weight].requires_grad:
-                # Channels every rank computes inside a projection whose other channels are
-                # split (the one k/v head of multi-query attention in a fused QKV linear):
-                # each rank's consumers are its own heads, so each rank's gradient of those
-                # weight columns is a partial sum that no collective reduces. Refuse the
-                # split; the projection stays replicated, which is correct (and reported).
-                raise LayoutFailure(ids, f"{self.describe(name)} mixes channels split over tp ranks "
-                                         f"with {int(shared.sum())} channels every rank computes and "
-                                         f"uses for its own heads (their weight gradients would be "
-                                         f"partial per rank): kept replicated")
             held = [np.flatnonzero((own == r) | (own == ALL)) for r in range(self.tp)]
+            if shared.any() and self.by_node[proj.weight].requires_grad:
+                # Channels every rank uses whole inside a projection whose other channels
+                # are query heads (the one k/v head of multi-query attention in a fused QKV
+                # linear): each rank computes a block of them, all-gathered after it.
+                queries = name in self.plan.gathered or (
+                    (~shared).any() and np.isin(ids[~shared], self.queries).all())
+                found = None if len(self.by_node[proj.weight].shape) != 2 or not queries else split_shared(
+                    [np.flatnonzero(own == r) for r in range(self.tp)], np.flatnonzero(shared))
+                if found is None:
+                    why = (f"which tp={self.tp} cannot cut into one block per rank" if queries
+                           else "beside channels that are not query heads")
+                    raise LayoutFailure(ids, f"{self.describe(name)} mixes channels split over tp "
+                                             f"ranks with {int(shared.sum())} channels every rank uses "
+                                             f"whole, {why}: kept replicated")
+                held, self.plan.shared_columns[name] = found
             ranges, local = tuple(ranges_of(h) for h in held), len(held[0])
             reason = f"column-parallel: output channels of {self.describe(name)}"
         self.propose(proj.weight, _Proposal(kind, proj.out_dim, ranges, local, reason, name))

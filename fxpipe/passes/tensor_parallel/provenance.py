@@ -27,6 +27,7 @@ import numpy as np
 import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
+from fxpipe.passes.tensor_parallel.attention_forms import constant_values
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.norms import private_norm
 
@@ -71,6 +72,8 @@ class Provenance:
     another dim -> the channel ids copied."""
     copies: frozenset[str] = frozenset()
     """Of those, the ones whose every copy gets ids of its own (``shared_copies``)."""
+    constants: dict = field(default_factory=dict)
+    """Placeholder -> value of the graph's constants (a fused QKV's picked-rows index)."""
     """Of those, the ones whose channels stay split: a partial sum, all-reduced
     (``split_statistics``); the others unite their channels like any reduction."""
 
@@ -139,12 +142,13 @@ def _compact(ids: np.ndarray) -> np.ndarray:
 
 
 def analyze(graph: fx.Graph, projections: dict[str, Projection],
-            split_statistics: frozenset[str] = frozenset(), copies: frozenset[str] = frozenset()
-            ) -> Provenance:
+            split_statistics: frozenset[str] = frozenset(), copies: frozenset[str] = frozenset(),
+            constants: dict | None = None) -> Provenance:
     """One forward sweep over the graph in topological order; ``split_statistics``:
     mean/sum nodes whose channels stay split (see ``split_statistics``); ``copies``:
-    expands whose copies are channels of their own (see ``shared_copies``)."""
-    prov = Provenance(split_statistics=split_statistics, copies=copies)
+    expands whose copies are channels of their own (see ``shared_copies``); ``constants``:
+    placeholder -> value of the graph's constants."""
+    prov = Provenance(split_statistics=split_statistics, copies=copies, constants=constants or {})
     for node in graph.nodes:
         if node.op == "output":
             for a in node.all_input_nodes:
@@ -278,7 +282,7 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
     if t is G.SLICE_SCATTER:
         return _slice_scatter(prov, node, inputs)
     if t is G.INDEX:  # rows gathered by an index tensor (tokens routed to experts)
-        return _index(node, inputs)
+        return _index(prov, node, inputs)
     if t is G.INDEX_ADD:  # a dropless MoE's combine: expert outputs added at their tokens' rows
         dim = norm_dim(node.args[1], len(shape(node)))
         arrays = [_align(inputs[a.name], len(shape(node))) for a in (x, node.args[3]) if a.name in inputs]
@@ -350,9 +354,11 @@ def index_dim(node: fx.Node) -> int | None:
     return given[0] if len(given) == 1 else None
 
 
-def _index(node: fx.Node, inputs: dict) -> np.ndarray:
+def _index(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     """x[..., idx, ...] with one index tensor along a dim that carries no channel: the
-    output keeps x's channels on the other dims (DTensor shards them alike)."""
+    output keeps x's channels on the other dims (DTensor shards them alike). Along a dim
+    that carries channels, a constant index (Falcon's ``fused[..., [-2], :]``) picks
+    rows: the output carries the picked rows' channels."""
     x, indices = node.args[0], node.args[1]
     p = index_dim(node)
     if p is None or x.name not in inputs or any(
@@ -360,7 +366,13 @@ def _index(node: fx.Node, inputs: dict) -> np.ndarray:
         raise _Unsupported("advanced indexing by values that carry channels or by several tensors")
     ids = _align(inputs[x.name], len(shape(x)))
     if ids.shape[p] > 1:
-        raise _Unsupported("indexes a dim that carries channels")
+        picked = constant_values(indices[p], prov.constants)
+        if picked is None:
+            raise _Unsupported("indexes a dim that carries channels by values computed in the graph")
+        n = shape(x)[p]
+        if ((picked < -n) | (picked >= n)).any():
+            raise _Unsupported("an index out of range")
+        return _compact(np.take(ids, picked % n, axis=p))
     k = len(shape(indices[p]))
     return ids.reshape(ids.shape[:p] + (1,) * k + ids.shape[p + 1:])
 

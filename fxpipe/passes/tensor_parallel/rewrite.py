@@ -89,7 +89,11 @@ class _Builder:
 
     def collective(self, value: fx.Node, conv: Conversion, producer: str, consumer: str,
                    purpose: str | None = None) -> fx.Node:
-        args = (value,) if conv.dim is None else (value, conv.dim, self.plan.tp)
+        if conv.outer > 1:  # heads merged with the batch: keep block r of each batch row
+            value = self.graph.create_node("call_function", G.aten.unflatten.int,
+                                           (value, conv.dim, [conv.outer, -1]), name=f"tp_rows_{producer}")
+            self.note(value, consumer)
+        args = (value,) if conv.dim is None else (value, conv.dim + (conv.outer > 1), self.plan.tp)
         node = self.graph.create_node("call_function", _OP[conv.kind], args,
                                       name=f"tp_{conv.kind.value}_{producer}")
         # A collective belongs to the layer of the block it serves: its consumer for
@@ -101,6 +105,10 @@ class _Builder:
                   purpose or f"{producer} -> {where}", conv.dim)
         node.meta[REPLICATED] = conv.kind in _REPLICATING
         node.meta[PARTIAL_GRAD] = conv.kind in (CollectiveKind.F, CollectiveKind.GATHER_SEQ)
+        if conv.outer > 1:
+            node = self.graph.create_node("call_function", G.aten.flatten.using_ints,
+                                          (node, conv.dim, conv.dim + 1), name=f"tp_merged_{producer}")
+            self.note(node, consumer)
         return node
 
     def convert(self, producer: fx.Node, consumer: fx.Node) -> fx.Node:
@@ -151,6 +159,9 @@ class _Builder:
             node.name not in self.plan.statistics and not after_f and not local and \
             not self.sequence_parallel
         self.env[node.name] = new
+        if node.name in self.plan.shared_columns:
+            new.meta[REPLICATED] = False  # each rank's block until the all-gather after it
+            self.gather_shared(node)
         if node.name in self.plan.partial:
             self.reduce(node)
         if node.name in self.plan.statistics:
@@ -175,6 +186,34 @@ class _Builder:
         if node.target is G.DROPOUT and arg(node, 2, "train", False) and arg(node, 1, "p", 0.0) > 0:
             return OPS.dropout.default, (args[0], float(arg(node, 1, "p")), name in plan.sharded_dropout), {}
         return target, tuple(args), kwargs
+
+    def gather_shared(self, node: fx.Node) -> None:
+        """[before | this rank's block of the shared channels | after] -> [before | all
+        of them | after]: the layout the plan gave the projection's output."""
+        shared, value = self.plan.shared_columns[node.name], self.env[node.name]
+        dim = len(G.shape(node)) - 1
+        size = self.plan.layouts[node.name].shape[dim] - shared.total + shared.chunk  # computed here
+        parts = []
+        for a, b, block in ((0, shared.start, False), (shared.start, shared.start + shared.chunk, True),
+                            (shared.start + shared.chunk, size, False)):
+            if a == b:
+                continue
+            part = value
+            if (a, b) != (0, size):
+                part = self.graph.create_node("call_function", G.aten.slice.Tensor, (value, dim, a, b),
+                                              name=f"tp_part_{node.name}")
+                self.note(part, node.name)
+            if block:
+                part = self.collective(part, Conversion(CollectiveKind.GATHER, dim), node.name, node.name,
+                                       f"channels every rank uses whole ({node.name})")
+                part.meta[REPLICATED] = False  # conservative: never sent as 1/t chunks
+            parts.append(part)
+        if len(parts) > 1:
+            joined = self.graph.create_node("call_function", G.aten.cat.default, (parts, dim),
+                                            name=f"tp_joined_{node.name}")
+            self.note(joined, node.name)
+            parts = [joined]
+        self.env[node.name] = parts[0]
 
     def reduce_statistic(self, node: fx.Node) -> None:
         """Each rank's share of a mean/sum over split channels, summed by g (forward

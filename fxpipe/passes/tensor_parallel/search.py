@@ -17,13 +17,14 @@ import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel.assign import Assignment, assign
 from fxpipe.passes.tensor_parallel.coverage import measure_coverage
+from fxpipe.passes.tensor_parallel.gathered import gathered_projections
 from fxpipe.passes.tensor_parallel.graph_ops import Projection
 from fxpipe.passes.tensor_parallel.layout import LayoutFailure
 from fxpipe.passes.tensor_parallel.node_layouts import TPPlan, build_plan
 from fxpipe.passes.tensor_parallel.placement import build_specs
 from fxpipe.passes.tensor_parallel.provenance import Provenance, analyze, shared_copies, split_statistics
 from fxpipe.sharding import ShardSpec
-from fxpipe.program import Program
+from fxpipe.program import ParamKind, Program
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,9 @@ class Layouts:
 def search(program: Program, graph: fx.Graph, projections: dict[str, Projection],
            embeddings: dict[str, str], grad: set[str], tp: int,
            describe: Callable[[str], str]) -> Layouts:
-    first = analyze(graph, projections)
+    constants = {p.node: program.state[p.canonical] for p in program.params
+                 if p.kind is ParamKind.CONSTANT and p.canonical in program.state}
+    first = analyze(graph, projections, constants=constants)
     copies = shared_copies(first)
     readings = []
     for private in (False, True):
@@ -48,7 +51,7 @@ def search(program: Program, graph: fx.Graph, projections: dict[str, Projection]
     for i, (stats, cp) in enumerate(readings):
         # a second sweep, with those reductions no longer uniting their channels and
         # those expands' copies channels of their own
-        prov = analyze(graph, projections, stats, cp) if stats or cp else first
+        prov = analyze(graph, projections, stats, cp, constants) if stats or cp else first
         try:
             found = _layouts(program, graph, prov, projections, embeddings, grad, tp, describe)
         except ValueError:
@@ -67,10 +70,16 @@ def _layouts(program: Program, graph: fx.Graph, prov: Provenance, projections: d
     replicate: list = []
     for _ in range(prov.n_ids + 1):  # each failed round replicates at least one more class
         asg = assign(prov, tp, replicate, describe)
+        gathered = gathered_projections(graph, prov, asg, projections, _weights_2d(program), tp, replicate)
         try:
-            plan = build_plan(graph, prov, asg, projections, embeddings, grad, tp, describe)
+            plan = build_plan(graph, prov, asg, projections, embeddings, grad, tp, describe, gathered)
             specs = build_specs(program, prov, asg, plan, describe)
             return Layouts(prov, asg, plan, specs)
         except LayoutFailure as failure:
             replicate.append((failure.ids, failure.reason))
     raise AssertionError("tensor-parallel layout search did not converge")  # pragma: no cover
+
+
+def _weights_2d(program: Program) -> set[str]:
+    return {p.node for p in program.params
+            if p.kind is ParamKind.PARAMETER and p.requires_grad and len(p.shape) == 2}
