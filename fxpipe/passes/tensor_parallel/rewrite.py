@@ -23,6 +23,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import arg
 from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan, is_sharded
+from fxpipe.passes.tensor_parallel.regions import close_regions, refresh as refresh_regions
 from fxpipe.passes.tensor_parallel.result import CollectiveKind, CollectiveSite
 from fxpipe.program import Program
 from fxpipe.tp.ops import OPS
@@ -221,7 +222,9 @@ def rewrite(program: Program, plan: TPPlan, reduce_kind: dict[str, Conversion],
         b.sites.append(CollectiveSite(name, CollectiveKind.VOCAB_CROSS_ENTROPY,
                                       program.layers.get(name), "vocab-parallel cross-entropy"))
     gm = fx.GraphModule(program.graph_module, b.graph)
+    close_regions(gm, b.paths, b.layers)  # autocast blocks opened for the analysis (regions.py)
     _refresh_shapes(gm, local_params)
+    refresh_regions(gm)
     return Rewritten(gm, b.sites, b.paths, b.layers)
 
 

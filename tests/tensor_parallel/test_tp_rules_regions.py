@@ -1,0 +1,69 @@
+"""Blocks of another grad mode or precision inside forward (torch.export's
+``wrap_with_set_grad_enabled`` / ``wrap_with_autocast`` regions) seen through by the TP
+pass: the projections around and inside them split, and every rank's loss and gradients
+equal one process at tp=2 and 4 (emulated collectives; the captured program is the reference)."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxpipe
+from fxpipe.passes import canonicalize_pass
+from fxpipe.passes.tensor_parallel import ShardKind, TPConfig, tensor_parallel_pass
+from fxpipe.passes.tensor_parallel.regions import AUTOCAST, SET_GRAD
+from tests.tensor_parallel.test_tp_equivalence import _check
+from tests.tensor_parallel.test_tp_rules import _LM, D, HEADS, H, T, V
+
+
+class RegionAttention(_LM):
+    """A stop-gradient per-head temperature from a weight of its own, under no_grad (with
+    an autocast block inside, which torch.export nests); scores and values under bf16
+    autocast with the softmax in fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(H, H), nn.Linear(H, H), nn.Linear(H, H)
+        self.temp = nn.Linear(H, H, bias=False)
+
+    def attend(self, x):
+        B = x.shape[0]
+        q, k, v = (p(x).view(B, T, HEADS, D).transpose(1, 2) for p in (self.q, self.k, self.v))
+        with torch.no_grad():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                t = self.temp(x)  # (B, T, C) bf16
+            t = t.float().view(B, T, HEADS, D).transpose(1, 2)
+            inv = torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1.0)  # (B, nh, T, 1)
+        q = q * inv
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            s = q @ k.transpose(-1, -2) / math.sqrt(D)  # (B, nh, T, T) bf16
+            s = s.float().masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+            return (s @ v).float()
+
+
+@pytest.fixture(scope="module")
+def regions():
+    torch.manual_seed(0)
+    ids = torch.randint(0, V, (2, T))
+    batch = (ids, ids.roll(-1, 1))
+    return canonicalize_pass(fxpipe.capture(RegionAttention(), batch)), batch
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_grad_mode_and_autocast_regions_are_seen_through(regions, tp):
+    base, batch = regions
+    assert any(n.target is SET_GRAD for n in base.graph.nodes)  # the capture keeps the regions
+    program = tensor_parallel_pass(base, TPConfig(tp=tp))
+    result = program.tensor_parallel
+    assert not result.coverage.whole, result.coverage.describe()
+    for name in ("q", "k", "v", "temp"):
+        assert result.kind_of(f"{name}.weight") is ShardKind.COLUMN, name
+    assert result.kind_of("o.weight") is ShardKind.ROW
+    # No-grad became detached values; autocast is a region again, bf16 inside.
+    assert not any(n.target is SET_GRAD for n in program.graph.nodes)
+    calls = [n for n in program.graph.nodes if n.target is AUTOCAST]
+    assert len(calls) == 2
+    inner = [n.meta["val"].dtype for c in calls for n in getattr(program.graph_module, c.args[4].target).graph.nodes
+             if n.target is torch.ops.aten.matmul.default or n.target is torch.ops.aten.linear.default]
+    assert inner and all(d is torch.bfloat16 for d in inner)
+    _check(base, program, batch, tp)  # temp.weight: no gradient in either
