@@ -67,3 +67,63 @@ def test_grad_mode_and_autocast_regions_are_seen_through(regions, tp):
              if n.target is torch.ops.aten.matmul.default or n.target is torch.ops.aten.linear.default]
     assert inner and all(d is torch.bfloat16 for d in inner)
     _check(base, program, batch, tp)  # temp.weight: no gradient in either
+
+
+class SlidingWindowWrite(_LM):
+    """Matmul attention whose window mask is written in place, ``att[:, :, mask] = -inf``
+    (``index_put`` once functional), as the zoo's sliding-window GPT does."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(H, 3 * H)
+
+    def attend(self, x):
+        B = x.shape[0]
+        q, k, v = (t.view(B, T, HEADS, D).transpose(1, 2) for t in self.qkv(x).split(H, dim=-1))
+        att = q @ k.transpose(-1, -2) / math.sqrt(D)  # (B, nh, T, T)
+        mask = torch.ones(T, T, dtype=torch.bool).triu(1) | torch.ones(T, T, dtype=torch.bool).tril(-3)
+        att[:, :, mask] = float("-inf")
+        return att.softmax(-1) @ v
+
+
+class StepwiseRecurrence(_LM):
+    """RWKV-style time mixing: a per-channel recurrence over keys and values written one
+    step at a time into ``zeros_like(key)`` (``select_scatter``), gated by a receptance."""
+
+    def __init__(self):
+        super().__init__()
+        self.key, self.value, self.receptance = nn.Linear(H, H), nn.Linear(H, H), nn.Linear(H, H)
+        self.decay = nn.Parameter(torch.full((H,), -0.5))
+
+    def attend(self, x):
+        B = x.shape[0]
+        k, v = self.key(x), self.value(x)  # (B, T, C)
+        out, num, den = torch.zeros_like(k), torch.zeros_like(k[:, 0]), torch.zeros_like(k[:, 0])
+        for t in range(T):
+            w = torch.exp(k[:, t])
+            num, den = num * torch.exp(self.decay) + w * v[:, t], den * torch.exp(self.decay) + w
+            out[:, t] = num / den
+        y = torch.sigmoid(self.receptance(x)) * out
+        return y.view(B, T, HEADS, D).transpose(1, 2)
+
+
+WRITES = {"sliding-window-index-put": SlidingWindowWrite, "stepwise-select-scatter": StepwiseRecurrence}
+
+
+@pytest.mark.parametrize("name,tp", [(m, tp) for m in WRITES for tp in (2, 4)])
+def test_writes_along_dims_without_channels_keep_them_split(name, tp):
+    torch.manual_seed(0)
+    ids = torch.randint(0, V, (2, T))
+    batch = (ids, ids.roll(-1, 1))
+    base = canonicalize_pass(fxpipe.capture(WRITES[name](), batch))
+    op = {"sliding-window-index-put": torch.ops.aten.index_put.default,
+          "stepwise-select-scatter": torch.ops.aten.select_scatter.default}[name]
+    assert any(n.target is op for n in base.graph.nodes)
+    program = tensor_parallel_pass(base, TPConfig(tp=tp))
+    result = program.tensor_parallel
+    assert not result.coverage.whole, result.coverage.describe()
+    columns = ("qkv",) if name.startswith("sliding") else ("key", "value", "receptance")
+    for col in columns:
+        assert result.kind_of(f"{col}.weight") is ShardKind.COLUMN, col
+    assert result.kind_of("o.weight") is ShardKind.ROW
+    _check(base, program, batch, tp)

@@ -17,6 +17,7 @@ import numpy as np
 import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
+from fxpipe.passes.tensor_parallel import writes
 from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.layout import Layout, LayoutFailure, layout_of, local_range, replicated
@@ -268,6 +269,8 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
             _operand(plan, node, a, lay, grad)
     elif t is G.TYPE_AS:
         _operand(plan, node, node.args[0], lay, grad)
+    elif t in writes.LAYOUT_TARGETS:  # index_put / select_scatter / zeros_like
+        writes.layout(plan, node, lay, grad)
     elif G.is_pointwise(t):
         if t is G.DROPOUT and is_sharded(lay):
             plan.sharded_dropout.add(node.name)

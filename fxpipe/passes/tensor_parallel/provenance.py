@@ -27,6 +27,7 @@ import numpy as np
 import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
+from fxpipe.passes.tensor_parallel import writes
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.norms import private_norm
 
@@ -293,6 +294,8 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         if x.name not in inputs:
             return None
         return inputs[x.name]
+    if t in writes.TARGETS:  # index_put / select_scatter
+        return writes.ids(prov, node, inputs)
     if t is G.SDPA:
         return _attention(prov, node, inputs)
     if t is G.CROSS_ENTROPY:
