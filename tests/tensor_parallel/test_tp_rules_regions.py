@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.passes import canonicalize_pass
@@ -126,4 +127,46 @@ def test_writes_along_dims_without_channels_keep_them_split(name, tp):
     for col in columns:
         assert result.kind_of(f"{col}.weight") is ShardKind.COLUMN, col
     assert result.kind_of("o.weight") is ShardKind.ROW
+    _check(base, program, batch, tp)
+
+
+class DynamicMask(_LM):
+    """Doge: an additive attention mask per head computed from the values of all heads
+    (a projection over every value channel, one output per kv head), given to SDPA;
+    ``kv`` key/value heads repeated for the query heads."""
+
+    def __init__(self, kv=HEADS):
+        super().__init__()
+        self.kv = kv
+        self.q, self.k, self.v = nn.Linear(H, H), nn.Linear(H, kv * D), nn.Linear(H, kv * D)
+        self.dt, self.A = nn.Linear(kv * D, kv), nn.Parameter(torch.full((kv,), 0.5))
+
+    def attend(self, x):
+        B, kv, rep = x.shape[0], self.kv, HEADS // self.kv
+        q = self.q(x).view(B, T, HEADS, D).transpose(1, 2)
+        k, v = (p(x).view(B, T, kv, D).transpose(1, 2) for p in (self.k, self.v))
+        dt = torch.exp(self.A * F.softplus(self.dt(v.transpose(1, 2).reshape(B, T, kv * D)))).transpose(-1, -2)
+        mask = dt[:, :, None, :].expand(B, kv, T, T)  # (B, kv, T, T): one bias per key
+        mask = mask.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        k, v, mask = (t[:, :, None].expand(B, kv, rep, *t.shape[2:]).reshape(B, HEADS, *t.shape[2:])
+                      for t in (k, v, mask))  # Hugging Face's repeat_kv
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("tp,kv", [(2, HEADS), (4, HEADS), (4, 2)])
+def test_a_mask_computed_from_projections_stays_whole_and_heads_split(tp, kv):
+    """The mask's projection reads the values of every head: row-parallel, its result
+    all-reduced, and each rank scatters its heads' part of the mask. With 2 kv heads over
+    4 ranks the values cannot split by heads: the attention stays whole (Doge at tp=4)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, V, (2, T))
+    batch = (ids, ids.roll(-1, 1))
+    base = canonicalize_pass(fxpipe.capture(DynamicMask(kv), batch))
+    program = tensor_parallel_pass(base, TPConfig(tp=tp))
+    result = program.tensor_parallel
+    if kv == HEADS:
+        assert not result.coverage.whole, result.coverage.describe()
+        for name in ("q", "k", "v"):
+            assert result.kind_of(f"{name}.weight") is ShardKind.COLUMN, name
+        assert result.kind_of("dt.weight") is ShardKind.ROW and result.kind_of("o.weight") is ShardKind.ROW
     _check(base, program, batch, tp)

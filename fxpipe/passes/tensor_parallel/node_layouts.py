@@ -309,6 +309,10 @@ def _attention(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None
     if q.sharded != (1,) or lay.sharded != (1,):
         raise _Refuse("attention must be split by heads only")
     for a in node.all_input_nodes[1:]:
+        # Keys/values whose channels another reader splits otherwise (Doge's values, read
+        # by a projection over all heads, split in tp blocks smaller than a head).
+        if is_sharded(plan.layouts[a.name]) and plan.layouts[a.name].sharded != (1,):
+            raise _Refuse("attention must be split by heads only")
         _operand(plan, node, a, lay, grad)
 
 

@@ -555,7 +555,10 @@ def _attention(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     q, k, v = node.args[:3]
     mask = arg(node, 3, "attn_mask")
     if isinstance(mask, fx.Node) and mask.name in inputs:
-        raise _Unsupported("the attention mask carries channels")
+        # A mask computed from projections (Doge's dynamic mask, from the values of all
+        # heads): its channels stay replicated, each rank scattering its heads' part;
+        # q, k and v still split by heads.
+        prov.kill(inputs[mask.name], f"are the attention mask of {node.name}")
     gqa = bool(node.kwargs.get("enable_gqa", False))
     if q.name not in inputs or (gqa and any(x.name not in inputs for x in (k, v))):
         raise _Unsupported("q, k and v must all come from projections")
