@@ -13,6 +13,8 @@ import fxpipe
 from fxpipe.passes import canonicalize_pass
 from fxpipe.passes.tensor_parallel import ShardKind, TPConfig, tensor_parallel_pass
 from fxpipe.passes.tensor_parallel.regions import AUTOCAST, SET_GRAD
+from fxpipe.tp.ops import OPS
+from tests.tensor_parallel._tp_helpers import reference, run_tp
 from tests.tensor_parallel.test_tp_equivalence import _check
 from tests.tensor_parallel.test_tp_rules import _LM, D, HEADS, H, T, V
 
@@ -69,6 +71,48 @@ def test_grad_mode_and_autocast_regions_are_seen_through(regions, tp):
     assert inner and all(d is torch.bfloat16 for d in inner)
     _check(base, program, batch, tp)  # temp.weight: no gradient in either
 
+
+
+class AutocastMLP(_LM):
+    """An MLP under bf16 autocast: the row-parallel projection's reduction and its bias
+    are added by the rewrite inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(H, 3 * H)
+
+    def attend(self, x):
+        B = x.shape[0]
+        q, k, v = (t.view(B, T, HEADS, D).transpose(1, 2) for t in self.qkv(x).split(H, dim=-1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, ids, targets):
+        x = self.emb(ids)
+        B = x.shape[0]
+        x = x + self.o(self.attend(self.ln1(x)).transpose(1, 2).reshape(B, T, H))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = 2 * self.down(F.gelu(self.up(self.ln2(x))))  # (B, T, C) bf16
+        return F.cross_entropy(self.head(x + h.float()).flatten(0, 1), targets.flatten())
+
+
+def test_ops_the_rewrite_adds_inside_an_autocast_block_run_in_it():
+    torch.manual_seed(0)
+    ids = torch.randint(0, V, (2, T))
+    batch = (ids, ids.roll(-1, 1))
+    base = canonicalize_pass(fxpipe.capture(AutocastMLP(), batch))
+    program = tensor_parallel_pass(base, TPConfig(tp=2))
+    assert program.tensor_parallel.kind_of("down.weight") is ShardKind.ROW
+    (call,) = [n for n in program.graph.nodes if n.target is AUTOCAST]
+    body = getattr(program.graph_module, call.args[4].target).graph
+    g = [n for n in body.nodes if n.target is OPS.reduce_from_tp.default]
+    assert len(g) == 1 and g[0].meta["val"].dtype is torch.bfloat16
+    # the bias added after the reduction in the projection's precision, as its linear did
+    (bias,) = [n for n in body.nodes if n.name.startswith("tp_bias_") and n.target is torch.ops.aten.add.Tensor]
+    assert bias.meta["val"].dtype is torch.bfloat16
+    # bf16 partial sums round differently from one bf16 matmul: close, not equal
+    ref_loss, _ = reference(base, batch)
+    losses, _ = run_tp(program, base.state, batch, 2)
+    assert all(abs(loss.item() - ref_loss.item()) < 1e-3 * ref_loss.item() for loss in losses)
 
 class SlidingWindowWrite(_LM):
     """Matmul attention whose window mask is written in place, ``att[:, :, mask] = -inf``
