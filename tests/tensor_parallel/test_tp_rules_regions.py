@@ -214,3 +214,15 @@ def test_a_mask_computed_from_projections_stays_whole_and_heads_split(tp, kv):
             assert result.kind_of(f"{name}.weight") is ShardKind.COLUMN, name
         assert result.kind_of("dt.weight") is ShardKind.ROW and result.kind_of("o.weight") is ShardKind.ROW
     _check(base, program, batch, tp)
+
+
+@pytest.mark.parametrize("cls", [RegionAttention, SlidingWindowWrite, StepwiseRecurrence, DynamicMask],
+                         ids=lambda c: c.__name__)
+def test_sequence_parallel_through_regions_writes_and_masks(cls):
+    torch.manual_seed(0)
+    ids = torch.randint(0, V, (2, T))
+    batch = (ids, ids.roll(-1, 1))
+    base = canonicalize_pass(fxpipe.capture(cls(), batch))
+    program = tensor_parallel_pass(base, TPConfig(tp=2, sp=True))
+    assert not program.tensor_parallel.coverage.whole, program.tensor_parallel.coverage.describe()
+    _check(base, program, batch, 2)
