@@ -66,7 +66,8 @@ def test_grad_mode_and_autocast_regions_are_seen_through(regions, tp):
     assert not any(n.target is SET_GRAD for n in program.graph.nodes)
     calls = [n for n in program.graph.nodes if n.target is AUTOCAST]
     assert len(calls) == 2
-    inner = [n.meta["val"].dtype for c in calls for n in getattr(program.graph_module, c.args[4].target).graph.nodes
+    bodies = [getattr(program.graph_module, c.args[4].target).graph for c in calls]
+    inner = [n.meta["val"].dtype for body in bodies for n in body.nodes
              if n.target is torch.ops.aten.matmul.default or n.target is torch.ops.aten.linear.default]
     assert inner and all(d is torch.bfloat16 for d in inner)
     _check(base, program, batch, tp)  # temp.weight: no gradient in either
@@ -107,7 +108,8 @@ def test_ops_the_rewrite_adds_inside_an_autocast_block_run_in_it():
     g = [n for n in body.nodes if n.target is OPS.reduce_from_tp.default]
     assert len(g) == 1 and g[0].meta["val"].dtype is torch.bfloat16
     # the bias added after the reduction in the projection's precision, as its linear did
-    (bias,) = [n for n in body.nodes if n.name.startswith("tp_bias_") and n.target is torch.ops.aten.add.Tensor]
+    (bias,) = [n for n in body.nodes
+               if n.name.startswith("tp_bias_") and n.target is torch.ops.aten.add.Tensor]
     assert bias.meta["val"].dtype is torch.bfloat16
     # bf16 partial sums round differently from one bf16 matmul: close, not equal
     ref_loss, _ = reference(base, batch)
@@ -189,7 +191,8 @@ class DynamicMask(_LM):
         B, kv, rep = x.shape[0], self.kv, HEADS // self.kv
         q = self.q(x).view(B, T, HEADS, D).transpose(1, 2)
         k, v = (p(x).view(B, T, kv, D).transpose(1, 2) for p in (self.k, self.v))
-        dt = torch.exp(self.A * F.softplus(self.dt(v.transpose(1, 2).reshape(B, T, kv * D)))).transpose(-1, -2)
+        dt = self.dt(v.transpose(1, 2).reshape(B, T, kv * D))  # (B, T, kv)
+        dt = torch.exp(self.A * F.softplus(dt)).transpose(-1, -2)  # (B, kv, T)
         mask = dt[:, :, None, :].expand(B, kv, T, T)  # (B, kv, T, T): one bias per key
         mask = mask.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
         k, v, mask = (t[:, :, None].expand(B, kv, rep, *t.shape[2:]).reshape(B, HEADS, *t.shape[2:])
