@@ -17,6 +17,7 @@ import numpy as np
 import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
+from fxpipe.passes.tensor_parallel import writes
 from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
 from fxpipe.passes.tensor_parallel.attention_forms import (SharedChannels, constant_values, local_index,
                                                            strided_blocks)
@@ -286,6 +287,8 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
             _operand(plan, node, a, lay, grad)
     elif t is G.TYPE_AS:
         _operand(plan, node, node.args[0], lay, grad)
+    elif t in writes.LAYOUT_TARGETS:  # index_put / select_scatter / zeros_like
+        writes.layout(plan, node, lay, grad)
     elif G.is_pointwise(t):
         if t is G.DROPOUT and is_sharded(lay):
             plan.sharded_dropout.add(node.name)
@@ -328,6 +331,10 @@ def _attention(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None
     if q.sharded != (1,) or lay.sharded != (1,):
         raise _Refuse("attention must be split by heads only")
     for a in node.all_input_nodes[1:]:
+        # Keys/values whose channels another reader splits otherwise (Doge's values, read
+        # by a projection over all heads, split in tp blocks smaller than a head).
+        if is_sharded(plan.layouts[a.name]) and plan.layouts[a.name].sharded != (1,):
+            raise _Refuse("attention must be split by heads only")
         _operand(plan, node, a, lay, grad)
 
 

@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.attention_forms import constant_values
+from fxpipe.passes.tensor_parallel import writes
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.norms import private_norm
 
@@ -297,6 +298,8 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         if x.name not in inputs:
             return None
         return inputs[x.name]
+    if t in writes.TARGETS:  # index_put / select_scatter
+        return writes.ids(prov, node, inputs)
     if t is G.SDPA:
         return _attention(prov, node, inputs)
     if t is G.CROSS_ENTROPY:
@@ -564,7 +567,10 @@ def _attention(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     q, k, v = node.args[:3]
     mask = arg(node, 3, "attn_mask")
     if isinstance(mask, fx.Node) and mask.name in inputs:
-        raise _Unsupported("the attention mask carries channels")
+        # A mask computed from projections (Doge's dynamic mask, from the values of all
+        # heads): its channels stay replicated, each rank scattering its heads' part;
+        # q, k and v still split by heads.
+        prov.kill(inputs[mask.name], f"are the attention mask of {node.name}")
     gqa = bool(node.kwargs.get("enable_gqa", False))
     if q.name not in inputs or (gqa and any(x.name not in inputs for x in (k, v))):
         raise _Unsupported("q, k and v must all come from projections")

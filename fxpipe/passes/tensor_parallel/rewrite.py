@@ -23,6 +23,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import arg
 from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan, is_sharded
+from fxpipe.passes.tensor_parallel.regions import MODE, close_regions, refresh as refresh_regions
 from fxpipe.passes.tensor_parallel.result import CollectiveKind, CollectiveSite
 from fxpipe.program import Program
 from fxpipe.tp.ops import OPS
@@ -73,6 +74,8 @@ class _Builder:
         self.shard_views: set[str] = set(sharded_params)
         self.sites: list[CollectiveSite] = []
         self.paths = dict(program.module_paths)
+        self.nodes = {n.name: n for n in program.graph.nodes}
+        self.modes = {n.name: n.meta[MODE] for n in program.graph.nodes if MODE in n.meta}
         self.layers = dict(program.layers)
         # Under sequence parallelism the "replicated" regions of the plan hold sequence
         # shards, so no copied value is identical across TP ranks.
@@ -81,6 +84,8 @@ class _Builder:
     def note(self, new: fx.Node, like: str, kind: CollectiveKind | None = None, purpose: str = "",
              dim: int | None = None) -> None:
         self.paths[new.name] = self.program.module_paths.get(like, "")
+        if like in self.modes:  # an op added for one inside an autocast block runs in it too
+            new.meta[MODE] = self.modes[like]
         layer = self.program.layers.get(like)
         if layer is not None:
             self.layers[new.name] = layer
@@ -239,6 +244,13 @@ class _Builder:
             for c in bias_conv:  # sequence parallel: the bias gradient is a per-shard sum
                 bias = self.collective(bias, c, site.bias, node.name)
             replicated = value.meta.get(REPLICATED, False)
+            dtype, bias_dtype = (getattr(G.val(n), "dtype", None) for n in (self.nodes[site.source],
+                                                                            self.nodes[site.bias]))
+            if dtype is not None and bias_dtype is not None and dtype != bias_dtype:
+                # Under autocast the projection added its bias in its own (low) precision.
+                bias = self.graph.create_node("call_function", G.aten.to.dtype, (bias, dtype),
+                                              name=f"tp_bias_cast_{node.name}")
+                self.note(bias, node.name)
             value = self.graph.create_node("call_function", G.aten.add.Tensor, (value, bias),
                                            name=f"tp_bias_{node.name}")
             value.meta[REPLICATED] = replicated
@@ -260,7 +272,9 @@ def rewrite(program: Program, plan: TPPlan, reduce_kind: dict[str, Conversion],
         b.sites.append(CollectiveSite(name, CollectiveKind.VOCAB_CROSS_ENTROPY,
                                       program.layers.get(name), "vocab-parallel cross-entropy"))
     gm = fx.GraphModule(program.graph_module, b.graph)
+    close_regions(gm, b.paths, b.layers)  # autocast blocks opened for the analysis (regions.py)
     _refresh_shapes(gm, local_params)
+    refresh_regions(gm)
     return Rewritten(gm, b.sites, b.paths, b.layers)
 
 

@@ -2,6 +2,7 @@
 
 Steps, each in its own module:
 
+0. ``regions``     no-grad / autocast regions inlined, so the rules see their ops;
 1. ``graph_ops``   find projections, token embeddings, grad-carrying values (structure only);
 2. ``provenance``  push channel ids through the graph (docs/tensor_parallel.md);
 3. ``assign``      give channel classes to ranks: heads / FFN channels / vocab blocks;
@@ -9,7 +10,8 @@ Steps, each in its own module:
 5. ``placement``   a ShardSpec per parameter (tied names agree);
    steps 3-5 repeat, replicating more channels, until every layout is expressible;
 6. ``sequence``    with sp: sequence shards between blocks (Korthikanti et al. 2022);
-7. ``rewrite``     the new graph, identical on every rank, and its collectives.
+7. ``rewrite``     the new graph, identical on every rank, and its collectives
+                   (autocast regions closed again).
 
 Requires: a captured (canonicalized) Program with FakeTensor shapes in
 ``meta["val"]``. Ensures: parameters carry their local shapes; ``Program.state``
@@ -26,6 +28,7 @@ from fxpipe.passes.tensor_parallel.config import TPConfig, tp_config_of
 from fxpipe.passes.tensor_parallel.coverage import measure_coverage
 from fxpipe.passes.tensor_parallel.placement import blocks
 from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan
+from fxpipe.passes.tensor_parallel.regions import open_regions
 from fxpipe.passes.tensor_parallel.result import CollectiveKind, TPResult
 from fxpipe.passes.tensor_parallel.rewrite import rewrite
 from fxpipe.passes.tensor_parallel.search import search
@@ -52,6 +55,7 @@ def tensor_parallel_pass(program: Program, config: object = None) -> Program:
     if program.tensor_parallel is not None:
         raise ValueError(f"{program.source} is already tensor-parallel "
                          f"(tp={program.tensor_parallel.config.tp}); run the pass once, on the captured program")
+    program = open_regions(program)  # grad-mode / autocast blocks: not walls (regions.py)
     graph = program.graph
     weights = {p.node for p in program.params if p.kind is not ParamKind.CONSTANT}
     projections = G.find_projections(graph, weights)
