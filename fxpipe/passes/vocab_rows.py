@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from fxpipe.passes.vocab_lookup import is_lookup, outline_lookups, stage_lookups
 from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.program import ParamKind
 from fxpipe.sharding import PipelineRows, ShardKind, ShardSpec, ranges_of
@@ -57,8 +58,11 @@ def _row_slice(user: fx.Node, node: fx.Node, rows: int) -> tuple[int, int] | Non
     return (start, stop) if stop > start else None
 
 
-def _stage_reads(plan: PipelinePlan, stage: int, rows_of: Mapping[str, int]) -> dict[str, set[int] | None]:
-    """Canonical name -> rows stage ``stage`` reads (None: the whole tensor)."""
+def _stage_reads(plan: PipelinePlan, stage: int, rows_of: Mapping[str, int],
+                 lookups: bool = False) -> dict[str, set[int] | None]:
+    """Canonical name -> rows stage ``stage`` reads (None: the whole tensor). With
+    ``lookups``, an embedding lookup by batch token ids reads no rows (its owners do it:
+    ``passes/vocab_lookup.py``)."""
     canon = plan.canonical
     st = plan.stages[stage]
     placeholders = [n for n in st.graph_module.graph.nodes if n.op == "placeholder"][:len(st.params)]
@@ -70,6 +74,8 @@ def _stage_reads(plan: PipelinePlan, stage: int, rows_of: Mapping[str, int]) -> 
         rows: set[int] | None = set()
         for user in node.users:
             ab = _row_slice(user, node, rows_of[c])
+            if ab is None and lookups and is_lookup(user, node, st):
+                continue
             if ab is None:
                 rows = None
                 break
@@ -122,14 +128,23 @@ def vocab_rows_pass(plan: PipelinePlan, stage_ranks: Sequence[int], specs: Mappi
                 (spec is not None and spec.kind is not ShardKind.REPLICATED and spec.dim == 0 or
                  tp == 1 and (spec is None or spec.kind is ShardKind.REPLICATED)):
             rows_of[p.canonical] = p.shape[0]
-    held: dict[str, list[set[int]]] = {}
-    for s in range(plan.num_stages):
-        for c, rows in _stage_reads(plan, s, rows_of).items():
-            per_rank = held.setdefault(c, [set() for _ in range(pp)])
-            per_rank[stage_ranks[s]] |= set(range(rows_of[c])) if rows is None else rows
+    held = _held(plan, stage_ranks, rows_of, pp, lookups=False)
+    looked: dict[str, tuple[int, ...]] = {}
+    if tp == 1:  # under tp > 1 the table's lookup is the tensor-parallel one (masked by tp rank)
+        looked = _lookup_stages(plan, rows_of)
+        sub = {c: rows_of[c] for c in looked}
+        with_lookups = _held(plan, stage_ranks, sub, pp, lookups=True)
+        whole = {c for s in range(plan.num_stages) for c, r in _stage_reads(plan, s, sub, True).items() if r is None}
+        others_split = any(_splits(r, rows_of[n]) for n, r in held.items() if n not in looked)
+        for c in list(looked):
+            sliced = any(with_lookups[c])  # a tied head's blocks read rows of it
+            if c in whole or not (sliced or others_split):
+                del looked[c]  # a whole read remains, or nothing is split: the table stays whole
+                continue
+            held[c] = _owners(with_lookups[c], rows_of[c], stage_ranks[min(looked[c])], sliced)
     row_shards = {}
     for c, per_rank in sorted(held.items()):
-        if all(len(r) in (0, rows_of[c]) for r in per_rank):
+        if c not in looked and not _splits(per_rank, rows_of[c]):
             continue  # every holder needs the whole tensor: nothing to split
         row_shards[c] = PipelineRows(name=c, rows=rows_of[c], ranks=tuple(ranges_of(sorted(r)) for r in per_rank))
     if not row_shards:
@@ -137,11 +152,55 @@ def vocab_rows_pass(plan: PipelinePlan, stage_ranks: Sequence[int], specs: Mappi
     stages = tuple(dataclasses.replace(st, graph_module=fx.GraphModule(st.graph_module, _copy(st.graph_module)))
                    for st in plan.stages)
     plan = dataclasses.replace(plan, stages=stages)
+    made = []
+    for s in sorted({s for ss in looked.values() for s in ss}):
+        plan, found = outline_lookups(plan, s, sorted(c for c, ss in looked.items() if s in ss))
+        made += found
     for s in range(plan.num_stages):
         for c in _stage_reads(plan, s, {c: rows_of[c] for c in row_shards}):
             _rebase(plan, s, row_shards[c], stage_ranks[s])
     tied = {n: s for n, s in plan.tied_stages.items() if n not in row_shards}
-    return dataclasses.replace(plan, tied_stages=tied, row_shards=row_shards)
+    return dataclasses.replace(plan, tied_stages=tied, row_shards=row_shards, lookups=tuple(made))
+
+
+def _held(plan: PipelinePlan, stage_ranks: Sequence[int], rows_of: Mapping[str, int], pp: int,
+          lookups: bool) -> dict[str, list[set[int]]]:
+    """Canonical name -> per pipeline rank, the rows its stages read."""
+    held: dict[str, list[set[int]]] = {}
+    for s in range(plan.num_stages):
+        for c, rows in _stage_reads(plan, s, rows_of, lookups).items():
+            per_rank = held.setdefault(c, [set() for _ in range(pp)])
+            per_rank[stage_ranks[s]] |= set(range(rows_of[c])) if rows is None else rows
+    return held
+
+
+def _splits(per_rank: Sequence[set[int]], rows: int) -> bool:
+    """Whether some rank holds part of the rows, not all or none of them."""
+    return not all(len(r) in (0, rows) for r in per_rank)
+
+
+def _lookup_stages(plan: PipelinePlan, rows_of: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
+    """Canonical table name -> the stages looking it up by batch token ids."""
+    canon = plan.canonical
+    out: dict[str, list[int]] = {}
+    for s, st in enumerate(plan.stages):
+        for c in stage_lookups(st, {p: canon[p] for p in st.params if canon[p] in rows_of}):
+            out.setdefault(c, []).append(s)
+    return {c: tuple(ss) for c, ss in out.items()}
+
+
+def _owners(per_rank: list[set[int]], rows: int, consumer: int, sliced: bool) -> list[set[int]]:
+    """The rows each rank holds once the lookups are done by the owners. A tied table
+    (``sliced``: the head's blocks read rows on some ranks) keeps the head's rows, so
+    each owner's table rows are its head rows (the tied sum is local); rows no block
+    reads go to the rank consuming the lookup. An untied table is split evenly over
+    the ranks (Yeung et al.'s even vocabulary partition)."""
+    pp = len(per_rank)
+    if not sliced:
+        return [set(range(p * rows // pp, (p + 1) * rows // pp)) for p in range(pp)]
+    out = [set(r) for r in per_rank]
+    out[consumer] |= set(range(rows)) - set().union(*per_rank)
+    return out
 
 
 def _copy(gm: fx.GraphModule) -> fx.Graph:
