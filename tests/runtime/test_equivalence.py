@@ -37,7 +37,9 @@ def _cases(pp):
         # Its cross-entropy block by block too (split_loss): the fold crosses stages.
         # With it, each rank holds only its rows of the head (passes/vocab_rows.py); tied,
         # the first rank holds the table and the rows held twice sum their gradients.
-        cases += [dict(model=WIDE, pp=2, schedule="1f1b", split_loss=True),
+        # The embedding is looked up by the owners of its rows (passes/vocab_lookup.py):
+        # split evenly when untied, the head's rows when tied; no rank holds a whole table.
+        cases += [dict(model=WIDE, pp=2, schedule="1f1b", split_loss=True, rows=True),
                   dict(model=WIDE, pp=2, schedule="zb-h1"),
                   dict(model=TIED, pp=2, schedule="1f1b", split_loss=True, rows=True),
                   dict(model=TIED, pp=2, schedule="interleaved", chunks=2, split_loss=True, rows=True)]
@@ -69,7 +71,11 @@ def _world4_cases():
     pp4 = [c for c in _cases(4) if c["model"] == "gpt-tiny" or c["schedule"] != "gpipe"]
     # Head rows owned over four ranks, tied, zero-bubble; and tp=2 × pp=2 cut right before
     # the vocabulary-parallel head (the value sent is f's output: its gradient is partial).
+    # Untied and tied at pp=4 with 1F1B too, and tied at dp=2 × pp=2 (a lookup per replica).
     rows = [dict(model=TIED, pp=4, schedule="zb-h1", split_loss=True, rows=True),
+            dict(model=TIED, pp=4, schedule="1f1b", split_loss=True, rows=True),
+            dict(model=WIDE, pp=4, schedule="1f1b", split_loss=True, rows=True),
+            dict(model=TIED, pp=2, schedule="1f1b", split_loss=True),
             dict(model=WIDE, pp=2, tp=2, schedule="1f1b", split_loss=True)]
     return pp4 + [dict(model=m, pp=2, schedule="1f1b") for m in MODELS] + _tp_cases() + _zoo_cases(2, 2) + rows
 
@@ -138,6 +144,12 @@ def _check(results_by_rank, index, references):
         for pp_rank, rank_results in enumerate(results_by_rank):
             for name, shape in rank_results[index]["held"].items():
                 assert shape[0] == sum(b - a for a, b in rank0["rows"][name][pp_rank]), (name, pp_rank)
+        # The embedding table is looked up by its rows' owners: the first rank, whose stage
+        # reads the lookup, holds only its rows of it (before: the whole table).
+        assert rank0["lookups"], "the embedding was not looked up by its rows' owners"
+        for name in rank0["lookups"]:
+            assert sum(b - a for a, b in rank0["rows"][name][0]) < ref_params[name].shape[0], name
+            assert results_by_rank[0][index]["held"].get(name, (0,))[0] < ref_params[name].shape[0], name
     assert set(rank0["params"]) == set(ref_params)
     # Final parameters within 1e-5 relative, over the whole parameter vector. Per
     # element, AdamW normalises every gradient coordinate (m/sqrt(v)), so a coordinate
