@@ -8,8 +8,9 @@ whole and the blockwise cross-entropy. For every pipeline rank: the bytes of the
 parameters whose rows ``passes/vocab_rows.py`` split, as held before the pass (the
 whole tensor on every rank that reads it) and after (the rank's rows; the tied table's
 embedding lookup done by the rows' owners, ``passes/vocab_lookup.py``), against the
-even share V·h/S (V·h: the bytes of every row-split tensor, the embedding's too when untied). Shapes only: nothing is timed, so the numbers do not depend on the
-machine's load. Writes nothing; prints one table per layout.
+even share V·h/S (V·h: the bytes of every row-split tensor, the embedding's too when
+untied). Shapes only: nothing is timed, so the numbers do not depend on the machine's
+load. Writes nothing; prints one table per layout.
 """
 from __future__ import annotations
 

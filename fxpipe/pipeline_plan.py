@@ -51,7 +51,8 @@ class Stage:
 
     Its GraphModule takes, in order: the parameters/buffers named in ``params``
     (by their original names; tied members read the group's tensor), the batch
-    items listed in ``batch_inputs``, and the received values named in ``inputs``.
+    items listed in ``batch_inputs``, the received values named in ``inputs``, and
+    the summed embedding lookups named in ``lookups``.
     It returns the values named in ``outputs``, then the loss if ``is_last``.
     """
     index: int

@@ -91,8 +91,9 @@ def outline_lookups(plan: PipelinePlan, stage: int, tables: Sequence[str]) -> tu
     made: list[VocabLookup] = []
     for table in sorted(found):
         for node, batch_index, chain in found[table]:
-            ids_graph, _ = copy_subgraph([chain[0].args[0] if chain else node.args[1]], chain,
-                                         [chain[-1] if chain else node.args[1]])
+            ids_graph, out = copy_subgraph([chain[0].args[0] if chain else node.args[1]], chain,
+                                           [chain[-1] if chain else node.args[1]])
+            out.args = (out.args[0][0],)  # the ids themselves, not a 1-tuple
             val = node.meta["val"]
             padding = node.args[2] if len(node.args) > 2 else -1
             made.append(VocabLookup(name=node.name, table=table, stage=stage, batch_input=batch_index,

@@ -115,3 +115,44 @@ def test_an_even_head_split_holds_an_even_share_of_rows():
     # Under tp > 1 a head TP left whole (no spec) is not split by rows: its spec would need
     # one row set per TP rank.
     assert not vocab_rows_pass(plan, (0, 1), {}, tp=2).row_shards
+
+
+def test_the_embedding_is_looked_up_by_its_rows_owners(compiled):
+    """The untied embedding at pp=4: the consuming stage reads the lookup as an input and
+    holds no row of the table, the rows are split evenly over the ranks, and the owners'
+    masked lookups (runtime/vocab_lookup.py, without the collectives) sum to the one-process
+    lookup, each part's backward building the gradient of its owner's rows only."""
+    from types import SimpleNamespace
+
+    from fxpipe.runtime.vocab_lookup import VocabLookups
+
+    c = compiled[4]
+    plan = c.plan
+    (lk,) = plan.lookups
+    rows = plan.row_shards[lk.table]
+    quarter = _wide_vocab.VOCAB // 4
+    assert lk.table == "model.embed_tokens.weight"
+    assert rows.ranks == tuple(((p * quarter, (p + 1) * quarter),) for p in range(4))
+    stage = plan.stages[lk.stage]
+    assert stage.lookups == (lk.name,) and lk.table not in plan.stage_params(lk.stage)
+    assert not any(n.target is aten.embedding.default and n.meta["val"].shape == lk.spec.shape
+                   for n in stage.graph_module.graph.nodes)
+    model, batch, _ = _wide_vocab.workload()
+    table = model.get_parameter(lk.table).detach()
+    tokens = batch[lk.batch_input][:2]
+    assert tuple(lk.ids(tokens).shape) == tuple(tokens.shape)
+    grad = torch.randn(lk.spec.shape, generator=torch.Generator().manual_seed(1))
+    parts, row_grads = [], []
+    for p in range(4):
+        state = {lk.table: table[rows.positions(p)].clone().requires_grad_(True)}
+        groups = SimpleNamespace(pp_rank=p, rank=p, pp_peer=lambda q: q)
+        owner = VocabLookups(plan, c.schedule, groups, state, torch.device("cpu"))
+        part = owner._part(owner.lookups[0], tokens)
+        part.backward(grad)
+        parts.append(part.detach())
+        row_grads.append(state[lk.table].grad)
+    full = table.clone().requires_grad_(True)
+    expected = torch.nn.functional.embedding(lk.ids(tokens), full)
+    expected.backward(grad)
+    assert torch.equal(sum(parts), expected.detach())
+    torch.testing.assert_close(torch.cat(row_grads), full.grad, rtol=0, atol=1e-6)
