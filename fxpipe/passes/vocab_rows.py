@@ -134,14 +134,16 @@ def vocab_rows_pass(plan: PipelinePlan, stage_ranks: Sequence[int], specs: Mappi
         looked = _lookup_stages(plan, rows_of)
         sub = {c: rows_of[c] for c in looked}
         with_lookups = _held(plan, stage_ranks, sub, pp, lookups=True)
-        whole = {c for s in range(plan.num_stages) for c, r in _stage_reads(plan, s, sub, True).items() if r is None}
         others_split = any(_splits(r, rows_of[n]) for n, r in held.items() if n not in looked)
         for c in list(looked):
-            sliced = any(with_lookups[c])  # a tied head's blocks read rows of it
-            if c in whole or not (sliced or others_split):
-                del looked[c]  # a whole read remains, or nothing is split: the table stays whole
+            per_rank = with_lookups[c]  # what its other reads need: a tied head's blocks, or all of it
+            consumer = stage_ranks[min(looked[c])]
+            if len(per_rank[consumer]) == rows_of[c] or not (any(per_rank) or others_split):
+                # The consuming rank holds every row anyway (its head), or nothing else is
+                # split (an untied table alone): the lookup stays in the stage.
+                del looked[c]
                 continue
-            held[c] = _owners(with_lookups[c], rows_of[c], stage_ranks[min(looked[c])], sliced)
+            held[c] = _owners(per_rank, rows_of[c], consumer, any(per_rank))
     row_shards = {}
     for c, per_rank in sorted(held.items()):
         if c not in looked and not _splits(per_rank, rows_of[c]):
@@ -191,9 +193,9 @@ def _lookup_stages(plan: PipelinePlan, rows_of: Mapping[str, int]) -> dict[str, 
 
 def _owners(per_rank: list[set[int]], rows: int, consumer: int, sliced: bool) -> list[set[int]]:
     """The rows each rank holds once the lookups are done by the owners. A tied table
-    (``sliced``: the head's blocks read rows on some ranks) keeps the head's rows, so
-    each owner's table rows are its head rows (the tied sum is local); rows no block
-    reads go to the rank consuming the lookup. An untied table is split evenly over
+    (``sliced``: the head reads rows of it on some ranks, its blocks or all of it) keeps
+    the head's rows, so each owner's table rows are its head rows (the tied sum is
+    local); rows the head does not read go to the rank consuming the lookup. An untied table is split evenly over
     the ranks (Yeung et al.'s even vocabulary partition)."""
     pp = len(per_rank)
     if not sliced:
