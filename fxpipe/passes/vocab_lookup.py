@@ -118,6 +118,6 @@ def outline_lookups(plan: PipelinePlan, stage: int, tables: Sequence[str]) -> tu
     gm.recompile()
     stages = list(plan.stages)
     stages[stage] = dataclasses.replace(st, params=tuple(keep), lookups=tuple(lk.name for lk in made))
-    param_stages = {n: tuple(s for s in ss if s != stage or n in {canon[p] for p in keep})
-                    for n, ss in plan.param_stages.items()}
+    still = {canon[p] for p in keep}
+    param_stages = {n: tuple(s for s in ss if s != stage or n in still) for n, ss in plan.param_stages.items()}
     return dataclasses.replace(plan, stages=tuple(stages), param_stages=param_stages), made
