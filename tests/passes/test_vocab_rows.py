@@ -156,3 +156,43 @@ def test_the_embedding_is_looked_up_by_its_rows_owners(compiled):
     expected.backward(grad)
     assert torch.equal(sum(parts), expected.detach())
     torch.testing.assert_close(torch.cat(row_grads), full.grad, rtol=0, atol=1e-6)
+
+
+def test_a_tied_table_the_head_reads_whole_is_held_by_the_head_only():
+    """gpt-tiny at pp=2 (its head not cut into blocks): the last rank's head reads the tied
+    table whole, so that rank looks the embedding up for the first, which holds none of
+    the table, and no gradient is all-reduced between the pipeline ends."""
+    from fxpipe.models import build_workload
+
+    w = build_workload("gpt-tiny", batch=8, seq=16, layers=2, seed=0)
+    config = ParallelConfig(pp=2, microbatches=4, costs="model").with_world(2)
+    c = compile_pipeline(w.model, tuple(t[:2] for t in w.example_inputs), config, loss_fn=w.loss_fn)
+    (lk,) = c.plan.lookups
+    vocab = w.model.get_parameter(lk.table).shape[0]
+    assert c.plan.row_shards[lk.table].ranks == ((), ((0, vocab),))
+    assert c.schedule.stage_to_rank(lk.stage) == 0 and lk.table not in c.plan.stage_params(lk.stage)
+    assert lk.table not in c.plan.rank_params(0, c.schedule.stages_of_rank(0))
+    assert lk.table in c.plan.rank_params(1, c.schedule.stages_of_rank(1))
+    assert lk.table not in c.plan.tied_stages
+
+
+def test_only_plain_lookups_of_batch_ids_are_outlined():
+    """Frequency-scaled gradients, ids computed from the table, or ids that are not a
+    batch input through views stay in the stage."""
+    import torch.fx as fx
+
+    from fxpipe.passes.vocab_lookup import lookup_of
+
+    g = fx.Graph()
+    table, ids, other = g.placeholder("table"), g.placeholder("ids"), g.placeholder("other")
+    flat = g.call_function(aten.view.default, (ids, [-1]))
+    plain = g.call_function(aten.embedding.default, (table, flat))
+    padded = g.call_function(aten.embedding.default, (table, ids, 3))
+    scaled = g.call_function(aten.embedding.default, (table, flat, -1, True))
+    shifted = g.call_function(aten.embedding.default, (table, g.call_function(aten.add.Tensor, (ids, 1))))
+    batch = {ids: 0, other: 1}
+    assert lookup_of(plain, table, batch) == (0, [flat])
+    assert lookup_of(padded, table, batch) == (0, [])
+    assert lookup_of(scaled, table, batch) is None
+    assert lookup_of(shifted, table, batch) is None
+    assert lookup_of(plain, other, batch) is None  # not a lookup of that table
