@@ -88,7 +88,7 @@ def build_runtime(compiled: CompiledPipeline, groups: MeshGroups, shards: ShardB
     value_ids = {n: i for i, n in enumerate(sorted(plan.values))}
     transport = Transport(device=device, timeout=timeout, value_ids=value_ids, num_values=max(1, len(value_ids)),
                           scatter_gather=tp_group if config.scatter_gather else None)
-    lookups = VocabLookups(plan, compiled.schedule, groups, state, device) if plan.lookups else None
+    lookups = VocabLookups(plan, compiled.schedule, groups, state, device, transport) if plan.lookups else None
     executor = PipelineExecutor(plan, compiled.actions, groups.pp_rank, runners, transport, groups.pp_peer,
                                 lookups=lookups)
     holders = {**master.masters, **master.loose} if master else state

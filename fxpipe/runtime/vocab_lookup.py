@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from fxpipe.pipeline_plan import PipelinePlan, VocabLookup
 from fxpipe.runtime.mesh import MeshGroups
+from fxpipe.runtime.transport import Pending, Transport
 from fxpipe.schedules.ir import Schedule
 
 
@@ -51,8 +52,12 @@ class VocabLookups:
     """This rank's part in every ``VocabLookup`` of the plan (module docstring)."""
 
     def __init__(self, plan: PipelinePlan, schedule: Schedule, groups: MeshGroups,
-                 state: dict[str, torch.Tensor], device: torch.device) -> None:
+                 state: dict[str, torch.Tensor], device: torch.device, transport: Transport | None = None) -> None:
         self.groups, self.state, self.device = groups, state, device
+        self.transport = transport
+        """Waits on the collectives with the step's timeout and names the peer on a stall."""
+        self.owners = {lk.name: [groups.pp_peer(p) for p, r in enumerate(plan.row_shards[lk.table].ranks) if r]
+                       for lk in plan.lookups}
         self.lookups: list[_Lookup] = []
         self.m = 0
         me = groups.pp_rank
@@ -80,9 +85,23 @@ class VocabLookups:
                 flat = torch.cat([p.detach().reshape(-1) for p in lk.parts])
             else:
                 flat = torch.zeros(len(microbatches) * _numel(spec.shape), dtype=spec.dtype, device=self.device)
-            dist.reduce(flat, dst=lk.consumer, group=self.groups.pp_group)
             mine = lk.consumer == self.groups.rank
+            self._wait(dist.reduce(flat, dst=lk.consumer, group=self.groups.pp_group, async_op=True), lk,
+                       "receiving" if mine else "sending")
             lk.results = [t.view(spec.shape) for t in flat.chunk(len(microbatches))] if mine else []
+
+    def _wait(self, work, lk: _Lookup, doing: str) -> None:
+        """Wait for a lookup's collective; a stall names the peer: the consuming rank for
+        the others, an owner (the first other one) for the consuming rank."""
+        if self.transport is None:
+            work.wait()
+            return
+        mine = lk.consumer == self.groups.rank
+        others = [r for r in self.owners[lk.plan.name] if r != self.groups.rank] or [self.groups.rank]
+        peer = others[0] if mine else lk.consumer
+        toward = "from" if doing.startswith("receiving") else "to"
+        self.transport.wait(Pending(work, peer, f"{doing} the embedding lookup {lk.plan.name!r} of the step's "
+                                                f"microbatches {toward} rank {peer}"))
 
     def _part(self, lk: _Lookup, batch: torch.Tensor) -> torch.Tensor:
         """This rank's rows' share of the lookup: zeros where another rank owns the id."""
@@ -114,7 +133,8 @@ class VocabLookups:
                 flat = torch.cat([lk.grads[i].reshape(-1) for i in range(m)])
             else:
                 flat = torch.empty(m * _numel(spec.shape), dtype=spec.dtype, device=self.device)
-            dist.broadcast(flat, src=lk.consumer, group=self.groups.pp_group)
+            self._wait(dist.broadcast(flat, src=lk.consumer, group=self.groups.pp_group, async_op=True), lk,
+                       "sending the gradient of" if lk.consumer == self.groups.rank else "receiving the gradient of")
             if lk.parts:
                 torch.autograd.backward(lk.parts, [g.view(spec.shape) for g in flat.chunk(len(lk.parts))])
             lk.parts, lk.grads, lk.results = [], {}, []
