@@ -35,10 +35,9 @@ def _cases(pp):
         # One Linear used in both stages: its two partial gradients must be summed.
         cases += [dict(model=SHARED, pp=2, schedule="1f1b")]
         # Its cross-entropy block by block too (split_loss): the fold crosses stages.
-        # With it, each rank holds only its rows of the head (passes/vocab_rows.py); tied,
-        # the first rank holds the table and the rows held twice sum their gradients.
-        # The embedding is looked up by the owners of its rows (passes/vocab_lookup.py):
-        # split evenly when untied, the head's rows when tied; no rank holds a whole table.
+        # With it, each rank holds only its rows of the head (passes/vocab_rows.py), and the
+        # embedding is looked up by the owners of its rows (passes/vocab_lookup.py): split
+        # evenly when untied, the head's rows when tied; the first rank holds only its rows.
         cases += [dict(model=WIDE, pp=2, schedule="1f1b", split_loss=True, rows=True),
                   dict(model=WIDE, pp=2, schedule="zb-h1"),
                   dict(model=TIED, pp=2, schedule="1f1b", split_loss=True, rows=True),
