@@ -65,11 +65,16 @@ class _StageModule(nn.Module):
     inputs a later stage reads (labels) come from ``self.microbatches`` in microbatch
     order, as 1F1B runs each stage's forwards in that order."""
 
-    def __init__(self, plan, stage, state):
+    def __init__(self, plan, stage, state, model):
         super().__init__()
         self.plan, self.stage = plan, stage
         self.names = plan.stage_params(stage.index)
         self.params = nn.ParameterList([nn.Parameter(state[n].detach().clone()) for n in self.names])
+        # An embedding fxpipe has its rows' owners look up (runtime/vocab_lookup.py) is
+        # looked up here in a whole copy of the table, as pipelining's stage would hold it.
+        self.lookups = [lk for lk in plan.lookups if lk.stage == stage.index]
+        self.tables = nn.ParameterList([nn.Parameter(model.get_parameter(lk.table).detach().clone())
+                                        for lk in self.lookups])
         self.microbatches: list = []
         self.calls = 0
 
@@ -77,7 +82,10 @@ class _StageModule(nn.Module):
         state = dict(zip(self.names, self.params))
         batch = self.microbatches[self.calls % len(self.microbatches)]
         self.calls += 1
-        out = self.stage.call(state, self.plan.canonical, batch, dict(zip(self.stage.inputs, received)))
+        inputs = dict(zip(self.stage.inputs, received))
+        for lk, table in zip(self.lookups, self.tables):
+            inputs[lk.name] = torch.nn.functional.embedding(lk.ids(batch[lk.batch_input]), table)
+        out = self.stage.call(state, self.plan.canonical, batch, inputs)
         if self.stage.is_last:  # pipelining concatenates last-stage outputs: no 0-d tensors
             return out[-1].reshape(1)
         return out[0] if len(out) == 1 else out
@@ -152,7 +160,7 @@ def worker(rank: int, world: int, port: int, steps: int, out: str, schedule: str
         model3, _, _ = workload()
         even = fxpipe.parallelize(model3, pp=world, microbatches=M, example_inputs=batch, loss_fn=loss_fn,
                                   partition="uniform", costs="model")
-        module = _StageModule(even.plan, even.plan.stages[rank], even.state)
+        module = _StageModule(even.plan, even.plan.stages[rank], even.state, model3)
         sched = Schedule1F1B(PipelineStage(module, rank, world, torch.device("cpu")), n_microbatches=M,
                              loss_fn=lambda loss, target: loss.sum())
         micro = [tuple(t.chunk(M)[i] for t in batch) for i in range(M)]

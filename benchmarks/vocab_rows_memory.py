@@ -6,9 +6,11 @@ The model of ``bench_runtime.py`` (HF GPT-2, 8 layers, h=256, V=50257, tied embe
 and LM head), compiled in this process on the cost model (1F1B, m=8) with the
 whole and the blockwise cross-entropy. For every pipeline rank: the bytes of the
 parameters whose rows ``passes/vocab_rows.py`` split, as held before the pass (the
-whole tensor on every rank that reads it) and after (the rank's rows), against the
-even share V·h/S. Shapes only: nothing is timed, so the numbers do not depend on the
-machine's load. Writes nothing; prints one table per layout.
+whole tensor on every rank that reads it) and after (the rank's rows; the tied table's
+embedding lookup done by the rows' owners, ``passes/vocab_lookup.py``), against the
+even share V·h/S (V·h: the bytes of every row-split tensor, the embedding's too when
+untied). Shapes only: nothing is timed, so the numbers do not depend on the machine's
+load. Writes nothing; prints one table per layout.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def measure(pp: int, split_loss: bool) -> list[str]:
-    from bench_runtime import B_MICRO, HIDDEN, M, VOCAB, workload
+    from bench_runtime import B_MICRO, M, workload
     from fxpipe.compiler import compile_pipeline
     from fxpipe.config import ParallelConfig
 
@@ -32,17 +34,22 @@ def measure(pp: int, split_loss: bool) -> list[str]:
              f"rows {{{', '.join(f'{n}: {r.ranks}' for n, r in plan.row_shards.items())}}}"]
     if not plan.row_shards:
         return lines + ["  no parameter read only as row slices on some rank: nothing split"]
-    even = VOCAB * HIDDEN * 4 / pp
-    lines.append("  | pp rank | before (MiB) | after (MiB) | after / (V·h/S) |")
+    infos = {i.canonical: i for i in plan.program.params if i.canonical in plan.row_shards}
+    whole = sum(i.numel * 4 for i in infos.values())  # fp32 bytes of the vocabulary layers
+    even = whole / pp
+    lookups = {lk.table: sched.stage_to_rank(lk.stage) for lk in plan.lookups}
+    lines.append(f"  | pp rank | before (MiB) | after (MiB) | after / (V·h/S) |  (V·h: {whole / 2**20:.1f} MiB"
+                 f"{', embedding looked up by the rows owners' if lookups else ''})")
     for p in range(pp):
         before = after = 0
-        for name in plan.row_shards:
-            info = next(i for i in plan.program.params if i.canonical == name)
-            nbytes = info.numel * 4  # fp32
-            if any(sched.stage_to_rank(s) == p for s in plan.param_stages.get(name, ())):
+        for name, info in infos.items():
+            nbytes = info.numel * 4
+            # Before the pass: the whole tensor on every rank a stage of which reads it
+            # (the lookup's stage included: it read the whole table).
+            if any(sched.stage_to_rank(s) == p for s in plan.param_stages.get(name, ())) or lookups.get(name) == p:
                 before += nbytes
-                spec = c.rank_specs(p)[name]
-                after += nbytes * spec.local_shape[0] // info.shape[0]
+            if plan.row_shards[name].ranks[p]:
+                after += nbytes * c.rank_specs(p)[name].local_shape[0] // info.shape[0]
         lines.append(f"  | {p} | {before / 2**20:.1f} | {after / 2**20:.1f} | {after / even:.2f} |")
     return lines
 

@@ -51,7 +51,8 @@ class Stage:
 
     Its GraphModule takes, in order: the parameters/buffers named in ``params``
     (by their original names; tied members read the group's tensor), the batch
-    items listed in ``batch_inputs``, and the received values named in ``inputs``.
+    items listed in ``batch_inputs``, the received values named in ``inputs``, and
+    the summed embedding lookups named in ``lookups``.
     It returns the values named in ``outputs``, then the loss if ``is_last``.
     """
     index: int
@@ -66,6 +67,9 @@ class Stage:
     buffer_updates: tuple[str, ...] = ()
     """Buffers (names as in ``params``) whose new values the graph returns after the
     sent values and before the loss; the runner writes them back after each forward."""
+    lookups: tuple[str, ...] = ()
+    """Embedding lookups of a row-split table (``VocabLookup.name``) the graph takes after
+    the received values: the runtime sums the owners' partial lookups into them."""
 
     def call(self, state: Mapping[str, torch.Tensor], canonical: Mapping[str, str],
              batch: Sequence[torch.Tensor], received: Mapping[str, torch.Tensor],
@@ -74,9 +78,34 @@ class Stage:
         arguments and results (the compiled stage, ``fxpipe/runtime/compiled.py``)."""
         args = [state[canonical[p]] for p in self.params]
         args += [batch[i] for i in self.batch_inputs]
-        args += [received[n] for n in self.inputs]
+        args += [received[n] for n in (*self.inputs, *self.lookups)]
         out = (fn or self.graph_module)(*args)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+@dataclass(frozen=True)
+class VocabLookup:
+    """An embedding lookup of a table whose rows are split over pipeline ranks
+    (``passes/vocab_lookup.py``): every rank holding rows of ``table`` looks the
+    microbatch's token ids up in its own rows (zeros for ids it does not own), the
+    partial results are summed onto the rank of ``stage``, which reads the sum as its
+    input ``name``; in backward the gradient of that input goes back to every owner,
+    which builds the gradient of its rows only (Megatron's vocabulary-parallel
+    embedding, over pipeline ranks instead of tensor-parallel ones)."""
+    name: str
+    """The embedding node's name: the stage input the lookup's result feeds."""
+    table: str
+    """Canonical name of the table (a key of ``PipelinePlan.row_shards``)."""
+    stage: int
+    """The stage that reads the result."""
+    batch_input: int
+    """Position in the microbatch of the tensor the ids are read from."""
+    ids: fx.GraphModule
+    """That batch tensor -> the token ids (the value-preserving views between them)."""
+    spec: TensorSpec
+    """Shape and dtype of the result (one microbatch)."""
+    padding_idx: int = -1
+    """The embedding's padding row (its gradient stays zero); -1: none."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +126,8 @@ class PipelinePlan:
     each rank holds, updates and checkpoints only its rows, and its stage graphs index
     them; the gradient of rows held by several ranks is summed range by range. Such a
     name is not in ``tied_stages``."""
+    lookups: tuple[VocabLookup, ...] = ()
+    """Embedding lookups of row-split tables done by the rows' owners (``VocabLookup``)."""
 
     @property
     def num_stages(self) -> int:
@@ -105,6 +136,13 @@ class PipelinePlan:
     @property
     def canonical(self) -> dict[str, str]:
         return {p.name: p.canonical for p in self.program.params}
+
+    def rank_params(self, pp_rank: int, stages: Sequence[int]) -> tuple[str, ...]:
+        """Canonical names of the tensors pipeline rank ``pp_rank`` (running ``stages``)
+        holds: its stages' and the tables of which it owns rows for a lookup."""
+        names = dict.fromkeys(n for s in stages for n in self.stage_params(s))
+        names.update(dict.fromkeys(lk.table for lk in self.lookups if self.row_shards[lk.table].ranks[pp_rank]))
+        return tuple(names)
 
     def stage_params(self, stage: int) -> tuple[str, ...]:
         """Canonical names of the tensors a stage holds (each once)."""

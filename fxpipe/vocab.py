@@ -27,7 +27,7 @@ from fxpipe.program import Program
 aten = torch.ops.aten
 
 # Ops whose output holds only values of their (first) input: bounds carry through.
-_VALUE_PRESERVING = VIEW_OPS | {aten.clone.default, aten._to_copy.default, aten.contiguous.default,
+VALUE_PRESERVING = VIEW_OPS | {aten.clone.default, aten._to_copy.default, aten.contiguous.default,
                                 aten.copy.default}
 _LOSS_TARGETS = {aten.cross_entropy_loss.default: 1, aten.nll_loss_forward.default: 1,
                  aten.nll_loss.default: 1, aten.nll_loss2d_forward.default: 1}
@@ -59,7 +59,7 @@ def _source_input(node: object, inputs: Sequence[str]) -> int | None:
             return inputs.index(node.name) if node.name in inputs else None
         if node.op != "call_function" or not node.args:
             return None
-        if node.target not in _VALUE_PRESERVING and getattr(node.target, "__name__", "") != "getitem":
+        if node.target not in VALUE_PRESERVING and getattr(node.target, "__name__", "") != "getitem":
             return None
         node = node.args[0]
     return None

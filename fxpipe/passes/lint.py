@@ -76,10 +76,10 @@ def lint_plan(plan: PipelinePlan, *, after: str) -> None:
                 fail(st.index, f"in-place ops in graph {name or '(stage)'}: {', '.join(writes[:5])}")
         nodes = list(st.graph_module.graph.nodes)
         placeholders = [n for n in nodes if n.op == "placeholder"]
-        expected = len(st.params) + len(st.batch_inputs) + len(st.inputs)
+        expected = len(st.params) + len(st.batch_inputs) + len(st.inputs) + len(st.lookups)
         if len(placeholders) != expected:
             fail(st.index, f"{len(placeholders)} placeholders, Stage declares {expected} "
-                           f"(params + batch inputs + received values)")
+                           f"(params + batch inputs + received values + vocabulary lookups)")
         (out,) = [n for n in nodes if n.op == "output"]
         results = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
         returned = len(st.outputs) + len(st.buffer_updates) + int(st.is_last)

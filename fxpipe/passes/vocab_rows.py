@@ -23,6 +23,12 @@ ranks hold (a tied embedding on the first stage and head rows on the last) leave
 ``tied_stages``: their gradients are summed per row range over exactly the ranks that
 hold them (``runtime/grad_sync.py``), not as one whole-tensor all-reduce.
 A parameter that tensor parallelism splits along another dim than 0 is left alone.
+
+The embedding lookup of such a table (``aten.embedding`` of batch token ids) is done by
+the rows' owners at tp=1 (``passes/vocab_lookup.py``): a tied table's rows are then its
+head's rows on each rank (a head reading it whole on the last rank holds it alone), and
+an untied table is split evenly where the head is split; the consuming stage reads the
+owners' summed lookup as an input and its rank holds only the rows it owns.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from fxpipe.passes.vocab_lookup import is_lookup, outline_lookups, stage_lookups
 from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.program import ParamKind
 from fxpipe.sharding import PipelineRows, ShardKind, ShardSpec, ranges_of
@@ -57,8 +64,11 @@ def _row_slice(user: fx.Node, node: fx.Node, rows: int) -> tuple[int, int] | Non
     return (start, stop) if stop > start else None
 
 
-def _stage_reads(plan: PipelinePlan, stage: int, rows_of: Mapping[str, int]) -> dict[str, set[int] | None]:
-    """Canonical name -> rows stage ``stage`` reads (None: the whole tensor)."""
+def _stage_reads(plan: PipelinePlan, stage: int, rows_of: Mapping[str, int],
+                 lookups: bool = False) -> dict[str, set[int] | None]:
+    """Canonical name -> rows stage ``stage`` reads (None: the whole tensor). With
+    ``lookups``, an embedding lookup by batch token ids reads no rows (its owners do it:
+    ``passes/vocab_lookup.py``)."""
     canon = plan.canonical
     st = plan.stages[stage]
     placeholders = [n for n in st.graph_module.graph.nodes if n.op == "placeholder"][:len(st.params)]
@@ -70,6 +80,8 @@ def _stage_reads(plan: PipelinePlan, stage: int, rows_of: Mapping[str, int]) -> 
         rows: set[int] | None = set()
         for user in node.users:
             ab = _row_slice(user, node, rows_of[c])
+            if ab is None and lookups and is_lookup(user, node, st):
+                continue
             if ab is None:
                 rows = None
                 break
@@ -122,14 +134,25 @@ def vocab_rows_pass(plan: PipelinePlan, stage_ranks: Sequence[int], specs: Mappi
                 (spec is not None and spec.kind is not ShardKind.REPLICATED and spec.dim == 0 or
                  tp == 1 and (spec is None or spec.kind is ShardKind.REPLICATED)):
             rows_of[p.canonical] = p.shape[0]
-    held: dict[str, list[set[int]]] = {}
-    for s in range(plan.num_stages):
-        for c, rows in _stage_reads(plan, s, rows_of).items():
-            per_rank = held.setdefault(c, [set() for _ in range(pp)])
-            per_rank[stage_ranks[s]] |= set(range(rows_of[c])) if rows is None else rows
+    held = _held(plan, stage_ranks, rows_of, pp, lookups=False)
+    looked: dict[str, tuple[int, ...]] = {}
+    if tp == 1:  # under tp > 1 the table's lookup is the tensor-parallel one (masked by tp rank)
+        looked = _lookup_stages(plan, rows_of)
+        sub = {c: rows_of[c] for c in looked}
+        with_lookups = _held(plan, stage_ranks, sub, pp, lookups=True)
+        others_split = any(_splits(r, rows_of[n]) for n, r in held.items() if n not in looked)
+        for c in list(looked):
+            per_rank = with_lookups[c]  # what its other reads need: a tied head's blocks, or all of it
+            consumer = stage_ranks[min(looked[c])]
+            if len(per_rank[consumer]) == rows_of[c] or not (any(per_rank) or others_split):
+                # The consuming rank holds every row anyway (its head), or nothing else is
+                # split (an untied table alone): the lookup stays in the stage.
+                del looked[c]
+                continue
+            held[c] = _owners(per_rank, rows_of[c], consumer, any(per_rank))
     row_shards = {}
     for c, per_rank in sorted(held.items()):
-        if all(len(r) in (0, rows_of[c]) for r in per_rank):
+        if c not in looked and not _splits(per_rank, rows_of[c]):
             continue  # every holder needs the whole tensor: nothing to split
         row_shards[c] = PipelineRows(name=c, rows=rows_of[c], ranks=tuple(ranges_of(sorted(r)) for r in per_rank))
     if not row_shards:
@@ -137,11 +160,55 @@ def vocab_rows_pass(plan: PipelinePlan, stage_ranks: Sequence[int], specs: Mappi
     stages = tuple(dataclasses.replace(st, graph_module=fx.GraphModule(st.graph_module, _copy(st.graph_module)))
                    for st in plan.stages)
     plan = dataclasses.replace(plan, stages=stages)
+    made = []
+    for s in sorted({s for ss in looked.values() for s in ss}):
+        plan, found = outline_lookups(plan, s, sorted(c for c, ss in looked.items() if s in ss))
+        made += found
     for s in range(plan.num_stages):
         for c in _stage_reads(plan, s, {c: rows_of[c] for c in row_shards}):
             _rebase(plan, s, row_shards[c], stage_ranks[s])
     tied = {n: s for n, s in plan.tied_stages.items() if n not in row_shards}
-    return dataclasses.replace(plan, tied_stages=tied, row_shards=row_shards)
+    return dataclasses.replace(plan, tied_stages=tied, row_shards=row_shards, lookups=tuple(made))
+
+
+def _held(plan: PipelinePlan, stage_ranks: Sequence[int], rows_of: Mapping[str, int], pp: int,
+          lookups: bool) -> dict[str, list[set[int]]]:
+    """Canonical name -> per pipeline rank, the rows its stages read."""
+    held: dict[str, list[set[int]]] = {}
+    for s in range(plan.num_stages):
+        for c, rows in _stage_reads(plan, s, rows_of, lookups).items():
+            per_rank = held.setdefault(c, [set() for _ in range(pp)])
+            per_rank[stage_ranks[s]] |= set(range(rows_of[c])) if rows is None else rows
+    return held
+
+
+def _splits(per_rank: Sequence[set[int]], rows: int) -> bool:
+    """Whether some rank holds part of the rows, not all or none of them."""
+    return not all(len(r) in (0, rows) for r in per_rank)
+
+
+def _lookup_stages(plan: PipelinePlan, rows_of: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
+    """Canonical table name -> the stages looking it up by batch token ids."""
+    canon = plan.canonical
+    out: dict[str, list[int]] = {}
+    for s, st in enumerate(plan.stages):
+        for c in stage_lookups(st, {p: canon[p] for p in st.params if canon[p] in rows_of}):
+            out.setdefault(c, []).append(s)
+    return {c: tuple(ss) for c, ss in out.items()}
+
+
+def _owners(per_rank: list[set[int]], rows: int, consumer: int, sliced: bool) -> list[set[int]]:
+    """The rows each rank holds once the lookups are done by the owners. A tied table
+    (``sliced``: the head reads rows of it on some ranks, its blocks or all of it) keeps
+    the head's rows, so each owner's table rows are its head rows (the tied sum is
+    local); rows the head does not read go to the rank consuming the lookup. An untied table is split evenly over
+    the ranks (Yeung et al.'s even vocabulary partition)."""
+    pp = len(per_rank)
+    if not sliced:
+        return [set(range(p * rows // pp, (p + 1) * rows // pp)) for p in range(pp)]
+    out = [set(r) for r in per_rank]
+    out[consumer] |= set(range(rows)) - set().union(*per_rank)
+    return out
 
 
 def _copy(gm: fx.GraphModule) -> fx.Graph:

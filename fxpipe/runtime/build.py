@@ -33,6 +33,7 @@ from fxpipe.runtime.precision import LossScaler, MasterWeights, Precision
 from fxpipe.runtime.shards import ShardBuilder
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport
+from fxpipe.runtime.vocab_lookup import VocabLookups
 from fxpipe.runtime.zero import ZeroPartition
 from fxpipe.schedules.ir import ActionKind, Schedule
 from fxpipe.sharding import shard_state
@@ -56,7 +57,8 @@ def build_runtime(compiled: CompiledPipeline, groups: MeshGroups, shards: ShardB
         shards = shards.with_specs(specs)
     timeout = timedelta(seconds=config.timeout_s)
     my_stages = compiled.schedule.stages_of_rank(groups.pp_rank)
-    names = dict.fromkeys(n for s in my_stages for n in plan.stage_params(s))
+    # Its stages' tensors, and the rows of a table it owns for the lookups (vocab_lookup).
+    names = plan.rank_params(groups.pp_rank, my_stages)
     deferred = shards.deferred(names)
     mine = shards.build(names)
     state = {n: t for n, (t, _) in mine.items()}
@@ -89,7 +91,9 @@ def build_runtime(compiled: CompiledPipeline, groups: MeshGroups, shards: ShardB
     value_ids = {n: i for i, n in enumerate(sorted(plan.values))}
     transport = Transport(device=device, timeout=timeout, value_ids=value_ids, num_values=max(1, len(value_ids)),
                           scatter_gather=tp_group if config.scatter_gather else None)
-    executor = PipelineExecutor(plan, compiled.actions, groups.pp_rank, runners, transport, groups.pp_peer)
+    lookups = VocabLookups(plan, compiled.schedule, groups, state, device, transport) if plan.lookups else None
+    executor = PipelineExecutor(plan, compiled.actions, groups.pp_rank, runners, transport, groups.pp_peer,
+                                lookups=lookups)
     holders = {**master.masters, **master.loose} if master else state
     grad_sync = GradSync.build(plan, compiled.schedule, groups, holders, timeout, like=state, zero=zero,
                                experts=experts)
@@ -120,7 +124,7 @@ def _compile_runners(runners: dict, plan: PipelinePlan, sched: Schedule, state: 
     # Stages a zero-bubble schedule runs as I and W get their backward compiled as two
     # graphs (runtime/compiled_split.py); the others keep one compiled backward.
     weighed = {a.stage for actions in sched.actions for a in actions if a.kind is ActionKind.W}
-    split = {s: len(plan.stages[s].inputs) for s in runners if s in weighed}
+    split = {s: len(plan.stages[s].inputs) + len(plan.stages[s].lookups) for s in runners if s in weighed}
     first = groups.tp_rank == 0 and groups.dp_rank == 0  # one progress line per stage
     fns, records = compile_stages(work, context=context, agree=agree, split=split,
                                   log=(lambda line: print(line, flush=True)) if first else None)

@@ -301,4 +301,8 @@ def example_args(plan, stage, state, device: torch.device) -> list[torch.Tensor]
         value = plan.values[name]
         t = torch.zeros(value.spec.shape, dtype=value.spec.dtype, device=device)
         args.append(t.requires_grad_(value.requires_grad))
+    specs_of = {lk.name: lk.spec for lk in plan.lookups}
+    for name in stage.lookups:  # the summed lookups of row-split tables (runtime/vocab_lookup.py)
+        spec = specs_of[name]
+        args.append(torch.zeros(spec.shape, dtype=spec.dtype, device=device).requires_grad_(True))
     return args

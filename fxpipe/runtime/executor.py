@@ -24,6 +24,7 @@ import torch
 from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport, check_spec
+from fxpipe.runtime.vocab_lookup import VocabLookups
 from fxpipe.schedules.ir import Action, ActionKind, Schedule
 
 K = ActionKind
@@ -33,8 +34,11 @@ Key = tuple[int, int]  # (stage, microbatch)
 class PipelineExecutor:
     def __init__(self, plan: PipelinePlan, schedule: Schedule, pp_rank: int,
                  runners: dict[int, StageRunner], transport: Transport,
-                 global_rank_of_pp: Callable[[int], int]) -> None:
+                 global_rank_of_pp: Callable[[int], int], lookups: VocabLookups | None = None) -> None:
         self.plan, self.schedule, self.pp_rank = plan, schedule, pp_rank
+        self.lookups = lookups
+        """The owners' embedding lookups of row-split tables (``vocab_lookup.py``): summed
+        before the first action, their gradients sent back to the owners after the last."""
         self.runners, self.transport = runners, transport
         self.peer = global_rank_of_pp
         self.actions = schedule.actions[pp_rank]
@@ -55,6 +59,8 @@ class PipelineExecutor:
         handlers = {K.F: self._forward, K.B: self._backward, K.I: self._backward,
                     K.W: self._weight, K.SEND_F: self._send, K.SEND_B: self._send,
                     K.RECV_F: self._post_recv_fwd, K.RECV_B: self._post_recv_bwd}
+        if self.lookups is not None:
+            self.lookups.forward(microbatches)
         for action in self.actions:
             self._compute_start = None
             start = time.perf_counter()
@@ -62,6 +68,8 @@ class PipelineExecutor:
             # A compute action's event starts after its receives arrived: waiting is bubble.
             self.events.append((action, self._compute_start or start, time.perf_counter()))
         self.transport.flush_sends()
+        if self.lookups is not None:
+            self.lookups.backward()
         assert not self.to_send and not self.posted, "every transfer of the step completed"
         leftover = {s: r.in_flight for s, r in self.runners.items() if r.in_flight}
         assert not leftover, f"activations still held after the step: {leftover}"
@@ -72,6 +80,8 @@ class PipelineExecutor:
         self._post_recv_fwd(a)  # no-op if the schedule already posted them
         received = self.fwd_in.pop((s, mb), {})
         received.update(self._wait((K.RECV_F, s, mb)))
+        if self.lookups is not None:
+            received.update(self.lookups.inputs(s, mb))
         self._compute_start = time.perf_counter()
         outs = self.runners[s].forward(mb, self.mb[mb], received)
         self.peak_in_flight = max(self.peak_in_flight, sum(r.in_flight for r in self.runners.values()))
@@ -94,6 +104,8 @@ class PipelineExecutor:
         grads = {n: sum(gs[1:], gs[0]) for n, gs in grads_in.items()}
         runner = self.runners[s]
         in_grads = runner.backward(mb, grads) if a.kind is K.B else runner.backward_input(mb, grads)
+        for name in self.plan.stages[s].lookups:
+            self.lookups.put_grad(name, mb, in_grads.get(name))
         remote = []
         for name in self.plan.stages[s].inputs:
             value = self.plan.values[name]

@@ -70,6 +70,8 @@ class StageRunner:
             if self.plan.values[name].requires_grad:
                 t = t.detach().requires_grad_(True)
             inputs[name] = t
+        for name in self.stage.lookups:  # a table's lookup summed from its rows' owners
+            inputs[name] = received[name].detach().requires_grad_(True)
         with torch.enable_grad(), self.context():
             out = self.stage.call(self.state, self._canonical, batch, inputs, self.compiled)
         n_sent = len(self.stage.outputs)

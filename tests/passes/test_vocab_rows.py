@@ -115,3 +115,84 @@ def test_an_even_head_split_holds_an_even_share_of_rows():
     # Under tp > 1 a head TP left whole (no spec) is not split by rows: its spec would need
     # one row set per TP rank.
     assert not vocab_rows_pass(plan, (0, 1), {}, tp=2).row_shards
+
+
+def test_the_embedding_is_looked_up_by_its_rows_owners(compiled):
+    """The untied embedding at pp=4: the consuming stage reads the lookup as an input and
+    holds no row of the table, the rows are split evenly over the ranks, and the owners'
+    masked lookups (runtime/vocab_lookup.py, without the collectives) sum to the one-process
+    lookup, each part's backward building the gradient of its owner's rows only."""
+    from types import SimpleNamespace
+
+    from fxpipe.runtime.vocab_lookup import VocabLookups
+
+    c = compiled[4]
+    plan = c.plan
+    (lk,) = plan.lookups
+    rows = plan.row_shards[lk.table]
+    quarter = _wide_vocab.VOCAB // 4
+    assert lk.table == "model.embed_tokens.weight"
+    assert rows.ranks == tuple(((p * quarter, (p + 1) * quarter),) for p in range(4))
+    stage = plan.stages[lk.stage]
+    assert stage.lookups == (lk.name,) and lk.table not in plan.stage_params(lk.stage)
+    assert not any(n.target is aten.embedding.default and n.meta["val"].shape == lk.spec.shape
+                   for n in stage.graph_module.graph.nodes)
+    model, batch, _ = _wide_vocab.workload()
+    table = model.get_parameter(lk.table).detach()
+    tokens = batch[lk.batch_input][:2]
+    assert tuple(lk.ids(tokens).shape) == tuple(tokens.shape)
+    grad = torch.randn(lk.spec.shape, generator=torch.Generator().manual_seed(1))
+    parts, row_grads = [], []
+    for p in range(4):
+        state = {lk.table: table[rows.positions(p)].clone().requires_grad_(True)}
+        groups = SimpleNamespace(pp_rank=p, rank=p, pp_peer=lambda q: q)
+        owner = VocabLookups(plan, c.schedule, groups, state, torch.device("cpu"))
+        part = owner._part(owner.lookups[0], tokens)
+        part.backward(grad)
+        parts.append(part.detach())
+        row_grads.append(state[lk.table].grad)
+    full = table.clone().requires_grad_(True)
+    expected = torch.nn.functional.embedding(lk.ids(tokens), full)
+    expected.backward(grad)
+    assert torch.equal(sum(parts), expected.detach())
+    torch.testing.assert_close(torch.cat(row_grads), full.grad, rtol=0, atol=1e-6)
+
+
+def test_a_tied_table_the_head_reads_whole_is_held_by_the_head_only():
+    """gpt-tiny at pp=2 (its head not cut into blocks): the last rank's head reads the tied
+    table whole, so that rank looks the embedding up for the first, which holds none of
+    the table, and no gradient is all-reduced between the pipeline ends."""
+    from fxpipe.models import build_workload
+
+    w = build_workload("gpt-tiny", batch=8, seq=16, layers=2, seed=0)
+    config = ParallelConfig(pp=2, microbatches=4, costs="model").with_world(2)
+    c = compile_pipeline(w.model, tuple(t[:2] for t in w.example_inputs), config, loss_fn=w.loss_fn)
+    (lk,) = c.plan.lookups
+    vocab = w.model.get_parameter(lk.table).shape[0]
+    assert c.plan.row_shards[lk.table].ranks == ((), ((0, vocab),))
+    assert c.schedule.stage_to_rank(lk.stage) == 0 and lk.table not in c.plan.stage_params(lk.stage)
+    assert lk.table not in c.plan.rank_params(0, c.schedule.stages_of_rank(0))
+    assert lk.table in c.plan.rank_params(1, c.schedule.stages_of_rank(1))
+    assert lk.table not in c.plan.tied_stages
+
+
+def test_only_plain_lookups_of_batch_ids_are_outlined():
+    """Frequency-scaled gradients, ids computed from the table, or ids that are not a
+    batch input through views stay in the stage."""
+    import torch.fx as fx
+
+    from fxpipe.passes.vocab_lookup import lookup_of
+
+    g = fx.Graph()
+    table, ids, other = g.placeholder("table"), g.placeholder("ids"), g.placeholder("other")
+    flat = g.call_function(aten.view.default, (ids, [-1]))
+    plain = g.call_function(aten.embedding.default, (table, flat))
+    padded = g.call_function(aten.embedding.default, (table, ids, 3))
+    scaled = g.call_function(aten.embedding.default, (table, flat, -1, True))
+    shifted = g.call_function(aten.embedding.default, (table, g.call_function(aten.add.Tensor, (ids, 1))))
+    batch = {ids: 0, other: 1}
+    assert lookup_of(plain, table, batch) == (0, [flat])
+    assert lookup_of(padded, table, batch) == (0, [])
+    assert lookup_of(scaled, table, batch) is None
+    assert lookup_of(shifted, table, batch) is None
+    assert lookup_of(plain, other, batch) is None  # not a lookup of that table

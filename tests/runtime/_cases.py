@@ -89,6 +89,7 @@ def _train_case(parallelize, simulate, rank: int, case: dict) -> dict:
                   grads=grads, norm=norm, chunked=sum(v.tp_replicated for v in pm.plan.values.values()),
                   scatter_gather=pm.executor.transport.scatter_gather is not None,
                   rows={n: r.ranks for n, r in pm.plan.row_shards.items()},
+                  lookups=sorted({lk.table for lk in pm.plan.lookups}),
                   held={n: tuple(t.shape) for n, t in pm.state.items() if n in pm.plan.row_shards})
     full = pm.full_state_dict()
     if rank == 0:

@@ -177,27 +177,31 @@ def test_tp_checkpoint_holds_each_shard_once(world2, world4):
 
 @pytest.mark.slow
 def test_owned_rows_resume_into_another_row_layout(world2, world4):
-    """Saved at pp=2 with each rank holding its rows of the LM head; loaded at pp=4,
-    where the ranks own other rows: losses and parameters continue the saving run."""
+    """Saved at pp=2 with each rank holding its rows of the LM head and of the embedding
+    (looked up by the rows' owners); loaded at pp=4, where the ranks own other rows:
+    losses and parameters continue the saving run."""
     saved, resumed = world2[1][0]["rows"], world4[0][("pp4", "rows")]
-    assert saved["rows"]["lm_head.weight"] != resumed["rows"]["lm_head.weight"]
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        assert saved["rows"][name] != resumed["rows"][name], name
     _assert_resumed_like(world4, ("pp4", "rows"), saved)
 
 
 @pytest.mark.slow
 def test_owned_rows_are_written_as_each_ranks_chunks(world2):
-    """No rank wrote the whole head: its chunks are the ranks' row ranges, tiling it once
-    (the parameter and its Adam moments), and each rank held only its rows."""
+    """No rank wrote the whole head or the whole embedding: their chunks are the ranks'
+    row ranges, tiling each once (the parameter and its Adam moments), and each rank held
+    only its rows (the first rank too: its stage reads the embedding as the owners' sum)."""
     r = world2[1]
-    ranks = r[0]["rows"]["rows"]["lm_head.weight"]
-    for pp_rank, rank_results in enumerate(r):
-        assert rank_results["rows"]["local"]["lm_head.weight"][0] == sum(b - a for a, b in ranks[pp_rank])
     index = SafeReader(latest_checkpoint(world2[0] / "rows")).read_metadata().state_dict_metadata
-    for key in ("model.lm_head.weight", "optim.state.lm_head.weight.exp_avg", "optim.state.lm_head.weight.exp_avg_sq"):
-        md = index[key]
-        assert tuple(md.size) == (_wide_vocab.VOCAB, _wide_vocab.WIDTH)
-        assert sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in md.chunks) == \
-            sorted(ab for held in ranks for ab in held), key
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        ranks = r[0]["rows"]["rows"][name]
+        for pp_rank, rank_results in enumerate(r):
+            assert rank_results["rows"]["local"][name][0] == sum(b - a for a, b in ranks[pp_rank]) < _wide_vocab.VOCAB
+        for key in (f"model.{name}", f"optim.state.{name}.exp_avg", f"optim.state.{name}.exp_avg_sq"):
+            md = index[key]
+            assert tuple(md.size) == (_wide_vocab.VOCAB, _wide_vocab.WIDTH)
+            assert sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in md.chunks) == \
+                sorted(ab for held in ranks for ab in held), key
 
 
 @pytest.mark.slow

@@ -36,9 +36,10 @@ def _cases(pp):
         # One Linear used in both stages: its two partial gradients must be summed.
         cases += [dict(model=SHARED, pp=2, schedule="1f1b")]
         # Its cross-entropy block by block too (split_loss): the fold crosses stages.
-        # With it, each rank holds only its rows of the head (passes/vocab_rows.py); tied,
-        # the first rank holds the table and the rows held twice sum their gradients.
-        cases += [dict(model=WIDE, pp=2, schedule="1f1b", split_loss=True),
+        # With it, each rank holds only its rows of the head (passes/vocab_rows.py), and the
+        # embedding is looked up by the owners of its rows (passes/vocab_lookup.py): split
+        # evenly when untied, the head's rows when tied; the first rank holds only its rows.
+        cases += [dict(model=WIDE, pp=2, schedule="1f1b", split_loss=True, rows=True),
                   dict(model=WIDE, pp=2, schedule="zb-h1"),
                   dict(model=TIED, pp=2, schedule="1f1b", split_loss=True, rows=True),
                   dict(model=TIED, pp=2, schedule="interleaved", chunks=2, split_loss=True, rows=True)]
@@ -70,7 +71,10 @@ def _world4_cases():
     pp4 = [c for c in _cases(4) if c["model"] == "gpt-tiny" or c["schedule"] != "gpipe"]
     # Head rows owned over four ranks, tied, zero-bubble; and tp=2 × pp=2 cut right before
     # the vocabulary-parallel head (the value sent is f's output: its gradient is partial).
+    # Untied at pp=4 with 1F1B too, and tied at dp=2 × pp=2 (a lookup per replica).
     rows = [dict(model=TIED, pp=4, schedule="zb-h1", split_loss=True, rows=True),
+            dict(model=WIDE, pp=4, schedule="1f1b", split_loss=True, rows=True),
+            dict(model=TIED, pp=2, schedule="1f1b", split_loss=True),
             dict(model=WIDE, pp=2, tp=2, schedule="1f1b", split_loss=True)]
     # Expert parallelism over half the data-parallel ranks (dp=4, ep=2): the experts' gradients
     # summed over the two ranks holding the same experts (runtime/experts.py); and under a
@@ -145,6 +149,12 @@ def _check(results_by_rank, index, references):
         for pp_rank, rank_results in enumerate(results_by_rank):
             for name, shape in rank_results[index]["held"].items():
                 assert shape[0] == sum(b - a for a, b in rank0["rows"][name][pp_rank]), (name, pp_rank)
+        # The embedding table is looked up by its rows' owners: the first rank, whose stage
+        # reads the lookup, holds only its rows of it (before: the whole table).
+        assert rank0["lookups"], "the embedding was not looked up by its rows' owners"
+        for name in rank0["lookups"]:
+            assert sum(b - a for a, b in rank0["rows"][name][0]) < ref_params[name].shape[0], name
+            assert results_by_rank[0][index]["held"].get(name, (0,))[0] < ref_params[name].shape[0], name
     assert set(rank0["params"]) == set(ref_params)
     # Final parameters within 1e-5 relative, over the whole parameter vector. Per
     # element, AdamW normalises every gradient coordinate (m/sqrt(v)), so a coordinate
