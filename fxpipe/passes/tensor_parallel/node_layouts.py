@@ -17,6 +17,7 @@ import numpy as np
 import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
+from fxpipe.passes.tensor_parallel import mixers
 from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.layout import Layout, LayoutFailure, layout_of, local_range, replicated
@@ -236,7 +237,11 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
                                                          G.aten.flatten.using_ints, G.STACK):
         return
     elif t in G.BATCHED_MATMULS:
-        _batched_matmul(plan, node, lay, grad)
+        mixers.matmul_rule(plan, node, lay, grad, _Refuse)
+    elif t is mixers.CONV1D:
+        mixers.conv1d_rule(plan, node, lay, grad, _Refuse)
+    elif t in mixers.ALONG:
+        mixers.along_rule(plan, node, lay, grad, _Refuse)
     elif t is G.EINSUM:
         _einsum(plan, node, lay, grad)
     elif t is G.SELECT:
@@ -306,18 +311,6 @@ def _attention(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None
     if q.sharded != (1,) or lay.sharded != (1,):
         raise _Refuse("attention must be split by heads only")
     for a in node.all_input_nodes[1:]:
-        _operand(plan, node, a, lay, grad)
-
-
-def _batched_matmul(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None:
-    """Split along batch dims only (heads): each rank multiplies its own heads, the
-    same op on smaller operands; the matrix dims, contraction included, stay whole."""
-    ix, iy, iadd = G.BATCHED_MATMULS[node.target]
-    for a in (node.args[ix], node.args[iy], lay):
-        al = a if isinstance(a, Layout) else plan.layouts[a.name]
-        if set(al.sharded) & {len(al.full) - 1, len(al.full) - 2}:
-            raise _Refuse("a batched matmul split along a matrix dim")
-    for a in node.all_input_nodes:
         _operand(plan, node, a, lay, grad)
 
 

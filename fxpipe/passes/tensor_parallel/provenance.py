@@ -27,6 +27,7 @@ import numpy as np
 import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
+from fxpipe.passes.tensor_parallel import mixers
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.norms import private_norm
 
@@ -71,6 +72,9 @@ class Provenance:
     another dim -> the channel ids copied."""
     copies: frozenset[str] = frozenset()
     """Of those, the ones whose every copy gets ids of its own (``shared_copies``)."""
+    broadcast_whole: list[tuple[np.ndarray, str]] = field(default_factory=list)
+    """(ids, node): channels an element-wise op broadcasts against other channels without
+    uniting them (``mixers.combine``); they must stay whole on every rank."""
     """Of those, the ones whose channels stay split: a partial sum, all-reduced
     (``split_statistics``); the others unite their channels like any reduction."""
 
@@ -256,7 +260,9 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
     if t is G.aten.cat.default:
         return _cat(prov, node, inputs)
     if t is G.STACK:  # interleaved rotary: stack(..., dim=-1) then flatten pairs
-        return _cat(prov, node, inputs, stack=True)
+        # (a scan's steps stacked along the sequence carry the same ids: size 1 there)
+        out = _cat(prov, node, inputs, stack=True)
+        return None if out is None else _compact(out)
     if t is G.SELECT:  # fused QKV picked by index along a dim that carries no head
         ids = inputs[x.name]
         dim = norm_dim(node.args[1], ids.ndim)
@@ -304,16 +310,15 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         return _reduction(prov, node, inputs)
     if t in G.BATCHED_MATMULS:
         return _matmul(prov, node, inputs)
+    if t is mixers.CONV1D:
+        return mixers.conv1d_ids(node, inputs, _Unsupported)
+    if t in mixers.ALONG:
+        return mixers.along_ids(prov, node, inputs, _Unsupported)
     if t is G.EINSUM:
         return _einsum(prov, node, inputs)
     if G.is_pointwise(t):
         nd = len(shape(node))
-        arrays = [_align(a, nd) for a in inputs.values()]
-        out = arrays[0]
-        for other in arrays[1:]:
-            prov.union(out, other)
-            out = np.broadcast_arrays(out, other)[0]
-        return out
+        return mixers.combine(prov, [_align(a, nd) for a in inputs.values()], node.name)
     raise _Unsupported("no channel rule for this op")
 
 
@@ -459,11 +464,7 @@ def _matmul(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
         parts.append(_align(inputs[node.args[iadd].name], nd))
     if not parts:
         return None
-    out = parts[0]
-    for other in parts[1:]:
-        prov.union(out, other)
-        out = np.broadcast_arrays(out, other)[0]
-    return out
+    return mixers.combine(prov, parts, node.name)
 
 
 def _einsum(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:

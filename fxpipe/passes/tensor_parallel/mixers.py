@@ -1,0 +1,180 @@
+"""Channel rules for the mixers of state-space, linear-attention and short-convolution
+layers (Mamba-1/2, gated delta nets, short convolutions): depthwise ``conv1d``, scans
+along the sequence (``cumsum``, triangular masks), a recurrence's matrix products
+whose rows are channels, and values broadcast against channels they do not carry.
+
+Provenance (``combine``, ``conv1d_ids``, ``along_ids``) and plan (``conv1d_rule``,
+``along_rule``, ``matmul_rule``) halves of each rule live here; provenance.py and
+node_layouts.py call them. DTensor shards these ops alike
+(torch/distributed/tensor/_ops: a pointwise op with one ``Replicate`` operand keeps the
+other's ``Shard``; ``mm`` with ``Shard(0)`` x ``Replicate`` gives ``Shard(0)``;
+``cumsum`` is sharded on any dim but the scanned one; a convolution with
+``groups == channels`` is a per-channel op).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch.fx as fx
+
+from fxpipe.passes.tensor_parallel import graph_ops as G
+from fxpipe.passes.tensor_parallel.graph_ops import arg, norm_dim, shape
+
+CONV1D = G.aten.conv1d.default
+# Ops that act independently on every index of all dims but the ones named by
+# (argument index, default): a scan or a triangular mask along them.
+ALONG: dict[Any, Callable[[fx.Node, int], tuple[int, ...]]] = {
+    G.aten.cumsum.default: lambda n, nd: (norm_dim(arg(n, 1, "dim"), nd),),
+    G.aten.cumprod.default: lambda n, nd: (norm_dim(arg(n, 1, "dim"), nd),),
+    G.aten.tril.default: lambda n, nd: (nd - 2, nd - 1),
+    G.aten.triu.default: lambda n, nd: (nd - 2, nd - 1),
+}
+
+
+def varying(ids: np.ndarray) -> set[int]:
+    """Dims along which the ids change (a channel dim of the tensor)."""
+    return {d for d in range(ids.ndim) if ids.shape[d] > 1 and not (ids == np.take(ids, [0], axis=d)).all()}
+
+
+def combine(prov: Any, arrays: list[np.ndarray], node: str) -> np.ndarray:
+    """Ids of an element-wise op's output from its operands' (aligned to one rank).
+
+    Operands whose channels vary along a common dim are united, element by element
+    (SwiGLU's gate·up, head h of q with head h of k). An operand whose channels vary
+    along none of the other's channel dims (a per-token value computed from a whole,
+    replicated projection, such as Mamba's dt·B against its inner channels) is
+    broadcast against them: its channels are not united with theirs but must stay
+    whole on every rank (``Provenance.broadcast_whole``), as DTensor keeps a
+    ``Replicate`` operand beside a ``Shard`` one."""
+    out = arrays[0]
+    for other in arrays[1:]:
+        va, vb = varying(out), varying(other)
+        if va & vb or not (va or vb):
+            prov.union(out, other)
+            out = np.broadcast_arrays(out, other)[0]
+            continue
+        keep, drop = (out, other) if len(np.unique(out)) >= len(np.unique(other)) else (other, out)
+        prov.broadcast_whole.append((np.unique(drop), node))
+        out = keep
+    return out
+
+
+def conv1d_ids(node: fx.Node, inputs: dict, unsupported: type[Exception]) -> np.ndarray | None:
+    """A depthwise convolution (groups == in == out channels) keeps channels apart:
+    output channel c reads input channel c only; the kernel and bias carry none."""
+    x, w, b = node.args[0], node.args[1], arg(node, 2, "bias")
+    if w.name in inputs or (isinstance(b, fx.Node) and b.name in inputs):
+        raise unsupported("the convolution's kernel carries channels")
+    if x.name not in inputs:
+        return None
+    xs, ws, groups = shape(x), shape(w), arg(node, 6, "groups", 1)
+    if len(xs) != 3 or not (groups == xs[1] == ws[0] == shape(node)[1]) or ws[1] != 1:
+        raise unsupported("a convolution that mixes channels (only a depthwise one keeps them apart)")
+    ids = inputs[x.name].reshape((1,) * (3 - inputs[x.name].ndim) + inputs[x.name].shape)
+    if ids.shape[0] > 1 or ids.shape[2] > 1:
+        raise unsupported("channels vary along the batch or the convolved dim")
+    return ids
+
+
+def along_ids(prov: Any, node: fx.Node, inputs: dict, unsupported: type[Exception]) -> np.ndarray:
+    """A scan or triangular mask along some dims: element-wise along the others; channels
+    along a scanned dim are mixed (united, like a reduction's)."""
+    x = node.args[0]
+    if x.name not in inputs or len(inputs) > 1:
+        raise unsupported("the scan's other arguments carry channels")
+    nd = len(shape(node))
+    ids = inputs[x.name].reshape((1,) * (nd - inputs[x.name].ndim) + inputs[x.name].shape)
+    for d in ALONG[node.target](node, nd):
+        if ids.shape[d] > 1:
+            first = np.take(ids, [0], axis=d)
+            prov.union(ids, first)
+            prov.mixers.append((int(first.flat[0]), f"{node.target} ({node.name})"))
+            ids = first
+    return ids
+
+
+# ---- the plan's half: local layouts, rewritten arguments, conversions -------------------
+
+
+def narrow(plan: Any, consumer: fx.Node, a: fx.Node, lay: Any, dim_of: Callable[[int], int | None],
+           grad: set[str], refuse: type[Exception]) -> None:
+    """A replicated operand of a sharded consumer: ``dim_of(d)`` is the operand's dim that
+    indexes the positions of the consumer's sharded dim d (None: it has none). Each rank
+    takes its block there (scatter; the backward all-gathers), or, indexing none, the
+    operand's gradient is a partial sum over the rank's part (f)."""
+    from fxpipe.passes.tensor_parallel.node_layouts import Conversion, is_sharded
+    from fxpipe.passes.tensor_parallel.result import CollectiveKind
+
+    al = plan.layouts.get(a.name)
+    if al is None or is_sharded(al):
+        return
+    ash, scatter_dim = shape(a), None
+    for d in lay.sharded:
+        ad = dim_of(d)
+        if ad is None or ad < 0 or ash[ad] == 1:
+            continue
+        if ash[ad] == lay.full[d] and d in lay.blocks and scatter_dim is None:
+            scatter_dim = ad
+            continue
+        raise refuse(f"replicated input {a.name} cannot be narrowed to the shard")
+    if scatter_dim is not None:
+        plan.conversions[(consumer.name, a.name)] = [Conversion(CollectiveKind.SCATTER, scatter_dim)]
+    elif a.name in grad:
+        plan.conversions[(consumer.name, a.name)] = [Conversion(CollectiveKind.F)]
+
+
+def conv1d_rule(plan: Any, node: fx.Node, lay: Any, grad: set[str], refuse: type[Exception]) -> None:
+    """Each rank convolves its own channels with its own rows of the kernel and bias;
+    ``groups`` becomes the local channel count."""
+    xl = plan.layouts[node.args[0].name]
+    if xl.sharded != (1,) or lay.sharded != (1,):
+        raise refuse("a depthwise conv1d split along another dim than its channels")
+    args = [node.args[0], node.args[1], arg(node, 2, "bias"), arg(node, 3, "stride", [1]),
+            arg(node, 4, "padding", [0]), arg(node, 5, "dilation", [1]), lay.shape[1]]
+    plan.new_target[node.name] = CONV1D
+    plan.new_args[node.name] = tuple(args)
+    for a in args[1:3]:
+        if isinstance(a, fx.Node):
+            narrow(plan, node, a, lay, lambda d: 0 if d == 1 else None, grad, refuse)
+
+
+def along_rule(plan: Any, node: fx.Node, lay: Any, grad: set[str], refuse: type[Exception]) -> None:
+    x = plan.layouts[node.args[0].name]
+    if set(ALONG[node.target](node, len(x.full))) & set(x.sharded):
+        raise refuse("scans or masks along a sharded dim")
+
+
+def matmul_rule(plan: Any, node: fx.Node, lay: Any, grad: set[str], refuse: type[Exception]) -> None:
+    """x @ y split along batch dims (heads), rows of x or columns of y (a recurrence's
+    state whose rows are channels, times a replicated vector), never the contracted
+    dim: the same op on smaller operands. A replicated operand takes its block of a
+    split dim it indexes (scatter), or gets f: its gradient sums over every rank's part."""
+    from fxpipe.passes.tensor_parallel.node_layouts import is_sharded
+
+    ix, iy, iadd = G.BATCHED_MATMULS[node.target]
+    x, y = node.args[ix], node.args[iy]
+    xl, yl = plan.layouts[x.name], plan.layouts[y.name]
+    nd = len(lay.full)
+    if len(xl.full) - 1 in xl.sharded or len(yl.full) - 2 in yl.sharded:
+        raise refuse("a batched matmul split along its contracted dim")
+    if (nd - 2 in lay.sharded) != (len(xl.full) - 2 in xl.sharded) or \
+            (nd - 1 in lay.sharded) != (len(yl.full) - 1 in yl.sharded):
+        raise refuse("a batched matmul whose output is split unlike its operands' rows and columns")
+    for a, own in ((x, nd - 2), (y, nd - 1)):
+        na = len(shape(a))
+
+        def dim_of(d: int, na: int = na, own: int = own) -> int | None:
+            if d >= nd - 2:
+                return na - nd + d if d == own else None
+            return d - (nd - na)
+
+        al = plan.layouts[a.name]
+        if is_sharded(al):
+            if any(ad + nd - na not in lay.sharded for ad in al.sharded):
+                raise refuse("a batched matmul's operands are split unlike its output")
+            continue
+        narrow(plan, node, a, lay, dim_of, grad, refuse)
+    if iadd is not None:
+        a = node.args[iadd]
+        narrow(plan, node, a, lay, lambda d, na=len(shape(a)): d - (nd - na), grad, refuse)
