@@ -79,9 +79,9 @@ class Mamba1(nn.Module):
 
 
 MODELS = {"mamba1": lambda: _Stack(Mamba1)}
-# What stays whole, by design: the small per-channel parameters read outside a
-# projection (each rank takes its block of them: scatter).
-WHOLE = {"mamba1": {f"mixers.{i}.{n}" for i in range(2) for n in ("conv.weight", "dt_proj.weight", "A_log")}}
+# What stays whole, by design: dt_proj (W @ dt of the replicated x_proj output; each rank
+# takes its block of the product) and A_log, applied to that replicated dt.
+WHOLE = {"mamba1": {f"mixers.{i}.{n}" for i in range(2) for n in ("dt_proj.weight", "A_log")}}
 CASES = [(m, tp) for m in MODELS for tp in (2, 4)]
 
 
@@ -108,4 +108,8 @@ def test_mixers_shard_and_match(programs, name, tp):
         assert result.kind_of(f"mixers.{i}.out_proj.weight") is ShardKind.ROW
     if name == "mamba1":  # x_proj reads every inner channel: row-parallel, its output all-reduced
         assert result.kind_of("mixers.0.x_proj.weight") is ShardKind.ROW
+        # the depthwise kernel, its bias and D: split with the channels they are applied to
+        for n in ("conv.weight", "conv.bias", "D"):
+            spec = result.specs[f"mixers.0.{n}"]
+            assert (spec.kind, spec.dim, spec.local_shape[0]) == (ShardKind.COLUMN, 0, DI // tp), n
     _check(base, program, batch, tp)

@@ -22,6 +22,8 @@ from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import arg, norm_dim, shape
 
 CONV1D = G.aten.conv1d.default
+REPEAT_INTERLEAVE = G.aten.repeat_interleave.self_int
+SELECT_SCATTER = G.aten.select_scatter.default
 # Ops that act independently on every index of all dims but the ones named by
 # (argument index, default): a scan or a triangular mask along them.
 ALONG: dict[Any, Callable[[fx.Node, int], tuple[int, ...]]] = {
@@ -94,6 +96,41 @@ def along_ids(prov: Any, node: fx.Node, inputs: dict, unsupported: type[Exceptio
     return ids
 
 
+def repeat_ids(node: fx.Node, inputs: dict, unsupported: type[Exception]) -> np.ndarray | None:
+    """``repeat_interleave(x, r, dim)``: each index along ``dim`` repeated r times (key
+    heads shared by r value heads of a gated delta net, as GQA's repeat_kv)."""
+    x, dim = node.args[0], arg(node, 2, "dim")
+    if x.name not in inputs:
+        return None
+    if dim is None:
+        raise unsupported("repeat_interleave of the flattened tensor")
+    nd = len(shape(node))
+    ids = inputs[x.name].reshape((1,) * (nd - inputs[x.name].ndim) + inputs[x.name].shape)
+    dim = norm_dim(dim, nd)
+    return np.repeat(ids, node.args[1], axis=dim) if ids.shape[dim] > 1 else ids
+
+
+def select_scatter_ids(prov: Any, node: fx.Node, inputs: dict) -> np.ndarray:
+    """``select_scatter(base, src, dim, i)``: base with index i along ``dim`` replaced by
+    src (a functionalized in-place write: a recurrence filling its rows one by one).
+    Positions keep their own channels; a part that carries none takes the other's."""
+    base, src = node.args[:2]
+    nd = len(shape(node))
+    dim = norm_dim(node.args[2], nd)
+    b = inputs.get(base.name)
+    s = inputs.get(src.name)
+    b = None if b is None else b.reshape((1,) * (nd - b.ndim) + b.shape)
+    s = None if s is None else np.expand_dims(s.reshape((1,) * (nd - 1 - s.ndim) + s.shape), dim)
+    if b is None or s is None or b.shape[dim] == 1:
+        parts = [p for p in (b, s) if p is not None]
+        return combine(prov, parts, node.name)
+    out = np.array(np.broadcast_to(b, np.broadcast_shapes(b.shape, s.shape[:dim] + (b.shape[dim],) + s.shape[dim + 1:])))
+    index = [slice(None)] * nd
+    index[dim] = slice(norm_dim(node.args[3], shape(node)[dim]), norm_dim(node.args[3], shape(node)[dim]) + 1)
+    out[tuple(index)] = np.broadcast_to(s, out[tuple(index)].shape)
+    return out
+
+
 # ---- the plan's half: local layouts, rewritten arguments, conversions -------------------
 
 
@@ -104,20 +141,29 @@ def narrow(plan: Any, consumer: fx.Node, a: fx.Node, lay: Any, dim_of: Callable[
     takes its block there (scatter; the backward all-gathers), or, indexing none, the
     operand's gradient is a partial sum over the rank's part (f)."""
     from fxpipe.passes.tensor_parallel.node_layouts import Conversion, is_sharded
+    from fxpipe.passes.tensor_parallel.param_shards import Narrowing
     from fxpipe.passes.tensor_parallel.result import CollectiveKind
 
     al = plan.layouts.get(a.name)
     if al is None or is_sharded(al):
         return
-    ash, scatter_dim = shape(a), None
+    ash, scatter_dim, pending = shape(a), None, None
     for d in lay.sharded:
         ad = dim_of(d)
         if ad is None or ad < 0 or ash[ad] == 1:
             continue
-        if ash[ad] == lay.full[d] and d in lay.blocks and scatter_dim is None:
-            scatter_dim = ad
+        if ash[ad] == lay.full[d] and scatter_dim is None and pending is None:
+            if d in lay.blocks:
+                scatter_dim = ad
+            else:  # not each rank's block: only a parameter split alike can give it (param_shards)
+                pending = Narrowing(consumer.name, a.name, ad, tuple(lay.held(d, r) for r in range(plan.tp)))
             continue
         raise refuse(f"replicated input {a.name} cannot be narrowed to the shard")
+    if pending is not None:
+        if scatter_dim is not None:
+            raise refuse(f"replicated input {a.name} cannot be narrowed to the shard")
+        plan.pending.append(pending)
+        return
     if scatter_dim is not None:
         plan.conversions[(consumer.name, a.name)] = [Conversion(CollectiveKind.SCATTER, scatter_dim)]
     elif a.name in grad:
@@ -178,3 +224,37 @@ def matmul_rule(plan: Any, node: fx.Node, lay: Any, grad: set[str], refuse: type
     if iadd is not None:
         a = node.args[iadd]
         narrow(plan, node, a, lay, lambda d, na=len(shape(a)): d - (nd - na), grad, refuse)
+
+
+def repeat_rule(plan: Any, node: fx.Node, lay: Any, grad: set[str], refuse: type[Exception]) -> None:
+    """Along a sharded dim each rank repeats its own block (key heads r·k/t.. give value
+    heads r·v/t..): the same op, its ``output_size`` the local one."""
+    xl = plan.layouts[node.args[0].name]
+    dim = norm_dim(arg(node, 2, "dim"), len(lay.full))
+    if dim not in xl.sharded and dim not in lay.sharded:
+        return
+    if not (dim in xl.blocks and dim in lay.blocks and lay.shape[dim] == xl.shape[dim] * node.args[1]):
+        raise refuse("repeats a sharded dim into another rank's part")
+    if node.kwargs.get("output_size") is not None:
+        plan.new_kwargs[node.name] = {**node.kwargs, "output_size": lay.shape[dim]}
+
+
+def select_scatter_rule(plan: Any, node: fx.Node, lay: Any, grad: set[str], refuse: type[Exception]) -> None:
+    dim = norm_dim(node.args[2], len(lay.full))
+    if dim in lay.sharded:
+        raise refuse("writes one index of a sharded dim")
+    narrow(plan, node, node.args[0], lay, lambda d: d, grad, refuse)
+    narrow(plan, node, node.args[1], lay, lambda d: None if d == dim else (d if d < dim else d - 1),
+           grad, refuse)
+
+
+def like_rule(plan: Any, node: fx.Node, refuse: type[Exception]) -> None:
+    """zeros_like/ones_like/... of a sharded tensor: a constant, made by the local op in
+    the input's local shape, so it takes the input's layout (each rank's part of a
+    constant is that constant) when every reader is sharded too."""
+    from fxpipe.passes.tensor_parallel.node_layouts import is_sharded
+
+    xl = plan.layouts[node.args[0].name]
+    if isinstance(xl, list) or not all(is_sharded(plan.layouts.get(u.name)) for u in node.users):
+        raise refuse("a tensor shaped like a shard, read by replicated ops")
+    plan.layouts[node.name] = xl

@@ -20,6 +20,7 @@ from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel import mixers
 from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
+from fxpipe.passes.tensor_parallel import param_shards
 from fxpipe.passes.tensor_parallel.layout import Layout, LayoutFailure, layout_of, local_range, replicated
 from fxpipe.passes.tensor_parallel.provenance import Provenance, index_dim
 from fxpipe.passes.tensor_parallel.result import CollectiveKind
@@ -47,6 +48,7 @@ class TPPlan:
     """Node -> Layout (a list of them for split-like nodes)."""
     new_args: dict[str, tuple] = field(default_factory=dict)
     new_target: dict[str, Any] = field(default_factory=dict)
+    new_kwargs: dict[str, dict] = field(default_factory=dict)
     conversions: dict[tuple[str, str], list[Conversion]] = field(default_factory=dict)
     """(consumer, producer) -> ops applied to the producer's value for that consumer."""
     column_inputs: set[tuple[str, str]] = field(default_factory=set)
@@ -59,6 +61,11 @@ class TPPlan:
     vocab_embedding: dict[str, str] = field(default_factory=dict)
     """Embedding node -> weight placeholder (vocab-parallel lookups)."""
     sharded_dropout: set[str] = field(default_factory=set)
+    pending: list = field(default_factory=list)
+    """param_shards.Narrowing: replicated operands a consumer needs other than each rank's
+    block of (only a parameter split alike can give them; else a layout failure)."""
+    param_shards: dict[str, Any] = field(default_factory=dict)
+    """Placeholder -> param_shards.ParamShard: parameters split with their consumers."""
     statistics: dict[str, float] = field(default_factory=dict)
     """Mean/sum over split channels -> the factor turning the local result into this
     rank's share of the whole (local/full count for a mean); g follows it."""
@@ -80,7 +87,7 @@ def is_sharded(lay: Any) -> bool:
 
 def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: dict[str, Projection],
                embeddings: dict[str, str], grad: set[str], tp: int,
-               describe: Callable[[str], str]) -> TPPlan:
+               describe: Callable[[str], str], params: frozenset[str] = frozenset()) -> TPPlan:
     plan = TPPlan(tp)
     plan.vocab_embedding = dict(embeddings)
     plan.vocab_ce = dict(asg.vocab)
@@ -109,6 +116,13 @@ def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: 
                                                [_ids(prov, a.name).ravel() for a in inputs]),
                                 f"{describe(node.name)}: {exc}") from None
     nodes = {n.name: n for n in graph.nodes}
+
+    def fail(n) -> None:
+        raise LayoutFailure(np.concatenate([_ids(prov, n.consumer).ravel()] + [
+            _ids(prov, a.name).ravel() for a in nodes[n.consumer].all_input_nodes]),
+            f"{describe(n.consumer)}: replicated input {n.operand} cannot be narrowed to the shard")
+
+    param_shards.sink(plan, graph, params, fail)
     for name, proj in plan.row.items():
         sink = _sink(nodes[name])
         plan.partial[sink] = PartialSite(name, sink, proj.bias)
@@ -242,6 +256,12 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
         mixers.conv1d_rule(plan, node, lay, grad, _Refuse)
     elif t in mixers.ALONG:
         mixers.along_rule(plan, node, lay, grad, _Refuse)
+    elif t in G.LIKE:
+        mixers.like_rule(plan, node, _Refuse)
+    elif t is mixers.REPEAT_INTERLEAVE:
+        mixers.repeat_rule(plan, node, lay, grad, _Refuse)
+    elif t is mixers.SELECT_SCATTER:
+        mixers.select_scatter_rule(plan, node, lay, grad, _Refuse)
     elif t is G.EINSUM:
         _einsum(plan, node, lay, grad)
     elif t is G.SELECT:
@@ -284,24 +304,8 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
 
 def _operand(plan: TPPlan, consumer: fx.Node, a: fx.Node, ref: Layout, grad: set[str]) -> None:
     """An input of a sharded consumer, aligned to it by broadcasting."""
-    al = plan.layouts.get(a.name)
-    if al is None or is_sharded(al):
-        return
-    ash, nd = shape(a), len(ref.full)
-    off = nd - len(ash)
-    scatter_dim = None
-    for d in ref.sharded:
-        ad = d - off
-        if ad < 0 or ash[ad] == 1:
-            continue
-        if ash[ad] == ref.full[d] and d in ref.blocks and scatter_dim is None:
-            scatter_dim = ad
-            continue
-        raise _Refuse(f"replicated input {a.name} cannot be narrowed to the shard")
-    if scatter_dim is not None:
-        plan.conversions[(consumer.name, a.name)] = [Conversion(CollectiveKind.SCATTER, scatter_dim)]
-    elif a.name in grad:
-        plan.conversions[(consumer.name, a.name)] = [Conversion(CollectiveKind.F)]
+    off = len(ref.full) - len(shape(a))
+    mixers.narrow(plan, consumer, a, ref, lambda d: d - off, grad, _Refuse)
 
 
 def _attention(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None:

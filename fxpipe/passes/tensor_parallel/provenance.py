@@ -314,6 +314,10 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         return mixers.conv1d_ids(node, inputs, _Unsupported)
     if t in mixers.ALONG:
         return mixers.along_ids(prov, node, inputs, _Unsupported)
+    if t is mixers.REPEAT_INTERLEAVE:
+        return mixers.repeat_ids(node, inputs, _Unsupported)
+    if t is mixers.SELECT_SCATTER:
+        return mixers.select_scatter_ids(prov, node, inputs)
     if t is G.EINSUM:
         return _einsum(prov, node, inputs)
     if G.is_pointwise(t):

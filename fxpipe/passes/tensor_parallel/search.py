@@ -23,7 +23,7 @@ from fxpipe.passes.tensor_parallel.node_layouts import TPPlan, build_plan
 from fxpipe.passes.tensor_parallel.placement import build_specs
 from fxpipe.passes.tensor_parallel.provenance import Provenance, analyze, shared_copies, split_statistics
 from fxpipe.sharding import ShardSpec
-from fxpipe.program import Program
+from fxpipe.program import ParamKind, Program
 
 
 @dataclass(frozen=True)
@@ -65,10 +65,11 @@ def search(program: Program, graph: fx.Graph, projections: dict[str, Projection]
 def _layouts(program: Program, graph: fx.Graph, prov: Provenance, projections: dict[str, Projection],
              embeddings: dict[str, str], grad: set[str], tp: int, describe: Callable[[str], str]) -> Layouts:
     replicate: list = []
+    params = frozenset(p.node for p in program.params if p.kind is not ParamKind.CONSTANT)
     for _ in range(prov.n_ids + 1):  # each failed round replicates at least one more class
         asg = assign(prov, tp, replicate, describe)
         try:
-            plan = build_plan(graph, prov, asg, projections, embeddings, grad, tp, describe)
+            plan = build_plan(graph, prov, asg, projections, embeddings, grad, tp, describe, params)
             specs = build_specs(program, prov, asg, plan, describe)
             return Layouts(prov, asg, plan, specs)
         except LayoutFailure as failure:
