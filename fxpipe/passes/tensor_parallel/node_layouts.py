@@ -49,6 +49,8 @@ class TPPlan:
     new_args: dict[str, tuple] = field(default_factory=dict)
     new_target: dict[str, Any] = field(default_factory=dict)
     new_kwargs: dict[str, dict] = field(default_factory=dict)
+    conflict_rows: bool = False
+    """A projection both row- and column-parallel gives up its input channels (else its output's)."""
     conversions: dict[tuple[str, str], list[Conversion]] = field(default_factory=dict)
     """(consumer, producer) -> ops applied to the producer's value for that consumer."""
     column_inputs: set[tuple[str, str]] = field(default_factory=set)
@@ -87,8 +89,9 @@ def is_sharded(lay: Any) -> bool:
 
 def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: dict[str, Projection],
                embeddings: dict[str, str], grad: set[str], tp: int,
-               describe: Callable[[str], str], params: frozenset[str] = frozenset()) -> TPPlan:
-    plan = TPPlan(tp)
+               describe: Callable[[str], str], params: frozenset[str] = frozenset(),
+               conflict_rows: bool = False) -> TPPlan:
+    plan = TPPlan(tp, conflict_rows=conflict_rows)
     plan.vocab_embedding = dict(embeddings)
     plan.vocab_ce = dict(asg.vocab)
     for node in graph.nodes:
@@ -136,13 +139,22 @@ class _Refuse(Exception):
     pass
 
 
+class Conflict(LayoutFailure):
+    """A projection whose input channels and output channels both want to be split."""
+
+
 def _roles(plan: TPPlan, prov: Provenance, asg: Assignment, projections: dict[str, Projection]) -> None:
     for name, proj in projections.items():
         first, count = prov.sources[name]
         out_ids = np.arange(first, first + count)
         is_column = bool((asg.owner(out_ids) != ALL).any())
         if is_column and name in asg.rows:
-            raise LayoutFailure(out_ids, f"projection {name} would be both row- and column-parallel")
+            # Either side may give way: b's outputs (b row-parallel, as in a plain MLP
+            # before a vocabulary head) or its inputs (a low-rank pair x -> a -> b, b's
+            # outputs split by heads: the bottleneck a stays whole, as Megatron keeps MLA's
+            # latent projections whole). The search plans both (``Conflict.rows``).
+            raise Conflict(prov.rows[name] if plan.conflict_rows else out_ids,
+                           f"projection {name} would be both row- and column-parallel")
         if is_column:
             plan.column[name] = proj
         elif name in asg.rows:
