@@ -3,8 +3,6 @@ per-channel recurrence, x_proj/dt_proj) and a Mamba-2 chunked scan (cumsum over 
 sequence, per head, a gated RMSNorm over the split inner channels); each sharded, and
 every rank's loss and gradients equal to one process at tp=2 and 4 (fp32, emulated
 collectives; the unsharded captured program is the reference)."""
-import math
-
 import pytest
 import torch
 import torch.nn as nn
@@ -14,18 +12,10 @@ import fxpipe
 from fxpipe.passes import canonicalize_pass
 from fxpipe.passes.tensor_parallel import ShardKind, TPConfig, tensor_parallel_pass
 from tests.tensor_parallel.test_tp_equivalence import _check
+from tests.tensor_parallel.test_tp_rules import _RMSNorm
 
 V, T, H = 64, 8, 32
 DI, N, R, K = 64, 8, 4, 4  # inner channels, state size, dt rank, conv kernel
-
-
-class _RMSNorm(nn.Module):
-    def __init__(self, n):
-        super().__init__()
-        self.weight = nn.Parameter(1 + 0.1 * torch.randn(n))
-
-    def forward(self, x):
-        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
 class _Stack(nn.Module):
@@ -48,7 +38,8 @@ class _Stack(nn.Module):
 class Mamba1(nn.Module):
     """Hugging Face's slow path of Mamba: in_proj -> x, z; a depthwise causal conv1d on x
     (its kernel read through squeeze/unsqueeze); x_proj -> dt, B, C; dt_proj as
-    ``W @ dt`` plus a bias; a per-channel selective scan stepped over the sequence."""
+    ``W @ dt`` plus a bias; a per-channel selective scan stepped over the sequence, the
+    state's rows (channels) times the replicated C of each step."""
 
     def __init__(self):
         super().__init__()
@@ -70,18 +61,71 @@ class Mamba1(nn.Module):
         A = -torch.exp(self.A_log.float())
         dA = torch.exp(A[None, :, None, :] * dt[..., None])  # (B, DI, T, N)
         dBx = dt[..., None] * b[:, None] * x[..., None]
-        state, ys = torch.zeros(B, DI, N), []
-        for t in range(T):
+        state, ys = torch.zeros(B, DI, N), torch.zeros(B, DI, T)
+        for t in range(T):  # each step's output written in place (select_scatter once captured)
             state = dA[:, :, t] * state + dBx[:, :, t]
-            ys.append((state @ c[:, t, :, None])[..., 0])
-        y = torch.stack(ys, dim=-1) + x * self.D[None, :, None]
+            ys[:, :, t] = (state @ c[:, t, :, None])[..., 0]
+        y = ys + x * self.D[None, :, None]
         return self.out_proj((y * F.silu(z)).transpose(1, 2))
 
 
-MODELS = {"mamba1": lambda: _Stack(Mamba1)}
+def _segsum(x):
+    """(..., L) -> (..., L, L): the sum of x over (j, i] below the diagonal, -inf above."""
+    n = x.shape[-1]
+    x = x[..., None].expand(*x.shape, n).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(-1), 0)
+    return x.cumsum(dim=-2).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(0), -torch.inf)
+
+
+class Mamba2(nn.Module):
+    """Hugging Face's torch path of Mamba-2 (SSD): one fused in_proj -> z | x, B, C | dt; a
+    depthwise conv1d over x|B|C (each rank's channels of each part: not a block); B and C
+    per group, repeated to the heads; the chunked scan (cumsum over each chunk, segment
+    sums under triangular masks, einsums per head, the chunks' states carried by a
+    second segment sum); D per head; a gated RMSNorm over all inner channels."""
+
+    HEADS, P, G, L = 8, 8, 4, 4  # heads, head dim, groups of B/C, chunk length
+
+    def __init__(self):
+        super().__init__()
+        self.di, self.bc = self.HEADS * self.P, self.G * N
+        self.in_proj = nn.Linear(H, 2 * self.di + 2 * self.bc + self.HEADS, bias=False)
+        conv = self.di + 2 * self.bc
+        self.conv = nn.Conv1d(conv, conv, K, groups=conv, padding=K - 1)
+        self.dt_bias = nn.Parameter(0.1 * torch.randn(self.HEADS))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, self.HEADS + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(self.HEADS))
+        self.norm = _RMSNorm(self.di)
+        self.out_proj = nn.Linear(self.di, H, bias=False)
+
+    def forward(self, h):
+        B, nh, P, nc, L = h.shape[0], self.HEADS, self.P, T // self.L, self.L
+        z, xbc, dt = self.in_proj(h).split([self.di, self.di + 2 * self.bc, nh], dim=-1)
+        xbc = F.silu(self.conv(xbc.transpose(1, 2))[..., :T].transpose(1, 2))
+        x, b, c = xbc.split([self.di, self.bc, self.bc], dim=-1)
+        x = x.reshape(B, T, nh, P)
+        b, c = (t.reshape(B, T, self.G, N).repeat_interleave(nh // self.G, dim=2) for t in (b, c))
+        dt = F.softplus(dt + self.dt_bias)
+        A = -torch.exp(self.A_log.float())
+        xs, b, c = (t.reshape(B, nc, L, nh, -1) for t in (x * dt[..., None], b, c))
+        a = (A * dt).reshape(B, nc, L, nh).permute(0, 3, 1, 2)  # (B, heads, chunks, L)
+        a_cum = torch.cumsum(a, dim=-1)
+        scores = torch.einsum("bclhn,bcshn->bclsh", c, b) * torch.exp(_segsum(a)).permute(0, 2, 3, 4, 1)
+        y_diag = torch.einsum("bclsh,bcshp->bclhp", scores, xs)
+        decay = torch.exp(a_cum[..., -1:] - a_cum).permute(0, 2, 3, 1)[..., None]
+        states = torch.einsum("bclhn,bclhp->bchpn", b * decay, xs)
+        states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
+        carry = torch.exp(_segsum(F.pad(a_cum[..., -1], (1, 0)))).transpose(1, 3)  # (B, z, c, heads)
+        states = torch.einsum("bzch,bchpn->bzhpn", carry, states)[:, :-1]
+        y_off = torch.einsum("bclhn,bchpn->bclhp", c, states) * torch.exp(a_cum).permute(0, 2, 3, 1)[..., None]
+        y = (y_diag + y_off).reshape(B, T, nh, P) + x * self.D[:, None]
+        return self.out_proj(self.norm(y.reshape(B, T, self.di) * F.silu(z)))
+
+
+MODELS = {"mamba1": lambda: _Stack(Mamba1), "mamba2": lambda: _Stack(Mamba2)}
 # What stays whole, by design: dt_proj (W @ dt of the replicated x_proj output; each rank
 # takes its block of the product) and A_log, applied to that replicated dt.
-WHOLE = {"mamba1": {f"mixers.{i}.{n}" for i in range(2) for n in ("dt_proj.weight", "A_log")}}
+WHOLE = {"mamba1": {f"mixers.{i}.{n}" for i in range(2) for n in ("dt_proj.weight", "A_log")},
+         "mamba2": set()}
 CASES = [(m, tp) for m in MODELS for tp in (2, 4)]
 
 
@@ -106,6 +150,10 @@ def test_mixers_shard_and_match(programs, name, tp):
     for i in range(2):
         assert result.kind_of(f"mixers.{i}.in_proj.weight") is ShardKind.COLUMN
         assert result.kind_of(f"mixers.{i}.out_proj.weight") is ShardKind.ROW
+    if name == "mamba2":  # the kernel over x|B|C: each rank's channels of each part
+        spec = result.specs["mixers.0.conv.weight"]
+        assert spec.kind is ShardKind.COLUMN and len(spec.ranges[0]) == 3, spec
+        assert sum(s.purpose.startswith("statistic") for s in result.collectives) == 2  # gated norms
     if name == "mamba1":  # x_proj reads every inner channel: row-parallel, its output all-reduced
         assert result.kind_of("mixers.0.x_proj.weight") is ShardKind.ROW
         # the depthwise kernel, its bias and D: split with the channels they are applied to
