@@ -39,8 +39,10 @@ def varying(ids: np.ndarray) -> set[int]:
     return {d for d in range(ids.ndim) if ids.shape[d] > 1 and not (ids == np.take(ids, [0], axis=d)).all()}
 
 
-def combine(prov: Any, arrays: list[np.ndarray], node: str) -> np.ndarray:
-    """Ids of an element-wise op's output from its operands' (aligned to one rank).
+def combine(prov: Any, arrays: list[np.ndarray], node: str,
+            shapes: list[tuple[int, ...]] | None = None) -> np.ndarray:
+    """Ids of an element-wise op's output from its operands' (aligned to one rank;
+    ``shapes``: the operands' sizes, aligned alike, when known).
 
     Operands whose channels vary along a common dim are united, element by element
     (SwiGLU's gate·up, head h of q with head h of k). An operand whose channels vary
@@ -48,17 +50,28 @@ def combine(prov: Any, arrays: list[np.ndarray], node: str) -> np.ndarray:
     replicated projection, such as Mamba's dt·B against its inner channels) is
     broadcast against them: its channels are not united with theirs but must stay
     whole on every rank (``Provenance.broadcast_whole``), as DTensor keeps a
-    ``Replicate`` operand beside a ``Shard`` one."""
-    out = arrays[0]
-    for other in arrays[1:]:
+    ``Replicate`` operand beside a ``Shard`` one. Of two such operands the one kept is
+    the one of size 1 along the other's channels (the other is materialised along the
+    kept one's channels: Mamba-2's B repeated to every head, times a per-head decay);
+    else the one with more channels."""
+    out, out_shape = arrays[0], shapes[0] if shapes else None
+    for i, other in enumerate(arrays[1:], 1):
         va, vb = varying(out), varying(other)
         if va & vb or not (va or vb):
             prov.union(out, other)
             out = np.broadcast_arrays(out, other)[0]
             continue
-        keep, drop = (out, other) if len(np.unique(out)) >= len(np.unique(other)) else (other, out)
-        prov.broadcast_whole.append((np.unique(drop), node))
-        out = keep
+        keep_out = len(np.unique(out)) >= len(np.unique(other))
+        if shapes and va and vb:
+            a_thin = all(out_shape[d] == 1 for d in vb)
+            b_thin = all(shapes[i][d] == 1 for d in va)
+            if a_thin != b_thin:
+                keep_out = a_thin
+        if keep_out:
+            prov.broadcast_whole.append((np.unique(other), node))
+        else:
+            prov.broadcast_whole.append((np.unique(out), node))
+            out, out_shape = other, shapes[i] if shapes else None
     return out
 
 

@@ -333,16 +333,13 @@ def _attention(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None
 def _einsum(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None:
     """Like a batched matmul: split letters must be kept in the output (never summed)."""
     subs, out_subs = G.einsum_letters(node)
-    split = {out_subs[d] for d in lay.sharded}
     for sub, operand in zip(subs, node.args[1]):
         al = plan.layouts[operand.name]
         if any(sub[d] not in out_subs for d in al.sharded):
             raise _Refuse("an einsum sums over a sharded dim")
-        if not al.is_sharded:
-            if any(c in split and shape(operand)[d] > 1 for d, c in enumerate(sub)):
-                raise _Refuse(f"replicated einsum operand {operand.name} spans the split dims")
-            if operand.name in grad:
-                plan.conversions[(node.name, operand.name)] = [Conversion(CollectiveKind.F)]
+        if not al.is_sharded:  # its part of each split letter (scatter), or f
+            mixers.narrow(plan, node, operand, lay, lambda d, sub=sub: sub.find(out_subs[d]) if
+                          out_subs[d] in sub else None, grad, _Refuse)
 
 
 def _split(plan: TPPlan, node: fx.Node, where: str) -> None:

@@ -322,7 +322,9 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         return _einsum(prov, node, inputs)
     if G.is_pointwise(t):
         nd = len(shape(node))
-        return mixers.combine(prov, [_align(a, nd) for a in inputs.values()], node.name)
+        sizes = {a.name: (1,) * (nd - len(shape(a))) + shape(a) for a in node.all_input_nodes}
+        return mixers.combine(prov, [_align(a, nd) for a in inputs.values()], node.name,
+                              [sizes[n] for n in inputs])
     raise _Unsupported("no channel rule for this op")
 
 
@@ -498,11 +500,7 @@ def _einsum(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
         parts.append(ids.reshape(shape_out))
     if not parts:
         return None
-    out = parts[0]
-    for other in parts[1:]:
-        prov.union(out, other)
-        out = np.broadcast_arrays(out, other)[0]
-    return out
+    return mixers.combine(prov, parts, node.name)
 
 
 def _cat(prov: Provenance, node: fx.Node, inputs: dict, stack: bool = False) -> np.ndarray:
