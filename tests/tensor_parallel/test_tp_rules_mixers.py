@@ -122,10 +122,7 @@ class Mamba2(nn.Module):
 
 
 MODELS = {"mamba1": lambda: _Stack(Mamba1), "mamba2": lambda: _Stack(Mamba2)}
-# What stays whole, by design: dt_proj (W @ dt of the replicated x_proj output; each rank
-# takes its block of the product) and A_log, applied to that replicated dt.
-WHOLE = {"mamba1": {f"mixers.{i}.{n}" for i in range(2) for n in ("dt_proj.weight", "A_log")},
-         "mamba2": set()}
+WHOLE = {"mamba1": set(), "mamba2": set()}  # nothing: every matrix is split
 CASES = [(m, tp) for m in MODELS for tp in (2, 4)]
 
 
@@ -156,8 +153,9 @@ def test_mixers_shard_and_match(programs, name, tp):
         assert sum(s.purpose.startswith("statistic") for s in result.collectives) == 2  # gated norms
     if name == "mamba1":  # x_proj reads every inner channel: row-parallel, its output all-reduced
         assert result.kind_of("mixers.0.x_proj.weight") is ShardKind.ROW
-        # the depthwise kernel, its bias and D: split with the channels they are applied to
-        for n in ("conv.weight", "conv.bias", "D"):
+        # dt_proj (W @ dt) column-parallel from the replicated dt; the depthwise kernel, its
+        # bias, D, A_log and dt's bias split with the channels they are applied to
+        for n in ("dt_proj.weight", "conv.weight", "conv.bias", "D", "A_log", "dt_proj.bias"):
             spec = result.specs[f"mixers.0.{n}"]
             assert (spec.kind, spec.dim, spec.local_shape[0]) == (ShardKind.COLUMN, 0, DI // tp), n
     _check(base, program, batch, tp)

@@ -186,6 +186,18 @@ def _projection(prov: Provenance, node: fx.Node, proj: Projection, inputs: dict)
     for name, ids in inputs.items():
         if name != x.name:
             prov.kill(ids, f"are used as the weight/bias of projection {node.name}")
+    if proj.out_axis == -2:  # W @ x: a column-parallel candidate only (its rows are channels)
+        if x.name in inputs:
+            ids = _align(inputs[x.name], len(shape(x)))
+            if any(s > 1 for i, s in enumerate(ids.shape) if i != ids.ndim - 2):
+                prov.kill(ids, f"vary along non-contracted dims of projection {node.name}")
+            elif ids.shape[-2] > 1:  # contracted: mixed, like a reduction's
+                first = np.take(ids, [0], axis=-2)
+                prov.union(ids, first)
+                prov.mixers.append((int(first.flat[0]), f"{node.target} ({node.name})"))
+        out_shape = shape(node)
+        prov.ids[node.name] = prov.fresh(node.name, (1,) * (len(out_shape) - 2) + (out_shape[-2], 1))
+        return
     if x.name in inputs:
         ids = inputs[x.name]
         if any(s > 1 for s in ids.shape[:-1]):
