@@ -1,14 +1,15 @@
 """Channel rules for the mixers of state-space, linear-attention and short-convolution
 layers (Mamba-1/2, gated delta nets, short convolutions): depthwise ``conv1d``, scans
-along the sequence (``cumsum``, triangular masks), a recurrence's matrix products
-whose rows are channels, and values broadcast against channels they do not carry.
+and triangular masks along the sequence (``cumsum``, ``tril``), key heads repeated to
+value heads (``repeat_interleave``), rows of a recurrence written in place
+(``select_scatter``), a recurrence's matrix products whose rows are channels, and
+values broadcast against channels they do not carry (``combine``).
 
-Provenance (``combine``, ``conv1d_ids``, ``along_ids``) and plan (``conv1d_rule``,
-``along_rule``, ``matmul_rule``) halves of each rule live here; provenance.py and
-node_layouts.py call them. DTensor shards these ops alike
-(torch/distributed/tensor/_ops: a pointwise op with one ``Replicate`` operand keeps the
-other's ``Shard``; ``mm`` with ``Shard(0)`` x ``Replicate`` gives ``Shard(0)``;
-``cumsum`` is sharded on any dim but the scanned one; a convolution with
+Each rule has a provenance half (``*_ids``, ``combine``), called from provenance.py,
+and a plan half (``*_rule``, ``narrow``), called from node_layouts.py. DTensor shards
+these ops alike (torch/distributed/tensor/_ops: a pointwise op with one ``Replicate``
+operand keeps the other's ``Shard``; ``mm`` with ``Shard(0)`` x ``Replicate`` gives
+``Shard(0)``; ``cumsum`` is sharded on any dim but the scanned one; a convolution with
 ``groups == channels`` is a per-channel op).
 """
 from __future__ import annotations
@@ -24,8 +25,8 @@ from fxpipe.passes.tensor_parallel.graph_ops import arg, norm_dim, shape
 CONV1D = G.aten.conv1d.default
 REPEAT_INTERLEAVE = G.aten.repeat_interleave.self_int
 SELECT_SCATTER = G.aten.select_scatter.default
-# Ops that act independently on every index of all dims but the ones named by
-# (argument index, default): a scan or a triangular mask along them.
+# Ops that act independently on every index of all dims but the ones returned for
+# (node, ndim): a scan or a triangular mask along them.
 ALONG: dict[Any, Callable[[fx.Node, int], tuple[int, ...]]] = {
     G.aten.cumsum.default: lambda n, nd: (norm_dim(arg(n, 1, "dim"), nd),),
     G.aten.cumprod.default: lambda n, nd: (norm_dim(arg(n, 1, "dim"), nd),),
