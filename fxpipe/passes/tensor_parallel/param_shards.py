@@ -45,11 +45,11 @@ class ParamShard:
 def _dim_map(node: fx.Node) -> list[int | None] | None:
     """For a chain op, the input dim each output dim comes from (None: a new size-1 dim);
     None when the op is not one a parameter may be split through."""
-    t, x = node.target, node.args[0]
-    nin, nout = len(shape(x)), len(shape(node))
+    t, x = node.target, node.args[0] if node.args else None
     tensors = [a for a in node.all_input_nodes if isinstance(G.val(a), G.torch.Tensor)]
-    if len(tensors) != 1 or tensors[0] is not x:
-        return None
+    if len(tensors) != 1 or tensors[0] is not x or not isinstance(G.val(node), G.torch.Tensor):
+        return None  # (a higher-order op's region, a multi-output op: not a chain op)
+    nin, nout = len(shape(x)), len(shape(node))
     if t in G.TRANSPOSES:
         if t is G.aten.permute.default:
             return [norm_dim(d, nin) for d in node.args[1]]
