@@ -104,7 +104,7 @@ def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: 
             plan.layouts[node.name] = layout_of(ids, shape(node), asg, tp, describe(node.name))
         elif isinstance(v, G.torch.Tensor):
             plan.layouts[node.name] = replicated(shape(node))
-    _roles(plan, prov, asg, projections)
+    _roles(plan, prov, asg, projections, describe)
     for node in graph.nodes:
         if node.op != "call_function":
             continue
@@ -143,7 +143,8 @@ class Conflict(LayoutFailure):
     """A projection whose input channels and output channels both want to be split."""
 
 
-def _roles(plan: TPPlan, prov: Provenance, asg: Assignment, projections: dict[str, Projection]) -> None:
+def _roles(plan: TPPlan, prov: Provenance, asg: Assignment, projections: dict[str, Projection],
+           describe: Callable[[str], str] = str) -> None:
     for name, proj in projections.items():
         first, count = prov.sources[name]
         out_ids = np.arange(first, first + count)
@@ -154,7 +155,7 @@ def _roles(plan: TPPlan, prov: Provenance, asg: Assignment, projections: dict[st
             # outputs split by heads: the bottleneck a stays whole, as Megatron keeps MLA's
             # latent projections whole). The search plans both (``Conflict.rows``).
             raise Conflict(prov.rows[name] if plan.conflict_rows else out_ids,
-                           f"projection {name} would be both row- and column-parallel")
+                           f"{describe(name)} would be both row- and column-parallel")
         if is_column:
             plan.column[name] = proj
         elif name in asg.rows:
