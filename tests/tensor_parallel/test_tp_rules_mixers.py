@@ -1,6 +1,8 @@
-"""Rule classes for state-space mixers: a Mamba-1 selective scan (depthwise conv1d, a
-per-channel recurrence, x_proj/dt_proj) and a Mamba-2 chunked scan (cumsum over the
-sequence, per head, a gated RMSNorm over the split inner channels); each sharded, and
+"""Rule classes for state-space and linear-attention mixers: a Mamba-1 selective scan
+(depthwise conv1d, a per-channel recurrence, x_proj/dt_proj), a Mamba-2 chunked scan
+(cumsum over the sequence, per head, a gated RMSNorm over the split inner channels) and
+a gated delta net (fused q|k|v conv, key heads repeated to value heads, a low-rank
+gate, the delta rule stepped in place); each sharded, and
 every rank's loss and gradients equal to one process at tp=2 and 4 (fp32, emulated
 collectives; the unsharded captured program is the reference)."""
 import pytest
@@ -121,8 +123,48 @@ class Mamba2(nn.Module):
         return self.out_proj(self.norm(y.reshape(B, T, self.di) * F.silu(z)))
 
 
-MODELS = {"mamba1": lambda: _Stack(Mamba1), "mamba2": lambda: _Stack(Mamba2)}
-WHOLE = {"mamba1": set(), "mamba2": set()}  # nothing: every matrix is split
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next / Kimi Linear style linear attention: one fused q|k|v projection and a
+    depthwise conv over it, key heads repeated to value heads, a low-rank forget gate
+    (x -> a -> b, b split by heads: the bottleneck a stays whole), the delta rule's
+    state stepped over the sequence with each output row written in place, a norm per
+    head gated by z."""
+
+    KH, VH, DK, DV, RANK = 4, 8, 8, 8, 16
+
+    def __init__(self):
+        super().__init__()
+        width = 2 * self.KH * self.DK + self.VH * self.DV
+        self.qkv = nn.Linear(H, width, bias=False)
+        self.conv = nn.Conv1d(width, width, K, groups=width, padding=K - 1, bias=False)
+        self.f_a, self.f_b = nn.Linear(H, self.RANK, bias=False), nn.Linear(self.RANK, self.VH, bias=False)
+        self.beta, self.z = nn.Linear(H, self.VH, bias=False), nn.Linear(H, self.VH * self.DV, bias=False)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, self.VH + 1, dtype=torch.float32)))
+        self.norm, self.out = _RMSNorm(self.DV), nn.Linear(self.VH * self.DV, H, bias=False)
+
+    def forward(self, h):
+        B, kh, vh, dk, dv = h.shape[0], self.KH, self.VH, self.DK, self.DV
+        qkv = F.silu(self.conv(self.qkv(h).transpose(1, 2))[..., :T]).transpose(1, 2)
+        q, k, v = qkv.split([kh * dk, kh * dk, vh * dv], dim=-1)
+        q, k = (t.reshape(B, T, kh, dk).repeat_interleave(vh // kh, dim=2) for t in (q, k))
+        q, k = (t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+        v = v.reshape(B, T, vh, dv)
+        decay = torch.exp(-torch.exp(self.A_log) * F.softplus(self.f_b(self.f_a(h))))  # (B, T, heads)
+        beta = torch.sigmoid(self.beta(h))
+        state, out = torch.zeros(B, vh, dk, dv), torch.zeros(B, T, vh, dv)
+        for t in range(T):
+            state = state * decay[:, t, :, None, None]
+            delta = (v[:, t] - (state * k[:, t, :, :, None]).sum(-2)) * beta[:, t, :, None]
+            state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+            out[:, t] = (state * q[:, t, :, :, None]).sum(-2)
+        y = self.norm(out) * F.silu(self.z(h).view(B, T, vh, dv))
+        return self.out(y.reshape(B, T, vh * dv))
+
+
+MODELS = {"mamba1": lambda: _Stack(Mamba1), "mamba2": lambda: _Stack(Mamba2),
+          "gated-delta": lambda: _Stack(GatedDeltaNet)}
+# What stays whole, by design: the gate's low-rank bottleneck (a in x -> a -> b).
+WHOLE = {"mamba1": set(), "mamba2": set(), "gated-delta": {f"mixers.{i}.f_a.weight" for i in range(2)}}
 CASES = [(m, tp) for m in MODELS for tp in (2, 4)]
 
 
@@ -144,13 +186,15 @@ def test_mixers_shard_and_match(programs, name, tp):
     program = tensor_parallel_pass(base, TPConfig(tp=tp))
     result = program.tensor_parallel
     assert {n for n, _, _ in result.coverage.whole} == WHOLE[name], result.coverage.describe()
+    column, row = ("qkv", "out") if name == "gated-delta" else ("in_proj", "out_proj")
     for i in range(2):
-        assert result.kind_of(f"mixers.{i}.in_proj.weight") is ShardKind.COLUMN
-        assert result.kind_of(f"mixers.{i}.out_proj.weight") is ShardKind.ROW
-    if name == "mamba2":  # the kernel over x|B|C: each rank's channels of each part
+        assert result.kind_of(f"mixers.{i}.{column}.weight") is ShardKind.COLUMN
+        assert result.kind_of(f"mixers.{i}.{row}.weight") is ShardKind.ROW
+    if name in ("mamba2", "gated-delta"):  # the kernel over x|B|C or q|k|v: each rank's part of each
         spec = result.specs["mixers.0.conv.weight"]
         assert spec.kind is ShardKind.COLUMN and len(spec.ranges[0]) == 3, spec
-        assert sum(s.purpose.startswith("statistic") for s in result.collectives) == 2  # gated norms
+    if name == "mamba2":  # the gated norms over all inner channels: one all-reduced statistic each
+        assert sum(s.purpose.startswith("statistic") for s in result.collectives) == 2
     if name == "mamba1":  # x_proj reads every inner channel: row-parallel, its output all-reduced
         assert result.kind_of("mixers.0.x_proj.weight") is ShardKind.ROW
         # dt_proj (W @ dt) column-parallel from the replicated dt; the depthwise kernel, its
