@@ -263,12 +263,28 @@ def select_scatter_rule(plan: Any, node: fx.Node, lay: Any, grad: set[str], refu
 
 
 def like_rule(plan: Any, node: fx.Node, refuse: type[Exception]) -> None:
-    """zeros_like/ones_like/... of a sharded tensor: a constant, made by the local op in
-    the input's local shape, so it takes the input's layout (each rank's part of a
-    constant is that constant) when every reader is sharded too."""
+    """zeros_like/ones_like/... of a sharded tensor: a constant. When every reader is
+    sharded it takes the input's layout (the local op makes the local shape; each rank's
+    part of a constant is that constant); else it is spelled with its full size
+    (``new_zeros``...), replicated, and sharded readers take their part of it."""
     from fxpipe.passes.tensor_parallel.node_layouts import is_sharded
 
     xl = plan.layouts[node.args[0].name]
-    if isinstance(xl, list) or not all(is_sharded(plan.layouts.get(u.name)) for u in node.users):
-        raise refuse("a tensor shaped like a shard, read by replicated ops")
-    plan.layouts[node.name] = xl
+    if not isinstance(xl, list) and all(is_sharded(plan.layouts.get(u.name)) for u in node.users):
+        plan.layouts[node.name] = xl
+        return
+    lay = plan.layouts[node.name]
+    if is_sharded(lay) or min(lay.full) < 0:
+        raise refuse("a tensor shaped like a shard of data-dependent size, read by replicated ops")
+    target, extra = _FULL_SIZE[node.target]
+    plan.new_target[node.name] = target
+    plan.new_args[node.name] = (node.args[0], list(lay.full), *node.args[1:1 + extra])
+    plan.new_kwargs[node.name] = {k: v for k, v in node.kwargs.items()
+                                  if k in ("dtype", "layout", "device", "pin_memory")}
+
+
+# *_like -> the new_* op of a given size (and how many arguments after the input it keeps).
+_FULL_SIZE = {G.aten.zeros_like.default: (G.aten.new_zeros.default, 0),
+              G.aten.ones_like.default: (G.aten.new_ones.default, 0),
+              G.aten.empty_like.default: (G.aten.new_empty.default, 0),
+              G.aten.full_like.default: (G.aten.new_full.default, 1)}
