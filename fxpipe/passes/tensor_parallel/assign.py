@@ -194,6 +194,10 @@ def assign(prov: Provenance, tp: int, extra_poison: list[tuple[np.ndarray, str]]
             for label in np.unique(lab):
                 vocab_block[int(label)] = block
             vocab[node] = len(ids)
+        for ids, node in prov.broadcast_whole:  # mixers.combine: broadcast, so whole
+            lab = labels[ids]
+            if ((class_rank[lab] != ALL) & ~poisoned[lab]).any():
+                kill(ids, f"are broadcast against other split channels ({node})")
         if int(poisoned.sum()) == before:
             break
     class_rank[poisoned] = ALL

@@ -142,6 +142,9 @@ class Projection:
     contract_dim: int | None = None
     """Weight dim contracted with the input's channels; None: the other dim of a 2-D weight.
     Stacked expert weights (E, ., .) name it (grouped_mm, bmm, a selected expert)."""
+    out_axis: int = -1
+    """Dim of the output (and of the input) that carries the channels: -2 for ``W @ x``
+    (Mamba's dt_proj applied to (B, R, T)), whose input channels are its rows."""
 
     @property
     def in_dim(self) -> int:
@@ -213,9 +216,13 @@ def find_projections(graph: fx.Graph, params: set[str]) -> dict[str, Projection]
         elif node.target is MATMUL:
             # x @ W (Falcon's ``input @ self.weight.T``): like mm, with any leading dims.
             w = _weight_of(node.args[1], params)
-            if w is None or len(shape(node.args[0])) < 2:
+            if w is not None and len(shape(node.args[0])) >= 2:
+                found[node.name] = Projection(node.name, w[0], w[1][1], 0, None, w[1][0])
                 continue
-            found[node.name] = Projection(node.name, w[0], w[1][1], 0, None, w[1][0])
+            # W @ x (Mamba's ``dt_proj.weight @ dt``): output channels along dim -2.
+            w = _weight_of(node.args[0], params)
+            if w is not None and len(shape(node.args[1])) >= 2 and _weight_of(node.args[1], params) is None:
+                found[node.name] = Projection(node.name, w[0], w[1][0], 1, None, w[1][1], out_axis=-2)
         elif node.target in (ADDMM, MM):
             w_index, x_index = (2, 1) if node.target is ADDMM else (1, 0)
             w = _weight_of(node.args[w_index], params)

@@ -17,10 +17,9 @@ import numpy as np
 import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
-from fxpipe.passes.tensor_parallel import writes
+from fxpipe.passes.tensor_parallel import mixers, param_shards, writes
 from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
-from fxpipe.passes.tensor_parallel.attention_forms import (SharedChannels, constant_values, local_index,
-                                                           strided_blocks)
+from fxpipe.passes.tensor_parallel.attention_forms import SharedChannels, constant_values, local_index
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.layout import Layout, LayoutFailure, layout_of, local_range, replicated
 from fxpipe.passes.tensor_parallel.provenance import Provenance, index_dim
@@ -52,6 +51,9 @@ class TPPlan:
     """Node -> Layout (a list of them for split-like nodes)."""
     new_args: dict[str, tuple] = field(default_factory=dict)
     new_target: dict[str, Any] = field(default_factory=dict)
+    new_kwargs: dict[str, dict] = field(default_factory=dict)
+    conflict_rows: bool = False
+    """A projection both row- and column-parallel gives up its input channels (else its output's)."""
     conversions: dict[tuple[str, str], list[Conversion]] = field(default_factory=dict)
     """(consumer, producer) -> ops applied to the producer's value for that consumer."""
     column_inputs: set[tuple[str, str]] = field(default_factory=set)
@@ -68,6 +70,11 @@ class TPPlan:
     """Replicated projections split with their output all-gathered (``gathered``)."""
     shared_columns: dict[str, SharedChannels] = field(default_factory=dict)
     """Column-parallel projection -> its channels every rank uses whole (``placement``)."""
+    pending: list = field(default_factory=list)
+    """param_shards.Narrowing: replicated operands a consumer needs other than each rank's
+    block of (only a parameter split alike can give them; else a layout failure)."""
+    param_shards: dict[str, Any] = field(default_factory=dict)
+    """Placeholder -> param_shards.ParamShard: parameters split with their consumers."""
     statistics: dict[str, float] = field(default_factory=dict)
     """Mean/sum over split channels -> the factor turning the local result into this
     rank's share of the whole (local/full count for a mean); g follows it."""
@@ -89,8 +96,9 @@ def is_sharded(lay: Any) -> bool:
 
 def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: dict[str, Projection],
                embeddings: dict[str, str], grad: set[str], tp: int,
-               describe: Callable[[str], str], gathered: frozenset[str] = frozenset()) -> TPPlan:
-    plan = TPPlan(tp, gathered=gathered)
+               describe: Callable[[str], str], gathered: frozenset[str] = frozenset(),
+               params: frozenset[str] = frozenset(), conflict_rows: bool = False) -> TPPlan:
+    plan = TPPlan(tp, gathered=gathered, conflict_rows=conflict_rows)
     plan.vocab_embedding = dict(embeddings)
     plan.vocab_ce = dict(asg.vocab)
     for node in graph.nodes:
@@ -103,7 +111,7 @@ def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: 
             plan.layouts[node.name] = layout_of(ids, shape(node), asg, tp, describe(node.name))
         elif isinstance(v, G.torch.Tensor):
             plan.layouts[node.name] = replicated(shape(node))
-    _roles(plan, prov, asg, projections)
+    _roles(plan, prov, asg, projections, describe)
     for node in graph.nodes:
         if node.op != "call_function":
             continue
@@ -119,6 +127,13 @@ def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: 
                                                [_ids(prov, a.name).ravel() for a in inputs]),
                                 f"{describe(node.name)}: {exc}") from None
     nodes = {n.name: n for n in graph.nodes}
+
+    def fail(n) -> None:
+        raise LayoutFailure(np.concatenate([_ids(prov, n.consumer).ravel()] + [
+            _ids(prov, a.name).ravel() for a in nodes[n.consumer].all_input_nodes]),
+            f"{describe(n.consumer)}: replicated input {n.operand} cannot be narrowed to the shard")
+
+    param_shards.sink(plan, graph, params, fail)
     for name, proj in plan.row.items():
         sink = _sink(nodes[name])
         plan.partial[sink] = PartialSite(name, sink, proj.bias)
@@ -132,13 +147,23 @@ class _Refuse(Exception):
     pass
 
 
-def _roles(plan: TPPlan, prov: Provenance, asg: Assignment, projections: dict[str, Projection]) -> None:
+class Conflict(LayoutFailure):
+    """A projection whose input channels and output channels both want to be split."""
+
+
+def _roles(plan: TPPlan, prov: Provenance, asg: Assignment, projections: dict[str, Projection],
+           describe: Callable[[str], str] = str) -> None:
     for name, proj in projections.items():
         first, count = prov.sources[name]
         out_ids = np.arange(first, first + count)
         is_column = bool((asg.owner(out_ids) != ALL).any()) or name in plan.gathered
         if is_column and name in asg.rows:
-            raise LayoutFailure(out_ids, f"projection {name} would be both row- and column-parallel")
+            # Either side may give way: b's outputs (b row-parallel, as in a plain MLP
+            # before a vocabulary head) or its inputs (a low-rank pair x -> a -> b, b's
+            # outputs split by heads: the bottleneck a stays whole, as Megatron keeps MLA's
+            # latent projections whole). The search plans both (``Conflict.rows``).
+            raise Conflict(prov.rows[name] if plan.conflict_rows else out_ids,
+                           f"{describe(name)} would be both row- and column-parallel")
         if is_column:
             plan.column[name] = proj
         elif name in asg.rows:
@@ -247,7 +272,17 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
                                                          G.aten.flatten.using_ints, G.STACK):
         return
     elif t in G.BATCHED_MATMULS:
-        _batched_matmul(plan, node, lay, grad)
+        mixers.matmul_rule(plan, node, lay, grad, _Refuse)
+    elif t is mixers.CONV1D:
+        mixers.conv1d_rule(plan, node, lay, grad, _Refuse)
+    elif t in mixers.ALONG:
+        mixers.along_rule(plan, node, lay, grad, _Refuse)
+    elif t in G.LIKE:
+        mixers.like_rule(plan, node, _Refuse)
+    elif t is mixers.REPEAT_INTERLEAVE:
+        mixers.repeat_rule(plan, node, lay, grad, _Refuse)
+    elif t is mixers.SELECT_SCATTER:
+        mixers.select_scatter_rule(plan, node, lay, grad, _Refuse)
     elif t is G.EINSUM:
         _einsum(plan, node, lay, grad)
     elif t is G.SELECT:
@@ -287,7 +322,7 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
             _operand(plan, node, a, lay, grad)
     elif t is G.TYPE_AS:
         _operand(plan, node, node.args[0], lay, grad)
-    elif t in writes.LAYOUT_TARGETS:  # index_put / select_scatter / zeros_like
+    elif t is writes.INDEX_PUT:
         writes.layout(plan, node, lay, grad)
     elif G.is_pointwise(t):
         if t is G.DROPOUT and is_sharded(lay):
@@ -300,28 +335,8 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
 
 def _operand(plan: TPPlan, consumer: fx.Node, a: fx.Node, ref: Layout, grad: set[str]) -> None:
     """An input of a sharded consumer, aligned to it by broadcasting."""
-    al = plan.layouts.get(a.name)
-    if al is None or is_sharded(al):
-        return
-    ash, nd = shape(a), len(ref.full)
-    off = nd - len(ash)
-    scatter_dim, outer = None, 1
-    for d in ref.sharded:
-        ad = d - off
-        if ad < 0 or ash[ad] == 1:
-            continue
-        if ash[ad] == ref.full[d] and scatter_dim is None:
-            # a contiguous block, or heads merged with the batch (a strided block)
-            found = (1, 0) if d in ref.blocks else None if ref.vocab else strided_blocks(
-                ref.positions[ref.sharded.index(d)], ref.full[d])
-            if found is not None:
-                scatter_dim, outer = ad, found[0]
-                continue
-        raise _Refuse(f"replicated input {a.name} cannot be narrowed to the shard")
-    if scatter_dim is not None:
-        plan.conversions[(consumer.name, a.name)] = [Conversion(CollectiveKind.SCATTER, scatter_dim, outer)]
-    elif a.name in grad:
-        plan.conversions[(consumer.name, a.name)] = [Conversion(CollectiveKind.F)]
+    off = len(ref.full) - len(shape(a))
+    mixers.narrow(plan, consumer, a, ref, lambda d: d - off, grad, _Refuse)
 
 
 def _attention(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None:
@@ -338,31 +353,16 @@ def _attention(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None
         _operand(plan, node, a, lay, grad)
 
 
-def _batched_matmul(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None:
-    """Split along batch dims only (heads): each rank multiplies its own heads, the
-    same op on smaller operands; the matrix dims, contraction included, stay whole."""
-    ix, iy, iadd = G.BATCHED_MATMULS[node.target]
-    for a in (node.args[ix], node.args[iy], lay):
-        al = a if isinstance(a, Layout) else plan.layouts[a.name]
-        if set(al.sharded) & {len(al.full) - 1, len(al.full) - 2}:
-            raise _Refuse("a batched matmul split along a matrix dim")
-    for a in node.all_input_nodes:
-        _operand(plan, node, a, lay, grad)
-
-
 def _einsum(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None:
     """Like a batched matmul: split letters must be kept in the output (never summed)."""
     subs, out_subs = G.einsum_letters(node)
-    split = {out_subs[d] for d in lay.sharded}
     for sub, operand in zip(subs, node.args[1]):
         al = plan.layouts[operand.name]
         if any(sub[d] not in out_subs for d in al.sharded):
             raise _Refuse("an einsum sums over a sharded dim")
-        if not al.is_sharded:
-            if any(c in split and shape(operand)[d] > 1 for d, c in enumerate(sub)):
-                raise _Refuse(f"replicated einsum operand {operand.name} spans the split dims")
-            if operand.name in grad:
-                plan.conversions[(node.name, operand.name)] = [Conversion(CollectiveKind.F)]
+        if not al.is_sharded:  # its part of each split letter (scatter), or f
+            mixers.narrow(plan, node, operand, lay, lambda d, sub=sub: sub.find(out_subs[d]) if
+                          out_subs[d] in sub else None, grad, _Refuse)
 
 
 def _split(plan: TPPlan, node: fx.Node, where: str) -> None:

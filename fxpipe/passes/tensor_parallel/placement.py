@@ -115,6 +115,7 @@ class _Specs:
         for proj in (*self.plan.column.values(), *self.plan.row.values()):
             claimed |= {(proj.node, proj.weight), (proj.node, proj.bias)}
         claimed |= {(e, w) for e, w in self.plan.vocab_embedding.items()}
+        claimed |= {(u.name, p) for p in self.plan.param_shards for u in self.nodes[p].users}
         for node in self.program.graph.nodes:
             if node.op != "placeholder" or node.name not in self.by_node:
                 continue
@@ -161,6 +162,10 @@ class _Specs:
             self.row(name)
         for name, weight in self.plan.vocab_embedding.items():
             self.embedding(name, weight)
+        for name, ps in self.plan.param_shards.items():
+            self.propose(name, _Proposal(ShardKind.COLUMN, ps.dim, tuple(ranges_of(p) for p in ps.positions),
+                                         len(ps.positions[0]), "split with the channels it is applied to "
+                                         f"({self.describe(ps.consumers[0])})", name))
         self.others()
         specs = self.unify()
         check_gradient_invariant(specs, str)
@@ -205,6 +210,11 @@ class _Specs:
         for origin in sharded:
             if origin in self.plan.row:
                 ids.append(self.prov.rows[origin])
+            elif origin in self.plan.param_shards:
+                for c in self.plan.param_shards[origin].consumers:
+                    got = self.prov.ids.get(c)
+                    ids += [np.asarray(i).ravel() for i in (got if isinstance(got, list) else [got])
+                            if i is not None]
             else:
                 first, count = self.prov.sources[origin]
                 ids.append(np.arange(first, first + count))

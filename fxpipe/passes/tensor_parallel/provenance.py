@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.attention_forms import constant_values
-from fxpipe.passes.tensor_parallel import writes
+from fxpipe.passes.tensor_parallel import mixers, writes
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.norms import private_norm
 
@@ -75,6 +75,9 @@ class Provenance:
     """Of those, the ones whose every copy gets ids of its own (``shared_copies``)."""
     constants: dict = field(default_factory=dict)
     """Placeholder -> value of the graph's constants (a fused QKV's picked-rows index)."""
+    broadcast_whole: list[tuple[np.ndarray, str]] = field(default_factory=list)
+    """(ids, node): channels an element-wise op broadcasts against other channels without
+    uniting them (``mixers.combine``); they must stay whole on every rank."""
     """Of those, the ones whose channels stay split: a partial sum, all-reduced
     (``split_statistics``); the others unite their channels like any reduction."""
 
@@ -187,6 +190,18 @@ def _projection(prov: Provenance, node: fx.Node, proj: Projection, inputs: dict)
     for name, ids in inputs.items():
         if name != x.name:
             prov.kill(ids, f"are used as the weight/bias of projection {node.name}")
+    if proj.out_axis == -2:  # W @ x: a column-parallel candidate only (its rows are channels)
+        if x.name in inputs:
+            ids = _align(inputs[x.name], len(shape(x)))
+            if any(s > 1 for i, s in enumerate(ids.shape) if i != ids.ndim - 2):
+                prov.kill(ids, f"vary along non-contracted dims of projection {node.name}")
+            elif ids.shape[-2] > 1:  # contracted: mixed, like a reduction's
+                first = np.take(ids, [0], axis=-2)
+                prov.union(ids, first)
+                prov.mixers.append((int(first.flat[0]), f"{node.target} ({node.name})"))
+        out_shape = shape(node)
+        prov.ids[node.name] = prov.fresh(node.name, (1,) * (len(out_shape) - 2) + (out_shape[-2], 1))
+        return
     if x.name in inputs:
         ids = inputs[x.name]
         if any(s > 1 for s in ids.shape[:-1]):
@@ -261,7 +276,9 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
     if t is G.aten.cat.default:
         return _cat(prov, node, inputs)
     if t is G.STACK:  # interleaved rotary: stack(..., dim=-1) then flatten pairs
-        return _cat(prov, node, inputs, stack=True)
+        # (a scan's steps stacked along the sequence carry the same ids: size 1 there)
+        out = _cat(prov, node, inputs, stack=True)
+        return None if out is None else _compact(out)
     if t is G.SELECT:  # fused QKV picked by index along a dim that carries no head
         ids = inputs[x.name]
         dim = norm_dim(node.args[1], ids.ndim)
@@ -298,7 +315,7 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         if x.name not in inputs:
             return None
         return inputs[x.name]
-    if t in writes.TARGETS:  # index_put / select_scatter
+    if t is writes.INDEX_PUT:
         return writes.ids(prov, node, inputs)
     if t is G.SDPA:
         return _attention(prov, node, inputs)
@@ -311,16 +328,21 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         return _reduction(prov, node, inputs)
     if t in G.BATCHED_MATMULS:
         return _matmul(prov, node, inputs)
+    if t is mixers.CONV1D:
+        return mixers.conv1d_ids(node, inputs, _Unsupported)
+    if t in mixers.ALONG:
+        return mixers.along_ids(prov, node, inputs, _Unsupported)
+    if t is mixers.REPEAT_INTERLEAVE:
+        return mixers.repeat_ids(node, inputs, _Unsupported)
+    if t is mixers.SELECT_SCATTER:
+        return mixers.select_scatter_ids(prov, node, inputs)
     if t is G.EINSUM:
         return _einsum(prov, node, inputs)
     if G.is_pointwise(t):
         nd = len(shape(node))
-        arrays = [_align(a, nd) for a in inputs.values()]
-        out = arrays[0]
-        for other in arrays[1:]:
-            prov.union(out, other)
-            out = np.broadcast_arrays(out, other)[0]
-        return out
+        sizes = {a.name: (1,) * (nd - len(shape(a))) + shape(a) for a in node.all_input_nodes}
+        return mixers.combine(prov, [_align(a, nd) for a in inputs.values()], node.name,
+                              [sizes[n] for n in inputs])
     raise _Unsupported("no channel rule for this op")
 
 
@@ -474,11 +496,7 @@ def _matmul(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
         parts.append(_align(inputs[node.args[iadd].name], nd))
     if not parts:
         return None
-    out = parts[0]
-    for other in parts[1:]:
-        prov.union(out, other)
-        out = np.broadcast_arrays(out, other)[0]
-    return out
+    return mixers.combine(prov, parts, node.name)
 
 
 def _einsum(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
@@ -508,11 +526,7 @@ def _einsum(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
         parts.append(ids.reshape(shape_out))
     if not parts:
         return None
-    out = parts[0]
-    for other in parts[1:]:
-        prov.union(out, other)
-        out = np.broadcast_arrays(out, other)[0]
-    return out
+    return mixers.combine(prov, parts, node.name)
 
 
 def _cat(prov: Provenance, node: fx.Node, inputs: dict, stack: bool = False) -> np.ndarray:

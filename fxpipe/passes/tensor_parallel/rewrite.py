@@ -175,7 +175,7 @@ class _Builder:
     def call(self, node: fx.Node) -> tuple[Any, tuple, dict]:
         name, plan = node.name, self.plan
         target = plan.new_target.get(name, node.target)
-        args, kwargs = plan.new_args.get(name, node.args), dict(node.kwargs)
+        args, kwargs = plan.new_args.get(name, node.args), dict(plan.new_kwargs.get(name, node.kwargs))
         if name in plan.row:  # Shoeybi et al. §3: the bias is added once, after the reduction
             if node.target is G.ADDMM:
                 return G.MM, (args[1], args[2]), {}

@@ -2,11 +2,14 @@
 expressible, for each way of reading the graph's optional rules; the one that leaves
 each rank the smallest share of the parameters wins.
 
-Two rules are choices, not facts: a private norm's statistic may be all-reduced
+Some rules are choices, not facts. A private norm's statistic may be all-reduced
 (its channels split) or unite its channels (``norms.private_norm``): the first
 is right for a sub-norm before a row-parallel projection, the second for the
 low-rank latent of multi-head latent attention, whose next projection must stay
-column-parallel. Both readings are planned and measured; each is correct.
+column-parallel. A projection that would be both row- and column-parallel gives up
+either its output channels (a plain MLP before a vocabulary head) or its input
+channels (a low-rank pair whose second half is split by heads), planned both ways
+when it happens. Every reading is planned and measured; each is correct.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from fxpipe.passes.tensor_parallel.coverage import measure_coverage
 from fxpipe.passes.tensor_parallel.gathered import gathered_projections
 from fxpipe.passes.tensor_parallel.graph_ops import Projection
 from fxpipe.passes.tensor_parallel.layout import LayoutFailure
-from fxpipe.passes.tensor_parallel.node_layouts import TPPlan, build_plan
+from fxpipe.passes.tensor_parallel.node_layouts import Conflict, TPPlan, build_plan
 from fxpipe.passes.tensor_parallel.placement import build_specs
 from fxpipe.passes.tensor_parallel.provenance import Provenance, analyze, shared_copies, split_statistics
 from fxpipe.sharding import ShardSpec
@@ -52,30 +55,41 @@ def search(program: Program, graph: fx.Graph, projections: dict[str, Projection]
         # a second sweep, with those reductions no longer uniting their channels and
         # those expands' copies channels of their own
         prov = analyze(graph, projections, stats, cp, constants) if stats or cp else first
-        try:
-            found = _layouts(program, graph, prov, projections, embeddings, grad, tp, describe)
-        except ValueError:
-            if i == 0:
-                raise  # heads or FFN sizes that tp does not divide: the user's to fix
-            continue  # an optional reading that splits what tp cannot: not taken
-        share = measure_coverage(program, found.specs, tp).share
-        if share < best_share - 1e-12:
-            best, best_share = found, share
+        for rows in (False, True):
+            try:
+                found, conflicted = _layouts(program, graph, prov, projections, embeddings, grad, tp,
+                                             describe, rows)
+            except ValueError:
+                if i == 0 and not rows:
+                    raise  # heads or FFN sizes that tp does not divide: the user's to fix
+                break  # an optional reading that splits what tp cannot: not taken
+            share = measure_coverage(program, found.specs, tp).share
+            if share < best_share - 1e-12:
+                best, best_share = found, share
+            if not conflicted:
+                break  # no projection was both row- and column-parallel: nothing to choose
     assert best is not None
     return best
 
 
 def _layouts(program: Program, graph: fx.Graph, prov: Provenance, projections: dict[str, Projection],
-             embeddings: dict[str, str], grad: set[str], tp: int, describe: Callable[[str], str]) -> Layouts:
+             embeddings: dict[str, str], grad: set[str], tp: int, describe: Callable[[str], str],
+             conflict_rows: bool = False) -> tuple[Layouts, bool]:
+    """The layouts, and whether a projection wanted to be both row- and column-parallel
+    (``conflict_rows`` says which side gives way)."""
     replicate: list = []
+    conflicted = False
+    params = frozenset(p.node for p in program.params if p.kind is not ParamKind.CONSTANT)
     for _ in range(prov.n_ids + 1):  # each failed round replicates at least one more class
         asg = assign(prov, tp, replicate, describe)
         gathered = gathered_projections(graph, prov, asg, projections, _weights_2d(program), tp, replicate)
         try:
-            plan = build_plan(graph, prov, asg, projections, embeddings, grad, tp, describe, gathered)
+            plan = build_plan(graph, prov, asg, projections, embeddings, grad, tp, describe, gathered,
+                              params, conflict_rows)
             specs = build_specs(program, prov, asg, plan, describe)
-            return Layouts(prov, asg, plan, specs)
+            return Layouts(prov, asg, plan, specs), conflicted
         except LayoutFailure as failure:
+            conflicted |= isinstance(failure, Conflict)
             replicate.append((failure.ids, failure.reason))
     raise AssertionError("tensor-parallel layout search did not converge")  # pragma: no cover
 
