@@ -49,12 +49,17 @@ def lower(schedule: Schedule) -> Schedule:
             f"{schedule.name}: schedule already has SEND/RECV actions; lower the compute-only "
             "schedule (schedule.compute_only()) instead"
         )
+    if schedule.has_vocab_passes:
+        raise ValueError(
+            f"{schedule.name}: lower the schedule before adding vocabulary passes "
+            "(add_vocab_passes(lower(schedule)))"
+        )
     check_structure(schedule)
     arr = schedule.arrays
-    unit = np.ones((4, schedule.num_stages))
+    unit = np.ones((6, schedule.num_stages))
     status, start, _end, blocked, _peak, _busy, _finish = _sim_core.simulate_kernel(
         arr.kind, arr.stage, arr.microbatch, arr.offsets, arr.stage_ranks, unit, 0.0,
-        schedule.num_microbatches,
+        schedule.num_microbatches, np.zeros(3),
     )
     if status != _sim_core.OK:
         raise kernel_error(schedule, status, blocked)
