@@ -19,6 +19,11 @@ until its receive is posted. ``validate`` re-checks exactly that by executing
 the lowered lists. The runtime is looser still: it posts each SEND and RECV as
 one non-blocking ``isend``/``irecv`` (``runtime/transport.py``).
 
+Vocabulary passes (``vocab_passes.py``) take part in the dry run like any
+compute (S and T one round each; a collective completes in the round its last
+rank posts it); a collective keeps its place between its rank's computes,
+after the batch of the round it is posted in.
+
 Receives are also posted as early as they can be, so the transfer overlaps
 the receiver's compute (Megatron instead posts a receive just before its
 consumer and pairs it with a send, ``send_forward_recv_backward``).
@@ -48,11 +53,6 @@ def lower(schedule: Schedule) -> Schedule:
         raise ValueError(
             f"{schedule.name}: schedule already has SEND/RECV actions; lower the compute-only "
             "schedule (schedule.compute_only()) instead"
-        )
-    if schedule.has_vocab_passes:
-        raise ValueError(
-            f"{schedule.name}: lower the schedule before adding vocabulary passes "
-            "(add_vocab_passes(lower(schedule)))"
         )
     check_structure(schedule)
     arr = schedule.arrays

@@ -12,21 +12,25 @@ pipeline ranks and schedule its work as two passes per microbatch j on every ran
 - ``REDUCE_G j``: the partial gradients summed on the last stage, whose B (or I)
   of j starts from them.
 
-``add_vocab_passes`` inserts these into any generated schedule (1F1B,
-interleaved, ZB-H1, ZB-V; compute-only or lowered) without reordering its
-actions. Placement: the schedule's unit-duration dry run (the rounds ``lower``
-uses) gives every action a round; rank r gets the S block of j at the boundary
-just after the round of the last stage's F of j (as early as the dependence
-allows) and the T block just before the round of the last stage's backward of j
-(as late as it allows), so the statistics all-reduce overlaps whatever each rank
-runs in between. Every rank cuts its list at the same boundaries, so
+``add_vocab_passes`` inserts these into any generated compute-only schedule
+(1F1B, interleaved, ZB-H1, ZB-V; ``lower`` adds SEND/RECV afterwards). Placement:
+a simulation of the schedule (the caller's durations, else unit) gives every
+action a start time; every rank gets the S block of j where the last stage's F of
+j ends (as early as the dependence allows) and the T block where the last
+stage's backward of j starts (as late as it allows), so the statistics
+all-reduce overlaps whatever each rank runs in between. Every rank cuts its list
+at the same times, so
 
-- the collectives come in one order on every rank (blocks sorted by boundary,
-  then S before T, then microbatch): NCCL-style collectives cannot mismatch;
-- a boundary sits between the same rounds on every rank, so a SEND/RECV batch of
-  round t is on the same side of a block on both partners (``lower``'s
-  induction on rounds still holds);
+- the collectives come in one order on every rank (blocks sorted by time, then
+  S before T, then microbatch): NCCL-style collectives cannot mismatch;
+- every dependence points forward in time (durations are positive), so the
+  merged lists cannot deadlock;
 - S follows the F it reads and T precedes the backward that reads it.
+
+With ``offset`` d > 0 the forwards first run d backwards earlier on every rank
+(``run_forwards_earlier``), so the last stage's backward of j comes d forwards
+after its forward and the S/T barrier of j leaves the critical path (the slack
+of Yeung et al.'s schedules, which hold p+1 or p+2 microbatches).
 
 ``validate`` re-checks all three by execution.
 """
@@ -52,39 +56,61 @@ def vocab_block_stage(schedule: Schedule, rank: int) -> int:
     return rank
 
 
-def _rounds(schedule: Schedule) -> dict[Action, int]:
-    """Round of every compute action in the unit-duration dry run (as ``lower``)."""
-    base = schedule.compute_only()
-    check_structure(base)
-    arr = base.arrays
+def _start_times(schedule: Schedule, durations: StageDurations | None) -> tuple[dict[Action, float], dict[Action, float]]:
+    """Start and end of every action in a simulation of ``schedule`` (unit durations if
+    None). Durations are floored at a small positive time: placement relies on
+    an action starting strictly after the ones it reads (see add_vocab_passes)."""
+    n = schedule.num_stages
+    d = np.ones((6, n)) if durations is None else np.maximum(durations.as_array(), 1e-6)
+    check_structure(schedule)
+    arr = schedule.arrays
     status, start, _end, blocked, _peak, _busy, _finish = _sim_core.simulate_kernel(
-        arr.kind, arr.stage, arr.microbatch, arr.offsets, arr.stage_ranks, np.ones((6, base.num_stages)),
-        0.0, base.num_microbatches, np.zeros(3),
+        arr.kind, arr.stage, arr.microbatch, arr.offsets, arr.stage_ranks, d, 0.0,
+        schedule.num_microbatches, np.zeros(3),
     )
     if status != _sim_core.OK:
-        raise kernel_error(base, status, blocked)
-    flat = [a for acts in base.actions for a in acts]
-    return dict(zip(flat, start.astype(np.int64).tolist()))
+        raise kernel_error(schedule, status, blocked)
+    flat = [a for acts in schedule.actions for a in acts]
+    return dict(zip(flat, start.tolist())), {a: e for a, e in zip(flat, _end.tolist())}
 
 
-def _round_of(a: Action, rounds: dict[Action, int], backward: dict[tuple[int, int], int]) -> int:
-    """A comm action belongs to the round of the compute that produced its tensor."""
-    if a.kind.is_compute:
-        return rounds[a]
-    if a.kind is SEND_F:
-        return rounds[Action(a.stage, F, a.microbatch)]
-    if a.kind is RECV_F:
-        return rounds[Action(a.stage - 1, F, a.microbatch)]
-    if a.kind is SEND_B:
-        return backward[(a.stage, a.microbatch)]
-    assert a.kind is RECV_B, a
-    return backward[(a.stage + 1, a.microbatch)]
+def run_forwards_earlier(schedule: Schedule, offset: int) -> Schedule:
+    """Every rank runs each forward ``offset`` backwards earlier (an F that came
+    after k backwards, B or I, now comes after max(0, k - offset)): 1F1B's warmup
+    grows by ``offset``, and so does each rank's peak in flight. This is the slack
+    Yeung et al. give the vocabulary passes (their 1F1B holds p+1 or p+2
+    microbatches): the last stage's backward of j comes ``offset`` forwards after
+    its forward, so S and T of j are no longer back to back on the critical path."""
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0 (forwards run that many backwards earlier), got {offset}")
+    if offset == 0:
+        return schedule
+    out = []
+    for acts in schedule.actions:
+        backwards = 0
+        keyed = []  # (slot, order): a forward moves to slot max(0, k - offset), before that slot's backward
+        for n, a in enumerate(acts):
+            if a.kind is F:
+                keyed.append(((max(0, backwards - offset), 0), n, a))
+            else:
+                if a.kind in (B, I):
+                    backwards += 1
+                keyed.append(((backwards - (a.kind in (B, I)), 1), n, a))
+        out.append([a for _key, _n, a in sorted(keyed, key=lambda x: (x[0], x[1]))])
+    return schedule.with_actions(out)
 
 
-def add_vocab_passes(schedule: Schedule) -> Schedule:
-    """``schedule`` with the output layer's S/T passes and their collectives on
-    every rank (module docstring). The original actions keep their order:
-    ``add_vocab_passes(s)`` without its vocabulary actions equals ``s``.
+def add_vocab_passes(schedule: Schedule, durations: StageDurations | None = None, *,
+                     offset: int = 0, s_delay: float = 0.0, t_lead: float = 0.0) -> Schedule:
+    """The compute-only ``schedule`` with the output layer's S/T passes and their
+    collectives on every rank (module docstring); ``lower`` it afterwards.
+    ``durations`` (of the stages without the output layer; None: unit) time the
+    placement; ``offset``: forwards run that many backwards earlier first
+    (``run_forwards_earlier``). ``s_delay`` moves each S block that much later,
+    ``t_lead`` each T block that much earlier (in the durations' unit; clipped to
+    keep S after the last stage's F, T before its backward and S before T);
+    ``place_vocab_passes`` searches them. With offset 0 the original actions keep their
+    order: ``add_vocab_passes(s)`` without its vocabulary actions equals ``s``.
 
     >>> from fxpipe.schedules import generate
     >>> [str(a) for a in add_vocab_passes(generate("1f1b", 2, 2)).actions[0]]
@@ -93,35 +119,60 @@ def add_vocab_passes(schedule: Schedule) -> Schedule:
     """
     if schedule.has_vocab_passes:
         raise ValueError(f"{schedule.name}: the schedule already has vocabulary passes")
+    if schedule.is_lowered:
+        raise ValueError(f"{schedule.name}: add vocabulary passes to the compute-only schedule, then lower it")
     if schedule.num_ranks < 2:
         raise ValueError("vocabulary passes split the output layer over pipeline ranks: need pp >= 2, got 1")
-    rounds = _rounds(schedule)
-    backward = {(a.stage, a.microbatch): t for a, t in rounds.items() if a.kind in (B, I)}
+    schedule = run_forwards_earlier(schedule, offset)
+    start, end = _start_times(schedule, durations)
     last = schedule.num_stages - 1
-    # Blocks as (boundary, phase, microbatch, kinds): the S block right after the
-    # last stage's F, the T block right before its backward.
+    backward = {a.microbatch: t for a, t in start.items() if a.stage == last and a.kind in (B, I)}
+    # Blocks as (time, phase, microbatch, kinds): the S block once the last stage's
+    # F ends, the T block when its backward starts. An action starting before the
+    # time stays before the block on every rank, so every dependence points forward
+    # in time and the blocks come in one order everywhere (the collectives match).
     blocks = []
     for j in range(schedule.num_microbatches):
-        after_f = rounds[Action(last, F, j)] + 1
-        before_b = backward[(last, j)]
-        assert after_f <= before_b, (j, after_f, before_b)
-        blocks.append((after_f, 0, j, (BCAST_H, S, ALLREDUCE_S)))
-        blocks.append((before_b, 1, j, (T, REDUCE_G)))
+        after_f = end[Action(last, F, j)]
+        assert after_f <= backward[j], (j, after_f, backward[j])
+        t_time = max(after_f, backward[j] - t_lead)
+        blocks.append((min(after_f + s_delay, t_time), 0, j, (BCAST_H, S, ALLREDUCE_S)))
+        blocks.append((t_time, 1, j, (T, REDUCE_G)))
     blocks.sort()
     out = []
     for r, acts in enumerate(schedule.actions):
         block_stage = vocab_block_stage(schedule, r)
-        action_rounds = [_round_of(a, rounds, backward) for a in acts]
-        assert action_rounds == sorted(action_rounds), f"rank {r}'s actions are not in round order"
         merged, k = [], 0
-        for boundary, _phase, j, kinds in blocks:
-            while k < len(acts) and action_rounds[k] < boundary:
+        for time, _phase, j, kinds in blocks:
+            while k < len(acts) and start[acts[k]] < time:
                 merged.append(acts[k])
                 k += 1
             merged.extend(Action(block_stage, kind, j) for kind in kinds)
         merged.extend(acts[k:])
         out.append(merged)
     return schedule.with_actions(out)
+
+
+def place_vocab_passes(schedule: Schedule, durations: StageDurations, *, p2p_latency: float = 0.0,
+                       collective_latency=None, offsets: tuple[int, ...] = (0, 1, 2)) -> Schedule:
+    """``add_vocab_passes`` with the offset, S delay and T lead that give the
+    shortest simulated step under ``durations`` (with the vocabulary passes' own
+    times; see ``split_output_layer``). The delays are tried in steps of half the
+    longest stage time. Ties keep the smaller offset (less activation memory)."""
+    from .simulate import simulate
+
+    slot = max(f + b for f, b in zip(durations.forward, durations.backward))
+    steps = (0.0, 0.5 * slot, slot, 2.0 * slot)
+    best = None
+    for offset in offsets:
+        for s_delay in steps:
+            for t_lead in steps:
+                candidate = add_vocab_passes(schedule, durations, offset=offset, s_delay=s_delay, t_lead=t_lead)
+                span = simulate(candidate, durations, p2p_latency=p2p_latency,
+                                collective_latency=collective_latency).makespan
+                if best is None or span < best[0] - 1e-9:
+                    best = (span, candidate)
+    return best[1]
 
 
 def split_output_layer(durations: StageDurations, num_ranks: int, *, forward: float, backward: float,
