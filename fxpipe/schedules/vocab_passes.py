@@ -125,6 +125,13 @@ def add_vocab_passes(schedule: Schedule, durations: StageDurations | None = None
         raise ValueError("vocabulary passes split the output layer over pipeline ranks: need pp >= 2, got 1")
     schedule = run_forwards_earlier(schedule, offset)
     start, end = _start_times(schedule, durations)
+    return _place(schedule, start, end, s_delay, t_lead)
+
+
+def _place(schedule: Schedule, start: dict[Action, float], end: dict[Action, float], s_delay: float,
+           t_lead: float) -> Schedule:
+    """Cut every rank's list at the block times (``start``/``end``: the times of
+    ``schedule``'s actions in one simulation, where every dependence points forward)."""
     last = schedule.num_stages - 1
     backward = {a.microbatch: t for a, t in start.items() if a.stage == last and a.kind in (B, I)}
     # Blocks as (time, phase, microbatch, kinds): the S block once the last stage's
@@ -154,24 +161,38 @@ def add_vocab_passes(schedule: Schedule, durations: StageDurations | None = None
 
 
 def place_vocab_passes(schedule: Schedule, durations: StageDurations, *, p2p_latency: float = 0.0,
-                       collective_latency=None, offsets: tuple[int, ...] = (0, 1, 2)) -> Schedule:
+                       collective_latency=None, offsets: tuple[int, ...] = (0, 1, 2),
+                       rounds: int = 3) -> Schedule:
     """``add_vocab_passes`` with the offset, S delay and T lead that give the
     shortest simulated step under ``durations`` (with the vocabulary passes' own
     times; see ``split_output_layer``). The delays are tried in steps of half the
-    longest stage time. Ties keep the smaller offset (less activation memory)."""
+    longest stage time; each candidate is re-cut ``rounds`` times at the times of
+    its own simulation (which include the passes and their waits: a simulation is
+    still a time order every dependence follows). Ties keep the first found, the
+    smaller offset (less activation memory)."""
     from .simulate import simulate
+
+    def timed(candidate):
+        result = simulate(candidate, durations, p2p_latency=p2p_latency, collective_latency=collective_latency)
+        start, end = {}, {}
+        for acts, starts, ends in zip(candidate.actions, result.timeline.start, result.timeline.end):
+            for a, t0, t1 in zip(acts, starts.tolist(), ends.tolist()):
+                start[a], end[a] = t0, t1
+        return result.makespan, start, end
 
     slot = max(f + b for f, b in zip(durations.forward, durations.backward))
     steps = (0.0, 0.5 * slot, slot, 2.0 * slot)
     best = None
     for offset in offsets:
+        base = run_forwards_earlier(schedule, offset)
         for s_delay in steps:
             for t_lead in steps:
                 candidate = add_vocab_passes(schedule, durations, offset=offset, s_delay=s_delay, t_lead=t_lead)
-                span = simulate(candidate, durations, p2p_latency=p2p_latency,
-                                collective_latency=collective_latency).makespan
-                if best is None or span < best[0] - 1e-9:
-                    best = (span, candidate)
+                for _ in range(rounds + 1):
+                    span, start, end = timed(candidate)
+                    if best is None or span < best[0] - 1e-9:
+                        best = (span, candidate)
+                    candidate = _place(base, start, end, s_delay, t_lead)
     return best[1]
 
 
