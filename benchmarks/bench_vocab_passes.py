@@ -129,6 +129,11 @@ def main() -> None:
     name = os.path.basename(args.hardware)
     print(f"Simulated (not measured): GPT-2 {LAYERS}x{HIDDEN}, V={VOCAB}, s={SEQ}, b={B_MICRO}, m={M}, fp32, "
           f"planner cost model on {name}.")
+    _, (emb, layer, head), _, _ = costs(args.hardware, 2, False)
+    total = emb.forward_s + emb.backward_s + LAYERS * (layer.forward_s + layer.backward_s) \
+        + head.forward_s + head.backward_s
+    print(f"The head (final norm, logits, cross-entropy) is {(head.forward_s + head.backward_s) / total:.1%} "
+          f"of one microbatch's work.")
     print("| schedule | pp | head | step ms | busy per rank ms | imbalance | peak in flight |")
     print("|---|---|---|---|---|---|---|")
     for sched in args.schedules.split(","):
