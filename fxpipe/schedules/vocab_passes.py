@@ -41,7 +41,7 @@ import numpy as np
 from . import _sim_core
 from .ir import Action, ActionKind, Schedule
 from .simulate import StageDurations, kernel_error
-from .validate import check_structure
+from .validate import ScheduleError, check_structure
 
 F, B, I = ActionKind.F, ActionKind.B, ActionKind.I  # noqa: E741
 S, T = ActionKind.S, ActionKind.T
@@ -52,7 +52,9 @@ SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKin
 def vocab_block_stage(schedule: Schedule, rank: int) -> int:
     """The stage field of rank ``rank``'s vocabulary actions: its vocabulary block,
     which is stage ``rank`` (it lives on rank ``rank`` under both placements)."""
-    assert schedule.stage_ranks[rank] == rank, schedule.stage_ranks
+    if schedule.stage_ranks[rank] != rank:
+        raise ValueError(f"{schedule.name}: vocabulary passes put rank r's block on stage r, but stage {rank} "
+                         f"lives on rank {schedule.stage_ranks[rank]}: use a generated placement (loop or V)")
     return rank
 
 
@@ -185,6 +187,12 @@ def place_vocab_passes(schedule: Schedule, durations: StageDurations, *, p2p_lat
     best = None
     for offset in offsets:
         base = run_forwards_earlier(schedule, offset)
+        try:
+            _start_times(base, durations)
+        except ScheduleError:  # forwards this much earlier wait on a backward behind them: skip
+            if offset == 0:
+                raise
+            continue
         for s_delay in steps:
             for t_lead in steps:
                 candidate = add_vocab_passes(schedule, durations, offset=offset, s_delay=s_delay, t_lead=t_lead)

@@ -187,3 +187,14 @@ def test_balanced_head_beats_head_on_the_last_stage():
     head = StageDurations(forward=(1.0, 1.6), backward=(2.0, 3.2), weight=(1.0, 1.6))
     vocab = split_output_layer(head, 2, forward=0.6, backward=1.2)
     assert simulate(place_vocab_passes(base, vocab), vocab).makespan < simulate(base, head).makespan - 5
+
+
+def test_every_small_schedule_with_every_offset_validates():
+    """Exhaustive over small sizes (GPipe and interleaved v=3 included): placement and
+    the forwards-earlier offset never produce a schedule the validator refuses."""
+    for name, v in GENERATORS + [("gpipe", None), ("interleaved", 3)]:
+        for p in (2, 3):
+            for m in range(1, 7):
+                base = generate(name, p, m, v)
+                for offset in (0, 1, 2):
+                    validate(lower(add_vocab_passes(base, offset=offset)))
