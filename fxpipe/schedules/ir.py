@@ -14,6 +14,9 @@ Conventions shared with torch.distributed.pipelining:
 - ``B`` is the full backward. Zero-bubble schedules split it into ``I`` (input
   gradient, on the critical path) and ``W`` (weight gradient, deferrable),
   Qi et al. 2024 §2.
+
+fxpipe's own kinds, with no torch counterpart: the vocabulary passes ``S``/``T``
+and their collectives ``BCAST_H``/``ALLREDUCE_S``/``REDUCE_G`` (vocab_passes.py).
 """
 from __future__ import annotations
 
