@@ -46,7 +46,6 @@ from .validate import ScheduleError, check_structure
 F, B, I = ActionKind.F, ActionKind.B, ActionKind.I  # noqa: E741
 S, T = ActionKind.S, ActionKind.T
 BCAST_H, ALLREDUCE_S, REDUCE_G = ActionKind.BCAST_H, ActionKind.ALLREDUCE_S, ActionKind.REDUCE_G
-SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
 
 
 def vocab_block_stage(schedule: Schedule, rank: int) -> int:
@@ -58,12 +57,25 @@ def vocab_block_stage(schedule: Schedule, rank: int) -> int:
     return rank
 
 
-def _start_times(schedule: Schedule, durations: StageDurations | None) -> tuple[dict[Action, float], dict[Action, float]]:
-    """Start and end of every action in a simulation of ``schedule`` (unit durations if
-    None). Durations are floored at a small positive time: placement relies on
-    an action starting strictly after the ones it reads (see add_vocab_passes)."""
+_EPS = 1e-9
+
+
+def _floored(durations: StageDurations) -> StageDurations:
+    """Every time (F, I, W, B, S, T) at least _EPS: placement relies on the last
+    stage's F ending after it starts and its backward starting before it ends."""
+    f = tuple(max(x, _EPS) for x in durations.forward)
+    b = tuple(max(x, 2 * _EPS) for x in durations.backward)
+    w = tuple(min(max(x, _EPS), y - _EPS) for x, y in zip(durations.weight, b))
+    return StageDurations(forward=f, backward=b, weight=w,
+                          vocab_forward=tuple(max(x, _EPS) for x in durations.vocab_forward),
+                          vocab_backward=tuple(max(x, _EPS) for x in durations.vocab_backward))
+
+
+def _start_times(schedule: Schedule,
+                 durations: StageDurations | None) -> tuple[dict[Action, float], dict[Action, float]]:
+    """Start and end of every action in a simulation of ``schedule`` (unit durations if None)."""
     n = schedule.num_stages
-    d = np.ones((6, n)) if durations is None else np.maximum(durations.as_array(), 1e-6)
+    d = np.ones((6, n)) if durations is None else _floored(durations).as_array()
     check_structure(schedule)
     arr = schedule.arrays
     status, start, _end, blocked, _peak, _busy, _finish = _sim_core.simulate_kernel(
@@ -174,8 +186,10 @@ def place_vocab_passes(schedule: Schedule, durations: StageDurations, *, p2p_lat
     smaller offset (less activation memory)."""
     from .simulate import simulate
 
+    floored = _floored(durations)
+
     def timed(candidate):
-        result = simulate(candidate, durations, p2p_latency=p2p_latency, collective_latency=collective_latency)
+        result = simulate(candidate, floored, p2p_latency=p2p_latency, collective_latency=collective_latency)
         start, end = {}, {}
         for acts, starts, ends in zip(candidate.actions, result.timeline.start, result.timeline.end):
             for a, t0, t1 in zip(acts, starts.tolist(), ends.tolist()):

@@ -198,3 +198,15 @@ def test_every_small_schedule_with_every_offset_validates():
                 base = generate(name, p, m, v)
                 for offset in (0, 1, 2):
                     validate(lower(add_vocab_passes(base, offset=offset)))
+
+
+@pytest.mark.parametrize("name, v", GENERATORS)
+def test_zero_times_still_place_validly(name, v):
+    """Zero-length actions (I = B - W = 0, a free S) could tie a block's time with the
+    action it must follow; placement floors every time first."""
+    base = generate(name, 3, 5, v)
+    n = base.num_stages
+    d = StageDurations(forward=(1.0,) * n, backward=(2.0,) * n, weight=(2.0,) * n,
+                       vocab_forward=(0.0,) * 3, vocab_backward=(0.5,) * 3)
+    validate(lower(place_vocab_passes(base, d)))
+    validate(lower(add_vocab_passes(base, d, offset=1)))
