@@ -17,6 +17,7 @@ from .registry import SCHEDULES, ScheduleKind, ScheduleSpec, generate, get_spec,
 from .simulate import SimResult, StageDurations, simulate
 from .timeline import Event, Timeline
 from .validate import ScheduleError, validate
+from .vocab_passes import add_vocab_passes, split_output_layer
 
 __all__ = [
     "Action",
@@ -29,6 +30,7 @@ __all__ = [
     "ScheduleSpec",
     "SimResult",
     "StageDurations",
+    "add_vocab_passes",
     "Timeline",
     "generate",
     "get_spec",
@@ -36,6 +38,7 @@ __all__ = [
     "lower",
     "schedule_names",
     "simulate",
+    "split_output_layer",
     "v_stage_ranks",
     "validate",
 ]

@@ -13,16 +13,23 @@ import numba
 import numpy as np
 
 # Kind codes, as ir.KIND_CODE assigns them (enum definition order).
-K_F, K_B, K_I, K_W, K_SEND_F, K_RECV_F, K_SEND_B, K_RECV_B = range(8)
+(K_F, K_B, K_I, K_W, K_S, K_T, K_SEND_F, K_RECV_F, K_SEND_B, K_RECV_B,
+ K_BCAST_H, K_ALLREDUCE_S, K_REDUCE_G) = range(13)
 
 OK, DEADLOCK, DUPLICATE, INCOMPLETE = 0, 1, 2, 3
 
 
 @numba.njit(cache=True, nogil=True)
-def simulate_kernel(kind, stage, microbatch, offsets, stage_ranks, durations, latency, num_microbatches):
+def simulate_kernel(kind, stage, microbatch, offsets, stage_ranks, durations, latency, num_microbatches,
+                    coll_latency):
     """Returns (status, start, end, blocked, peak, busy, finish).
 
-    durations: float64[4, num_stages] for F, B, I, W. status: OK, or DEADLOCK
+    durations: float64[6, num_stages] for F, B, I, W, S, T (S and T indexed by
+    their stage field, the rank's vocabulary block). coll_latency: float64[3], the
+    time of BCAST_H, ALLREDUCE_S, REDUCE_G. A collective is posted without
+    blocking when its rank reaches it and completes ``coll_latency`` after the
+    last rank posted it; S waits for its BCAST_H, T for its ALLREDUCE_S and the
+    last stage's B or I for its REDUCE_G. status: OK, or DEADLOCK
     (``blocked[r]`` = index of rank r's first unplaced action, -1 if done),
     DUPLICATE (``blocked[0]`` = index of the repeated action) or INCOMPLETE
     (some stage/microbatch lacks its F or backward). ``peak[r]``: most
@@ -42,6 +49,14 @@ def simulate_kernel(kind, stage, microbatch, offsets, stage_ranks, durations, la
     busy = np.zeros(num_ranks)
     pos = offsets[:-1].copy()
     free = np.zeros(num_ranks)
+    last = num_stages - 1
+    vocab = False
+    for n in range(n_actions):
+        if kind[n] == K_S:
+            vocab = True
+    posts = np.zeros((3, num_microbatches), dtype=np.int64)  # ranks that posted each collective
+    post_max = np.zeros((3, num_microbatches))  # the last post's time
+    end_s = np.full((num_stages, num_microbatches), -1.0)  # S done, by vocabulary block
 
     remaining = 0
     for n in range(n_actions):
@@ -55,13 +70,24 @@ def simulate_kernel(kind, stage, microbatch, offsets, stage_ranks, durations, la
             while n < offsets[r + 1]:
                 k = kind[n]
                 if k >= K_SEND_F:  # comm does not occupy the compute stream
+                    if k >= K_BCAST_H:  # a collective: posted now, completes once all ranks posted
+                        c = k - K_BCAST_H
+                        posts[c, microbatch[n]] += 1
+                        post_max[c, microbatch[n]] = max(post_max[c, microbatch[n]], free[r])
+                        start[n] = free[r]
                     n += 1
                     continue
                 s = stage[n]
                 j = microbatch[n]
                 t = free[r]
                 ready = True
-                if k == K_F:
+                if k == K_S or k == K_T:
+                    c = 0 if k == K_S else 1
+                    if posts[c, j] < num_ranks or (k == K_T and end_s[s, j] < 0.0):
+                        ready = False
+                    else:
+                        t = max(t, post_max[c, j] + coll_latency[c])
+                elif k == K_F:
                     if s > 0:
                         e = end_f[s - 1, j]
                         if e < 0.0:
@@ -91,6 +117,11 @@ def simulate_kernel(kind, stage, microbatch, offsets, stage_ranks, durations, la
                             if stage_ranks[s + 1] != r:
                                 e += latency
                             t = max(t, e)
+                    elif vocab:  # the last stage's backward starts from the reduced vocabulary gradient
+                        if posts[2, j] < num_ranks:
+                            ready = False
+                        else:
+                            t = max(t, post_max[2, j] + coll_latency[2])
                 if not ready:
                     break
                 finish = t + durations[k, s]
@@ -98,7 +129,11 @@ def simulate_kernel(kind, stage, microbatch, offsets, stage_ranks, durations, la
                 start[n] = t
                 end[n] = finish
                 free[r] = finish
-                if k == K_F:
+                if k == K_S:
+                    end_s[s, j] = finish
+                elif k == K_T:
+                    pass
+                elif k == K_F:
                     if end_f[s, j] >= 0.0:
                         blocked[0] = n
                         return DUPLICATE, start, end, blocked, peak, busy, free
@@ -139,6 +174,9 @@ def simulate_kernel(kind, stage, microbatch, offsets, stage_ranks, durations, la
             t = end_g[s, j]
         elif k == K_RECV_B:
             t = end_g[s + 1, j]
+        elif k >= K_BCAST_H:  # spans [this rank's post, completion]
+            end[n] = post_max[k - K_BCAST_H, j] + coll_latency[k - K_BCAST_H]
+            continue
         else:
             continue
         start[n] = t
@@ -176,7 +214,7 @@ def check_structure_kernel(kind, stage, microbatch, offsets, stage_ranks, num_mi
             if stage_ranks[s] != r:
                 return S_RANK, n
             k = kind[n]
-            if k < K_SEND_F:
+            if k < K_SEND_F or k >= K_BCAST_H:  # compute, or a collective over all ranks
                 continue
             peer = s + 1 if (k == K_SEND_F or k == K_RECV_B) else s - 1
             if peer < 0 or peer >= num_stages:

@@ -11,6 +11,7 @@ Examples::
     fxpipe viz --schedule interleaved --pp 4 --microbatches 8 --chunks 2
     fxpipe viz --schedule zb-h1 --pp 4 --microbatches 8 --durations 1,2,1 -o zb.png
     fxpipe viz --schedule 1f1b --pp 8 --microbatches 16 --p2p-latency 0.1 -o 1f1b.json
+    fxpipe viz --schedule 1f1b --pp 4 --microbatches 8 --vocab-passes 0.6,1.2 -o vocab.png
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from .registry import SCHEDULES, generate
 from .render import render_ascii, render_gantt, render_trace
 from .simulate import StageDurations, simulate
 from .validate import validate
+from .vocab_passes import place_vocab_passes, split_output_layer
 
 
 MAX_PAIRS = 100_000
@@ -52,6 +54,16 @@ def _durations(text: str) -> tuple[float, float, float]:
     return f, b, w
 
 
+def _head(text: str) -> tuple[float, float]:
+    try:
+        f, b = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--vocab-passes wants two numbers F,B (the output layer's forward and backward), got {text!r}"
+        ) from None
+    return f, b
+
+
 def add_viz_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``viz`` flags to ``parser``."""
     parser.add_argument("--schedule", required=True, metavar="NAME",
@@ -65,6 +77,9 @@ def add_viz_arguments(parser: argparse.ArgumentParser) -> None:
                              "schedules run I = B - W then W (default 1,2,1)")
     parser.add_argument("--p2p-latency", type=float, default=0.0, metavar="T",
                         help="time for a tensor to reach the next rank (default 0)")
+    parser.add_argument("--vocab-passes", type=_head, default=None, metavar="F,B",
+                        help="run the output layer (forward F, backward B, both part of the last stage's "
+                             "--durations) as vocabulary passes on every rank, 1/p each (Yeung et al. 2025)")
     parser.add_argument("-o", "--output", default=None, metavar="FILE",
                         help="write a Gantt chart (.png, .svg) or a Perfetto trace (.json) "
                              "instead of printing the ASCII grid")
@@ -76,10 +91,16 @@ def run_viz(args: argparse.Namespace) -> int:
         ext = os.path.splitext(args.output or "")[1].lower()
         if args.pp >= 1 and args.microbatches >= 1 and (args.chunks or 1) >= 1:  # else generate says why
             check_size(args.pp, args.microbatches, args.chunks, image=ext in (".png", ".svg", ".pdf"))
-        schedule = lower(generate(args.schedule, args.pp, args.microbatches, args.chunks))
-        validate(schedule)
+        schedule = generate(args.schedule, args.pp, args.microbatches, args.chunks)
         f, b, w = args.durations
         durations = StageDurations.uniform(schedule.num_stages, forward=f, backward=b, weight=w)
+        if args.vocab_passes is not None:
+            hf, hb = args.vocab_passes
+            durations = split_output_layer(durations, schedule.num_ranks, forward=hf, backward=hb,
+                                           weight=min(hb / 2, w))
+            schedule = place_vocab_passes(schedule, durations, p2p_latency=args.p2p_latency)
+        schedule = lower(schedule)
+        validate(schedule)
         result = simulate(schedule, durations, p2p_latency=args.p2p_latency)
     except ValueError as exc:  # bad sizes, names or durations: say why, no traceback
         print(f"fxpipe viz: error: {exc}", file=sys.stderr)

@@ -14,6 +14,9 @@ Conventions shared with torch.distributed.pipelining:
 - ``B`` is the full backward. Zero-bubble schedules split it into ``I`` (input
   gradient, on the critical path) and ``W`` (weight gradient, deferrable),
   Qi et al. 2024 §2.
+
+fxpipe's own kinds, with no torch counterpart: the vocabulary passes ``S``/``T``
+and their collectives ``BCAST_H``/``ALLREDUCE_S``/``REDUCE_G`` (vocab_passes.py).
 """
 from __future__ import annotations
 
@@ -34,10 +37,21 @@ class ActionKind(enum.Enum):
     B = "B"  # full backward
     I = "I"  # backward for inputs (zero bubble)  # noqa: E741
     W = "W"  # backward for weights (zero bubble)
+    # Vocabulary passes (Yeung et al. 2025, "S" and "T"): every rank's block of the
+    # output layer, for one microbatch. Their stage field is the rank's vocabulary
+    # block, which is also the rank's first stage (stage r lives on rank r in both
+    # placements). See vocab_passes.py.
+    S = "S"  # block logits, local max / sum-exp / target logit
+    T = "T"  # block softmax grad, weight grad, partial grad of the last hidden state
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    # Collectives of the vocabulary passes, one per rank per microbatch, in the same
+    # order on every rank; posted without blocking, completed when all ranks posted.
+    BCAST_H = "BCAST_H"  # the last stage's output hidden state to every rank (before S)
+    ALLREDUCE_S = "ALLREDUCE_S"  # the S statistics combined (between S and T)
+    REDUCE_G = "REDUCE_G"  # partial hidden-state gradients summed on the last stage (before its B)
 
     @property
     def is_compute(self) -> bool:
@@ -47,8 +61,26 @@ class ActionKind(enum.Enum):
     def is_comm(self) -> bool:
         return not self.is_compute
 
+    @property
+    def is_p2p(self) -> bool:
+        """SEND/RECV between neighbouring stages (what ``lower`` adds)."""
+        return self in _P2P_KINDS
 
-_COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
+    @property
+    def is_collective(self) -> bool:
+        """A vocabulary-pass collective over all pipeline ranks."""
+        return self in _COLLECTIVE_KINDS
+
+    @property
+    def is_vocab(self) -> bool:
+        """A vocabulary pass or one of its collectives."""
+        return self in _VOCAB_KINDS
+
+
+_COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.S, ActionKind.T})
+_P2P_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
+_COLLECTIVE_KINDS = frozenset({ActionKind.BCAST_H, ActionKind.ALLREDUCE_S, ActionKind.REDUCE_G})
+_VOCAB_KINDS = _COLLECTIVE_KINDS | {ActionKind.S, ActionKind.T}
 
 # Integer codes of the kinds in the flat arrays the numba kernels read.
 KIND_CODE = {kind: code for code, kind in enumerate(ActionKind)}
@@ -57,7 +89,7 @@ KIND_OF_CODE = tuple(ActionKind)
 # torch's _action_regex, less the FSDP/grad-reduction kinds (UNSHARD, RESHARD,
 # REDUCE_GRAD) fxpipe's runtime handles outside the schedule.
 _ACTION_RE = re.compile(
-    r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)\s*$"
+    r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BCAST_H|ALLREDUCE_S|REDUCE_G|F|B|I|W|S|T)(\d+)\s*$"
 )
 
 
@@ -156,7 +188,12 @@ class Schedule:
     @cached_property
     def is_lowered(self) -> bool:
         """True if SEND/RECV actions are present."""
-        return any(a.kind.is_comm for rank in self.actions for a in rank)
+        return any(a.kind.is_p2p for rank in self.actions for a in rank)
+
+    @cached_property
+    def has_vocab_passes(self) -> bool:
+        """True if the output layer runs as S/T passes on every rank (``add_vocab_passes``)."""
+        return any(a.kind.is_vocab for rank in self.actions for a in rank)
 
     @cached_property
     def splits_backward(self) -> bool:
@@ -164,9 +201,10 @@ class Schedule:
         return any(a.kind in (ActionKind.I, ActionKind.W) for rank in self.actions for a in rank)
 
     def compute_only(self) -> "Schedule":
-        """The same schedule with SEND/RECV removed."""
+        """The same schedule with SEND/RECV removed (vocabulary collectives stay:
+        they belong to the passes, not to the lowering)."""
         return self.with_actions(
-            tuple(a for a in rank if a.kind.is_compute) for rank in self.actions
+            tuple(a for a in rank if not a.kind.is_p2p) for rank in self.actions
         )
 
     def with_actions(self, actions: Iterable[Iterable[Action]]) -> "Schedule":

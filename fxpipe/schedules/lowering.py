@@ -19,6 +19,11 @@ until its receive is posted. ``validate`` re-checks exactly that by executing
 the lowered lists. The runtime is looser still: it posts each SEND and RECV as
 one non-blocking ``isend``/``irecv`` (``runtime/transport.py``).
 
+Vocabulary passes (``vocab_passes.py``) take part in the dry run like any
+compute (S and T one round each; a collective completes in the round its last
+rank posts it); a collective keeps its place between its rank's computes,
+after the batch of the round it is posted in.
+
 Receives are also posted as early as they can be, so the transfer overlaps
 the receiver's compute (Megatron instead posts a receive just before its
 consumer and pairs it with a send, ``send_forward_recv_backward``).
@@ -51,10 +56,10 @@ def lower(schedule: Schedule) -> Schedule:
         )
     check_structure(schedule)
     arr = schedule.arrays
-    unit = np.ones((4, schedule.num_stages))
+    unit = np.ones((6, schedule.num_stages))
     status, start, _end, blocked, _peak, _busy, _finish = _sim_core.simulate_kernel(
         arr.kind, arr.stage, arr.microbatch, arr.offsets, arr.stage_ranks, unit, 0.0,
-        schedule.num_microbatches,
+        schedule.num_microbatches, np.zeros(3),
     )
     if status != _sim_core.OK:
         raise kernel_error(schedule, status, blocked)

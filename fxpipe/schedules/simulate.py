@@ -7,6 +7,12 @@ input gradient of s+1; W(s) needs I(s). Inputs crossing ranks arrive
 compute stream (they overlap, as on a separate comm stream); they appear in
 the timeline spanning the transfer.
 
+Vocabulary passes (``vocab_passes.py``): S and T run on the compute stream for
+``vocab_forward[r]`` / ``vocab_backward[r]``; each collective is posted without
+blocking when its rank reaches it and completes ``collective_latency`` after the
+last rank posted it. S waits for its BCAST_H, T for its ALLREDUCE_S, the last
+stage's B (or I) for its REDUCE_G.
+
 The kernel is numba-compiled (``_sim_core``) so a planner can score thousands
 of configurations per second; this module is its typed front end.
 """
@@ -48,11 +54,22 @@ class StageDurations:
     """Full backward time of each stage."""
     weight: tuple[float, ...]
     """Weight-gradient part of the backward of each stage (ZB's T_W)."""
+    vocab_forward: tuple[float, ...] = ()
+    """Per pp rank, its S pass (its 1/p of the output layer's forward and loss);
+    only schedules with vocabulary passes read it. Then the last stage's
+    ``forward``/``backward`` must leave the output layer out."""
+    vocab_backward: tuple[float, ...] = ()
+    """Per pp rank, its T pass (its 1/p of the output layer's backward)."""
 
     def __post_init__(self) -> None:
         n = len(_per_stage("forward", self.forward, None))
         for name in ("forward", "backward", "weight"):
             object.__setattr__(self, name, _per_stage(name, getattr(self, name), n))
+        for name in ("vocab_forward", "vocab_backward"):
+            object.__setattr__(self, name, _per_stage(name, getattr(self, name), None))
+        if len(self.vocab_forward) != len(self.vocab_backward):
+            raise ValueError(f"vocab_forward has {len(self.vocab_forward)} ranks but vocab_backward "
+                             f"{len(self.vocab_backward)}: give one S and one T time per pp rank")
         bad = [s for s in range(n) if self.weight[s] > self.backward[s]]
         if bad:
             raise ValueError(
@@ -77,10 +94,15 @@ class StageDurations:
         return len(self.forward)
 
     def as_array(self) -> np.ndarray:
-        """float64[4, num_stages] rows in kind-code order: F, B, I, W."""
+        """float64[6, num_stages] rows in kind-code order: F, B, I, W, S, T (S and T
+        by vocabulary block = rank, zero past the ranks given)."""
         f, b, w = (np.asarray(x, dtype=np.float64) for x in (self.forward, self.backward, self.weight))
-        out = np.stack([f, b, b - w, w])
-        assert [KIND_CODE[k] for k in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)] == [0, 1, 2, 3]
+        vs, vt = np.zeros_like(f), np.zeros_like(f)
+        vs[:len(self.vocab_forward)] = self.vocab_forward
+        vt[:len(self.vocab_backward)] = self.vocab_backward
+        out = np.stack([f, b, b - w, w, vs, vt])
+        kinds = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.S, ActionKind.T)
+        assert [KIND_CODE[k] for k in kinds] == list(range(6))
         return out
 
 
@@ -112,13 +134,16 @@ def simulate(
     durations: StageDurations | None = None,
     *,
     p2p_latency: float = 0.0,
+    collective_latency: float | Sequence[float] | None = None,
 ) -> SimResult:
     """Run the list scheduler on ``schedule`` (compute-only or lowered).
 
     ``durations`` defaults to F=1, B=2 (I=1, W=1) on every stage. Raises
     ScheduleError (with the rank x step grid) on a deadlock, a repeated or
     missing action, or an action on the wrong rank; see ``validate`` for the
-    full checks, including send/recv matching.
+    full checks, including send/recv matching. ``collective_latency``: the time of
+    the vocabulary collectives, one number or (BCAST_H, ALLREDUCE_S, REDUCE_G);
+    None: ``p2p_latency`` each.
     """
     if durations is None:
         durations = StageDurations.uniform(schedule.num_stages)
@@ -129,11 +154,21 @@ def simulate(
         )
     if not np.isfinite(p2p_latency) or p2p_latency < 0:
         raise ValueError(f"p2p_latency must be finite and >= 0, got {p2p_latency}")
+    if schedule.has_vocab_passes and len(durations.vocab_forward) != schedule.num_ranks:
+        raise ValueError(
+            f"the schedule runs vocabulary passes on {schedule.num_ranks} ranks but durations give "
+            f"{len(durations.vocab_forward)} S/T times: set StageDurations(vocab_forward=..., "
+            f"vocab_backward=...) with one per rank"
+        )
+    coll = np.broadcast_to(np.asarray(p2p_latency if collective_latency is None else collective_latency,
+                                      dtype=np.float64), (3,)).copy()
+    if not np.all(np.isfinite(coll)) or np.any(coll < 0):
+        raise ValueError(f"collective_latency must be finite and >= 0, got {collective_latency}")
     check_structure(schedule)
     arr = schedule.arrays
     status, start, end, blocked, peak, busy, finish = _sim_core.simulate_kernel(
         arr.kind, arr.stage, arr.microbatch, arr.offsets, arr.stage_ranks,
-        durations.as_array(), float(p2p_latency), schedule.num_microbatches,
+        durations.as_array(), float(p2p_latency), schedule.num_microbatches, coll,
     )
     if status != _sim_core.OK:
         raise kernel_error(schedule, status, blocked)

@@ -18,12 +18,16 @@ the step x rank grid and the offending action marked (like torch's
    send may block until its receive is posted), so a schedule passing it cannot
    deadlock under the looser ones either — including the runtime's, which posts
    every SEND and RECV as its own non-blocking ``isend``/``irecv``.
+
+With vocabulary passes the rules of ``_vocab_checks.py`` apply as well: one
+collective order on every rank, and the S/T/collective dependences.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import _sim_core
+from ._vocab_checks import collective_order_mismatch, expected_vocab, vocab_needs
 from .ir import Action, ActionKind, Schedule
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
@@ -56,6 +60,7 @@ def validate(schedule: Schedule) -> None:
     dependency and cannot deadlock (see the module docstring)."""
     check_structure(schedule)
     check_complete(schedule)
+    check_collective_order(schedule)
     check_execution(schedule)
 
 
@@ -92,8 +97,10 @@ def check_structure(schedule: Schedule) -> None:
 
 
 def _expected_comm(schedule: Schedule) -> set[Action]:
-    """The comm actions a lowered schedule must hold, each exactly once."""
-    want: set[Action] = set()
+    """The comm and vocabulary actions the schedule must hold, each exactly once:
+    SEND/RECV per cross-rank edge if lowered; S, T and the collectives per rank
+    (on its vocabulary block, stage r) and microbatch if it has vocabulary passes."""
+    want = expected_vocab(schedule)
     if not schedule.is_lowered:
         return want
     for s in range(schedule.num_stages - 1):
@@ -132,7 +139,7 @@ def check_complete(schedule: Schedule) -> None:
     want = _expected_comm(schedule)
     missing += sorted((str(a) for a in want if a not in where), key=lambda t: Action.parse(t).microbatch)
     for a, pos in where.items():
-        if a.kind.is_comm and a not in want:
+        if (a.kind.is_comm or a.kind.is_vocab) and a not in want:
             marks.setdefault(pos, f"{a} has no counterpart (unexpected communication)")
     if missing:
         for name in missing[:_MAX_MARKS]:
@@ -145,10 +152,20 @@ def check_complete(schedule: Schedule) -> None:
         raise ScheduleError("inconsistent actions", schedule, marks)
 
 
+def check_collective_order(schedule: Schedule) -> None:
+    """Every rank posts the same collectives in the same order."""
+    if (found := collective_order_mismatch(schedule)) is not None:
+        raise ScheduleError(found[0], schedule, found[1])
+
+
 def _needs(schedule: Schedule, a: Action, rank: int, lowered: bool) -> list[tuple]:
     """The events action ``a`` waits for, as keys of the `done` set:
-    ("c", Action) for a compute action, ("r", Action) for a completed RECV."""
+    ("c", Action) for a compute action, ("r", Action) for a completed RECV,
+    ("k", (kind, microbatch)) for a completed collective."""
     s, j, S = a.stage, a.microbatch, schedule.num_stages
+    last = S - 1
+    if a.kind.is_vocab:
+        return vocab_needs(schedule, a, rank)
     if a.kind is F:
         if s == 0:
             return []
@@ -157,6 +174,8 @@ def _needs(schedule: Schedule, a: Action, rank: int, lowered: bool) -> list[tupl
         return [("c", Action(s - 1, F, j))]
     if a.kind in (B, I):
         needs = [("c", Action(s, F, j))]
+        if s == last and schedule.has_vocab_passes:
+            needs.append(("k", (ActionKind.REDUCE_G, j)))
         if s < S - 1:
             if lowered and _cross(schedule, s, s + 1):
                 needs.append(("r", Action(s, RECV_B, j)))
@@ -180,10 +199,14 @@ def check_execution(schedule: Schedule) -> None:
     done: set = set()  # ("c", a) compute done, ("g", (s, j)) input grad of s ready, ("r", a) recv done
     posted: set[Action] = set()
     index = {a: (r, k) for r, rank in enumerate(acts) for k, a in enumerate(rank)}
+    # Collectives complete in the one order every rank posts them (check_collective_order).
+    order = [(a.kind, a.microbatch) for a in acts[0] if a.kind.is_collective]
+    posts = {c: 0 for c in order}
+    next_coll = 0
 
     def batch_end(r: int) -> int:
         k = pos[r]
-        while k < len(acts[r]) and acts[r][k].kind.is_comm:
+        while k < len(acts[r]) and acts[r][k].kind.is_p2p:
             k += 1
         return k
 
@@ -198,6 +221,17 @@ def check_execution(schedule: Schedule) -> None:
                     done.add(("c", a))
                     if a.kind in (B, I):
                         done.add(("g", (a.stage, a.microbatch)))
+                    pos[r] += 1
+                    progress = True
+                    continue
+                if a.kind.is_collective:  # posted without blocking
+                    needs = _needs(schedule, a, r, lowered)
+                    if not all(n in done for n in needs):
+                        raise _stall_error(schedule, index, a, needs, done, posted)
+                    posts[(a.kind, a.microbatch)] += 1
+                    while next_coll < len(order) and posts[order[next_coll]] == len(acts):
+                        done.add(("k", order[next_coll]))
+                        next_coll += 1
                     pos[r] += 1
                     progress = True
                     continue
@@ -222,6 +256,8 @@ def check_execution(schedule: Schedule) -> None:
 
 def _describe(need: tuple) -> str:
     tag, what = need
+    if tag == "k":
+        return f"{what[0].value} of microbatch {what[1]} (posted by every rank)"
     if tag == "g":
         return f"the input gradient of stage {what[0]} microbatch {what[1]} (B or I)"
     return str(what)
@@ -252,7 +288,7 @@ def _deadlock_error(schedule, index, pos, lowered, done, posted) -> ScheduleErro
         else:
             k = pos[r]
             unposted = []
-            while k < len(rank) and rank[k].kind.is_comm:
+            while k < len(rank) and rank[k].kind.is_p2p:
                 if _partner(rank[k]) not in posted:
                     unposted.append(str(_partner(rank[k])))
                 k += 1

@@ -41,3 +41,17 @@ def test_user_errors(capsys):
     with pytest.raises(SystemExit):
         parse("--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--durations", "1,2")
     assert "three numbers F,B,W" in capsys.readouterr().err
+
+
+def test_vocab_passes_drawn_with_their_legend(tmp_path, capsys):
+    argv = ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--durations", "1.6,3.2,1.6",
+            "--vocab-passes", "0.6,1.2"]
+    assert run_viz(parse(*argv)) == 0
+    out = capsys.readouterr().out
+    assert "0S3" in out and "1T3" in out  # every rank runs its block of every microbatch
+    path = tmp_path / "v.svg"
+    assert run_viz(parse(*argv, "-o", str(path))) == 0
+    svg = path.read_text()
+    assert "vocabulary S" in svg and "vocabulary T" in svg
+    assert run_viz(parse(*argv[:-1], "5,1")) == 2  # more than the last stage holds
+    assert "must fit in the last stage" in capsys.readouterr().err

@@ -46,8 +46,12 @@ def test_action_is_frozen():
 def test_kind_spellings_match_torch():
     # torch.distributed.pipelining._ComputationType values (checked against the
     # real enum in test_schedule_torch_interop.py).
-    assert [k.value for k in ActionKind] == ["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
-    assert {k for k in ActionKind if k.is_compute} == {ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W}
+    # The vocabulary passes and their collectives are fxpipe's own (no torch counterpart).
+    torch_kinds = [k.value for k in ActionKind if not k.is_vocab]
+    assert torch_kinds == ["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+    assert {k for k in ActionKind if k.is_compute and not k.is_vocab} == {
+        ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W}
+    assert {k.value for k in ActionKind if k.is_vocab} == {"S", "T", "BCAST_H", "ALLREDUCE_S", "REDUCE_G"}
 
 
 @pytest.mark.parametrize(

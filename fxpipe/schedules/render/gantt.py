@@ -4,7 +4,8 @@ One row per rank, rank 0 on top; time runs left to right; forward boxes blue,
 backward green (as in the paper), the I/W halves of a split backward in
 green/orange; with several stages per rank each chunk gets its own shade
 (chunk 0 darkest), so the chunks of one microbatch are told apart as in the
-paper's dark/light interleaved boxes. Each box carries its microbatch number
+paper's dark/light interleaved boxes. Vocabulary passes (S, T) are purple and
+pink, one shade (they are the rank's block of the output layer, not a chunk). Each box carries its microbatch number
 (0-based, as in the action text); gaps are bubbles. matplotlib is imported
 only when drawing.
 """
@@ -16,7 +17,8 @@ from ..ir import ActionKind
 from ..timeline import Timeline
 from .ascii import summary_line
 
-_CMAP = {ActionKind.F: "Blues", ActionKind.B: "Greens", ActionKind.I: "Greens", ActionKind.W: "Oranges"}
+_CMAP = {ActionKind.F: "Blues", ActionKind.B: "Greens", ActionKind.I: "Greens", ActionKind.W: "Oranges",
+         ActionKind.S: "Purples", ActionKind.T: "RdPu"}
 
 
 def _chunk_of(timeline: Timeline) -> dict[int, int]:
@@ -37,6 +39,8 @@ def render_gantt(timeline: Timeline, path: str | os.PathLike, *, dpi: int = 150)
     num_chunks = max(chunk_of.values(), default=0) + 1
 
     def colour(kind: ActionKind, chunk: int):
+        if kind.is_vocab:
+            return colormaps[_CMAP[kind]](0.6)
         # Darkest shade for chunk 0, lighter for later chunks (SC21 Fig. 4).
         level = 0.8 - 0.45 * chunk / max(1, num_chunks - 1) if num_chunks > 1 else 0.65
         if kind is ActionKind.I:
@@ -47,9 +51,9 @@ def render_gantt(timeline: Timeline, path: str | os.PathLike, *, dpi: int = 150)
     origin = timeline.origin
     p = timeline.num_ranks
     width = min(24.0, max(8.0, 0.22 * span / max(1e-12, _shortest(timeline))))
-    kinds = [k for k in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
+    kinds = [k for k in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.S, ActionKind.T)
              if any(a.kind is k for acts in timeline.actions for a in acts)]
-    legend_rows = -(-len(kinds) * num_chunks // 4)
+    legend_rows = -(-sum(1 if k.is_vocab else num_chunks for k in kinds) // 4)
     legend_h = 0.1 + 0.22 * legend_rows  # inches reserved under the axes for the legend
     height = 1.6 + 0.45 * p + legend_h
     fig = Figure(figsize=(width, height), dpi=dpi)
@@ -81,11 +85,12 @@ def render_gantt(timeline: Timeline, path: str | os.PathLike, *, dpi: int = 150)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     names = {ActionKind.F: "forward", ActionKind.B: "backward", ActionKind.I: "backward (input)",
-             ActionKind.W: "backward (weight)"}
+             ActionKind.W: "backward (weight)", ActionKind.S: "vocabulary S (logits, softmax stats)",
+             ActionKind.T: "vocabulary T (output-layer backward)"}
     handles = [
         Patch(facecolor=colour(k, c), edgecolor="black", linewidth=0.4,
-              label=names[k] + (f", chunk {c}" if num_chunks > 1 else ""))
-        for k in kinds for c in range(num_chunks)
+              label=names[k] + (f", chunk {c}" if num_chunks > 1 and not k.is_vocab else ""))
+        for k in kinds for c in range(1 if k.is_vocab else num_chunks)
     ]
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 4), fontsize=8, frameon=False)
     ax.set_title(f"{timeline.title}\n{summary_line(timeline)}", fontsize=10)
