@@ -228,9 +228,6 @@ def compile_program(program: Program, config: ParallelConfig, *, device: torch.d
                     hooks: CompileHooks = CompileHooks(), skip: Iterable[str] = (), until: str | None = None,
                     debug: bool = False) -> CompiledPipeline:
     """Run the pipeline on a captured Program (``until``: stop after that pass)."""
-    if config.vocab_passes:  # the plan and the runtime know no vocabulary passes yet: never compile without them
-        raise ValueError("vocab_passes=True: the compiler and runtime do not run vocabulary passes yet (schedules "
-                         "and simulator only, benchmarks/bench_vocab_passes.py); use vocab_passes=False")
     passes = PIPELINE
     if until is not None:
         if until not in pipeline_names():

@@ -62,11 +62,6 @@ class ParallelConfig:
     vocabulary parallelism across pipeline stages). Off by default: it balances stages
     better but, measured end to end on CPU (HF GPT-2 8×256, pp=2, ``bench_runtime.py``),
     trains slower than the whole cross-entropy after finer head blocks (docs/costs.md)."""
-    vocab_passes: bool = False
-    """Run the output layer as vocabulary passes on every pipeline rank, scheduled as
-    actions of their own (``schedules/vocab_passes.py``, Yeung et al. 2025). The
-    schedules, validator and simulator know them; the runtime does not run them yet,
-    so ``parallelize`` refuses it (simulate with ``benchmarks/bench_vocab_passes.py``)."""
     seed: int = 0
     timeout_s: float = 60.0
     """Bound on every transfer and collective."""
@@ -110,9 +105,6 @@ class ParallelConfig:
                     shown = lambda v: v.value if isinstance(v, RecomputeMode) else v  # noqa: E731
                     raise ValueError(f"ep={self.ep} with {name}={shown(value)} is not built yet: expert parallelism "
                                      f"runs with {name}={shown(ok)}; use ep=1 to combine {name} with a MoE")
-        if self.vocab_passes and self.pp < 2:
-            raise ValueError("vocab_passes=True splits the output layer over pipeline ranks: it needs pp >= 2, "
-                             f"got pp={self.pp}")
         if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout_s}")
         if self.memory_limit_gb is not None and not self.memory_limit_gb > 0:
@@ -168,8 +160,7 @@ class ParallelConfig:
         return self.num_stages > 1 and self.partition in (Method.ILP, Method.DP)
 
     def schedule_ir(self):
-        """The compute-only schedule (``fxpipe/schedules``) of this layout, without
-        vocabulary passes (``add_vocab_passes`` adds them from stage durations)."""
+        """The compute-only schedule (``fxpipe/schedules``) of this layout."""
         return generate(self.schedule, self.pp, self.num_microbatches, self.chunks)
 
     def partition_config(self, schedule):

@@ -61,9 +61,6 @@ def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
     ``loss_scaler``: ``LossScaler`` arguments under fp16 (``runtime/precision.py``).
     """
     config = ParallelConfig(**layout) if config is None else dataclasses.replace(config, **layout)
-    if config.vocab_passes:  # before any process group: never run a layout other than the one asked for
-        raise ValueError("vocab_passes=True: the runtime does not run vocabulary passes yet (schedules and simulator "
-                         "only, benchmarks/bench_vocab_passes.py); use vocab_passes=False")
     timeout = timedelta(seconds=config.timeout_s)
     device = init_distributed(timeout, device)
     config = config.with_world(dist.get_world_size())

@@ -84,10 +84,6 @@ def check_flags(args: Any) -> None:
         except ProfileError as e:
             raise PreflightError(f"--costs {args.costs}: {e}; use --costs measure (times the graph on "
                                  f"the workers and caches it) or --costs model") from None
-    if getattr(args, "vocab_passes", False):
-        raise PreflightError("--vocab-passes: the runtime does not run vocabulary passes yet (schedules and "
-                             "simulator only: benchmarks/bench_vocab_passes.py, fxpipe viz --vocab-passes); "
-                             "leave --vocab-passes off")
     if args.sp and args.tp == 1:
         raise PreflightError("--sp needs --tp > 1: sequence parallelism splits the sequence over "
                              "the tensor-parallel group")

@@ -154,8 +154,6 @@ CASES = [
     ("run-costs-garbage-profile", RUN + ["--costs", "{tmp}/profile.json"],
      ["--costs", "non-finite number NaN", "--costs model"], _garbage_profile),
     # -- fxpipe run: the model (captured once in the launcher)
-    ("run-vocab-passes", RUN + ["--vocab-passes"], ["--vocab-passes", "runtime does not run vocabulary passes yet"],
-     None),
     ("run-model-unknown", RUN + ["--model", "gpt-huge"], ["unknown model 'gpt-huge'", "gpt-tiny", "hf:gpt2"], None),
     ("run-model-hf-unknown", RUN + ["--model", "hf:bert"], ["unknown Hugging Face family 'bert'", "hf:llama"], None),
     ("run-model-module-missing", RUN + ["--model", "no_such_pkg.models:build"],
@@ -286,8 +284,6 @@ API_CASES = [
     ("costs-unknown", dict(costs="mesure"), ["costs must be 'measure', 'model' or the path", "'mesure' (no such file)"]),
     ("over-limit-uniform", dict(partition="uniform", memory_limit_gb=1e-5),
      ["'uniform' gives a plan over the memory limit of 1e-05 GiB", "'ilp' honours the limit"]),
-    ("vocab-passes-not-run", dict(pp=2, vocab_passes=True), ["runtime does not run vocabulary passes yet"]),
-    ("vocab-passes-pp-1", dict(vocab_passes=True), ["vocab_passes=True", "needs pp >= 2, got pp=1"]),
     ("example-ids-over-vocab", dict(example_inputs="vocab"),
      ["token id 256", "vocabulary of 256", "ids 0..255", "embedding index"]),
 ]
