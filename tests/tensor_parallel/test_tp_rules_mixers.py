@@ -161,10 +161,19 @@ class GatedDeltaNet(nn.Module):
         return self.out(y.reshape(B, T, vh * dv))
 
 
+class EvenGatedDeltaNet(GatedDeltaNet):
+    """q, k and v of one width: each rank's part of the fused conv kernel is a strided
+    block (the dim viewed as 3 equal parts, block r of each), which the kernel's own
+    split must follow (Bailing's hybrid attention)."""
+
+    KH, VH = 4, 4
+
+
 MODELS = {"mamba1": lambda: _Stack(Mamba1), "mamba2": lambda: _Stack(Mamba2),
-          "gated-delta": lambda: _Stack(GatedDeltaNet)}
+          "gated-delta": lambda: _Stack(GatedDeltaNet), "gated-delta-even": lambda: _Stack(EvenGatedDeltaNet)}
 # What stays whole, by design: the gate's low-rank bottleneck (a in x -> a -> b).
-WHOLE = {"mamba1": set(), "mamba2": set(), "gated-delta": {f"mixers.{i}.f_a.weight" for i in range(2)}}
+WHOLE = {"mamba1": set(), "mamba2": set(), "gated-delta": {f"mixers.{i}.f_a.weight" for i in range(2)},
+         "gated-delta-even": {f"mixers.{i}.f_a.weight" for i in range(2)}}
 CASES = [(m, tp) for m in MODELS for tp in (2, 4)]
 
 
@@ -186,11 +195,11 @@ def test_mixers_shard_and_match(programs, name, tp):
     program = tensor_parallel_pass(base, TPConfig(tp=tp))
     result = program.tensor_parallel
     assert {n for n, _, _ in result.coverage.whole} == WHOLE[name], result.coverage.describe()
-    column, row = ("qkv", "out") if name == "gated-delta" else ("in_proj", "out_proj")
+    column, row = ("qkv", "out") if name.startswith("gated-delta") else ("in_proj", "out_proj")
     for i in range(2):
         assert result.kind_of(f"mixers.{i}.{column}.weight") is ShardKind.COLUMN
         assert result.kind_of(f"mixers.{i}.{row}.weight") is ShardKind.ROW
-    if name in ("mamba2", "gated-delta"):  # the kernel over x|B|C or q|k|v: each rank's part of each
+    if name != "mamba1":  # the kernel over x|B|C or q|k|v: each rank's part of each
         spec = result.specs["mixers.0.conv.weight"]
         assert spec.kind is ShardKind.COLUMN and len(spec.ranges[0]) == 3, spec
     if name == "mamba2":  # the gated norms over all inner channels: one all-reduced statistic each

@@ -86,10 +86,13 @@ def sink(plan, graph: fx.Graph, params: set[str], fail: Callable[[Narrowing], No
     requests: dict[tuple[str, str], Narrowing] = {}
     for (consumer, producer), convs in plan.conversions.items():
         if len(convs) == 1 and convs[0].kind is CollectiveKind.SCATTER:
-            full = plan.layouts[producer].full[convs[0].dim]
-            size = full // tp
+            # block r of the dim, or of each of ``outer`` equal parts of it (a strided block)
+            outer = convs[0].outer
+            inner = plan.layouts[producer].full[convs[0].dim] // outer
+            size = inner // tp
             requests[(consumer, producer)] = Narrowing(consumer, producer, convs[0].dim, tuple(
-                np.arange(r * size, (r + 1) * size) for r in range(tp)))
+                np.concatenate([o * inner + np.arange(r * size, (r + 1) * size) for o in range(outer)])
+                for r in range(tp)))
     for n in plan.pending:
         requests[(n.consumer, n.operand)] = n
     nodes = {n.name: n for n in graph.nodes}
