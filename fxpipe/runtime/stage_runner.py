@@ -79,7 +79,7 @@ class StageRunner:
         with torch.no_grad():  # buffers the forward writes, as the eager forward would
             for name, new in zip(self.stage.buffer_updates, out[n_sent:]):
                 self.state[self._canonical[name]].copy_(new)
-        if self.stage.is_last:
+        if self.stage.is_last and self.plan.vocab_head is None:
             loss = out[-1]
             self.losses[mb] = float(loss.detach())
             outputs: tuple[torch.Tensor, ...] = (loss * self.loss_scale,)
@@ -91,7 +91,7 @@ class StageRunner:
 
     def _grad_pairs(self, mb: int, grads: Mapping[str, torch.Tensor]):
         saved = self.saved[mb]
-        if self.stage.is_last:
+        if self.stage.is_last and self.plan.vocab_head is None:
             return saved, list(saved.outputs), [None]
         outs, gouts = [], []
         for name, t in zip(self.stage.outputs, saved.outputs):
