@@ -85,6 +85,11 @@ class StageRunner:
             outputs: tuple[torch.Tensor, ...] = (loss * self.loss_scale,)
         else:
             outputs = tuple(sends[n] for n in self.stage.outputs)
+            if self.plan.vocab_head is not None:
+                # A last stage left with nothing after the head's cut returns its input leaf:
+                # a view gives it a grad_fn, which the zero-bubble split starts from.
+                with torch.enable_grad():
+                    outputs = tuple(t.view_as(t) if t.requires_grad and t.grad_fn is None else t for t in outputs)
         self.saved[mb] = _Saved(inputs, outputs)
         self.peak_in_flight = max(self.peak_in_flight, len(self.saved))
         return {n: t.detach() for n, t in sends.items()}
