@@ -28,7 +28,8 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from fxpipe.passes.split_loss import Reduction, _match
+from fxpipe.loss_chain import Reduction
+from fxpipe.passes.split_loss import _match
 from fxpipe.pipeline_plan import PipelinePlan, StageValue, VocabHead
 from fxpipe.program import ParamKind, TensorSpec
 

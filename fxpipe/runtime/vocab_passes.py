@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fxpipe.passes.split_loss import ChainKind, Reduction
+from fxpipe.loss_chain import Reduction, replay
 from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.transport import Pending, Transport
@@ -102,14 +102,8 @@ class VocabPasses:
         m = self.micro[mb]
         width = self.stop - self.start
         with torch.enable_grad():
-            cur = torch.nn.functional.linear(m.hidden, self.weight)
-            for c in self.head.chain:  # the captured ops between the head and the loss
-                if c.kind is ChainKind.SLICE:
-                    cur = torch.ops.aten.slice.Tensor(cur, *c.args)
-                elif c.kind is ChainKind.RESHAPE:
-                    cur = cur.reshape(*c.args, width)
-                elif c.kind is ChainKind.CAST:
-                    cur = cur.to(c.args[0])
+            # the captured ops between the head and the loss, on the block
+            cur = replay(self.head.chain, torch.nn.functional.linear(m.hidden, self.weight), width)
         m.logits = cur
         with torch.no_grad():
             logits = cur.detach().float()
