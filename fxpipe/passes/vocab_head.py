@@ -31,7 +31,7 @@ import torch.fx as fx
 from fxpipe.loss_chain import Reduction
 from fxpipe.passes.split_loss import _match
 from fxpipe.pipeline_plan import PipelinePlan, StageValue, VocabHead
-from fxpipe.program import ParamKind, TensorSpec
+from fxpipe.program import ParamKind, Program, TensorSpec
 
 aten = torch.ops.aten
 
@@ -56,17 +56,7 @@ def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelineP
     out = next(n for n in graph.nodes if n.op == "output")
     results = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
     loss = results[-1]
-    found = None
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target is not aten.linear.default:
-            continue
-        w = node.args[1]
-        if w not in params or params[w] not in trainable or (len(node.args) > 2 and node.args[2] is not None):
-            continue
-        m = _match(node)
-        if m is not None and m.loss is loss:
-            found = (node, w, m)
-            break
+    found = _find(graph, lambda w: w in params and params[w] in trainable, loss)
     if found is None:
         raise _refuse(f"no LM head found on the last stage (stage {last})")
     linear, w, m = found
@@ -104,6 +94,32 @@ def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelineP
                      blocks=tuple((r * rows // pp, (r + 1) * rows // pp) for r in range(pp)))
     stages = plan.stages[:last] + (stage,)
     return dataclasses.replace(plan, stages=stages, values=values, param_stages=param_stages, vocab_head=head)
+
+
+def _find(graph: fx.Graph, is_weight, loss: fx.Node | None):
+    """(linear, weight placeholder, split_loss match) of the head whose cross-entropy is
+    ``loss`` (None: a value the graph's output returns), or None."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.linear.default:
+            continue
+        w = node.args[1]
+        if not is_weight(w) or (len(node.args) > 2 and node.args[2] is not None):
+            continue
+        m = _match(node)
+        if m is not None and (m.loss is loss if loss is not None else out in m.loss.users):
+            return node, w, m
+    return None
+
+
+def head_nodes(program: Program) -> frozenset[str]:
+    """The whole graph's nodes the vocabulary passes run instead of the last stage (the
+    head's linear, the ops to the loss and the cross-entropy): the partition balances
+    the stages without them (``PartitionConfig.elsewhere``). Empty when there is none
+    (``vocab_head_pass`` refuses that model after the split)."""
+    trainable = {p.node for p in program.params if p.kind is ParamKind.PARAMETER and p.requires_grad}
+    found = _find(program.graph, lambda w: isinstance(w, fx.Node) and w.name in trainable, None)
+    return frozenset(n.name for n in found[2].removed) if found is not None else frozenset()
 
 
 def _copy(gm: fx.GraphModule) -> fx.Graph:

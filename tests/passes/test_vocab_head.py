@@ -39,6 +39,9 @@ def test_head_is_cut_off_the_last_stage(compiled):
     assert plan.values[head.hidden].spec.shape[-1] == _wide_vocab.WIDTH
     assert plan.values[head.target].spec.dtype == torch.int64
     assert not plan.values[head.hidden].consumers
+    # The partition balanced the stages without the head (PartitionConfig.elsewhere): the
+    # last stage runs layers too, not only the head as without vocabulary passes.
+    assert last.params and head.weight not in {plan.canonical[p] for p in last.params}
     # Rank r owns block r of the tied table; the first stage reads the owners' lookup.
     assert plan.row_shards[head.weight].ranks == (((0, v // 2),), ((v // 2, v),))
     assert [lk.table for lk in plan.lookups] == [head.weight]
