@@ -82,7 +82,10 @@ def _world4_cases():
             dict(model=WIDE, pp=4, schedule="1f1b", split_loss=True, rows=True),
             dict(model=TIED, pp=2, schedule="1f1b", split_loss=True),
             dict(model=WIDE, pp=2, tp=2, schedule="1f1b", split_loss=True),
-            dict(model=TIED, pp=4, schedule="zb-h1", vocab_passes=True, rows=True)]
+            dict(model=TIED, pp=4, schedule="zb-h1", vocab_passes=True, rows=True),
+            # dp=2 × pp=2: each replica's vocabulary passes on its own pp group, the blocks'
+            # gradients averaged over the replicas; interleaved (two stages per rank).
+            dict(model=WIDE, pp=2, schedule="interleaved", chunks=2, vocab_passes=True)]
     # Expert parallelism over half the data-parallel ranks (dp=4, ep=2): the experts' gradients
     # summed over the two ranks holding the same experts (runtime/experts.py); and under a
     # pipeline (dp=2 × pp=2), the experts' stage dispatching in every microbatch's F and B.
