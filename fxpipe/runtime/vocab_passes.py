@@ -83,7 +83,7 @@ class VocabPasses:
     def _wait(self, work, what: str, mb: int) -> None:
         peer = self.source if not self.is_source else self.groups.pp_peer((self.groups.pp_rank + 1)
                                                                           % self.groups.mesh.pp)
-        self.transport.wait(Pending(work, peer, f"{what} of microbatch {mb} (vocabulary passes, with rank {peer})"))
+        self.transport.wait(Pending(work, peer, f"{what} of microbatch {mb} (vocabulary passes)"))
 
     def bcast_h(self, mb: int) -> None:
         if self.is_source:
