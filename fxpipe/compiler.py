@@ -23,6 +23,7 @@ token ids against the vocabulary, before anything is measured).
     partition               stage of every node (ILP by default; hook: who solves)
     coalesce_blocks         a split's neighbouring blocks on one stage back into one
     split                   Program -> PipelinePlan: one GraphModule per stage, values between them
+    vocab_head              the LM head + loss cut off the last stage for the vocabulary passes (opt-in)
     vocab_rows              each pipeline rank holds only the rows of the LM head (tied embedding) it reads
     recompute               activation recomputation regions per stage
     (lower)                 the schedule with SEND/RECV placed, per rank (``schedules/lowering.py``)
@@ -54,6 +55,7 @@ from fxpipe.passes.recompute import apply_recompute
 from fxpipe.passes.split import split_pass
 from fxpipe.passes.split_loss import split_loss_pass
 from fxpipe.passes.split_matmul import split_matmul_pass
+from fxpipe.passes.vocab_head import head_nodes, vocab_head_pass
 from fxpipe.passes.vocab_rows import vocab_rows_pass
 from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.program import Program
@@ -123,6 +125,8 @@ def device_pass(program: Program, ctx: CompileContext) -> Program:
 
 
 def split_matmul_step(program: Program, ctx: CompileContext) -> Program:
+    if ctx.config.vocab_passes:  # the head runs as vocabulary passes on every rank, whole per block
+        return program
     if not ctx.config.balances_time:  # uniform and params ignore time: nothing to balance
         return program
     return split_matmul_pass(program, ctx.schedule.num_stages)
@@ -150,6 +154,8 @@ def measure_costs_pass(program: Program, ctx: CompileContext) -> Program:
 
 def partition_step(program: Program, ctx: CompileContext) -> Program:
     config = program.partition_config or ctx.config.partition_config(ctx.schedule)
+    if ctx.config.vocab_passes:  # the head runs on every rank's block: balance the stages without it
+        config = dataclasses.replace(config, elsewhere=head_nodes(program))
     return ctx.hooks.solve(program, config)
 
 
@@ -157,10 +163,23 @@ def split_step(program: Program, ctx: CompileContext) -> PipelinePlan:
     return split_pass(program, num_stages=ctx.schedule.num_stages)
 
 
+def vocab_head_step(plan: PipelinePlan, ctx: CompileContext) -> PipelinePlan:
+    if not ctx.config.vocab_passes:
+        return plan
+    return vocab_head_pass(plan, ctx.schedule.stage_ranks)
+
+
 def vocab_rows_step(plan: PipelinePlan, ctx: CompileContext) -> PipelinePlan:
     tp = plan.program.tensor_parallel
-    return vocab_rows_pass(plan, ctx.schedule.stage_ranks, tp.specs if tp is not None else {},
-                           tp=ctx.config.tp)
+    out = vocab_rows_pass(plan, ctx.schedule.stage_ranks, tp.specs if tp is not None else {},
+                          tp=ctx.config.tp)
+    head = out.vocab_head
+    if head is not None:  # every rank must hold exactly its block: nothing else may read the head's rows
+        held = out.row_shards[head.weight].ranks if head.weight in out.row_shards else None
+        if held != tuple(((a, b),) for a, b in head.blocks):
+            raise ValueError(f"vocab_passes=True: the head's weight {head.weight!r} is also read whole by a "
+                             f"stage (rows held per rank: {held}); use vocab_passes=False for this model")
+    return out
 
 
 def recompute_step(plan: PipelinePlan, ctx: CompileContext) -> PipelinePlan:
@@ -200,6 +219,10 @@ PIPELINE: tuple[PassSpec, ...] = (
              "neighbouring blocks of one split that landed on one stage merged back into one "
              "(one weight-slice backward per stage); after partition, which decides where they are"),
     PassSpec("split", split_step, "cut the Program into one GraphModule per stage and the values between them"),
+    PassSpec("vocab_head", vocab_head_step,
+             "config.vocab_passes: the LM head and its cross-entropy cut off the last stage, to run on "
+             "every rank's block of the vocabulary (S/T passes); after split, before vocab_rows gives "
+             "each rank its block"),
     PassSpec("vocab_rows", vocab_rows_step,
              "a parameter a rank's stages read only as row slices (split LM-head blocks) held as those "
              "rows only (Yeung et al. 2025); after split, which decides the stages, and before recompute "

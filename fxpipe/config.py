@@ -62,6 +62,10 @@ class ParallelConfig:
     vocabulary parallelism across pipeline stages). Off by default: it balances stages
     better but, measured end to end on CPU (HF GPT-2 8×256, pp=2, ``bench_runtime.py``),
     trains slower than the whole cross-entropy after finer head blocks (docs/costs.md)."""
+    vocab_passes: bool = False
+    """Run the LM head and its cross-entropy as vocabulary passes (``schedules/vocab_passes.py``,
+    ``runtime/vocab_passes.py``): each pipeline rank owns one block of the head's rows and
+    computes its logits' softmax statistics (S) and gradients (T) for every microbatch."""
     seed: int = 0
     timeout_s: float = 60.0
     """Bound on every transfer and collective."""
@@ -117,6 +121,16 @@ class ParallelConfig:
             allowed = "any >= 1" if spec.chunks is None else ", ".join(map(str, spec.chunks))
             raise ValueError(f"schedule {spec.name} takes chunks (stages per rank) {allowed}, got {chunks!r}")
         fix("chunks", chunks)
+        if self.vocab_passes:
+            # One-line refusals where the passes cannot apply (the model's head is checked
+            # by the compiler, passes/vocab_head.py).
+            for bad, why in ((self.pp < 2, f"pp={self.pp}: they split the head over pipeline ranks, use pp >= 2"),
+                             (self.tp > 1, f"tp={self.tp}: not built under tensor parallelism, use tp=1"),
+                             (self.split_loss, "split_loss=True: both split the head; pick one"),
+                             (self.compile, "compile=True: the head's blocks run eagerly; use compile=False"),
+                             (self.ep > 1, f"ep={self.ep}: not built with expert parallelism, use ep=1")):
+                if bad:
+                    raise ValueError(f"vocab_passes=True with {why}")
         fix("scatter_gather", self.tp > 1 and (not self.sp if self.scatter_gather is None
                                                 else bool(self.scatter_gather)))
 
@@ -161,7 +175,12 @@ class ParallelConfig:
 
     def schedule_ir(self):
         """The compute-only schedule (``fxpipe/schedules``) of this layout."""
-        return generate(self.schedule, self.pp, self.num_microbatches, self.chunks)
+        schedule = generate(self.schedule, self.pp, self.num_microbatches, self.chunks)
+        if self.vocab_passes:
+            from fxpipe.schedules.vocab_passes import add_vocab_passes
+
+            schedule = add_vocab_passes(schedule)
+        return schedule
 
     def partition_config(self, schedule):
         """The partition pass's config for ``schedule`` (this config's schedule_ir())."""

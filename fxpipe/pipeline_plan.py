@@ -109,6 +109,29 @@ class VocabLookup:
 
 
 @dataclass(frozen=True)
+class VocabHead:
+    """The LM head and its cross-entropy, cut off the last stage and run by every
+    pipeline rank on its block of the vocabulary (``passes/vocab_head.py``,
+    ``runtime/vocab_passes.py``): the schedule's BCAST_H / S / ALLREDUCE_S / T / REDUCE_G.
+    The last stage outputs ``hidden`` (the head's input) and ``target`` instead of the loss."""
+    weight: str
+    """Canonical name of the head's weight [V, h] (a key of ``PipelinePlan.row_shards``:
+    rank r holds block r of its rows)."""
+    hidden: str
+    """The last stage's output value the head reads (``x`` of ``linear(x, W)``)."""
+    target: str
+    """The last stage's output value holding the cross-entropy's class indices."""
+    chain: tuple
+    """The ops between the head's output and the cross-entropy's 2-D logits
+    (``split_loss.ChainOp``), replayed on each block's logits."""
+    reduction: int
+    """``split_loss.Reduction``: MEAN or SUM."""
+    ignore_index: int
+    blocks: tuple[tuple[int, int], ...]
+    """Per pipeline rank, the vocabulary rows [start, stop) of its block."""
+
+
+@dataclass(frozen=True)
 class PipelinePlan:
     program: Program
     """The Program the stages were cut from (annotated with ``stages``)."""
@@ -128,6 +151,8 @@ class PipelinePlan:
     name is not in ``tied_stages``."""
     lookups: tuple[VocabLookup, ...] = ()
     """Embedding lookups of row-split tables done by the rows' owners (``VocabLookup``)."""
+    vocab_head: VocabHead | None = None
+    """The LM head run as vocabulary passes on every rank (``ParallelConfig.vocab_passes``)."""
 
     @property
     def num_stages(self) -> int:
@@ -142,6 +167,8 @@ class PipelinePlan:
         holds: its stages' and the tables of which it owns rows for a lookup."""
         names = dict.fromkeys(n for s in stages for n in self.stage_params(s))
         names.update(dict.fromkeys(lk.table for lk in self.lookups if self.row_shards[lk.table].ranks[pp_rank]))
+        if self.vocab_head is not None:  # its block of the head, run by the vocabulary passes
+            names[self.vocab_head.weight] = None
         return tuple(names)
 
     def stage_params(self, stage: int) -> tuple[str, ...]:

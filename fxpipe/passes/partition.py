@@ -47,6 +47,10 @@ class PartitionConfig:
     node_times: Mapping[Any, tuple[float, float]] | None = None
     """Measured (fwd, bwd) seconds per fine node (``fxpipe.costs``); None: the hardware
     model's estimate from FLOPs and bytes."""
+    elsewhere: frozenset[str] = frozenset()
+    """Nodes that run outside the stages (the LM head and its loss under vocabulary passes,
+    ``passes/vocab_head.py``: split over every rank): no time, no parameter memory and no
+    activation for the stage holding them; their outputs still cost their bytes if cut."""
     link: tuple[float, float] | None = None
     """Measured (latency s, bandwidth B/s) between pipeline ranks; None: the hardware's."""
     max_groups: int = 256
@@ -99,9 +103,12 @@ def build_problem_graph(program: Program, config: PartitionConfig) -> nx.DiGraph
         counted.update(p.canonical for p in read)
         fwd, bwd = (config.node_times[node.name] if config.node_times is not None
                     else (hw.forward_s(cost), hw.backward_s(cost)))
+        away = node.name in config.elsewhere
+        if away:
+            fwd, bwd, static = 0.0, 0.0, 0.0
         g.add_node(node.name, fwd=fwd, bwd=bwd,
                    static_bytes=static,
-                   act_bytes=0 if node.target in VIEW_OPS else cost.out_bytes * config.activation_scale,
+                   act_bytes=0 if away or node.target in VIEW_OPS else cost.out_bytes * config.activation_scale,
                    out_bytes=cost.out_bytes, params=count,
                    layer=program.layers.get(node.name), key=program.module_paths.get(node.name),
                    # A data-dependent shape never crosses stages (coarsen keeps it with its readers).

@@ -49,7 +49,6 @@ with 2-D logits, no class weights and no label smoothing; reduction none / mean
 from __future__ import annotations
 
 import copy
-import enum
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +59,7 @@ import torch.fx as fx
 from fxpipe.passes.node_cost import cost_pass
 from fxpipe.passes.split import side_values
 from fxpipe.passes.split_matmul import MatmulSplit, call
+from fxpipe.loss_chain import ChainKind, ChainOp, Reduction
 from fxpipe.program import Program
 
 aten = torch.ops.aten
@@ -68,30 +68,6 @@ _IDENTITY = (aten.alias.default, aten.clone.default)
 _CASTS = (aten._to_copy.default, aten.to.dtype)
 _NLL = (aten.nll_loss_forward.default, aten.nll_loss_nd.default, aten.nll_loss.default)
 _LOG_SOFTMAX = (aten._log_softmax.default, aten.log_softmax.int)
-
-
-class Reduction(enum.IntEnum):
-    """ATen's reduction codes (``at::Reduction``)."""
-    NONE = 0
-    MEAN = 1
-    SUM = 2
-
-
-class ChainKind(enum.Enum):
-    SLICE = "slice"
-    RESHAPE = "reshape"
-    CAST = "cast"
-    IDENTITY = "identity"
-    """alias / clone: nothing to replay."""
-
-
-@dataclass(frozen=True)
-class ChainOp:
-    """One op between the cat and the loss, replayed on every block's logits."""
-    kind: ChainKind
-    args: tuple[Any, ...]
-    """SLICE: (dim, start, end, step) of a leading dim; RESHAPE: the leading shape;
-    CAST: (dtype,)."""
 
 
 @dataclass(frozen=True)

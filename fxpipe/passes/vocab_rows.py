@@ -135,11 +135,15 @@ def vocab_rows_pass(plan: PipelinePlan, stage_ranks: Sequence[int], specs: Mappi
                  tp == 1 and (spec is None or spec.kind is ShardKind.REPLICATED)):
             rows_of[p.canonical] = p.shape[0]
     held = _held(plan, stage_ranks, rows_of, pp, lookups=False)
+    head = plan.vocab_head  # the LM head cut off the last stage: rank r reads its block r
+    blocks = {head.weight: [set(range(a, b)) for a, b in head.blocks]} if head is not None else {}
+    _add(held, blocks, pp)
     looked: dict[str, tuple[int, ...]] = {}
     if tp == 1:  # under tp > 1 the table's lookup is the tensor-parallel one (masked by tp rank)
         looked = _lookup_stages(plan, rows_of)
         sub = {c: rows_of[c] for c in looked}
         with_lookups = _held(plan, stage_ranks, sub, pp, lookups=True)
+        _add(with_lookups, {c: b for c, b in blocks.items() if c in looked}, pp)
         others_split = any(_splits(r, rows_of[n]) for n, r in held.items() if n not in looked)
         for c in list(looked):
             per_rank = with_lookups[c]  # what its other reads need: a tied head's blocks, or all of it
@@ -180,6 +184,14 @@ def _held(plan: PipelinePlan, stage_ranks: Sequence[int], rows_of: Mapping[str, 
             per_rank = held.setdefault(c, [set() for _ in range(pp)])
             per_rank[stage_ranks[s]] |= set(range(rows_of[c])) if rows is None else rows
     return held
+
+
+def _add(held: dict[str, list[set[int]]], blocks: Mapping[str, list[set[int]]], pp: int) -> None:
+    """Add rows each rank reads outside its stage graphs (the vocabulary passes' blocks)."""
+    for c, per_rank in blocks.items():
+        mine = held.setdefault(c, [set() for _ in range(pp)])
+        for r, rows in enumerate(per_rank):
+            mine[r] |= rows
 
 
 def _splits(per_rank: Sequence[set[int]], rows: int) -> bool:

@@ -34,6 +34,7 @@ from fxpipe.runtime.shards import ShardBuilder
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport
 from fxpipe.runtime.vocab_lookup import VocabLookups
+from fxpipe.runtime.vocab_passes import VocabPasses
 from fxpipe.runtime.zero import ZeroPartition
 from fxpipe.schedules.ir import ActionKind, Schedule
 from fxpipe.sharding import shard_state
@@ -92,8 +93,14 @@ def build_runtime(compiled: CompiledPipeline, groups: MeshGroups, shards: ShardB
     transport = Transport(device=device, timeout=timeout, value_ids=value_ids, num_values=max(1, len(value_ids)),
                           scatter_gather=tp_group if config.scatter_gather else None)
     lookups = VocabLookups(plan, compiled.schedule, groups, state, device, transport) if plan.lookups else None
+    vocab = None
+    if plan.vocab_head is not None:  # this rank's block of the LM head (runtime/vocab_passes.py)
+        last = runners.get(plan.num_stages - 1)
+        any_runner = next(iter(runners.values()))
+        vocab = VocabPasses(plan, compiled.schedule, groups, state, device, transport,
+                            loss_scale=lambda: any_runner.loss_scale, losses=last.losses if last else None)
     executor = PipelineExecutor(plan, compiled.actions, groups.pp_rank, runners, transport, groups.pp_peer,
-                                lookups=lookups)
+                                lookups=lookups, vocab=vocab)
     holders = {**master.masters, **master.loose} if master else state
     grad_sync = GradSync.build(plan, compiled.schedule, groups, holders, timeout, like=state, zero=zero,
                                experts=experts)

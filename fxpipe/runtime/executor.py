@@ -6,7 +6,9 @@ SEND_F, RECV_F, SEND_B, RECV_B); the executor maps each kind to a method:
 - F / B / I / W run the stage's ``StageRunner``;
 - RECV_* post the receives of a stage's cross-rank inputs (or output gradients);
   the compute that needs them waits just before it runs;
-- SEND_* post the sends of what a stage produced for other ranks.
+- SEND_* post the sends of what a stage produced for other ranks;
+- BCAST_H / S / ALLREDUCE_S / T / REDUCE_G run this rank's block of the LM head
+  (``vocab_passes.py``); REDUCE_G's sum is the last stage's output gradient.
 
 Values between stages on the *same* rank (interleaved chunks, the turn of a V)
 are handed over in memory, never sent. A value whose transfer the schedule does
@@ -25,6 +27,7 @@ from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport, check_spec
 from fxpipe.runtime.vocab_lookup import VocabLookups
+from fxpipe.runtime.vocab_passes import VocabPasses
 from fxpipe.schedules.ir import Action, ActionKind, Schedule
 
 K = ActionKind
@@ -34,8 +37,11 @@ Key = tuple[int, int]  # (stage, microbatch)
 class PipelineExecutor:
     def __init__(self, plan: PipelinePlan, schedule: Schedule, pp_rank: int,
                  runners: dict[int, StageRunner], transport: Transport,
-                 global_rank_of_pp: Callable[[int], int], lookups: VocabLookups | None = None) -> None:
+                 global_rank_of_pp: Callable[[int], int], lookups: VocabLookups | None = None,
+                 vocab: VocabPasses | None = None) -> None:
         self.plan, self.schedule, self.pp_rank = plan, schedule, pp_rank
+        self.vocab = vocab
+        """This rank's block of the LM head (``vocab_passes.py``), with ``plan.vocab_head``."""
         self.lookups = lookups
         """The owners' embedding lookups of row-split tables (``vocab_lookup.py``): summed
         before the first action, their gradients sent back to the owners after the last."""
@@ -58,7 +64,11 @@ class PipelineExecutor:
         self.events = []
         handlers = {K.F: self._forward, K.B: self._backward, K.I: self._backward,
                     K.W: self._weight, K.SEND_F: self._send, K.SEND_B: self._send,
-                    K.RECV_F: self._post_recv_fwd, K.RECV_B: self._post_recv_bwd}
+                    K.RECV_F: self._post_recv_fwd, K.RECV_B: self._post_recv_bwd,
+                    K.BCAST_H: lambda a: self.vocab.bcast_h(a.microbatch),
+                    K.S: lambda a: self.vocab.s(a.microbatch),
+                    K.ALLREDUCE_S: lambda a: self.vocab.allreduce_s(a.microbatch),
+                    K.T: lambda a: self.vocab.t(a.microbatch), K.REDUCE_G: self._reduce_g}
         if self.lookups is not None:
             self.lookups.forward(microbatches)
         for action in self.actions:
@@ -71,6 +81,7 @@ class PipelineExecutor:
         if self.lookups is not None:
             self.lookups.backward()
         assert not self.to_send and not self.posted, "every transfer of the step completed"
+        assert self.vocab is None or self.vocab.idle, "every vocabulary pass of the step ran"
         leftover = {s: r.in_flight for s, r in self.runners.items() if r.in_flight}
         assert not leftover, f"activations still held after the step: {leftover}"
 
@@ -84,6 +95,9 @@ class PipelineExecutor:
             received.update(self.lookups.inputs(s, mb))
         self._compute_start = time.perf_counter()
         outs = self.runners[s].forward(mb, self.mb[mb], received)
+        head = self.plan.vocab_head
+        if head is not None and s == self.plan.num_stages - 1:  # the head's input, for BCAST_H
+            self.vocab.put(mb, outs.pop(head.hidden), outs.pop(head.target))
         self.peak_in_flight = max(self.peak_in_flight, sum(r.in_flight for r in self.runners.values()))
         remote = []
         for name, t in outs.items():
@@ -122,6 +136,11 @@ class PipelineExecutor:
 
     def _weight(self, a: Action) -> None:
         self.runners[a.stage].backward_weight(a.microbatch)
+
+    def _reduce_g(self, a: Action) -> None:
+        grad = self.vocab.reduce_g(a.microbatch)
+        if grad is not None:  # the last stage's rank: its output gradient of the microbatch
+            self.bwd_in[(self.plan.num_stages - 1, a.microbatch)][self.plan.vocab_head.hidden].append(grad)
 
     # ---- communication ------------------------------------------------------------------
     def _queue(self, key: tuple[K, int, int], items: list[tuple[str, int, torch.Tensor]]) -> None:

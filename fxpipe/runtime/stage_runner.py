@@ -79,19 +79,24 @@ class StageRunner:
         with torch.no_grad():  # buffers the forward writes, as the eager forward would
             for name, new in zip(self.stage.buffer_updates, out[n_sent:]):
                 self.state[self._canonical[name]].copy_(new)
-        if self.stage.is_last:
+        if self.stage.is_last and self.plan.vocab_head is None:
             loss = out[-1]
             self.losses[mb] = float(loss.detach())
             outputs: tuple[torch.Tensor, ...] = (loss * self.loss_scale,)
         else:
             outputs = tuple(sends[n] for n in self.stage.outputs)
+            if self.plan.vocab_head is not None:
+                # A last stage left with nothing after the head's cut returns its input leaf:
+                # a view gives it a grad_fn, which the zero-bubble split starts from.
+                with torch.enable_grad():
+                    outputs = tuple(t.view_as(t) if t.requires_grad and t.grad_fn is None else t for t in outputs)
         self.saved[mb] = _Saved(inputs, outputs)
         self.peak_in_flight = max(self.peak_in_flight, len(self.saved))
         return {n: t.detach() for n, t in sends.items()}
 
     def _grad_pairs(self, mb: int, grads: Mapping[str, torch.Tensor]):
         saved = self.saved[mb]
-        if self.stage.is_last:
+        if self.stage.is_last and self.plan.vocab_head is None:
             return saved, list(saved.outputs), [None]
         outs, gouts = [], []
         for name, t in zip(self.stage.outputs, saved.outputs):

@@ -1,6 +1,7 @@
 """Training cases run inside spawned gloo workers (importable by the children)."""
 from __future__ import annotations
 
+import dataclasses
 import traceback
 
 import torch
@@ -81,10 +82,17 @@ def _train_case(parallelize, simulate, rank: int, case: dict) -> dict:
                      # The matrix checks the runtime on fixed cuts; measured costs move
                      # the cuts run to run (they have their own tests and cases below).
                      costs=case.get("costs", "model"), split_loss=case.get("split_loss", False),
-                     ep=case.get("ep", 1))
+                     ep=case.get("ep", 1), vocab_passes=case.get("vocab_passes", False))
     losses, grads, norm = train(pm, w)
     # The schedule's own peak, from the simulator (independent of the executor).
-    bound = simulate(pm.schedule).peak_in_flight[pm.groups.pp_rank]
+    durations = None
+    if pm.schedule.has_vocab_passes:  # S and T hold no stage's activations: any positive time
+        from fxpipe.schedules.simulate import StageDurations
+
+        p = pm.schedule.num_ranks
+        durations = dataclasses.replace(StageDurations.uniform(pm.schedule.num_stages),
+                                        vocab_forward=(1.0,) * p, vocab_backward=(1.0,) * p)
+    bound = simulate(pm.schedule, durations).peak_in_flight[pm.groups.pp_rank]
     result = dict(case=case, losses=losses, peak=pm.last_stats.peak_in_flight, bound=bound,
                   grads=grads, norm=norm, chunked=sum(v.tp_replicated for v in pm.plan.values.values()),
                   scatter_gather=pm.executor.transport.scatter_gather is not None,

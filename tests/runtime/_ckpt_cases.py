@@ -25,6 +25,8 @@ ROWS = "tests.runtime._wide_vocab:workload"
 """An LM head whose rows the pipeline ranks own (passes/vocab_rows.py)."""
 ROWS_LAYOUT = dict(partition="ilp", costs="model", split_loss=True)
 """What splits the head over the stages (the uniform partition leaves ops whole)."""
+VOCAB_LAYOUT = dict(partition="ilp", costs="model", vocab_passes=True)
+"""The head run as vocabulary passes: rank r owns block r of its rows (and of the embedding)."""
 
 
 def workload(name: str = "gpt-tiny", *, seed: int = 0, layers: int = LAYERS):
@@ -123,24 +125,26 @@ def world_pp2(rank: int, world: int, root: str, killed_dir: str) -> dict:
 
     for precision, scaler in (("bf16", None), ("fp16", FP16_SCALER)):
         out[precision] = _precision_resume(root_path / precision, precision, scaler)
-    out["rows"] = _rows_run(rank, root_path)
+    out["rows"] = _rows_run(rank, root_path, "rows", ROWS_LAYOUT)
+    out["vocab_rows"] = _rows_run(rank, root_path, "vocab_rows", VOCAB_LAYOUT)
     return out
 
 
-def _rows_run(rank: int, root: Path) -> dict:
-    """The wide-vocabulary model at pp=2 with its head rows owned per rank: saving at
-    SAVE_AT without gathering, and its export (safetensors, whole tensors)."""
+def _rows_run(rank: int, root: Path, name: str, layout: dict) -> dict:
+    """The wide-vocabulary model at pp=2 with its head rows owned per rank (``layout``:
+    split loss blocks, or vocabulary passes): saving at SAVE_AT without gathering into
+    ``root / name``, and its export (safetensors, whole tensors) into ``name_export``."""
     from fxpipe.runtime.checkpoint import export_consolidated, save_checkpoint
 
-    pm, w, opt, sched = build(ROWS, pp=2, **ROWS_LAYOUT)
+    pm, w, opt, sched = build(ROWS, pp=2, **layout)
     r = dict(rows={n: rows.ranks for n, rows in pm.plan.row_shards.items()},
              local={n: tuple(t.shape) for n, t in pm.state.items()})
     losses = train(pm, w, opt, sched, range(SAVE_AT))
     with no_gather():
-        save_checkpoint(pm, opt, SAVE_AT, root / "rows", extra={"lr_scheduler": sched.state_dict()})
+        save_checkpoint(pm, opt, SAVE_AT, root / name, extra={"lr_scheduler": sched.state_dict()})
     r["losses"] = losses + train(pm, w, opt, sched, range(SAVE_AT, STEPS))
     params = pm.full_state_dict()
-    export_consolidated(pm, root / "rows_export", hf_config=w.model.config)
+    export_consolidated(pm, root / f"{name}_export", hf_config=w.model.config)
     if rank == 0:
         r["params"] = params
     return r
@@ -241,6 +245,9 @@ def world_reshard(rank: int, world: int, root: str) -> dict:
     pm, w, opt, sched = build(ROWS, pp=4, seed=1, **ROWS_LAYOUT)
     out[("pp4", "rows")] = _resume(rank, pm, w, opt, sched, root_path / "rows")
     out[("pp4", "rows")]["rows"] = {n: rows.ranks for n, rows in pm.plan.row_shards.items()}
+    # The pp=2 checkpoint of the vocabulary passes' blocks into the same four ranks' rows.
+    out[("pp4", "vocab_rows")] = _resume(rank, pm, w, opt, sched, root_path / "vocab_rows")
+    out[("pp4", "vocab_rows")]["rows"] = out[("pp4", "rows")]["rows"]
     return out
 
 

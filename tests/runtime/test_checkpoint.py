@@ -175,28 +175,34 @@ def test_tp_checkpoint_holds_each_shard_once(world2, world4):
     assert sharded >= 2 * 4, "each layer's column/row-parallel weights and their moments are chunked"
 
 
+# "rows": the head cut into blocks spread by the partition (split_loss); "vocab_rows": the
+# head run as vocabulary passes, rank r owning block r (vocab_passes).
 @pytest.mark.slow
-def test_owned_rows_resume_into_another_row_layout(world2, world4):
+@pytest.mark.parametrize("run", ["rows", "vocab_rows"])
+def test_owned_rows_resume_into_another_row_layout(world2, world4, run):
     """Saved at pp=2 with each rank holding its rows of the LM head and of the embedding
     (looked up by the rows' owners); loaded at pp=4, where the ranks own other rows:
     losses and parameters continue the saving run."""
-    saved, resumed = world2[1][0]["rows"], world4[0][("pp4", "rows")]
+    saved, resumed = world2[1][0][run], world4[0][("pp4", run)]
     for name in ("lm_head.weight", "model.embed_tokens.weight"):
         assert saved["rows"][name] != resumed["rows"][name], name
-    _assert_resumed_like(world4, ("pp4", "rows"), saved)
+    _assert_resumed_like(world4, ("pp4", run), saved)
 
 
 @pytest.mark.slow
-def test_owned_rows_are_written_as_each_ranks_chunks(world2):
+@pytest.mark.parametrize("run", ["rows", "vocab_rows"])
+def test_owned_rows_are_written_as_each_ranks_chunks(world2, run):
     """No rank wrote the whole head or the whole embedding: their chunks are the ranks'
     row ranges, tiling each once (the parameter and its Adam moments), and each rank held
     only its rows (the first rank too: its stage reads the embedding as the owners' sum)."""
     r = world2[1]
-    index = SafeReader(latest_checkpoint(world2[0] / "rows")).read_metadata().state_dict_metadata
+    index = SafeReader(latest_checkpoint(world2[0] / run)).read_metadata().state_dict_metadata
     for name in ("lm_head.weight", "model.embed_tokens.weight"):
-        ranks = r[0]["rows"]["rows"][name]
+        ranks = r[0][run]["rows"][name]
+        if run == "vocab_rows":  # rank r owns block r of the vocabulary
+            assert ranks == (((0, _wide_vocab.VOCAB // 2),), ((_wide_vocab.VOCAB // 2, _wide_vocab.VOCAB),)), name
         for pp_rank, rank_results in enumerate(r):
-            assert rank_results["rows"]["local"][name][0] == sum(b - a for a, b in ranks[pp_rank]) < _wide_vocab.VOCAB
+            assert rank_results[run]["local"][name][0] == sum(b - a for a, b in ranks[pp_rank]) < _wide_vocab.VOCAB
         for key in (f"model.{name}", f"optim.state.{name}.exp_avg", f"optim.state.{name}.exp_avg_sq"):
             md = index[key]
             assert tuple(md.size) == (_wide_vocab.VOCAB, _wide_vocab.WIDTH)
@@ -205,11 +211,12 @@ def test_owned_rows_are_written_as_each_ranks_chunks(world2):
 
 
 @pytest.mark.slow
-def test_owned_rows_export_whole_tensors(world2):
+@pytest.mark.parametrize("run", ["rows", "vocab_rows"])
+def test_owned_rows_export_whole_tensors(world2, run):
     from safetensors.torch import load_file
 
-    exported = load_file(world2[0] / "rows_export" / "model.safetensors")
-    params = world2[1][0]["rows"]["params"]
+    exported = load_file(world2[0] / f"{run}_export" / "model.safetensors")
+    params = world2[1][0][run]["params"]
     assert set(exported) == set(params)
     for name, p in params.items():
         assert torch.equal(exported[name], p), name

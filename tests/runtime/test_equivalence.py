@@ -43,6 +43,12 @@ def _cases(pp):
                   dict(model=WIDE, pp=2, schedule="zb-h1"),
                   dict(model=TIED, pp=2, schedule="1f1b", split_loss=True, rows=True),
                   dict(model=TIED, pp=2, schedule="interleaved", chunks=2, split_loss=True, rows=True)]
+        # The head run as vocabulary passes (vocab_passes): rank r owns block r of its rows
+        # (and of the embedding, looked up by the owners); the loss is the online softmax of
+        # the blocks' statistics and the hidden state's gradient the sum of the blocks'.
+        cases += [dict(model=WIDE, pp=2, schedule="1f1b", vocab_passes=True, rows=True),
+                  dict(model=TIED, pp=2, schedule="1f1b", vocab_passes=True, rows=True),
+                  dict(model=TIED, pp=2, schedule="zb-v", chunks=2, vocab_passes=True, rows=True)]
         # The default path: costs measured on the ranks, the ILP on those.
         cases += [dict(model="hf:llama", pp=2, schedule="1f1b", costs="measure")]
         cases += _zoo_cases(1, 2) + _zoo_cases(2, 1)
@@ -75,7 +81,11 @@ def _world4_cases():
     rows = [dict(model=TIED, pp=4, schedule="zb-h1", split_loss=True, rows=True),
             dict(model=WIDE, pp=4, schedule="1f1b", split_loss=True, rows=True),
             dict(model=TIED, pp=2, schedule="1f1b", split_loss=True),
-            dict(model=WIDE, pp=2, tp=2, schedule="1f1b", split_loss=True)]
+            dict(model=WIDE, pp=2, tp=2, schedule="1f1b", split_loss=True),
+            dict(model=TIED, pp=4, schedule="zb-h1", vocab_passes=True, rows=True),
+            # dp=2 × pp=2: each replica's vocabulary passes on its own pp group, the blocks'
+            # gradients averaged over the replicas; interleaved (two stages per rank).
+            dict(model=WIDE, pp=2, schedule="interleaved", chunks=2, vocab_passes=True)]
     # Expert parallelism over half the data-parallel ranks (dp=4, ep=2): the experts' gradients
     # summed over the two ranks holding the same experts (runtime/experts.py); and under a
     # pipeline (dp=2 × pp=2), the experts' stage dispatching in every microbatch's F and B.
@@ -88,7 +98,8 @@ def _id(c):
     return (f"{c['model']}-tp{c.get('tp', 1)}-pp{c['pp']}-{c['schedule']}"
             + ("-sp" if c.get("sp") else "") + (f"-ep{c['ep']}" if "ep" in c else "")
             + (f"-{c['recompute']}" if "recompute" in c else "")
-            + (f"-costs-{c['costs']}" if "costs" in c else "") + ("-split-loss" if c.get("split_loss") else ""))
+            + (f"-costs-{c['costs']}" if "costs" in c else "") + ("-split-loss" if c.get("split_loss") else "")
+            + ("-vocab-passes" if c.get("vocab_passes") else ""))
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +155,10 @@ def _check(results_by_rank, index, references):
         # The head's rows are split over the ranks, and each rank holds exactly its rows
         # (the rows cases are pipeline-only: global rank = pipeline rank).
         assert rank0["rows"], "no parameter had its rows split over pipeline ranks"
+        if case.get("vocab_passes"):  # rank r holds block r of the vocabulary, of every split table
+            v, pp = ref_params[next(iter(rank0["rows"]))].shape[0], case["pp"]
+            blocks = tuple(((r * v // pp, (r + 1) * v // pp),) for r in range(pp))
+            assert all(ranks == blocks for ranks in rank0["rows"].values()), rank0["rows"]
         for name, ranks in rank0["rows"].items():
             assert min(sum(b - a for a, b in held) for held in ranks) < ref_params[name].shape[0]
         for pp_rank, rank_results in enumerate(results_by_rank):

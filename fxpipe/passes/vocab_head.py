@@ -1,0 +1,128 @@
+"""Cut the LM head and its cross-entropy off the last stage, for the vocabulary passes.
+
+With ``ParallelConfig(vocab_passes=True)`` the output layer runs on every pipeline
+rank, each on its block of the vocabulary (Yeung et al., "Balancing Pipeline
+Parallelism with Vocabulary Parallelism", MLSys 2025, arXiv 2411.05288; the schedule's
+S / T actions, ``schedules/vocab_passes.py``). This pass takes the head out of the last
+stage's graph by structure:
+
+    linear(x, W) → [slice of a leading dim | reshape keeping the last dim |
+    alias / clone | cast]* → cross_entropy (or log_softmax → nll_loss)
+
+as the blockwise loss recognises it (``split_loss._match``: 2-D logits, no class
+weights, no label smoothing), where the cross-entropy is the stage's loss, ``W`` is a
+trainable parameter [V, h] the stage reads nowhere else and the linear has no bias.
+The last stage then outputs ``x`` (the head's input) and the class indices instead of
+the loss; ``PipelinePlan.vocab_head`` records the chain, the reduction and each rank's
+block of rows (V split evenly). ``vocab_rows`` then gives every rank exactly its
+block of ``W`` (and of a tied embedding, whose lookup its rows' owners do), so storage,
+optimizer, checkpoints and export work on the rows as for any row-split parameter.
+The runtime (``runtime/vocab_passes.py``) computes each block's logits and online-softmax
+statistics, and their gradients, from there.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+
+from fxpipe.loss_chain import Reduction
+from fxpipe.passes.split_loss import _match
+from fxpipe.pipeline_plan import PipelinePlan, StageValue, VocabHead
+from fxpipe.program import ParamKind, Program, TensorSpec
+
+aten = torch.ops.aten
+
+
+def _refuse(why: str) -> ValueError:
+    return ValueError(f"vocab_passes=True: {why}; the passes need the last stage's loss to be a cross-entropy "
+                      f"of linear(x, W) without bias (use vocab_passes=False for this model)")
+
+
+def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelinePlan:
+    """The plan with the head cut off its last stage (module docstring); raises a
+    one-line ValueError when the head cannot be found."""
+    pp = max(stage_ranks) + 1
+    last = plan.num_stages - 1
+    st = plan.stages[last]
+    gm = fx.GraphModule(st.graph_module, _copy(st.graph_module))
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    params = dict(zip(placeholders[:len(st.params)], st.params))
+    canon = plan.canonical
+    trainable = {p.name for p in plan.program.params if p.kind is ParamKind.PARAMETER and p.requires_grad}
+    out = next(n for n in graph.nodes if n.op == "output")
+    results = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    loss = results[-1]
+    found = _find(graph, lambda w: w in params and params[w] in trainable, loss)
+    if found is None:
+        raise _refuse(f"no LM head found on the last stage (stage {last})")
+    linear, w, m = found
+    if len(w.users) != 1:
+        raise _refuse(f"the head's weight {canon[params[w]]!r} is read elsewhere on the last stage")
+    if m.reduction is Reduction.NONE:
+        raise _refuse("the cross-entropy has reduction='none'")
+    rows = int(w.meta["val"].shape[0])
+    if rows < pp:
+        raise _refuse(f"a vocabulary of {rows} rows cannot be split over pp={pp} ranks")
+    x, target = linear.args[0], m.target
+    hidden, target_name = f"{linear.name}_vocab_hidden", f"{linear.name}_vocab_target"
+    n_sent = len(st.outputs)
+    # The stage returns its sends, then the head's input and the class indices, then its
+    # buffer updates (``Stage.call``'s layout with the loss taken out).
+    out.args = (tuple(results[:n_sent]) + (x, target) + tuple(results[n_sent:-1]),)
+    for n in reversed(m.removed):  # the linear first among them
+        graph.erase_node(n)
+    graph.erase_node(w)
+    graph.lint()
+    gm.recompile()
+    weight = canon[params[w]]
+    keep = tuple(p for node, p in params.items() if node is not w)
+    stage = dataclasses.replace(st, graph_module=gm, params=keep, outputs=(*st.outputs, hidden, target_name))
+    values = dict(plan.values)
+    xv, tv = x.meta["val"], target.meta["val"]
+    values[hidden] = StageValue(name=hidden, producer=last, consumers=(),
+                                spec=TensorSpec(tuple(int(d) for d in xv.shape), xv.dtype), requires_grad=True)
+    values[target_name] = StageValue(name=target_name, producer=last, consumers=(),
+                                     spec=TensorSpec(tuple(int(d) for d in tv.shape), tv.dtype), requires_grad=False)
+    still = {canon[p] for p in keep}
+    param_stages = {n: tuple(s for s in ss if s != last or n in still) for n, ss in plan.param_stages.items()}
+    head = VocabHead(weight=weight, hidden=hidden, target=target_name, chain=m.chain, reduction=int(m.reduction),
+                     ignore_index=m.ignore_index,
+                     blocks=tuple((r * rows // pp, (r + 1) * rows // pp) for r in range(pp)))
+    stages = plan.stages[:last] + (stage,)
+    return dataclasses.replace(plan, stages=stages, values=values, param_stages=param_stages, vocab_head=head)
+
+
+def _find(graph: fx.Graph, is_weight, loss: fx.Node | None):
+    """(linear, weight placeholder, split_loss match) of the head whose cross-entropy is
+    ``loss`` (None: a value the graph's output returns), or None."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.linear.default:
+            continue
+        w = node.args[1]
+        if not is_weight(w) or (len(node.args) > 2 and node.args[2] is not None):
+            continue
+        m = _match(node)
+        if m is not None and (m.loss is loss if loss is not None else out in m.loss.users):
+            return node, w, m
+    return None
+
+
+def head_nodes(program: Program) -> frozenset[str]:
+    """The whole graph's nodes the vocabulary passes run instead of the last stage (the
+    head's linear, the ops to the loss and the cross-entropy): the partition balances
+    the stages without them (``PartitionConfig.elsewhere``). Empty when there is none
+    (``vocab_head_pass`` refuses that model after the split)."""
+    trainable = {p.node for p in program.params if p.kind is ParamKind.PARAMETER and p.requires_grad}
+    found = _find(program.graph, lambda w: isinstance(w, fx.Node) and w.name in trainable, None)
+    return frozenset(n.name for n in found[2].removed) if found is not None else frozenset()
+
+
+def _copy(gm: fx.GraphModule) -> fx.Graph:
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return graph

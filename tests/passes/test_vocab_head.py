@@ -1,0 +1,83 @@
+"""The LM head cut off the last stage for the vocabulary passes (passes/vocab_head.py).
+
+In process: the compiled plan of the tied wide-vocabulary model at pp=2, and the
+one-line refusals. Loss and gradients equal to one process are checked in the
+equivalence worlds (tests/runtime/test_equivalence.py), the checkpoint of the blocks in
+tests/runtime/test_checkpoint.py.
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+from fxpipe.compiler import compile_pipeline
+from fxpipe.config import ParallelConfig
+from fxpipe.schedules.ir import ActionKind
+from tests.runtime import _wide_vocab
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    model, batch, loss_fn = _wide_vocab.workload_tied()
+    config = ParallelConfig(pp=2, microbatches=2, costs="model", vocab_passes=True).with_world(2)
+    return compile_pipeline(model, tuple(t[:2] for t in batch), config, loss_fn=loss_fn)
+
+
+def test_head_is_cut_off_the_last_stage(compiled):
+    plan = compiled.plan
+    head = plan.vocab_head
+    v = _wide_vocab.VOCAB
+    assert head.weight == "transformer.wte.weight" and head.blocks == ((0, v // 2), (v // 2, v))
+    last = plan.stages[-1]
+    # No stage computes logits or a cross-entropy any more; the last stage returns the
+    # head's input and the class indices, which no stage consumes.
+    for st in plan.stages:
+        targets = {n.target for n in st.graph_module.graph.nodes}
+        assert not targets & {aten.linear.default, aten.cross_entropy_loss.default}, st.index
+    assert last.outputs[-2:] == (head.hidden, head.target)
+    assert plan.values[head.hidden].spec.shape[-1] == _wide_vocab.WIDTH
+    assert plan.values[head.target].spec.dtype == torch.int64
+    assert not plan.values[head.hidden].consumers
+    # The partition balanced the stages without the head (PartitionConfig.elsewhere): the
+    # last stage runs layers too, not only the head as without vocabulary passes.
+    assert last.params and head.weight not in {plan.canonical[p] for p in last.params}
+    # Rank r owns block r of the tied table; the first stage reads the owners' lookup.
+    assert plan.row_shards[head.weight].ranks == (((0, v // 2),), ((v // 2, v),))
+    assert [lk.table for lk in plan.lookups] == [head.weight]
+    assert head.weight not in plan.tied_stages
+    for r in range(2):
+        assert head.weight in plan.rank_params(r, compiled.schedule.stages_of_rank(r))
+    # The schedule lists the five vocabulary actions per microbatch on every rank.
+    kinds = (ActionKind.BCAST_H, ActionKind.S, ActionKind.ALLREDUCE_S, ActionKind.T, ActionKind.REDUCE_G)
+    for actions in compiled.actions.actions:
+        assert sorted((a.kind.value, a.microbatch) for a in actions if a.kind in kinds) == \
+            sorted((k.value, j) for k in kinds for j in range(2))
+
+
+@pytest.mark.parametrize("layout, message", [
+    (dict(pp=1), "pp=1"),
+    (dict(pp=2, tp=2), "tp=2"),
+    (dict(pp=2, split_loss=True), "split_loss=True"),
+])
+def test_config_refuses_what_it_cannot_run(layout, message):
+    with pytest.raises(ValueError, match=f"vocab_passes=True with {message}"):
+        ParallelConfig(microbatches=2, vocab_passes=True, **layout)
+
+
+class _Regression(nn.Module):
+    """No vocabulary: a linear layer under a mean-squared error."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1, bias=False)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.b(torch.relu(self.a(x))).squeeze(-1), y)
+
+
+def test_model_without_a_head_is_refused():
+    torch.manual_seed(0)
+    config = ParallelConfig(pp=2, microbatches=2, costs="model", vocab_passes=True).with_world(2)
+    with pytest.raises(ValueError, match="vocab_passes=True: no LM head found on the last stage"):
+        compile_pipeline(_Regression(), (torch.randn(4, 8), torch.randn(4)), config)
