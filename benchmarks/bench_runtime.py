@@ -1,6 +1,6 @@
 """End to end, as users would run it: fxpipe vs torch.distributed.pipelining vs one process.
 
-    .venv/bin/python benchmarks/bench_runtime.py [--steps 10] [--pp 2]
+    .venv/bin/python benchmarks/bench_runtime.py [--steps 10] [--pp 2] [--vocab-passes]
 
 HF GPT-2 config (8 layers, h=256, 4 heads, s=128, V=50257), m=8 microbatches of 2
 sequences, one thread per process, gloo. Side by side in one run, same model,
@@ -27,7 +27,7 @@ reported: the busy time summed over all stages against the one-process step (the
 the split adds). Prints the median step times, the three ratios the balance issue sets targets for
 (stage imbalance <= 1.10, speed-up over one process >= 1.70x at pp=2, fxpipe <= 0.60x
 the even-split pipeline), fxpipe's per-stage predicted vs measured times, and writes
-benchmarks/results/runtime_pp{P}.md. Medians over --steps rounds after one warm-up.
+benchmarks/results/runtime_pp{P}.md (``runtime_pp{P}_vocab.md`` with --vocab-passes). Medians over --steps rounds after one warm-up.
 """
 from __future__ import annotations
 
@@ -114,7 +114,8 @@ class Logits(nn.Module):
         return self.model(input_ids=ids).logits
 
 
-def worker(rank: int, world: int, port: int, steps: int, out: str, schedule: str | None) -> None:
+def worker(rank: int, world: int, port: int, steps: int, out: str, schedule: str | None,
+           vocab_passes: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
@@ -125,7 +126,7 @@ def worker(rank: int, world: int, port: int, steps: int, out: str, schedule: str
     model, batch, loss_fn = workload()
     t = time.perf_counter()
     pm = fxpipe.parallelize(model, pp=world, microbatches=M, example_inputs=batch, loss_fn=loss_fn,
-                            **({"schedule": schedule} if schedule else {}))
+                            vocab_passes=vocab_passes, **({"schedule": schedule} if schedule else {}))
     setup = time.perf_counter() - t
     meter = BalanceMeter()
 
@@ -240,6 +241,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--schedule", default=None, help="fxpipe's schedule (default: parallelize's default)")
+    ap.add_argument("--vocab-passes", action="store_true",
+                    help="fxpipe's row: the output layer as vocabulary passes on every rank")
     args = ap.parse_args()
     machine = (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
                f"{args.pp} processes x 1 thread, gloo")
@@ -248,7 +251,8 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
-        mp.start_processes(worker, args=(args.pp, port, args.steps, out, args.schedule), nprocs=args.pp,
+        mp.start_processes(worker, args=(args.pp, port, args.steps, out, args.schedule, args.vocab_passes),
+                           nprocs=args.pp,
                            start_method="spawn")
         res = [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(args.pp)]
     times = res[0]["times"]  # barrier-bounded: every rank measured the same spans
@@ -258,7 +262,8 @@ def main() -> None:
     rows, imbalance = balance(res[0]["partition"], [r["balance"] for r in res])
     even_rows, even_imbalance = balance(res[0]["even_partition"], [r["even_balance"] for r in res])
     ideal = args.pp * M / (M + args.pp - 1)
-    schedule_label = f"defaults: measured costs, ILP, {args.schedule or '1f1b'}"
+    schedule_label = (f"defaults: measured costs, ILP, {args.schedule or '1f1b'}"
+                      + (", vocabulary passes" if args.vocab_passes else ""))
     # Name the torch contender that actually ran: pipeline()'s own split, or (where its traced
     # split cannot run) PipelineStage + Schedule1F1B over fxpipe's uniform stage graphs.
     pippy_label = ("torch.distributed.pipelining, pipeline() even layer split, Schedule1F1B"
@@ -313,7 +318,7 @@ def main() -> None:
         "", "```", balance_table(rows, imbalance), "```", "",
         "The even layer split, run by fxpipe:", "", "```", balance_table(even_rows, even_imbalance), "```", "",
         "Per round, ms: " + "; ".join(f"{k} " + " ".join(f"{t * 1e3:.0f}" for t in v) for k, v in times.items()), ""]
-    write_result(f"runtime_pp{args.pp}.md", "\n".join(lines))
+    write_result(f"runtime_pp{args.pp}{'_vocab' if args.vocab_passes else ''}.md", "\n".join(lines))
 
 
 if __name__ == "__main__":
