@@ -2,7 +2,8 @@
 partitioner beside those measured in training steps, and the measured imbalance.
 
 Imbalance is max/mean over stages of the busy time per step (the sum of a stage's
-F, B, I and W durations): 1.0 is a perfect split, and the pipeline's step is paced
+F, B, I and W durations, and under vocabulary passes the S and T passes of the
+vocabulary block that stage's rank owns — block r runs on the rank of stage r): 1.0 is a perfect split, and the pipeline's step is paced
 by the max (Narayanan et al. SC21 §3.3: the slowest stage sets the throughput).
 """
 from __future__ import annotations
@@ -42,6 +43,8 @@ class BalanceMeter:
         for action, start, end in events:
             if action.kind in (K.F, K.B, K.I, K.W):
                 self.durations[(action.stage, action.kind.name)].append((end - start) * 1e3)
+                per_stage[action.stage] += (end - start) * 1e3
+            elif action.kind in (K.S, K.T):  # the output layer's block: work of that rank too
                 per_stage[action.stage] += (end - start) * 1e3
         for s, t in per_stage.items():
             self.busy[s].append(t)
