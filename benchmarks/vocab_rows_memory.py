@@ -4,7 +4,8 @@
 
 The model of ``bench_runtime.py`` (HF GPT-2, 8 layers, h=256, V=50257, tied embedding
 and LM head), compiled in this process on the cost model (1F1B, m=8) with the
-whole and the blockwise cross-entropy. For every pipeline rank: the bytes of the
+whole and the blockwise cross-entropy, and with vocabulary passes (the output layer's
+block r on rank r, ``passes/vocab_head.py``). For every pipeline rank: the bytes of the
 parameters whose rows ``passes/vocab_rows.py`` split, as held before the pass (the
 whole tensor on every rank that reads it) and after (the rank's rows; the tied table's
 embedding lookup done by the rows' owners, ``passes/vocab_lookup.py``), against the
@@ -21,16 +22,18 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def measure(pp: int, split_loss: bool) -> list[str]:
+def measure(pp: int, split_loss: bool, vocab_passes: bool = False) -> list[str]:
     from bench_runtime import B_MICRO, M, workload
     from fxpipe.compiler import compile_pipeline
     from fxpipe.config import ParallelConfig
 
     model, batch, loss_fn = workload()
-    config = ParallelConfig(pp=pp, microbatches=M, costs="model", split_loss=split_loss).with_world(pp)
+    config = ParallelConfig(pp=pp, microbatches=M, costs="model", split_loss=split_loss,
+                            vocab_passes=vocab_passes).with_world(pp)
     c = compile_pipeline(model, tuple(t[:B_MICRO] for t in batch), config, loss_fn=loss_fn)
     plan, sched = c.plan, c.schedule
-    lines = [f"pp={pp}, {'blockwise' if split_loss else 'whole'} cross-entropy: "
+    how = "vocabulary passes" if vocab_passes else f"{'blockwise' if split_loss else 'whole'} cross-entropy"
+    lines = [f"pp={pp}, {how}: "
              f"rows {{{', '.join(f'{n}: {r.ranks}' for n, r in plan.row_shards.items())}}}"]
     if not plan.row_shards:
         return lines + ["  no parameter read only as row slices on some rank: nothing split"]
@@ -59,8 +62,8 @@ def main() -> None:
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
     for pp in args.pp:
-        for split_loss in (False, True):
-            print("\n".join(measure(pp, split_loss)), flush=True)
+        for split_loss, vocab_passes in ((False, False), (True, False), (False, True)):
+            print("\n".join(measure(pp, split_loss, vocab_passes)), flush=True)
 
 
 if __name__ == "__main__":
