@@ -55,7 +55,7 @@ from fxpipe.passes.recompute import apply_recompute
 from fxpipe.passes.split import split_pass
 from fxpipe.passes.split_loss import split_loss_pass
 from fxpipe.passes.split_matmul import split_matmul_pass
-from fxpipe.passes.vocab_head import head_nodes, vocab_head_pass
+from fxpipe.passes.vocab_head import head_nodes, vocab_head_pass, vocab_row_params
 from fxpipe.passes.vocab_rows import vocab_rows_pass
 from fxpipe.pipeline_plan import PipelinePlan
 from fxpipe.program import Program
@@ -155,7 +155,8 @@ def measure_costs_pass(program: Program, ctx: CompileContext) -> Program:
 def partition_step(program: Program, ctx: CompileContext) -> Program:
     config = program.partition_config or ctx.config.partition_config(ctx.schedule)
     if ctx.config.vocab_passes:  # the head runs on every rank's block: balance the stages without it
-        config = dataclasses.replace(config, elsewhere=head_nodes(program))
+        away = head_nodes(program)
+        config = dataclasses.replace(config, elsewhere=away, spread=vocab_row_params(program, away))
     return ctx.hooks.solve(program, config)
 
 

@@ -7,6 +7,7 @@ method (CP-SAT ILP by default) and writes ``Program.stages``.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -14,7 +15,7 @@ import networkx as nx
 
 from fxpipe.hardware import CPU, Hardware
 from fxpipe.partition import Method, PartitionError, PartitionProblem, PartitionResult, coarsen, partition
-from fxpipe.partition.memory_floor import gib
+from fxpipe.partition.memory_floor import MemoryLimitError, gib
 from fxpipe.passes.node_cost import VIEW_OPS
 from fxpipe.passes.split import side_values
 from fxpipe.program import ParamKind, Program
@@ -51,6 +52,11 @@ class PartitionConfig:
     """Nodes that run outside the stages (the LM head and its loss under vocabulary passes,
     ``passes/vocab_head.py``: split over every rank): no time, no parameter memory and no
     activation for the stage holding them; their outputs still cost their bytes if cut."""
+    spread: frozenset[str] = frozenset()
+    """Canonical names of parameters that every pipeline rank holds an even share of rows
+    of after ``vocab_rows`` (the LM head and its embedding table under vocabulary passes,
+    ``vocab_head.vocab_row_params``): their state is charged ceil(bytes / ranks) to every
+    rank rather than whole to the stage whose op reads them."""
     link: tuple[float, float] | None = None
     """Measured (latency s, bandwidth B/s) between pipeline ranks; None: the hardware's."""
     max_groups: int = 256
@@ -97,7 +103,7 @@ def build_problem_graph(program: Program, config: PartitionConfig) -> nx.DiGraph
             continue
         cost = program.costs[node.name]
         read = [params[a.name] for a in node.all_input_nodes if a.name in params]
-        static = sum(p.nbytes for p in read) * config.state_bytes_per_param_byte
+        static = sum(p.nbytes for p in read if p.canonical not in config.spread) * config.state_bytes_per_param_byte
         # Parameter *count* once per tensor (the DeepSpeed baseline balances counts).
         count = sum(p.numel for p in read if p.canonical not in counted)
         counted.update(p.canonical for p in read)
@@ -119,22 +125,44 @@ def build_problem_graph(program: Program, config: PartitionConfig) -> nx.DiGraph
     return g
 
 
+def spread_bytes_per_rank(program: Program, config: PartitionConfig) -> int:
+    """State bytes of ``config.spread`` that every pipeline rank holds: an even share."""
+    seen = {p.canonical: p.nbytes for p in program.params
+            if p.kind is ParamKind.PARAMETER and p.canonical in config.spread}
+    ranks = len(set(config.stage_to_rank))
+    return int(-(-sum(seen.values()) * config.state_bytes_per_param_byte // ranks))
+
+
 def solve_partition(program: Program, config: PartitionConfig) -> tuple[dict[str, int], PartitionResult]:
     """Stage of every compute node, and the solver's result on the coarse problem."""
     if not program.costs:
         raise ValueError("the partition pass needs costs: run the cost pass first")
     fine = build_problem_graph(program, config)
     coarse = coarsen(fine, config.max_groups)
+    # Rows every rank holds whatever the split: the solver sees the limit less them, and
+    # the result's per-rank memory has them added back.
+    base = spread_bytes_per_rank(program, config)
+    limit = config.memory_limit_bytes
+    if limit is not None and base >= limit:
+        raise ValueError(f"memory_limit_gb={limit / 2**30:.3g} is below the {gib(base)} of vocabulary rows "
+                         f"every rank holds under vocab_passes ({base} B per rank); raise the limit or add ranks")
     problem = PartitionProblem(graph=coarse.graph, num_stages=config.num_stages,
                                stage_to_rank=config.stage_to_rank, inflight=config.inflight,
-                               memory_limit_bytes=config.memory_limit_bytes,
+                               memory_limit_bytes=None if limit is None else limit - base,
                                bandwidth_bytes_per_s=config.link[1] if config.link else config.hardware.p2p_bw,
                                latency_s=config.link[0] if config.link else config.hardware.p2p_latency)
     options = {}
     if config.method is Method.ILP:
         options = dict(time_limit_s=config.time_limit_s, seed=config.seed,
                        num_workers=config.num_workers)
-    result = partition(problem, config.method, **options)
+    try:
+        result = partition(problem, config.method, **options)
+    except MemoryLimitError as e:
+        raise PartitionError(f"{e} (limits here exclude the {gib(base)} of vocabulary rows every rank "
+                             f"also holds)" if base else str(e)) from e
+    if base:
+        result = dataclasses.replace(result, rank_memory_bytes=tuple(b + base for b in result.rank_memory_bytes),
+                                     memory_limit_bytes=limit)
     if not result.fits_memory and not config.allow_over_limit:
         raise PartitionError(over_limit_message(result))
     return coarse.expand(result.stage_of), result

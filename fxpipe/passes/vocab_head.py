@@ -126,3 +126,27 @@ def _copy(gm: fx.GraphModule) -> fx.Graph:
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     return graph
+
+
+def vocab_row_params(program: Program, elsewhere: frozenset[str]) -> frozenset[str]:
+    """Canonical names of the trainable parameters that every pipeline rank holds an
+    even block of rows of under vocabulary passes, decided before the partition: the
+    weights the head nodes (``elsewhere``) read, split into one block per rank
+    (``VocabHead.blocks``), and each table that an embedding lookup of batch token ids
+    reads, which ``vocab_rows`` gives the head's rows when tied and splits evenly where
+    the head is split when untied (``passes/vocab_lookup.py``; vocabulary passes run at
+    tp=1 only). The partition charges their state evenly per rank instead of to the
+    stage that reads them (``PartitionConfig.spread``)."""
+    from fxpipe.passes.vocab_lookup import lookup_of
+
+    if not elsewhere:
+        return frozenset()
+    params = {p.node: p for p in program.params if p.kind is ParamKind.PARAMETER and p.requires_grad}
+    nodes = {n.name: n for n in program.graph.nodes}
+    out = {params[a.name].canonical for e in elsewhere for a in nodes[e].all_input_nodes if a.name in params}
+    batch = {nodes[name]: i for i, name in enumerate(program.inputs)}
+    for node in program.graph.nodes:
+        table = node.args[0] if node.op == "call_function" and node.args else None
+        if isinstance(table, fx.Node) and table.name in params and lookup_of(node, table, batch) is not None:
+            out.add(params[table.name].canonical)
+    return frozenset(out)

@@ -5,12 +5,15 @@ one-line refusals. Loss and gradients equal to one process are checked in the
 equivalence worlds (tests/runtime/test_equivalence.py), the checkpoint of the blocks in
 tests/runtime/test_checkpoint.py.
 """
+import math
+
 import pytest
 import torch
 import torch.nn as nn
 
 from fxpipe.compiler import compile_pipeline
 from fxpipe.config import ParallelConfig
+from fxpipe.program import ParamKind
 from fxpipe.schedules.ir import ActionKind
 from tests.runtime import _wide_vocab
 
@@ -81,3 +84,20 @@ def test_model_without_a_head_is_refused():
     config = ParallelConfig(pp=2, microbatches=2, costs="model", vocab_passes=True).with_world(2)
     with pytest.raises(ValueError, match="vocab_passes=True: no LM head found on the last stage"):
         compile_pipeline(_Regression(), (torch.randn(4, 8), torch.randn(4)), config)
+
+
+def test_partition_memory_counts_the_rows_each_rank_holds(compiled):
+    # Under vocabulary passes every rank holds one block of the tied table's rows, so the
+    # partition's per-rank parameter state (rank memory less its in-flight activations)
+    # is 4 x the bytes of the tensors the rank really holds, at their local shapes; it
+    # used to charge the whole table to the stage of the lookup and none to the others.
+    plan, result = compiled.plan, compiled.plan.program.partition
+    program = plan.program
+    trainable = {p.canonical: p for p in program.params if p.kind is ParamKind.PARAMETER and p.requires_grad}
+    for r in range(2):
+        specs = compiled.rank_specs(r)
+        held = [n for n in plan.rank_params(r, compiled.schedule.stages_of_rank(r)) if n in trainable]
+        real = sum(math.prod(specs[n].local_shape if n in specs else trainable[n].shape) *
+                   trainable[n].dtype.itemsize for n in held)
+        acts = sum(c.inflight * c.act_bytes for c in result.stages if c.rank == r)
+        assert result.rank_memory_bytes[r] - acts == 4 * real, r
