@@ -34,7 +34,7 @@ import torch.fx as fx
 from fxpipe.recompute_mode import RecomputeMode  # noqa: F401  (re-exported: the mode lives torch-free)
 
 from fxpipe.recompute_region import CheckpointedRegion
-from fxpipe.subgraph import copy_subgraph
+from fxpipe.subgraph import boundary, copy_subgraph
 from fxpipe.program import NodeCost, Program
 
 aten = torch.ops.aten
@@ -195,12 +195,7 @@ def _outline(gm: fx.GraphModule, nodes: list[fx.Node], name: str, layer: int,
     """Move ``nodes`` (graph order, convex) into a ``CheckpointedRegion`` submodule."""
     graph = gm.graph
     region = set(nodes)
-    inputs: list[fx.Node] = []
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if a not in region and a not in inputs:
-                inputs.append(a)
-    outputs = [n for n in nodes if any(u not in region for u in n.users)]
+    inputs, outputs = boundary(nodes)
     if not outputs:
         return None  # nothing reads it: dead code, left for the caller's DCE
 

@@ -58,3 +58,18 @@ def run_tp(program: Program, full_state, batch, tp: int) -> tuple[list[torch.Ten
 def compile_tp(name: str, tp: int, sp: bool = False, **kw) -> tuple[Program, Program, tuple]:
     base, batch = captured(name, **kw)
     return base, tensor_parallel_pass(base, TPConfig(tp=tp, sp=sp)), batch
+
+
+def capture_models(models: dict, vocab: int, seq: int, model_seed: int | None = None) -> dict:
+    """name -> (canonicalized capture, batch) for each ``models`` factory, all on one
+    batch of token ids and its next-token targets (``model_seed``: reseeded before each
+    model is built, so its weights do not depend on the models before it)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, vocab, (2, seq))
+    batch = (ids, ids.roll(-1, 1))
+    out = {}
+    for name, make in models.items():
+        if model_seed is not None:
+            torch.manual_seed(model_seed)
+        out[name] = (canonicalize_pass(fxpipe.capture(make(), batch)), batch)
+    return out

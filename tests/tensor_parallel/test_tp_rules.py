@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import fxpipe
 from fxpipe.passes import canonicalize_pass
 from fxpipe.passes.tensor_parallel import ShardKind, TPConfig, tensor_parallel_pass
+from tests.tensor_parallel._tp_helpers import capture_models
 from tests.tensor_parallel.test_tp_equivalence import _check
 
 V, T, H, HEADS = 64, 8, 32, 4
@@ -114,10 +115,7 @@ CASES = [(m, tp, False) for m in MODELS for tp in (2, 4)] + [(m, 2, True) for m 
 
 @pytest.fixture(scope="module")
 def programs():
-    torch.manual_seed(0)
-    ids = torch.randint(0, V, (2, T))
-    batch = (ids, ids.roll(-1, 1))
-    return {name: (canonicalize_pass(fxpipe.capture(cls(), batch)), batch) for name, cls in MODELS.items()}
+    return capture_models(MODELS, V, T)
 
 
 @pytest.mark.parametrize("name,tp,sp", CASES, ids=[f"{m}-tp{t}{'-sp' if s else ''}" for m, t, s in CASES])

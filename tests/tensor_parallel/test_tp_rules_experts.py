@@ -8,9 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fxpipe
-from fxpipe.passes import canonicalize_pass
 from fxpipe.passes.tensor_parallel import ShardKind, TPConfig, tensor_parallel_pass
+from tests.tensor_parallel._tp_helpers import capture_models
 from tests.tensor_parallel.test_tp_equivalence import _check
 from tests.tensor_parallel.test_tp_rules import HEADS, D, H, T, V, ExpertModules, _LM, _RMSNorm
 
@@ -163,14 +162,7 @@ CASES = [(m, tp) for m in MODELS for tp in (2, 4)]
 @pytest.fixture(scope="module")
 def programs():
     pytest.importorskip("transformers.integrations.moe")  # registers transformers::grouped_mm_fallback
-    torch.manual_seed(0)
-    ids = torch.randint(0, V, (2, T))
-    batch = (ids, ids.roll(-1, 1))
-    out = {}
-    for name, make in MODELS.items():
-        torch.manual_seed(1)
-        out[name] = (canonicalize_pass(fxpipe.capture(make(), batch)), batch)
-    return out
+    return capture_models(MODELS, V, T, model_seed=1)
 
 
 @pytest.mark.parametrize("name,tp", CASES, ids=[f"{m}-tp{t}" for m, t in CASES])

@@ -116,6 +116,7 @@ def test_ops_the_rewrite_adds_inside_an_autocast_block_run_in_it():
     losses, _ = run_tp(program, base.state, batch, 2)
     assert all(abs(loss.item() - ref_loss.item()) < 1e-3 * ref_loss.item() for loss in losses)
 
+
 class SlidingWindowWrite(_LM):
     """Matmul attention whose window mask is written in place, ``att[:, :, mask] = -inf``
     (``index_put`` once functional), as the zoo's sliding-window GPT does."""

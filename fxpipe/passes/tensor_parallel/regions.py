@@ -40,6 +40,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxpipe.passes.canonicalize import _ASSERTS  # dropped from the bodies as from the graph
 from fxpipe.program import Program
+from fxpipe.subgraph import boundary
 
 aten = torch.ops.aten
 SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
@@ -188,12 +189,7 @@ def close_regions(gm: fx.GraphModule, paths: dict[str, str], layers: dict[str, i
 
 def _outline(gm: fx.GraphModule, run: list[fx.Node], paths: dict[str, str], layers: dict[str, int]) -> None:
     members = set(run)
-    inputs: list[fx.Node] = []
-    for node in run:
-        for a in node.all_input_nodes:
-            if a not in members and a not in inputs:
-                inputs.append(a)
-    outputs = [n for n in run if any(u not in members for u in n.users)]
+    inputs, outputs = boundary(run)
     root = torch.nn.Module()
     body = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
