@@ -22,6 +22,7 @@ whole local batch's embeddings, ``m·b·s·h``), and each owner its part's ids.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -52,7 +53,7 @@ class VocabLookups:
     """This rank's part in every ``VocabLookup`` of the plan (module docstring)."""
 
     def __init__(self, plan: PipelinePlan, schedule: Schedule, groups: MeshGroups,
-                 state: dict[str, torch.Tensor], device: torch.device, transport: Transport | None = None) -> None:
+                 state: dict[str, torch.Tensor], device: torch.device, transport: Transport) -> None:
         self.groups, self.state, self.device = groups, state, device
         self.transport = transport
         """Waits on the collectives with the step's timeout and names the peer on a stall."""
@@ -84,7 +85,7 @@ class VocabLookups:
                     lk.parts = [self._part(lk, mb[lk.plan.batch_input]) for mb in microbatches]
                 flat = torch.cat([p.detach().reshape(-1) for p in lk.parts])
             else:
-                flat = torch.zeros(len(microbatches) * _numel(spec.shape), dtype=spec.dtype, device=self.device)
+                flat = torch.zeros(len(microbatches) * math.prod(spec.shape), dtype=spec.dtype, device=self.device)
             mine = lk.consumer == self.groups.rank
             self._wait(dist.reduce(flat, dst=lk.consumer, group=self.groups.pp_group, async_op=True), lk,
                        "receiving" if mine else "sending")
@@ -93,9 +94,6 @@ class VocabLookups:
     def _wait(self, work, lk: _Lookup, doing: str) -> None:
         """Wait for a lookup's collective; a stall names the peer: the consuming rank for
         the others, an owner (the first other one) for the consuming rank."""
-        if self.transport is None:
-            work.wait()
-            return
         mine = lk.consumer == self.groups.rank
         others = [r for r in self.owners[lk.plan.name] if r != self.groups.rank] or [self.groups.rank]
         peer = others[0] if mine else lk.consumer
@@ -132,16 +130,10 @@ class VocabLookups:
                 assert sorted(lk.grads) == list(range(m)), f"lookup {lk.plan.name}: gradients of {sorted(lk.grads)}"
                 flat = torch.cat([lk.grads[i].reshape(-1) for i in range(m)])
             else:
-                flat = torch.empty(m * _numel(spec.shape), dtype=spec.dtype, device=self.device)
+                flat = torch.empty(m * math.prod(spec.shape), dtype=spec.dtype, device=self.device)
             self._wait(dist.broadcast(flat, src=lk.consumer, group=self.groups.pp_group, async_op=True), lk,
                        "sending the gradient of" if lk.consumer == self.groups.rank else "receiving the gradient of")
             if lk.parts:
                 torch.autograd.backward(lk.parts, [g.view(spec.shape) for g in flat.chunk(len(lk.parts))])
             lk.parts, lk.grads, lk.results = [], {}, []
 
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
