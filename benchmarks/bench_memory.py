@@ -58,6 +58,8 @@ def _worker(rank: int, world: int, port: int, out: str, layout: dict, args: argp
     start = time.perf_counter()
     w = build_workload(args.model, batch=rows, seq=args.seq, device="meta" if args.meta else "cpu")
     options = dict(zero=1) if layout["zero"] else {}
+    if layout["vocab"]:  # the LM head and embedding's rows owned by every pipeline rank
+        options["vocab_passes"] = True
     pm = fxpipe.parallelize(w.model, tp=layout["tp"], pp=layout["pp"], dp=layout["dp"],
                             microbatches=args.microbatches, example_inputs=batch, loss_fn=w.loss_fn,
                             partition=args.partition, costs=args.costs, timeout_s=1800, device=torch.device("cpu"), **options)
@@ -86,7 +88,10 @@ def _run(layout: dict, args: argparse.Namespace) -> list[dict]:
 def _parse(text: str) -> dict:
     parts = text.split(",")
     tp, pp, dp = (int(p) for p in parts[:3])
-    return dict(tp=tp, pp=pp, dp=dp, zero="zero" in parts[3:], name=text)
+    unknown = set(parts[3:]) - {"zero", "vocab"}
+    if unknown:
+        raise SystemExit(f"layout {text!r}: unknown flag(s) {sorted(unknown)}; use tp,pp,dp[,zero][,vocab]")
+    return dict(tp=tp, pp=pp, dp=dp, zero="zero" in parts[3:], vocab="vocab" in parts[3:], name=text)
 
 
 def main() -> int:
@@ -98,7 +103,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--meta", action="store_true", help="build the model on the meta device")
     ap.add_argument("--threads", type=int, default=1, help="threads per process (0: cores / processes)")
-    ap.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, help="tp,pp,dp[,zero] ...")
+    ap.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, help="tp,pp,dp[,zero][,vocab] ... (vocab: vocab_passes=True)")
     ap.add_argument("--partition", default="uniform",
                     help="uniform (default: fixed cuts, no profiling) or ilp (parallelize's default: "
                          "each rank times its share of the graph first)")

@@ -125,7 +125,6 @@ class ParallelConfig:
             # One-line refusals where the passes cannot apply (the model's head is checked
             # by the compiler, passes/vocab_head.py).
             for bad, why in ((self.pp < 2, f"pp={self.pp}: they split the head over pipeline ranks, use pp >= 2"),
-                             (self.tp > 1, f"tp={self.tp}: not built under tensor parallelism, use tp=1"),
                              (self.split_loss, "split_loss=True: both split the head; pick one"),
                              (self.compile, "compile=True: the head's blocks run eagerly; use compile=False"),
                              (self.ep > 1, f"ep={self.ep}: not built with expert parallelism, use ep=1")):

@@ -106,6 +106,10 @@ class VocabLookup:
     """Shape and dtype of the result (one microbatch)."""
     padding_idx: int = -1
     """The embedding's padding row (its gradient stays zero); -1: none."""
+    vocab_parallel: bool = False
+    """The lookup was tensor-parallel (``fxpipe_tp.vocab_parallel_embedding``): the table's
+    rows are one TP rank's, token t is row t - tp_rank·rows of them, and the result is
+    that rank's partial sum (the stage sums it over the TP group, as before)."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,12 @@ class VocabHead:
     """``split_loss.Reduction``: MEAN or SUM."""
     ignore_index: int
     blocks: tuple[tuple[int, int], ...]
-    """Per pipeline rank, the vocabulary rows [start, stop) of its block."""
+    """Per pipeline rank, the vocabulary rows [start, stop) of its block (of the weight's
+    tensor-parallel local rows under tp > 1)."""
+    vocab_size: int | None = None
+    """Under tensor parallelism (the loss was ``fxpipe_tp.vocab_parallel_cross_entropy``):
+    the unpadded vocabulary; TP rank t's rows are classes t·rows.. of it, padding rows are
+    masked, and the softmax statistics are reduced over the TP group too. None: tp = 1."""
 
 
 @dataclass(frozen=True)

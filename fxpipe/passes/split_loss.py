@@ -61,6 +61,7 @@ from fxpipe.passes.split import side_values
 from fxpipe.passes.split_matmul import MatmulSplit, call
 from fxpipe.loss_chain import ChainKind, ChainOp, Reduction
 from fxpipe.program import Program
+from fxpipe.tp.ops import OPS
 
 aten = torch.ops.aten
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -101,6 +102,9 @@ class _Match:
     target: fx.Node
     reduction: Reduction
     ignore_index: int
+    vocab_size: int | None = None
+    """The vocabulary-parallel cross-entropy's (unpadded) vocabulary: the logits are one
+    tensor-parallel rank's columns. None: an ATen cross-entropy of whole logits."""
 
 
 def _bound(node: fx.Node) -> dict[str, Any]:
@@ -140,8 +144,11 @@ def _chain_op(cur: fx.Node, user: fx.Node) -> ChainOp | None:
     return None
 
 
-def _match(cat: fx.Node) -> _Match | None:
-    """The cross-entropy that ``cat``'s logits reach through a chain of ChainOps."""
+def _match(cat: fx.Node, vocab_parallel: bool = False) -> _Match | None:
+    """The cross-entropy that ``cat``'s logits reach through a chain of ChainOps. With
+    ``vocab_parallel``, also the tensor-parallel pass's vocabulary-parallel cross-entropy
+    (``fxpipe_tp.vocab_parallel_cross_entropy``; the vocabulary passes run it per block,
+    the blockwise loss here does not)."""
     cur, chain, removed = cat, [], [cat]
     while len(cur.users) == 1:
         user = next(iter(cur.users))
@@ -164,6 +171,12 @@ def _match(cat: fx.Node) -> _Match | None:
             return None
         loss, target = user, a["target"]
         removed.append(user)
+    elif vocab_parallel and user.target is OPS.vocab_parallel_cross_entropy.default:
+        logits_arg, target, vocab_size, ignore_index, reduction = user.args
+        if logits_arg is not cur or tuple(target.meta["val"].shape) != (logits.shape[0],):
+            return None
+        return _Match(chain=tuple(chain), removed=(*removed, user), loss=user, target=target,
+                      reduction=Reduction(reduction), ignore_index=int(ignore_index), vocab_size=int(vocab_size))
     elif user.target in _LOG_SOFTMAX and user.args[1] in (-1, 1) and len(user.users) == 1:
         ls = _bound(user)
         if ls.get("half_to_float") or ls.get("dtype") is not None:

@@ -90,7 +90,7 @@ def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelineP
     still = {canon[p] for p in keep}
     param_stages = {n: tuple(s for s in ss if s != last or n in still) for n, ss in plan.param_stages.items()}
     head = VocabHead(weight=weight, hidden=hidden, target=target_name, chain=m.chain, reduction=int(m.reduction),
-                     ignore_index=m.ignore_index,
+                     ignore_index=m.ignore_index, vocab_size=m.vocab_size,
                      blocks=tuple((r * rows // pp, (r + 1) * rows // pp) for r in range(pp)))
     stages = plan.stages[:last] + (stage,)
     return dataclasses.replace(plan, stages=stages, values=values, param_stages=param_stages, vocab_head=head)
@@ -106,7 +106,7 @@ def _find(graph: fx.Graph, is_weight, loss: fx.Node | None):
         w = node.args[1]
         if not is_weight(w) or (len(node.args) > 2 and node.args[2] is not None):
             continue
-        m = _match(node)
+        m = _match(node, vocab_parallel=True)
         if m is not None and (m.loss is loss if loss is not None else out in m.loss.users):
             return node, w, m
     return None

@@ -15,7 +15,11 @@ so the tied gradient sum becomes local.
 
 Recognised by structure: ``aten.embedding(w, ids)`` (no ``scale_grad_by_freq``, not
 sparse) whose ``ids`` are a batch input through value-preserving ops (views, copies),
-where ``w`` is a trainable parameter placeholder.
+where ``w`` is a trainable parameter placeholder. Under tensor parallelism the lookup is
+the TP pass's ``fxpipe_tp.vocab_parallel_embedding(w, ids, padding_idx)`` of the TP
+rank's rows, whose partial result the stage then sums over the TP group: the owners
+(pipeline ranks of that TP rank) compute that partial result instead, so the two
+reductions compose (pipeline ranks by the lookup, TP ranks by the stage, as before).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch.fx as fx
 from fxpipe.pipeline_plan import PipelinePlan, Stage, VocabLookup
 from fxpipe.program import TensorSpec
 from fxpipe.subgraph import copy_subgraph
+from fxpipe.tp.ops import OPS
 from fxpipe.vocab import VALUE_PRESERVING
 
 aten = torch.ops.aten
@@ -36,11 +41,18 @@ aten = torch.ops.aten
 def lookup_of(user: fx.Node, table: fx.Node, batch: dict[fx.Node, int]) -> tuple[int, list[fx.Node]] | None:
     """(batch input index, the value-preserving ops from it to the ids, in order) when
     ``user`` is an embedding lookup of ``table`` by token ids read from the batch."""
-    if user.op != "call_function" or user.target is not aten.embedding.default or user.args[0] is not table:
+    if user.op != "call_function" or not user.args or user.args[0] is not table or user.kwargs:
         return None
-    args = list(user.args) + [-1, False, False][len(user.args) - 2:]
-    if user.kwargs or table in args[1:] or args[3] or args[4]:
-        return None  # frequency-scaled or sparse gradients: each owner would count differently
+    if user.target is OPS.vocab_parallel_embedding.default:  # (weight, ids, padding_idx)
+        args = list(user.args)
+    elif user.target is aten.embedding.default:
+        args = list(user.args) + [-1, False, False][len(user.args) - 2:]
+        if args[3] or args[4]:
+            return None  # frequency-scaled or sparse gradients: each owner would count differently
+    else:
+        return None
+    if table in args[1:]:
+        return None
     chain: list[fx.Node] = []
     node = args[1]
     while isinstance(node, fx.Node) and node not in batch:
@@ -99,7 +111,8 @@ def outline_lookups(plan: PipelinePlan, stage: int, tables: Sequence[str]) -> tu
             made.append(VocabLookup(name=node.name, table=table, stage=stage, batch_input=batch_index,
                                     ids=fx.GraphModule(torch.nn.Module(), ids_graph),
                                     spec=TensorSpec(tuple(int(d) for d in val.shape), val.dtype),
-                                    padding_idx=int(padding)))
+                                    padding_idx=int(padding),
+                                    vocab_parallel=node.target is OPS.vocab_parallel_embedding.default))
             with graph.inserting_after(last):
                 ph = graph.placeholder(f"{node.name}_lookup")
             ph.meta = {"val": val}

@@ -138,22 +138,22 @@ def vocab_rows_pass(plan: PipelinePlan, stage_ranks: Sequence[int], specs: Mappi
     head = plan.vocab_head  # the LM head cut off the last stage: rank r reads its block r
     blocks = {head.weight: [set(range(a, b)) for a, b in head.blocks]} if head is not None else {}
     _add(held, blocks, pp)
-    looked: dict[str, tuple[int, ...]] = {}
-    if tp == 1:  # under tp > 1 the table's lookup is the tensor-parallel one (masked by tp rank)
-        looked = _lookup_stages(plan, rows_of)
-        sub = {c: rows_of[c] for c in looked}
-        with_lookups = _held(plan, stage_ranks, sub, pp, lookups=True)
-        _add(with_lookups, {c: b for c, b in blocks.items() if c in looked}, pp)
-        others_split = any(_splits(r, rows_of[n]) for n, r in held.items() if n not in looked)
-        for c in list(looked):
-            per_rank = with_lookups[c]  # what its other reads need: a tied head's blocks, or all of it
-            consumer = stage_ranks[min(looked[c])]
-            if len(per_rank[consumer]) == rows_of[c] or not (any(per_rank) or others_split):
-                # The consuming rank holds every row anyway (its head), or nothing else is
-                # split (an untied table alone): the lookup stays in the stage.
-                del looked[c]
-                continue
-            held[c] = _owners(per_rank, rows_of[c], consumer, any(per_rank))
+    # Under tp > 1 the lookups are the TP pass's vocabulary-parallel ones, of each TP
+    # rank's rows: the owners split those further (passes/vocab_lookup.py).
+    looked = _lookup_stages(plan, rows_of)
+    sub = {c: rows_of[c] for c in looked}
+    with_lookups = _held(plan, stage_ranks, sub, pp, lookups=True)
+    _add(with_lookups, {c: b for c, b in blocks.items() if c in looked}, pp)
+    others_split = any(_splits(r, rows_of[n]) for n, r in held.items() if n not in looked)
+    for c in list(looked):
+        per_rank = with_lookups[c]  # what its other reads need: a tied head's blocks, or all of it
+        consumer = stage_ranks[min(looked[c])]
+        if len(per_rank[consumer]) == rows_of[c] or not (any(per_rank) or others_split):
+            # The consuming rank holds every row anyway (its head), or nothing else is
+            # split (an untied table alone): the lookup stays in the stage.
+            del looked[c]
+            continue
+        held[c] = _owners(per_rank, rows_of[c], consumer, any(per_rank))
     row_shards = {}
     for c, per_rank in sorted(held.items()):
         if c not in looked and not _splits(per_rank, rows_of[c]):

@@ -12,7 +12,10 @@ it; here the owners of the table's rows do it, once per step, outside the schedu
   group gives it to every owner, which runs its own part's backward, so autograd builds
   the gradient of its rows only (the fp32-master hooks fire as for any gradient).
 
-Every rank reads the batch, so every owner has the ids. Both collectives run on the
+Every rank reads the batch, so every owner has the ids. Under tensor parallelism the
+lookup is one TP rank's vocabulary-parallel one (``VocabLookup.vocab_parallel``): the
+pipeline ranks of each TP rank sum their parts of its rows, and the stage sums the TP
+ranks' results as it did. Both collectives run on the
 existing pipeline group (its timeout), at the same two points of every step, in the
 plan's lookup order on every rank: nothing can interleave with the schedule's sends.
 Each row is looked up by one rank only (the lowest holder), so the sum adds zeros to
@@ -104,11 +107,15 @@ class VocabLookups:
     def _part(self, lk: _Lookup, batch: torch.Tensor) -> torch.Tensor:
         """This rank's rows' share of the lookup: zeros where another rank owns the id."""
         assert lk.owned is not None
-        ids = lk.plan.ids(batch)
-        local = lk.owned[ids]
+        ids, pad = lk.plan.ids(batch), lk.plan.padding_idx
+        rows = lk.owned.shape[0]
+        if lk.plan.vocab_parallel:  # the TP rank's rows: token t is its row t - tp_rank·rows
+            ids, pad = ids - self.groups.tp_rank * rows, pad - self.groups.tp_rank * rows
+        inside = (ids >= 0) & (ids < rows)
+        local = torch.where(inside, lk.owned[ids.clamp(0, rows - 1)], -1)
         hit = local >= 0
         table = self.state[lk.plan.table]
-        pad = int(lk.owned[lk.plan.padding_idx]) if lk.plan.padding_idx >= 0 else -1
+        pad = int(lk.owned[pad]) if lk.plan.padding_idx >= 0 and 0 <= pad < rows else -1
         out = torch.ops.aten.embedding(table, local.clamp(min=0), pad)
         return torch.where(hit.unsqueeze(-1), out, out.new_zeros(()))
 

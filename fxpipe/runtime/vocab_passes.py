@@ -61,6 +61,13 @@ class VocabPasses:
         self.head, self.groups, self.device, self.transport = head, groups, device, transport
         self.weight = state[head.weight]  # rank r's rows: block r
         self.start, self.stop = head.blocks[groups.pp_rank]
+        # Under TP the blocks are of this TP rank's rows, classes tp_rank·rows.. of the
+        # vocabulary; the statistics are reduced over the TP group too.
+        self.first = self.start + groups.tp_rank * head.blocks[-1][1] if head.vocab_size is not None else self.start
+        """The vocabulary index of the block's first row."""
+        self.padding = 0 if head.vocab_size is None else max(0, self.first + self.stop - self.start - head.vocab_size)
+        """The block's last rows past the vocabulary (TP padding): never a class."""
+        self.reduce_groups = [groups.pp_group] + ([groups.tp_group] if head.vocab_size is not None else [])
         assert self.weight.shape[0] == self.stop - self.start, (self.weight.shape, head.blocks)
         self.source = groups.pp_peer(schedule.stage_to_rank(plan.num_stages - 1))
         self.is_source = self.source == groups.rank
@@ -106,23 +113,32 @@ class VocabPasses:
             cur = replay(self.head.chain, torch.nn.functional.linear(m.hidden, self.weight), width)
         m.logits = cur
         with torch.no_grad():
-            logits = cur.detach().float()
+            logits = self._masked(cur.detach().float())
             top = logits.max(-1).values
-            sumexp = torch.exp(logits - top.unsqueeze(-1)).sum(-1)
-            local = m.target - self.start
+            # a block of padding only: no class, sum-exp 0 (its max, -inf, loses the max)
+            sumexp = torch.exp(logits - torch.where(top == float("-inf"), 0.0, top).unsqueeze(-1)).sum(-1)
+            local = m.target - self.first
             inside = (local >= 0) & (local < width)
             picked = logits.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
             m.stats = torch.stack([top, sumexp, torch.where(inside, picked, 0.0)])
+
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with the TP padding rows' columns at -inf (they never win)."""
+        if self.padding:
+            logits = logits.clone()  # not the autograd graph's tensor
+            logits[..., logits.shape[-1] - self.padding:] = float("-inf")
+        return logits
 
     def allreduce_s(self, mb: int) -> None:
         """Online softmax over the ranks' blocks; the loss on every rank."""
         m = self.micro[mb]
         top = m.stats[0].clone()
-        self._wait(dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.groups.pp_group, async_op=True),
-                   "all-reducing the softmax maxima", mb)
+        for group in self.reduce_groups:  # pipeline ranks, then TP ranks: the max of all blocks
+            self._wait(dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group, async_op=True),
+                       "all-reducing the softmax maxima", mb)
         both = torch.stack([m.stats[1] * torch.exp(m.stats[0] - top), m.stats[2]])
-        self._wait(dist.all_reduce(both, group=self.groups.pp_group, async_op=True),
-                   "all-reducing the softmax sums", mb)
+        for group in self.reduce_groups:
+            self._wait(dist.all_reduce(both, group=group, async_op=True), "all-reducing the softmax sums", mb)
         m.stats = torch.stack([top, both[0], both[1]])
         valid = m.target != self.head.ignore_index
         per = torch.where(valid, top + torch.log(both[0]) - both[1], 0.0)
@@ -140,10 +156,10 @@ class VocabPasses:
             scale = scale / valid.sum().clamp(min=1)
         weight = valid.to(torch.float32) * scale
         with torch.no_grad():
-            logits = m.logits.detach().float()
+            logits = self._masked(m.logits.detach().float())
             grad = torch.exp(logits - top.unsqueeze(-1)) / total.unsqueeze(-1)
             width = self.stop - self.start
-            local = m.target - self.start
+            local = m.target - self.first
             inside = ((local >= 0) & (local < width)).to(grad.dtype)
             grad.scatter_add_(-1, local.clamp(0, width - 1).unsqueeze(-1), -inside.unsqueeze(-1))
             grad = (grad * weight.unsqueeze(-1)).to(m.logits.dtype)

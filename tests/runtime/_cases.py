@@ -98,7 +98,8 @@ def _train_case(parallelize, simulate, rank: int, case: dict) -> dict:
                   scatter_gather=pm.executor.transport.scatter_gather is not None,
                   rows={n: r.ranks for n, r in pm.plan.row_shards.items()},
                   lookups=sorted({lk.table for lk in pm.plan.lookups}),
-                  held={n: tuple(t.shape) for n, t in pm.state.items() if n in pm.plan.row_shards})
+                  held={n: tuple(t.shape) for n, t in pm.state.items() if n in pm.plan.row_shards},
+                  pp_rank=pm.groups.pp_rank)
     full = pm.full_state_dict()
     if rank == 0:
         result["params"] = full

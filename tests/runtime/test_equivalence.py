@@ -14,6 +14,7 @@ MODELS = ["gpt-tiny", "hf:gpt2", "hf:llama"]
 SHARED = "tests.runtime._shared_weights:workload"  # a weight applied in two stages
 WIDE = "tests.runtime._wide_vocab:workload"  # an untied LM head cut into blocks over both stages
 TIED = "tests.runtime._wide_vocab:workload_tied"  # the same, its head tied to the embedding (GPT-2)
+TIED_ODD = "tests.runtime._wide_vocab:workload_tied_odd"  # tied, a vocabulary tp=2 does not divide
 EXPERTS = "tests.runtime._ep_cases:workload"  # a dropless MoE with stacked experts run by grouped_mm
 SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("zb-h1", None)]
 # Models written outside transformers (fxpipe/models/zoo), each at pp=2 and tp=2 (in the
@@ -85,7 +86,13 @@ def _world4_cases():
             dict(model=TIED, pp=4, schedule="zb-h1", vocab_passes=True, rows=True),
             # dp=2 × pp=2: each replica's vocabulary passes on its own pp group, the blocks'
             # gradients averaged over the replicas; interleaved (two stages per rank).
-            dict(model=WIDE, pp=2, schedule="interleaved", chunks=2, vocab_passes=True)]
+            dict(model=WIDE, pp=2, schedule="interleaved", chunks=2, vocab_passes=True),
+            # tp=2 × pp=2: each TP rank's rows split over the pipeline (the statistics reduced
+            # over both groups); tied with a padded vocabulary, untied with zero-bubble, and
+            # with sequence parallelism (the head's input gathered over the sequence).
+            dict(model=TIED_ODD, pp=2, tp=2, schedule="1f1b", vocab_passes=True),
+            dict(model=WIDE, pp=2, tp=2, schedule="zb-h1", vocab_passes=True),
+            dict(model="hf:llama", pp=2, tp=2, sp=True, schedule="interleaved", chunks=2, vocab_passes=True)]
     # Expert parallelism over half the data-parallel ranks (dp=4, ep=2): the experts' gradients
     # summed over the two ranks holding the same experts (runtime/experts.py); and under a
     # pipeline (dp=2 × pp=2), the experts' stage dispatching in every microbatch's F and B.
@@ -104,7 +111,7 @@ def _id(c):
 
 @pytest.fixture(scope="module")
 def references():
-    return {m: reference(m) for m in (*MODELS, SHARED, WIDE, TIED, EXPERTS, *ZOO_MODELS)}
+    return {m: reference(m) for m in (*MODELS, SHARED, WIDE, TIED, TIED_ODD, EXPERTS, *ZOO_MODELS)}
 
 
 @pytest.fixture(scope="module")
@@ -151,19 +158,21 @@ def _check(results_by_rank, index, references):
     if case.get("tp", 1) > 1 and case["pp"] > 1 and not case.get("sp") and case["model"] in MODELS:
         # Scatter-gather is on by default and the residual stream qualifies (SC21 §4.1).
         assert rank0["scatter_gather"] and rank0["chunked"] > 0
-    if case.get("rows"):
+    if case.get("rows") or case.get("vocab_passes"):
         # The head's rows are split over the ranks, and each rank holds exactly its rows
-        # (the rows cases are pipeline-only: global rank = pipeline rank).
+        # (of its tensor-parallel shard under tp > 1: the vocabulary padded to a multiple of tp).
         assert rank0["rows"], "no parameter had its rows split over pipeline ranks"
+        tp = case.get("tp", 1)
         if case.get("vocab_passes"):  # rank r holds block r of the vocabulary, of every split table
-            v, pp = ref_params[next(iter(rank0["rows"]))].shape[0], case["pp"]
+            v, pp = -(-ref_params[next(iter(rank0["rows"]))].shape[0] // tp), case["pp"]
             blocks = tuple(((r * v // pp, (r + 1) * v // pp),) for r in range(pp))
             assert all(ranks == blocks for ranks in rank0["rows"].values()), rank0["rows"]
         for name, ranks in rank0["rows"].items():
-            assert min(sum(b - a for a, b in held) for held in ranks) < ref_params[name].shape[0]
-        for pp_rank, rank_results in enumerate(results_by_rank):
-            for name, shape in rank_results[index]["held"].items():
-                assert shape[0] == sum(b - a for a, b in rank0["rows"][name][pp_rank]), (name, pp_rank)
+            assert min(sum(b - a for a, b in held) for held in ranks) < ref_params[name].shape[0] // tp
+        for rank_results in results_by_rank:
+            r = rank_results[index]
+            for name, shape in r["held"].items():
+                assert shape[0] == sum(b - a for a, b in rank0["rows"][name][r["pp_rank"]]), (name, r["pp_rank"])
         # The embedding table is looked up by its rows' owners: the first rank, whose stage
         # reads the lookup, holds only its rows of it (before: the whole table).
         assert rank0["lookups"], "the embedding was not looked up by its rows' owners"
