@@ -3,7 +3,7 @@
     python benchmarks/bench_memory.py [--model gpt2-medium] [--seq 64] [--steps 2]
     python benchmarks/bench_memory.py --model gpt-1.7b --layouts 2,2,1 --meta
 
-For each (tp, pp, dp[, zero]) layout it spawns tp·pp·dp gloo processes (1 thread
+For each (tp, pp, dp[, zero][, vocab]) layout it spawns tp·pp·dp gloo processes (1 thread
 each) that build the model (``--meta``: on the meta device, materialised by fxpipe
 shard by shard), ``fxpipe.parallelize`` it, and train ``--steps`` AdamW steps; each
 reports its peak resident set size (``ru_maxrss``: everything the process ever held,
@@ -21,6 +21,7 @@ import os
 import platform
 import resource
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -65,6 +66,7 @@ def _worker(rank: int, world: int, port: int, out: str, layout: dict, args: argp
                             partition=args.partition, costs=args.costs, timeout_s=1800, device=torch.device("cpu"), **options)
     del w
     built = time.perf_counter() - start
+    built_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # what building alone reached
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
     losses = []
     for _ in range(args.steps):
@@ -73,7 +75,8 @@ def _worker(rank: int, world: int, port: int, out: str, layout: dict, args: argp
     local = sum(t.numel() for t in pm.state.values())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump(dict(rank=rank, peak=peak, losses=losses, local_elements=local, build_s=built), f)
+        json.dump(dict(rank=rank, peak=peak, built_peak=built_peak, losses=losses, local_elements=local,
+                       build_s=built), f)
     torch.distributed.destroy_process_group()
 
 
@@ -108,17 +111,28 @@ def main() -> int:
                     help="uniform (default: fixed cuts, no profiling) or ilp (parallelize's default: "
                          "each rank times its share of the graph first)")
     ap.add_argument("--costs", default="measure", help="measure or model (what the ilp balances)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds over the layouts (interleaved); medians are reported")
     ap.add_argument("--out", default=os.path.join(RESULTS, "memory"))
     args = ap.parse_args()
+    runs: dict[str, list[list[dict]]] = {text: [] for text in args.layouts}
+    layouts = {text: _parse(text) for text in args.layouts}
+    for r in range(args.repeats):  # interleaved rounds: a drift of the machine hits every layout
+        for text, layout in layouts.items():
+            t = time.perf_counter()
+            runs[text].append(_run(layout, args))
+            print(f"round {r + 1}/{args.repeats} {text}: peaks (GiB) "
+                  f"{[round(x['peak'] / 2**30, 2) for x in runs[text][-1]]}, {time.perf_counter() - t:.0f} s", flush=True)
     rows = []
-    for text in args.layouts:
-        layout = _parse(text)
-        t = time.perf_counter()
-        per_rank = _run(layout, args)
-        peak = max(r["peak"] for r in per_rank)
-        rows.append(dict(layout=text, world=len(per_rank), peak_gib=peak / 2**30,
-                         peaks_gib=[round(r["peak"] / 2**30, 2) for r in per_rank],
-                         loss=per_rank[0]["losses"], seconds=time.perf_counter() - t))
+    for text, done in runs.items():
+        # Per rank the median over rounds; the layout's peak is the median of each round's worst.
+        per_rank = [statistics.median(run[i]["peak"] for run in done) for i in range(len(done[0]))]
+        rows.append(dict(layout=text, world=len(per_rank),
+                         peak_gib=statistics.median(max(x["peak"] for x in run) for run in done) / 2**30,
+                         peaks_gib=[round(p / 2**30, 2) for p in per_rank],
+                         rounds_gib=[round(max(x["peak"] for x in run) / 2**30, 2) for run in done],
+                         built_gib=[round(x["built_peak"] / 2**30, 2) for x in done[-1]],
+                         elements=[x["local_elements"] for x in done[-1]], loss=done[-1][0]["losses"]))
         print(rows[-1], flush=True)
     ref = next((r for r in rows if r["layout"] == "1,1,1"), None)
     lines = [f"# Peak resident memory per process: {args.model}, seq {args.seq}, "
@@ -126,13 +140,18 @@ def main() -> int:
              f"{', built on meta' if args.meta else ''}, partition {args.partition}"
              f"{', costs ' + args.costs if args.partition in ('ilp', 'dp') else ''}", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo, "
-             f"{args.threads or 'cores/processes'} thread(s) per process. Ratio = largest per-process peak / (one-process peak / world size).", "",
-             "| tp,pp,dp | processes | peak per process (GiB) | largest | ratio to ideal share | losses |",
-             "|---|---|---|---|---|---|"]
+             f"{args.threads or 'cores/processes'} thread(s) per process. Ratio = largest per-process peak / "
+             f"(one-process peak / world size); medians of {args.repeats} interleaved round(s) (largest: each "
+             f"round's worst process; `vocab`: vocab_passes=True).", "",
+             "| tp,pp,dp | processes | peak per process (GiB) | largest | rounds' largest | ratio to ideal share | "
+             "parameter elements per process | losses |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['peak_gib'] / (ref['peak_gib'] / r['world']):.2f}" if ref else "n/a"
         lines.append(f"| {r['layout']} | {r['world']} | {', '.join(map(str, r['peaks_gib']))} | "
-                     f"{r['peak_gib']:.2f} | {ratio} | {', '.join(f'{x:.4f}' for x in r['loss'])} |")
+                     f"{r['peak_gib']:.2f} | {', '.join(map(str, r['rounds_gib']))} | {ratio} | "
+                     f"{', '.join(f'{e / 1e6:.1f}M' for e in r['elements'])} | "
+                     f"{', '.join(f'{x:.4f}' for x in r['loss'])} |")
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -65,7 +65,8 @@ class ParallelConfig:
     vocab_passes: bool = False
     """Run the LM head and its cross-entropy as vocabulary passes (``schedules/vocab_passes.py``,
     ``runtime/vocab_passes.py``): each pipeline rank owns one block of the head's rows and
-    computes its logits' softmax statistics (S) and gradients (T) for every microbatch."""
+    computes its logits' softmax statistics (S) and gradients (T) for every microbatch. Under
+    tp > 1 the blocks are of each TP rank's vocabulary shard (a V/(tp·pp) block per process)."""
     seed: int = 0
     timeout_s: float = 60.0
     """Bound on every transfer and collective."""

@@ -117,7 +117,7 @@ LAYOUT_FLAGS = _flags(
     Flag("split_loss", "compute the cross-entropy over a split LM head block by block, spread with its "
          "blocks over the stages (docs/costs.md)", None, Kind.SWITCH),
     Flag("vocab_passes", "run the LM head and its cross-entropy as vocabulary passes: each pipeline rank "
-         "owns a block of the head's rows (pp >= 2, tp = 1; docs/schedules.md)", None, Kind.SWITCH),
+         "owns a block of the head's rows (of its TP shard under tp > 1; pp >= 2; docs/schedules.md)", None, Kind.SWITCH),
     Flag("seed", "model init, dropout and data order seed", int),
     Flag("timeout_s", "seconds before a collective or p2p transfer gives up", float, name="timeout"),
     Flag("compile", "compile each pipeline stage with AOTAutograd + TorchInductor before the first step "

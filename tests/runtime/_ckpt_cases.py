@@ -133,12 +133,14 @@ def world_pp2(rank: int, world: int, root: str, killed_dir: str) -> dict:
 def _rows_run(rank: int, root: Path, name: str, layout: dict) -> dict:
     """The wide-vocabulary model at pp=2 with its head rows owned per rank (``layout``:
     split loss blocks, or vocabulary passes): saving at SAVE_AT without gathering into
-    ``root / name``, and its export (safetensors, whole tensors) into ``name_export``."""
+    ``root / name``, and its export (safetensors, whole tensors) into ``name_export``.
+    Also reports the rank's pipeline and TP coordinates."""
     from fxpipe.runtime.checkpoint import export_consolidated, save_checkpoint
 
     pm, w, opt, sched = build(ROWS, pp=2, **layout)
     r = dict(rows={n: rows.ranks for n, rows in pm.plan.row_shards.items()},
-             local={n: tuple(t.shape) for n, t in pm.state.items()})
+             local={n: tuple(t.shape) for n, t in pm.state.items()},
+             pp_rank=pm.groups.pp_rank, tp_rank=pm.groups.tp_rank)
     losses = train(pm, w, opt, sched, range(SAVE_AT))
     with no_gather():
         save_checkpoint(pm, opt, SAVE_AT, root / name, extra={"lr_scheduler": sched.state_dict()})
@@ -248,6 +250,13 @@ def world_reshard(rank: int, world: int, root: str) -> dict:
     # The pp=2 checkpoint of the vocabulary passes' blocks into the same four ranks' rows.
     out[("pp4", "vocab_rows")] = _resume(rank, pm, w, opt, sched, root_path / "vocab_rows")
     out[("pp4", "vocab_rows")]["rows"] = out[("pp4", "rows")]["rows"]
+    # tp=2 × pp=2 with vocabulary passes: each rank owns a block of its TP shard's rows.
+    # Its checkpoint (written here) resumes into the pp=4 rows layout, and the pp=2
+    # vocabulary passes' checkpoint into it.
+    out["tp2_vocab_rows"] = _rows_run(rank, root_path, "tp2_vocab_rows", dict(VOCAB_LAYOUT, tp=2))
+    out[("pp4", "tp2_vocab_rows")] = _resume(rank, pm, w, opt, sched, root_path / "tp2_vocab_rows")
+    pm, w, opt, sched = build(ROWS, pp=2, tp=2, seed=1, **VOCAB_LAYOUT)
+    out[("tp2xpp2", "vocab_rows")] = _resume(rank, pm, w, opt, sched, root_path / "vocab_rows")
     return out
 
 

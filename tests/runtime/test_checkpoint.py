@@ -211,12 +211,41 @@ def test_owned_rows_are_written_as_each_ranks_chunks(world2, run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["rows", "vocab_rows"])
-def test_owned_rows_export_whole_tensors(world2, run):
+def test_tp_vocab_rows_are_written_as_each_ranks_chunks(world2, world4):
+    """tp=2 × pp=2 with vocabulary passes: every rank holds a quarter of the head's and the
+    embedding's rows (block pp_rank of its TP shard) and wrote exactly those rows, the four
+    ranks' chunks tiling each tensor (and its Adam moments) once."""
+    v, quarter = _wide_vocab.VOCAB, _wide_vocab.VOCAB // 4
+    index = SafeReader(latest_checkpoint(world2[0] / "tp2_vocab_rows")).read_metadata().state_dict_metadata
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        for rank_results in world4:
+            r = rank_results["tp2_vocab_rows"]
+            assert r["rows"][name] == (((0, v // 4),), ((v // 4, v // 2),)), name  # of the TP shard's V/2 rows
+            assert r["local"][name] == (quarter, _wide_vocab.WIDTH), name
+        expected = sorted((r["tp_rank"] * v // 2 + r["pp_rank"] * quarter,
+                           r["tp_rank"] * v // 2 + (r["pp_rank"] + 1) * quarter)
+                          for r in (rank_results["tp2_vocab_rows"] for rank_results in world4))
+        for key in (f"model.{name}", f"optim.state.{name}.exp_avg", f"optim.state.{name}.exp_avg_sq"):
+            md = index[key]
+            assert tuple(md.size) == (v, _wide_vocab.WIDTH)
+            assert sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in md.chunks) == expected, key
+
+
+@pytest.mark.slow
+def test_tp_vocab_rows_checkpoints_resume_across_layouts(world2, world4):
+    """The tp=2 × pp=2 vocabulary passes' checkpoint resumed at pp=4 (other rows per
+    rank, no TP) continues the saving run, and the pp=2 one resumed at tp=2 × pp=2."""
+    _assert_resumed_like(world4, ("pp4", "tp2_vocab_rows"), world4[0]["tp2_vocab_rows"])
+    _assert_resumed_like(world4, ("tp2xpp2", "vocab_rows"), world2[1][0]["vocab_rows"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["rows", "vocab_rows", "tp2_vocab_rows"])
+def test_owned_rows_export_whole_tensors(world2, world4, run):
     from safetensors.torch import load_file
 
     exported = load_file(world2[0] / f"{run}_export" / "model.safetensors")
-    params = world2[1][0][run]["params"]
+    params = (world4 if run.startswith("tp2") else world2[1])[0][run]["params"]
     assert set(exported) == set(params)
     for name, p in params.items():
         assert torch.equal(exported[name], p), name
