@@ -50,8 +50,12 @@ def _worker(rank: int, world: int, port: int, out: str, layout: dict, args: argp
                       LOCAL_RANK=str(rank), CUDA_VISIBLE_DEVICES="")  # host memory, gloo, also on a GPU machine
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     import fxpipe
+    import fxpipe.runtime.api  # noqa: F401  (what every process loads before it builds anything)
+    import torch.export  # noqa: F401
     from fxpipe.models import build_workload
     from fxpipe.models.registry import GPT_CONFIGS
+
+    fixed = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Python, torch, fxpipe: never shrinks
 
     cfg = GPT_CONFIGS[args.model]
     rows = args.micro_batch * args.microbatches * layout["dp"]
@@ -75,7 +79,7 @@ def _worker(rank: int, world: int, port: int, out: str, layout: dict, args: argp
     local = sum(t.numel() for t in pm.state.values())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump(dict(rank=rank, peak=peak, built_peak=built_peak, losses=losses, local_elements=local,
+        json.dump(dict(rank=rank, peak=peak, built_peak=built_peak, fixed=fixed, losses=losses, local_elements=local,
                        build_s=built), f)
     torch.distributed.destroy_process_group()
 
@@ -132,6 +136,7 @@ def main() -> int:
                          peaks_gib=[round(p / 2**30, 2) for p in per_rank],
                          rounds_gib=[round(max(x["peak"] for x in run) / 2**30, 2) for run in done],
                          built_gib=[round(x["built_peak"] / 2**30, 2) for x in done[-1]],
+                         fixed_gib=statistics.median(x["fixed"] for run in done for x in run) / 2**30,
                          elements=[x["local_elements"] for x in done[-1]], loss=done[-1][0]["losses"]))
         print(rows[-1], flush=True)
     ref = next((r for r in rows if r["layout"] == "1,1,1"), None)
@@ -143,13 +148,19 @@ def main() -> int:
              f"{args.threads or 'cores/processes'} thread(s) per process. Ratio = largest per-process peak / "
              f"(one-process peak / world size); medians of {args.repeats} interleaved round(s) (largest: each "
              f"round's worst process; `vocab`: vocab_passes=True).", "",
+             "Floor: the ratio a perfect split of everything but the fixed cost of a process would reach, "
+             "(F + (one-process peak - F) / world) / (one-process peak / world), F = the process's peak after "
+             "importing torch and fxpipe (median over processes).", "",
              "| tp,pp,dp | processes | peak per process (GiB) | largest | rounds' largest | ratio to ideal share | "
-             "parameter elements per process | losses |",
-             "|---|---|---|---|---|---|---|---|"]
+             "floor (F GiB) | parameter elements per process | losses |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['peak_gib'] / (ref['peak_gib'] / r['world']):.2f}" if ref else "n/a"
+        fixed, world = r["fixed_gib"], r["world"]
+        floor = f"{(fixed + (ref['peak_gib'] - fixed) / world) / (ref['peak_gib'] / world):.2f} ({fixed:.2f})" \
+            if ref else "n/a"
         lines.append(f"| {r['layout']} | {r['world']} | {', '.join(map(str, r['peaks_gib']))} | "
-                     f"{r['peak_gib']:.2f} | {', '.join(map(str, r['rounds_gib']))} | {ratio} | "
+                     f"{r['peak_gib']:.2f} | {', '.join(map(str, r['rounds_gib']))} | {ratio} | {floor} | "
                      f"{', '.join(f'{e / 1e6:.1f}M' for e in r['elements'])} | "
                      f"{', '.join(f'{x:.4f}' for x in r['loss'])} |")
     text = "\n".join(lines) + "\n"

@@ -29,7 +29,7 @@ import os
 import random
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -313,11 +313,12 @@ def _targets(saved: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
 
 
 def _local_targets(pm: "ParallelModel", saved: Mapping[str, Any], prefix: str, name_of: Any,
-                   wanted: set[str]) -> dict[str, tuple[Any, torch.Tensor]]:
+                   wanted: set[str]) -> dict[str, tuple[Any, Callable[[], torch.Tensor]]]:
     """Load targets for the saved keys under ``prefix`` whose parameter this rank
-    holds, as (what DCP fills, this rank's tensor): for a tensor-parallel parameter (and
-    its moments, of the full shape) a ShardedTensor of this rank's ranges viewing a
-    local-shape buffer, so no full tensor is ever built; otherwise one full tensor."""
+    holds, as (what DCP fills, a function returning this rank's tensor once filled): for
+    a tensor-parallel parameter (and its moments, of the full shape) a ShardedTensor of
+    this rank's ranges over a local-shape buffer, so no full tensor is ever built;
+    otherwise one full tensor."""
     out = {}
     for key, md in saved.items():
         if not key.startswith(prefix) or name_of(key) not in wanted:
@@ -327,7 +328,7 @@ def _local_targets(pm: "ParallelModel", saved: Mapping[str, Any], prefix: str, n
             out[key] = empty_chunks(spec, pm.groups.tp_rank, _tp_ranks(pm), pm.groups.tp_group, dtype)
         else:
             full = torch.empty(shape, dtype=dtype)
-            out[key] = (full, full)
+            out[key] = (full, lambda full=full: full)
     return out
 
 
@@ -490,7 +491,7 @@ def load_checkpoint(pm: "ParallelModel", optimizer: torch.optim.Optimizer | None
     read_dcp({**{k: t for k, (t, _) in model.items()}, **{k: t for k, (t, _) in optim.items()}, **rng}, path)
     with torch.no_grad():
         for name, t in live.items():
-            t.copy_(model[f"model.{name}"][1])  # casts (an fp32 checkpoint into bf16 buffers, and back)
+            t.copy_(model[f"model.{name}"][1]())  # casts (an fp32 checkpoint into bf16 buffers, and back)
     if pm.master is not None:
         pm.master.refresh()  # train_step does it too; now the compute copies match at once
         scaler, saved_scaler = pm.master.scaler, meta.get("loss_scaler")
@@ -498,7 +499,7 @@ def load_checkpoint(pm: "ParallelModel", optimizer: torch.optim.Optimizer | None
             for field in _SCALER_FIELDS:
                 setattr(scaler, field, type(getattr(scaler, field))(saved_scaler[field]))
     if optimizer is not None:
-        _install_optimizer(optimizer, names, {k: local for k, (_, local) in optim.items()})
+        _install_optimizer(optimizer, names, {k: local() for k, (_, local) in optim.items()})
     # TP dropout streams are per tp rank: restored only into the layout that saved them
     # (elsewhere they restart from the seed, as in a fresh run).
     _set_rng({k[len(rng_prefix):]: v for k, v in rng.items()}, pm.device,

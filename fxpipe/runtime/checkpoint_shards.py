@@ -28,7 +28,7 @@ fillers, and the replicas of one expert rank offer identical chunks (written onc
 from __future__ import annotations
 
 import warnings
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -85,7 +85,10 @@ def _global_metadata(spec: ShardSpec, tp_global_ranks: list[int], dtype: torch.d
 def as_chunks(local: torch.Tensor, spec: ShardSpec, tp_rank: int, tp_global_ranks: list[int],
               group) -> ShardedTensor:
     """This rank's shard ``local`` (ranges in order, then padding) as a ShardedTensor of
-    the full shape. The local shards are views of ``local``: nothing is copied."""
+    the full shape. The local shards are views of ``local`` where they are contiguous
+    (ranges along dim 0); ShardedTensor takes contiguous shards only, so a range along a
+    later dim (GPT-2's Conv1D c_attn split by columns) is a copy (``fill_from_shards``
+    writes a loaded copy back)."""
     assert spec.dim is not None
     global_md = _global_metadata(spec, tp_global_ranks, local.dtype, local.device)
     mine = [md for md in global_md.shards_metadata if md.placement.rank() == tp_global_ranks[tp_rank]]
@@ -93,18 +96,32 @@ def as_chunks(local: torch.Tensor, spec: ShardSpec, tp_rank: int, tp_global_rank
         group = None  # fillers sit on ranks outside the tp group: placements are checked against the world
     shards, offset = [], 0
     for md, (a, b) in zip(mine, spec.ranges[tp_rank]):
-        shards.append(Shard(tensor=local.narrow(spec.dim, offset, b - a), metadata=md))
+        piece = local.narrow(spec.dim, offset, b - a)
+        shards.append(Shard(tensor=piece if piece.is_contiguous() else piece.contiguous(), metadata=md))
         offset += b - a
     return ShardedTensor._init_from_local_shards_and_global_metadata(shards, global_md, process_group=group)
 
 
 def empty_chunks(spec: ShardSpec, tp_rank: int, tp_global_ranks: list[int], group,
-                 dtype: torch.dtype) -> tuple[ShardedTensor, torch.Tensor]:
-    """A load target for this rank's ranges (on CPU, in the checkpoint's dtype) and the
-    local tensor its shards view: after ``dcp.load`` the tensor holds this rank's shard
-    with zero padding rows, exactly what ``shard_state`` cuts from a full tensor."""
+                 dtype: torch.dtype) -> tuple[ShardedTensor, Callable[[], torch.Tensor]]:
+    """A load target for this rank's ranges (on CPU, in the checkpoint's dtype) and a
+    function returning the local tensor after ``dcp.load``: this rank's shard with zero
+    padding rows, exactly what ``shard_state`` cuts from a full tensor."""
     local = torch.zeros(spec.local_shape, dtype=dtype)
-    return as_chunks(local, spec, tp_rank, tp_global_ranks, group), local
+    sharded = as_chunks(local, spec, tp_rank, tp_global_ranks, group)
+    return sharded, lambda: fill_from_shards(local, sharded, spec, tp_rank)
+
+
+def fill_from_shards(local: torch.Tensor, sharded: ShardedTensor, spec: ShardSpec, tp_rank: int) -> torch.Tensor:
+    """``local`` with the shards ``as_chunks`` had to copy (not views of it) written back."""
+    assert spec.dim is not None
+    offset = 0
+    for shard, (a, b) in zip(sharded.local_shards(), spec.ranges[tp_rank]):
+        view = local.narrow(spec.dim, offset, b - a)
+        if shard.tensor.data_ptr() != view.data_ptr():
+            view.copy_(shard.tensor)
+        offset += b - a
+    return local
 
 
 def wrap_state(tensors: Mapping[str, torch.Tensor], specs: Mapping[str, ShardSpec], tp_rank: int,

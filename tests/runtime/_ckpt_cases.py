@@ -257,6 +257,18 @@ def world_reshard(rank: int, world: int, root: str) -> dict:
     out[("pp4", "tp2_vocab_rows")] = _resume(rank, pm, w, opt, sched, root_path / "tp2_vocab_rows")
     pm, w, opt, sched = build(ROWS, pp=2, tp=2, seed=1, **VOCAB_LAYOUT)
     out[("tp2xpp2", "vocab_rows")] = _resume(rank, pm, w, opt, sched, root_path / "vocab_rows")
+    # HF GPT-2 at tp=2 × pp=2: its Conv1D c_attn weight [h, 3h] is split by columns, so a
+    # rank's ranges are not contiguous views (saved from copies, loaded back through them).
+    pm, w, opt, sched = build("hf:gpt2", tp=2, pp=2)
+    losses = train(pm, w, opt, sched, range(SAVE_AT))
+    with no_gather():
+        save_checkpoint(pm, opt, SAVE_AT, root_path / "hf_tp2", extra={"lr_scheduler": sched.state_dict()})
+    out["hf_tp2"] = dict(losses=losses + train(pm, w, opt, sched, range(SAVE_AT, STEPS)))
+    params = pm.full_state_dict()
+    if rank == 0:
+        out["hf_tp2"]["params"] = params
+    pm, w, opt, sched = build("hf:gpt2", tp=2, pp=2, seed=1)
+    out[("tp2xpp2", "hf_tp2")] = _resume(rank, pm, w, opt, sched, root_path / "hf_tp2")
     return out
 
 

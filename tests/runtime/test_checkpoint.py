@@ -211,6 +211,13 @@ def test_owned_rows_are_written_as_each_ranks_chunks(world2, run):
 
 
 @pytest.mark.slow
+def test_column_split_conv1d_resumes_under_tp(world4):
+    """HF GPT-2's Conv1D weights split by columns at tp=2 (non-contiguous ranges of the
+    local tensor): saved and resumed, the run continues exactly."""
+    _assert_resumed_like(world4, ("tp2xpp2", "hf_tp2"), world4[0]["hf_tp2"])
+
+
+@pytest.mark.slow
 def test_tp_vocab_rows_are_written_as_each_ranks_chunks(world2, world4):
     """tp=2 × pp=2 with vocabulary passes: every rank holds a quarter of the head's and the
     embedding's rows (block pp_rank of its TP shard) and wrote exactly those rows, the four
