@@ -22,6 +22,12 @@ def plan_table(result: PlanResult) -> str:
     return "\n".join(rows)
 
 
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(getattr(value, "value", value))
+
+
 def _differences(a: CandidateLayout, b: CandidateLayout) -> list[str]:
     fields = (("tp", "t"), ("pp", "p"), ("dp", "d"), ("micro_batch", "b"), ("num_microbatches", "m"),
               ("chunks", "v"), ("schedule", "schedule"), ("recompute", "recompute"),
@@ -30,7 +36,7 @@ def _differences(a: CandidateLayout, b: CandidateLayout) -> list[str]:
     for attr, name in fields:
         x, y = getattr(a, attr), getattr(b, attr)
         if x != y:
-            x, y = (getattr(x, "value", x), getattr(y, "value", y))
+            x, y = _shown(x), _shown(y)
             out.append(f"{name} {x} vs {y}")
     return out
 

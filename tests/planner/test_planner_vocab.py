@@ -1,6 +1,7 @@
 """The planner's vocabulary passes (``VocabPasses``) against a hand-built simulation, the
 memory closed form V·h/(t·p) per rank, the schedules' action lists and the search."""
 import argparse
+import dataclasses
 import json
 
 import numpy as np
@@ -13,6 +14,7 @@ from fxpipe.planner.cli import add_plan_arguments, run_plan
 from fxpipe.planner.config import LayerBalance
 from fxpipe.planner.layer_cost import CostModel
 from fxpipe.planner.pipeline import vocab_in_flight
+from fxpipe.planner.predict import rank_memory
 from fxpipe.planner.stages import plan_stages
 from fxpipe.recompute_mode import RecomputeMode
 from fxpipe.schedules import StageDurations, add_vocab_passes, generate, simulate, split_output_layer
@@ -83,7 +85,6 @@ def test_every_rank_holds_its_rows_of_the_tied_table(t, p):
     model = CostModel(shape, opts)
     stages = plan_stages(model, on.config)
     flight = on.pipeline.in_flight
-    from fxpipe.planner.predict import rank_memory
     mem_on = rank_memory(model, on.config, stages, flight)
     mem_off = rank_memory(model, off.config, plan_stages(model, off.config), flight)
     for r in range(p):
@@ -142,7 +143,6 @@ def test_search_equals_brute_force_with_both_variants():
 
 
 def _twin(pred, shape, opts):
-    import dataclasses
     return predict(shape, dataclasses.replace(pred.config, vocab_passes=not pred.config.vocab_passes), opts)
 
 
