@@ -20,6 +20,7 @@ from fxpipe.planner.config import LayerBalance, CandidateLayout, ScheduleKind
 from fxpipe.planner.layer_cost import CostModel
 from fxpipe.planner.work import ZERO, Component, Work
 from fxpipe.schedules.simulate import StageDurations
+from fxpipe.schedules.vocab_passes import split_output_layer
 
 
 def split_layers(layers: int, num_stages: int, balance: LayerBalance,
@@ -76,16 +77,18 @@ class StagePlan:
         return values.reshape(self.config.chunks, p).sum(axis=0)
 
     def durations(self) -> StageDurations:
-        """The simulator's durations. With vocabulary passes each rank's S and T are 1/p of
-        the output layer's forward and backward — ``split_output_layer`` of the durations
-        with the output layer on the last stage (tested equal)."""
-        base = dict(forward=tuple(self.forward.tolist()), backward=tuple(self.backward.tolist()),
-                    weight=tuple(self.weight.tolist()))
+        """The simulator's durations. With vocabulary passes: the stages as the partition
+        sees them (the output layer on the last) through ``split_output_layer``, which
+        takes it off the last stage and gives every rank 1/p of it as its S and T."""
         if self.output is None:
-            return StageDurations(**base)
-        p = self.config.pp
-        return StageDurations(**base, vocab_forward=(self.output.forward_s / p,) * p,
-                              vocab_backward=(self.output.backward_s / p,) * p)
+            return StageDurations(forward=tuple(self.forward.tolist()), backward=tuple(self.backward.tolist()),
+                                  weight=tuple(self.weight.tolist()))
+        out = self.output
+        f, b, w = self.forward.copy(), self.backward.copy(), self.weight.copy()
+        f[-1], b[-1], w[-1] = f[-1] + out.forward_s, b[-1] + out.backward_s, w[-1] + out.weight
+        whole = StageDurations(forward=tuple(f.tolist()), backward=tuple(b.tolist()), weight=tuple(w.tolist()))
+        return split_output_layer(whole, self.config.pp, forward=out.forward_s, backward=out.backward_s,
+                                  weight=out.weight)
 
     def rank_busy(self) -> np.ndarray:
         """Per rank: compute seconds per microbatch (its stages' F + B, and its S + T)."""
