@@ -33,6 +33,10 @@ class Collective(enum.Enum):
     ALL_REDUCE = "all_reduce"
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
+    BROADCAST = "broadcast"
+    """One rank's tensor to all: a pipelined ring moves the whole tensor over each link once."""
+    REDUCE = "reduce"
+    """All ranks' tensors summed onto one: the broadcast's ring, reversed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,6 +166,8 @@ class Hardware:
         share = (size - 1) / size * nbytes
         if kind is Collective.ALL_REDUCE:  # reduce-scatter then all-gather
             steps, share = 2 * steps, 2 * share
+        elif kind in (Collective.BROADCAST, Collective.REDUCE):  # NCCL: bus bandwidth = algorithm bandwidth
+            share = nbytes
         return share / bw + steps * lat
 
     def p2p_s(self, nbytes: float, *, intra_node: bool) -> float:

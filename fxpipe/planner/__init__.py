@@ -7,12 +7,13 @@
 
 See docs/planner.md for the cost model and its assumptions.
 """
-from fxpipe.planner.config import DPOverlap, LayerBalance, CandidateLayout, PlannerOptions, ScheduleKind
+from fxpipe.planner.config import (DPOverlap, LayerBalance, CandidateLayout, PlannerOptions, ScheduleKind,
+                                  VocabPasses)
 from fxpipe.planner.predict import Prediction, predict
 from fxpipe.planner.search import PlanResult, enumerate_layouts, plan
 from fxpipe.planner.shapes import TransformerShape, model_flops, shape_from_registry
 from fxpipe.planner.work import Component
 
 __all__ = ["Component", "DPOverlap", "LayerBalance", "CandidateLayout", "PlanResult", "PlannerOptions",
-           "Prediction", "ScheduleKind", "TransformerShape", "enumerate_layouts", "model_flops", "plan",
+           "Prediction", "ScheduleKind", "TransformerShape", "VocabPasses", "enumerate_layouts", "model_flops", "plan",
            "predict", "shape_from_registry"]

@@ -12,7 +12,7 @@ import json
 
 from fxpipe.hardware import PRESETS, get_hardware
 from fxpipe.recompute_mode import RecomputeMode
-from fxpipe.planner.config import PLANNED, DPOverlap, LayerBalance, PlannerOptions, planned_schedule
+from fxpipe.planner.config import PLANNED, DPOverlap, LayerBalance, PlannerOptions, VocabPasses, planned_schedule
 
 
 def _csv(parse):
@@ -45,6 +45,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "microbatch's (default: %(default)s)")
     p.add_argument("--balance", choices=[k.value for k in LayerBalance], default="fxpipe",
                    help="layer split: fxpipe (any l) or megatron (l %% (p·v) == 0) (default: %(default)s)")
+    p.add_argument("--vocab-passes", choices=[k.value for k in VocabPasses], default="off",
+                   help="the LM head and cross-entropy as vocabulary passes on every pipeline rank "
+                        "(`fxpipe run --vocab-passes`): off, on (every layout, p >= 2) or search "
+                        "(both; the table's vocab column says which) (default: %(default)s)")
     p.add_argument("--max-tp", type=int, default=None, help="largest t (default: any divisor of the heads)")
     p.add_argument("--max-chunks", type=int, default=4, help="largest interleaving v (default: %(default)s)")
     p.add_argument("--max-micro-batch", type=int, default=16, help="largest b (default: %(default)s)")
@@ -57,6 +61,7 @@ def options_from_args(args: argparse.Namespace) -> PlannerOptions:
         recomputes=tuple(args.recompute), sequence_parallel=args.sequence_parallel,
         scatter_gather=not args.no_scatter_gather, fused_attention=args.fused_attention,
         dp_overlap=DPOverlap(args.dp_overlap), balance=LayerBalance(args.balance),
+        vocab_passes=VocabPasses(args.vocab_passes),
         max_tp=args.max_tp, max_chunks=args.max_chunks, max_micro_batch=args.max_micro_batch)
 
 
@@ -99,7 +104,8 @@ def run_plan(args: argparse.Namespace) -> int:
             json.dump([dict(config=p.config.label(), tp=p.config.tp, pp=p.config.pp, dp=p.config.dp,
                             micro_batch=p.config.micro_batch, microbatches=p.config.num_microbatches,
                             chunks=p.config.chunks, schedule=p.config.schedule.value,
-                            recompute=p.config.recompute.value, iteration_s=p.iteration_s,
+                            recompute=p.config.recompute.value, vocab_passes=p.config.vocab_passes,
+                            iteration_s=p.iteration_s,
                             tflops_per_gpu=p.tflops_per_gpu, memory_gb=p.memory_gb,
                             bubble_ratio=p.bubble_ratio,
                             breakdown={c.value: v for c, v in p.breakdown.items()})

@@ -44,6 +44,18 @@ class DPOverlap(enum.Enum):
     ``DDP=torch``): only what outlasts that backward is exposed."""
 
 
+class VocabPasses(enum.Enum):
+    """Which layouts run the LM head as vocabulary passes (Yeung et al., MLSys 2025;
+    ``ParallelConfig(vocab_passes=True)``): every pipeline rank owns V/(t·p) rows of the
+    head and the tied embedding and runs its block's S and T per microbatch."""
+    OFF = "off"
+    """The head on the last stage, the embedding on the first (SC21's layout)."""
+    ON = "on"
+    """Every layout runs them; layouts with p = 1 (nothing to split over) are not searched."""
+    SEARCH = "search"
+    """Both variants of every layout with p >= 2 are candidates."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class CandidateLayout:
     """One point of the search space: a full training layout."""
@@ -64,6 +76,9 @@ class CandidateLayout:
     recompute: RecomputeMode = RecomputeMode.NONE
     sequence_parallel: bool = False
     """Korthikanti et al. 2022 sequence parallelism (only meaningful with t > 1)."""
+    vocab_passes: bool = False
+    """The LM head and cross-entropy run as vocabulary passes on every pipeline rank
+    (``VocabPasses``); needs p >= 2."""
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "chunks"):
@@ -73,6 +88,9 @@ class CandidateLayout:
         if self.chunks > 1 and self.schedule is not ScheduleKind.INTERLEAVED:
             raise ValueError(f"chunks={self.chunks} needs the interleaved schedule, not "
                              f"{self.schedule.value}")
+        if self.vocab_passes and self.pp < 2:
+            raise ValueError(f"vocab_passes=True with pp={self.pp}: they split the head over pipeline ranks, "
+                             f"use pp >= 2")
 
     @property
     def gpus(self) -> int:
@@ -89,8 +107,9 @@ class CandidateLayout:
     def label(self) -> str:
         sp = " sp" if self.sequence_parallel and self.tp > 1 else ""
         v = f" v={self.chunks}" if self.chunks > 1 else ""
+        vocab = " vocab-passes" if self.vocab_passes else ""
         return (f"t={self.tp} p={self.pp} d={self.dp} b={self.micro_batch} m={self.num_microbatches}"
-                f"{v} {self.schedule.value} recompute={self.recompute.value}{sp}")
+                f"{v} {self.schedule.value} recompute={self.recompute.value}{sp}{vocab}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +141,10 @@ class PlannerOptions:
     recomputes: tuple[RecomputeMode, ...] = tuple(RecomputeMode)
     sequence_parallel: bool = False
     """Use sequence parallelism in every layout with t > 1."""
+    vocab_passes: VocabPasses = VocabPasses.OFF
+    """Price the head on the last stage, as vocabulary passes, or both (``VocabPasses``).
+    OFF by default, as ``ParallelConfig.vocab_passes`` is: the plan describes what
+    ``fxpipe run`` does without the flag."""
     max_tp: int | None = None
     """Largest t to try (None: any divisor of the heads; t > gpus_per_node crosses nodes)."""
     max_chunks: int = 4

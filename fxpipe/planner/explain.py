@@ -9,27 +9,34 @@ from fxpipe.planner.work import Component
 
 def plan_table(result: PlanResult) -> str:
     head = (f"{'#':>2} {'t':>3} {'p':>3} {'d':>4} {'b':>3} {'m':>5} {'v':>2} {'schedule':<11} "
-            f"{'recompute':<9} {'sp':<3} {'iter s':>9} {'TFLOP/s':>8} {'%peak':>6} {'GB/GPU':>7} {'bubble':>7}")
+            f"{'recompute':<9} {'sp':<3} {'vocab':<5} {'iter s':>9} {'TFLOP/s':>8} {'%peak':>6} {'GB/GPU':>7} {'bubble':>7}")
     rows = [head, "-" * len(head)]
     for i, p in enumerate(result.predictions, 1):
         c = p.config
         rows.append(
             f"{i:>2} {c.tp:>3} {c.pp:>3} {c.dp:>4} {c.micro_batch:>3} {c.num_microbatches:>5} "
             f"{c.chunks:>2} {c.schedule.value:<11} {c.recompute.value:<9} "
-            f"{'yes' if c.sequence_parallel else 'no':<3} {p.iteration_s:>9.3f} {p.tflops_per_gpu:>8.1f} "
+            f"{'yes' if c.sequence_parallel else 'no':<3} {'yes' if c.vocab_passes else 'no':<5} "
+            f"{p.iteration_s:>9.3f} {p.tflops_per_gpu:>8.1f} "
             f"{p.percent_of_peak:>5.1f}% {p.memory_gb:>7.1f} {100 * p.bubble_ratio:>6.1f}%")
     return "\n".join(rows)
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(getattr(value, "value", value))
 
 
 def _differences(a: CandidateLayout, b: CandidateLayout) -> list[str]:
     fields = (("tp", "t"), ("pp", "p"), ("dp", "d"), ("micro_batch", "b"), ("num_microbatches", "m"),
               ("chunks", "v"), ("schedule", "schedule"), ("recompute", "recompute"),
-              ("sequence_parallel", "sp"))
+              ("sequence_parallel", "sp"), ("vocab_passes", "vocab passes"))
     out = []
     for attr, name in fields:
         x, y = getattr(a, attr), getattr(b, attr)
         if x != y:
-            x, y = (getattr(x, "value", x), getattr(y, "value", y))
+            x, y = _shown(x), _shown(y)
             out.append(f"{name} {x} vs {y}")
     return out
 
@@ -46,9 +53,12 @@ def _why(c: Component, a: Prediction, b: Prediction) -> str:
         zb = " — zb-h1 reruns it in W as well" if ScheduleKind.ZB_H1 in (ca.schedule, cb.schedule) else ""
         return f"recomputation ({ca.recompute.value}/{cb.recompute.value}){zb}"
     if c is Component.DP_SYNC:
-        return f"gradient all-reduce after the schedule (d={ca.dp}/{cb.dp}, params per GPU)"
+        return (f"gradient all-reduce after the schedule (d={ca.dp}/{cb.dp}, params per GPU; the tied "
+                f"embedding's between the pipeline ends without vocabulary passes)")
     if c is Component.P2P:
         return f"stage-boundary transfers (p·v={ca.num_stages}/{cb.num_stages} stages)"
+    if c is Component.VOCAB_LOOKUP:
+        return "the embedding lookups' reduce and broadcast over the pipeline (vocabulary passes)"
     if c is Component.OPTIMIZER:
         return "optimizer step over the parameters each GPU holds"
     return (f"{c.value} time per GPU (b={ca.micro_batch}/{cb.micro_batch}: GEMM shapes and "

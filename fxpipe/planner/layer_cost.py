@@ -135,25 +135,63 @@ class CostModel:
     @lru_cache(maxsize=None)
     def head(self, tp: int, b: int, sp: bool) -> Work:
         """Final LayerNorm, the vocab-parallel logits GEMM and cross-entropy (last stage)."""
+        return self.final_norm(tp, b, sp) + self.output_layer(tp, b) + self.softmax_stats(tp, b)
+
+    @lru_cache(maxsize=None)
+    def final_norm(self, tp: int, b: int, sp: bool) -> Work:
+        """The head's part that stays on the last stage under vocabulary passes: the final
+        LayerNorm, and with t > 1 Megatron's f before the logits (its backward all-reduce;
+        with SP the all-gather of the sequence and its reduce-scatter)."""
         sh, hw, d = self.shape, self.hw, self.dtype
-        s, h, n = sh.seq, sh.hidden, b * sh.seq
-        sbh = s * b * h
-        v = sh.padded_vocab(tp) // tp
+        sbh = sh.seq * b * sh.hidden
         sp = sp and tp > 1
         norm = 2 * d * sbh / (tp if sp else 1)
-        logits = n * v
-        fwd_ew = hw.memory_s(norm + logits * (d + CE_FORWARD_BYTES), 4)
-        bwd_ew = hw.memory_s(2 * norm + logits * (d + CE_BACKWARD_BYTES), 3)
         fwd_comm = bwd_comm = 0.0
         if tp > 1:
-            fwd_comm = 3 * self._tp(AR, 4 * n, tp)  # max, target logit, exp-sum (fp32 per token)
-            fwd_comm += self._tp(AG, d * sbh, tp) if sp else 0.0
+            fwd_comm = self._tp(AG, d * sbh, tp) if sp else 0.0
             bwd_comm = self._tp(RS, d * sbh, tp) if sp else self._tp(AR, d * sbh, tp)  # f's backward
+        return Work.make({C.ELEMENTWISE: hw.memory_s(norm, 1), C.TP_COMM: fwd_comm},
+                         {C.ELEMENTWISE: hw.memory_s(2 * norm, 1), C.TP_COMM: bwd_comm})
+
+    @lru_cache(maxsize=None)
+    def output_layer(self, tp: int, b: int) -> Work:
+        """The logits GEMM n × V/t × h and the cross-entropy's element-wise passes: the part
+        vocabulary passes spread over the pipeline ranks (``split_output_layer``: 1/p each).
+        The softmax statistics' reduction is priced apart (``softmax_stats``)."""
+        sh, hw, d = self.shape, self.hw, self.dtype
+        h, n = sh.hidden, b * sh.seq
+        v = sh.padded_vocab(tp) // tp
+        logits = n * v
         return Work.make(
-            {C.GEMM: hw.gemm_s(n, v, h, dtype_bytes=d), C.ELEMENTWISE: fwd_ew, C.TP_COMM: fwd_comm},
+            {C.GEMM: hw.gemm_s(n, v, h, dtype_bytes=d), C.ELEMENTWISE: hw.memory_s(logits * (d + CE_FORWARD_BYTES), 3)},
             {C.GEMM: hw.gemm_s(n, h, v, dtype_bytes=d) + hw.gemm_s(h, v, n, dtype_bytes=d),
-             C.ELEMENTWISE: bwd_ew, C.TP_COMM: bwd_comm},
+             C.ELEMENTWISE: hw.memory_s(logits * (d + CE_BACKWARD_BYTES), 2)},
             hw.gemm_s(h, v, n, dtype_bytes=d))
+
+    @lru_cache(maxsize=None)
+    def softmax_stats(self, tp: int, b: int) -> Work:
+        """Vocab-parallel cross-entropy over t ranks: max, target logit and exp-sum all-reduced
+        (fp32 per token) in the forward."""
+        n = b * self.shape.seq
+        return Work.make({C.TP_COMM: 3 * self._tp(AR, 4 * n, tp) if tp > 1 else 0.0})
+
+    @lru_cache(maxsize=None)
+    def vocab_collectives(self, tp: int, pp: int, dp: int, b: int) -> tuple[float, float, float]:
+        """Seconds of the vocabulary passes' collectives per microbatch, as
+        ``runtime/vocab_passes.py`` issues them over the pp group (ranks tp·dp apart):
+        BCAST_H the head's input (b·s·h) and the int64 targets; ALLREDUCE_S the maxima
+        (fp32 per token), then the rescaled sums and target logits (2 × fp32), over pp and
+        then TP; REDUCE_G the input gradient (b·s·h) onto the last stage."""
+        sh, hw, d = self.shape, self.hw, self.dtype
+        n = b * sh.seq
+        per_node = hw.members_per_node(pp, tp * dp)
+        bcast = (hw.collective_s(Collective.BROADCAST, d * n * sh.hidden, pp, per_node)
+                 + hw.collective_s(Collective.BROADCAST, 8 * n, pp, per_node))
+        stats = sum(hw.collective_s(AR, nbytes, pp, per_node) for nbytes in (4 * n, 8 * n))
+        if tp > 1:
+            stats += self._tp(AR, 4 * n, tp) + self._tp(AR, 8 * n, tp)
+        reduce = hw.collective_s(Collective.REDUCE, d * n * sh.hidden, pp, per_node)
+        return bcast, stats, reduce
 
     @lru_cache(maxsize=None)
     def boundary(self, tp: int, b: int, sp: bool, intra_node: bool) -> tuple[float, float]:

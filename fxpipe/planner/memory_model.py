@@ -68,6 +68,26 @@ def head_activation_bytes(shape: TransformerShape, micro_batch: int, tp: int, sp
     return 4.0 * s * b * h / (tp if sp else 1) + 4.0 * s * b * shape.padded_vocab(tp) / tp
 
 
+def final_norm_activation_bytes(shape: TransformerShape, micro_batch: int, tp: int, sp: bool) -> float:
+    """Last stage under vocabulary passes: only the final LayerNorm's input (2sbh, sharded
+    with SP); the projection's input and the logits live in the vocabulary blocks."""
+    return 2.0 * shape.seq * micro_batch * shape.hidden / (tp if sp else 1)
+
+
+def vocab_block_activation_bytes(shape: TransformerShape, micro_batch: int, tp: int, pp: int) -> float:
+    """Every rank, per microbatch between its S and its T (``runtime/vocab_passes.py``): its
+    copy of the head's input (2sbh, whole: broadcast after the SP gather) and its block's
+    fp32 logits, V/(t·p) columns (4sb·V/(tp))."""
+    s, b = shape.seq, micro_batch
+    return 2.0 * s * b * shape.hidden + 4.0 * s * b * shape.padded_vocab(tp) / (tp * pp)
+
+
+def lookup_activation_bytes(shape: TransformerShape, micro_batch: int, num_microbatches: int) -> float:
+    """First rank under vocabulary passes: the embedding lookups of the whole step, summed
+    from the table's owners before the schedule (``runtime/vocab_lookup.py``: m·b·s·h)."""
+    return 2.0 * num_microbatches * shape.seq * micro_batch * shape.hidden
+
+
 @dataclass(frozen=True, kw_only=True)
 class RankMemory:
     """Predicted peak memory of one pipeline rank (any of its t·d copies), bytes."""

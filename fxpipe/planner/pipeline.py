@@ -8,6 +8,12 @@ m1 = 2p (tested against direct simulation with unequal stages) and for interleav
 once the steady state is reached, which the budget (m1·v >= 8000/p) ensures in
 practice; with strongly unequal interleaved stages it stays within ~2% (tested).
 A rank's finish is never put below its own compute.
+
+Vocabulary passes: the schedule is the generated one with ``add_vocab_passes`` at unit
+times, the placement ``ParallelConfig.schedule_ir`` gives the runtime, so the plan times
+what ``fxpipe run --vocab-passes`` executes; the durations carry each rank's S and T
+and the collectives' seconds come as ``collectives``. The same extrapolation applies
+(tested against direct simulation).
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from fxpipe.schedules.generators.interleaved import microbatch_groups
 from fxpipe.schedules.ir import Schedule
 from fxpipe.schedules.registry import generate
 from fxpipe.schedules.simulate import StageDurations, simulate
+from fxpipe.schedules.vocab_passes import add_vocab_passes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,8 +47,9 @@ class PipelineTiming:
 
 
 @lru_cache(maxsize=128)
-def _schedule(kind: ScheduleKind, p: int, m: int, v: int) -> Schedule:
-    return generate(kind.value, p, m, v)
+def _schedule(kind: ScheduleKind, p: int, m: int, v: int, vocab: bool) -> Schedule:
+    schedule = generate(kind.value, p, m, v)
+    return add_vocab_passes(schedule) if vocab else schedule
 
 
 def in_flight(kind: ScheduleKind, p: int, m: int, v: int) -> tuple[int, ...]:
@@ -57,34 +65,52 @@ def in_flight(kind: ScheduleKind, p: int, m: int, v: int) -> tuple[int, ...]:
     return tuple(min(min((v - 1) * g0 + 2 * (p - 1 - r), total) + 1, total) for r in range(p))
 
 
-def _run(kind: ScheduleKind, p: int, m: int, v: int, durations: StageDurations) -> tuple[float, np.ndarray]:
-    sched = _schedule(kind, p, m, v)
-    res = simulate(sched, durations)
+def vocab_in_flight(kind: ScheduleKind, p: int, m: int, v: int) -> int:
+    """Most microbatches a rank holds between its S and its T (its block's logits and its
+    copy of the head's input) under ``add_vocab_passes``' placement: 1 for 1F1B and ZB-H1
+    and for interleaved when its microbatch groups are equal (exact); else at most v, the
+    bound used (both checked against the schedules' action lists)."""
+    if kind is not ScheduleKind.INTERLEAVED or v == 1:
+        return 1
+    return 1 if len({len(g) for g in microbatch_groups(p, m)}) == 1 else v
+
+
+def _run(kind: ScheduleKind, p: int, m: int, v: int, durations: StageDurations,
+         collectives: tuple[float, float, float] | None) -> tuple[float, np.ndarray]:
+    sched = _schedule(kind, p, m, v, collectives is not None)
+    res = simulate(sched, durations, collective_latency=collectives)
     finish = np.array([float(e.max()) if len(e) else 0.0 for e in res.timeline.end])
     return res.makespan, finish
 
 
 def simulate_pipeline(kind: ScheduleKind, p: int, m: int, v: int, durations: StageDurations,
-                      *, budget: int = 8000) -> PipelineTiming:
+                      *, collectives: tuple[float, float, float] | None = None,
+                      budget: int = 8000) -> PipelineTiming:
     """Makespan and per-rank finish times of ``kind`` with per-stage ``durations``
-    (F, B, W per microbatch; p2p already inside them)."""
+    (F, B, W per microbatch; p2p already inside them). ``collectives``: seconds of
+    BCAST_H, ALLREDUCE_S, REDUCE_G — the schedule runs vocabulary passes, whose S and T
+    per rank ``durations.vocab_forward/vocab_backward`` give."""
     S = p * v
     assert durations.num_stages == S, (durations.num_stages, S)
+    vocab = collectives is not None
+    assert vocab == bool(durations.vocab_forward) and (not vocab or p > 1), (vocab, p)
     f, b = np.asarray(durations.forward), np.asarray(durations.backward)
     per_mb = np.array([sum(f[k] + b[k] for k in range(r, S, p)) for r in range(p)])
+    if vocab:
+        per_mb += np.asarray(durations.vocab_forward) + np.asarray(durations.vocab_backward)
     busy = tuple((m * per_mb).tolist())
     flight = in_flight(kind, p, m, v)
     if p == 1:  # no pipeline: the rank just runs its work
         return PipelineTiming(makespan=busy[0], finish=busy, busy=busy, in_flight=flight, simulated=())
     base = max(2 * p, budget // (p * v) - p)
     if m <= base + p:
-        makespan, finish = _run(kind, p, m, v, durations)
+        makespan, finish = _run(kind, p, m, v, durations, collectives)
         return PipelineTiming(makespan=makespan, finish=tuple(finish.tolist()), busy=busy,
                               in_flight=flight, simulated=(m,))
     m1 = base + (m - base) % p
     m2 = m1 + p
-    span1, fin1 = _run(kind, p, m1, v, durations)
-    span2, fin2 = _run(kind, p, m2, v, durations)
+    span1, fin1 = _run(kind, p, m1, v, durations, collectives)
+    span2, fin2 = _run(kind, p, m2, v, durations, collectives)
     k = (m - m1) / p
     # A rank cannot finish before its own compute: the floor only acts where interleaved
     # extrapolation undershoots (unequal stages, see the module docstring).

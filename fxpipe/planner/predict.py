@@ -1,10 +1,13 @@
 """Predict one layout: iteration time, its breakdown, memory per GPU, TFLOP/s per GPU.
 
 Iteration = max over pipeline ranks r of
-    finish_r (the simulated schedule, p2p inside the stage times)
+    finish_r (the simulated schedule, p2p inside the stage times; with vocabulary passes
+              every rank's S and T and their collectives inside the schedule)
+  + lookup   (vocabulary passes: the embedding lookup's reduce onto the first rank before
+              the schedule and its gradient's broadcast after, m·b·s·h each over pp)
   + sync_r   (data-parallel gradient all-reduce of r's parameters, ring over d ranks,
               exposed per ``DPOverlap``; plus the tied-embedding all-reduce between the
-              first and last rank when p > 1)
+              first and last rank when p > 1 without vocabulary passes)
   + opt_r    (the Adam step over r's parameters, memory bound).
 TFLOP/s per GPU uses the paper's model FLOPs (``shapes.model_flops``: the 96·B·s·l·h²
 formula with full recompute, 72 without).
@@ -20,13 +23,13 @@ import numpy as np
 from fxpipe.hardware import Collective
 from fxpipe.planner.config import DPOverlap, CandidateLayout, PlannerOptions
 from fxpipe.planner.layer_cost import CostModel
-from fxpipe.planner.memory_model import (RankMemory, embedding_activation_bytes, head_activation_bytes,
-                                   layer_activation_bytes, recompute_working_bytes)
-from fxpipe.planner.pipeline import PipelineTiming, simulate_pipeline
+from fxpipe.planner.memory_model import (RankMemory, embedding_activation_bytes, final_norm_activation_bytes,
+                                         head_activation_bytes, layer_activation_bytes, lookup_activation_bytes,
+                                         recompute_working_bytes, vocab_block_activation_bytes)
+from fxpipe.planner.pipeline import PipelineTiming, simulate_pipeline, vocab_in_flight
 from fxpipe.planner.shapes import TransformerShape, model_flops
 from fxpipe.planner.stages import StagePlan, plan_stages
 from fxpipe.planner.work import Component
-from fxpipe.schedules.simulate import StageDurations
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +66,10 @@ def rank_memory(model: CostModel, cfg: CandidateLayout, stages: StagePlan,
                 in_flight: tuple[int, ...]) -> list[RankMemory]:
     """Peak memory of every pipeline rank: training state of its stages, plus its peak
     in-flight chunk-microbatches × its largest chunk's activations (the first stage adds
-    the embedding's, the last the head's once), plus recomputation's working layer."""
+    the embedding's, the last the head's once), plus recomputation's working layer. With
+    vocabulary passes the last stage keeps only the final norm's input; every rank holds
+    its block (head input and V/(t·p) logits) for each microbatch between S and T, and
+    the first rank the step's summed embedding lookups."""
     shape, opts = model.shape, model.options
     t, b, p, S = cfg.tp, cfg.micro_batch, cfg.pp, cfg.num_stages
     sp = cfg.sequence_parallel and t > 1
@@ -76,7 +82,13 @@ def rank_memory(model: CostModel, cfg: CandidateLayout, stages: StagePlan,
     flight = np.asarray(in_flight, dtype=np.float64)
     act = flight * widest * per_layer
     act[0] += min(flight[0], cfg.num_microbatches) * embedding_activation_bytes(shape, b, t, sp)
-    act[(S - 1) % p] += head_activation_bytes(shape, b, t, sp)  # freed soon after its forward
+    if cfg.vocab_passes:
+        act[(S - 1) % p] += final_norm_activation_bytes(shape, b, t, sp)
+        act += vocab_in_flight(cfg.schedule, p, cfg.num_microbatches, cfg.chunks) \
+            * vocab_block_activation_bytes(shape, b, t, p)
+        act[0] += lookup_activation_bytes(shape, b, cfg.num_microbatches)
+    else:
+        act[(S - 1) % p] += head_activation_bytes(shape, b, t, sp)  # freed soon after its forward
     params = stages.ranks(stages.params)
     return [RankMemory(rank=r, params=float(params[r]), state_bytes=float(params[r]) * opts.bytes_per_param,
                        activation_bytes=float(act[r]) * scale, working_bytes=working) for r in range(p)]
@@ -89,11 +101,25 @@ def _sync_s(model: CostModel, cfg: CandidateLayout, stages: StagePlan, r: int, p
                          hw.members_per_node(cfg.dp, cfg.tp))
     if opts.dp_overlap is DPOverlap.BACKWARD:
         dp = max(0.0, dp - float(stages.backward[r]))  # hidden behind its last backward
-    if cfg.pp > 1 and r in (0, cfg.pp - 1):  # Megatron's embedding group: first and last rank
+    # Megatron's embedding group: first and last rank. Vocabulary passes hold each row once.
+    if cfg.pp > 1 and r in (0, cfg.pp - 1) and not cfg.vocab_passes:
         vocab = shape.padded_vocab(cfg.tp) * shape.hidden / cfg.tp
         pair = hw.members_per_node(2, cfg.tp * cfg.dp * (cfg.pp - 1))
         dp += hw.collective_s(Collective.ALL_REDUCE, vocab * opts.grad_bytes, 2, pair)
     return dp
+
+
+def lookup_s(model: CostModel, cfg: CandidateLayout) -> float:
+    """Vocabulary passes: the embedding lookups' reduce onto the first rank before the
+    schedule and the gradients' broadcast after it (one each per step, m·b·s·h over the
+    pp group; ``runtime/vocab_lookup.py``). Every rank waits for both."""
+    if not cfg.vocab_passes:
+        return 0.0
+    hw, shape = model.hw, model.shape
+    nbytes = model.dtype * cfg.num_microbatches * cfg.micro_batch * shape.seq * shape.hidden
+    per_node = hw.members_per_node(cfg.pp, cfg.tp * cfg.dp)
+    return sum(hw.collective_s(kind, nbytes, cfg.pp, per_node)
+               for kind in (Collective.REDUCE, Collective.BROADCAST))
 
 
 def predict(shape: TransformerShape, cfg: CandidateLayout, options: PlannerOptions,
@@ -102,24 +128,23 @@ def predict(shape: TransformerShape, cfg: CandidateLayout, options: PlannerOptio
     model = model or CostModel(shape, options)
     hw = options.hardware
     stages = plan_stages(model, cfg)
-    durations = StageDurations(forward=tuple(stages.forward.tolist()),
-                               backward=tuple(stages.backward.tolist()),
-                               weight=tuple(stages.weight.tolist()))
-    timing = simulate_pipeline(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.chunks, durations,
-                               budget=options.simulate_budget)
+    collectives = model.vocab_collectives(cfg.tp, cfg.pp, cfg.dp, cfg.micro_batch) if cfg.vocab_passes else None
+    timing = simulate_pipeline(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.chunks, stages.durations(),
+                               collectives=collectives, budget=options.simulate_budget)
+    lookup = lookup_s(model, cfg)
     rank_params = stages.ranks(stages.params)
     ends = []
     for r in range(cfg.pp):
         params = float(rank_params[r])
         opt = hw.memory_s(params * options.optimizer_bytes_per_param, 4) if options.optimizer else 0.0
         sync = _sync_s(model, cfg, stages, r, params)
-        ends.append((timing.finish[r] + sync + opt, r, sync, opt))
+        ends.append((timing.finish[r] + lookup + sync + opt, r, sync, opt))
     iteration, crit, sync, opt = max(ends)
     parts: dict[Component, float] = {}
-    for k in range(crit, cfg.num_stages, cfg.pp):
-        for c, v in stages.work(k).total().items():
-            parts[c] = parts.get(c, 0.0) + v * cfg.num_microbatches
+    for c, v in stages.rank_work(crit).total().items():
+        parts[c] = v * cfg.num_microbatches
     parts[Component.BUBBLE] = max(0.0, timing.finish[crit] - timing.busy[crit])
+    parts[Component.VOCAB_LOOKUP] = lookup
     parts[Component.DP_SYNC] = sync
     parts[Component.OPTIMIZER] = opt
     peak = max(rank_memory(model, cfg, stages, timing.in_flight), key=lambda m: m.total)
@@ -141,6 +166,6 @@ def lower_bound_s(cfg: CandidateLayout, stages: StagePlan) -> float:
     crossed the stages before it, then needs its m·(F + B) of compute (sync and optimizer
     excluded). Used to prune the search before simulating."""
     p = cfg.pp
-    busy = cfg.num_microbatches * stages.ranks(stages.forward + stages.backward)
+    busy = cfg.num_microbatches * stages.rank_busy()
     prefix = np.concatenate(([0.0], np.cumsum(stages.forward[:p - 1])))
     return float((busy + prefix).max())

@@ -8,7 +8,8 @@ Enumeration (N GPUs, global batch B):
 - schedule 1F1B and ZB-H1 with v = 1; interleaved with 2 <= v <= ``max_chunks``
   (fxpipe's interleaving runs for any m >= 1; its bubble is simulated, not assumed);
   with p = 1 only 1F1B (no pipeline, all schedules coincide);
-- recompute none / selective / full; SP on every t > 1 layout when asked.
+- recompute none / selective / full; SP on every t > 1 layout when asked;
+- vocabulary passes per ``VocabPasses``: off, on (p >= 2 only) or both (p >= 2).
 
 Memory is checked in closed form first (training state + activations × the schedule's
 in-flight microbatches). Every fitting layout gets a lower bound on its time
@@ -18,10 +19,11 @@ simulating everything (the tests check it against brute force).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
-from fxpipe.planner.config import LayerBalance, CandidateLayout, PlannerOptions, ScheduleKind
+from fxpipe.planner.config import LayerBalance, CandidateLayout, PlannerOptions, ScheduleKind, VocabPasses
 from fxpipe.planner.layer_cost import CostModel
 from fxpipe.planner.pipeline import in_flight
 from fxpipe.planner.predict import Prediction, lower_bound_s, predict, rank_memory
@@ -40,6 +42,8 @@ def enumerate_layouts(shape: TransformerShape, gpus: int, global_batch: int,
     out = []
     max_tp = options.max_tp or gpus
     sp = options.sequence_parallel
+    vocab = {VocabPasses.OFF: (False,), VocabPasses.ON: (True,),
+             VocabPasses.SEARCH: (False, True)}[options.vocab_passes]
     for t in divisors(gpus):
         if t > max_tp or shape.heads % t:
             continue
@@ -63,9 +67,12 @@ def enumerate_layouts(shape: TransformerShape, gpus: int, global_batch: int,
                         if options.balance is LayerBalance.MEGATRON and shape.layers % (p * v):
                             continue
                         for rc in options.recomputes:
-                            out.append(CandidateLayout(tp=t, pp=p, dp=d, micro_batch=b, num_microbatches=m,
-                                                      chunks=v, schedule=kind, recompute=rc,
-                                                      sequence_parallel=sp and t > 1))
+                            for vp in vocab:
+                                if vp and p == 1:  # nothing to split the head over
+                                    continue
+                                out.append(CandidateLayout(tp=t, pp=p, dp=d, micro_batch=b, num_microbatches=m,
+                                                          chunks=v, schedule=kind, recompute=rc,
+                                                          sequence_parallel=sp and t > 1, vocab_passes=vp))
     return out
 
 
@@ -102,6 +109,10 @@ def plan(shape: TransformerShape, gpus: int, global_batch: int, options: Planner
     start = time.perf_counter()
     model = CostModel(shape, options)
     layouts = enumerate_layouts(shape, gpus, global_batch, options)
+    if not layouts and options.vocab_passes is VocabPasses.ON and enumerate_layouts(
+            shape, gpus, global_batch, dataclasses.replace(options, vocab_passes=VocabPasses.OFF)):
+        raise ValueError(f"vocabulary passes need p >= 2, but no layout of {shape.name} on {gpus} GPUs "
+                         f"with global batch {global_batch} has p >= 2: use --vocab-passes off or search")
     if not layouts:
         raise ValueError(
             f"no layout of {shape.name} on {gpus} GPUs with global batch {global_batch}: t must divide "
@@ -121,7 +132,9 @@ def plan(shape: TransformerShape, gpus: int, global_batch: int, options: Planner
             f"no layout of {shape.name} fits {limit / 1e9:.1f} GB per GPU "
             f"({options.hardware.name}, {options.hardware.usable_memory_fraction:.0%} of "
             f"{options.hardware.memory_bytes / 2**30:.0f} GiB): the smallest needs {smallest / 1e9:.1f} GB. "
-            f"Use more GPUs, allow full recompute (--recompute full) or sequence parallelism")
+            f"Use more GPUs, allow full recompute (--recompute full) or sequence parallelism"
+            + ("; with vocabulary passes the first rank holds the step's m embedding lookups: try "
+               "--vocab-passes search" if options.vocab_passes is VocabPasses.ON else ""))
     scored.sort(key=lambda x: (x[0], x[1]))
     best: list[Prediction] = []
     simulated = 0

@@ -2,7 +2,10 @@
 
 Stage c of p·v lives on rank c mod p (SC21 §2.2, fxpipe's loop placement). The
 embedding is on stage 0 and the LM head on the last stage; with p > 1 the last rank
-keeps its own copy of the tied embedding (Megatron's embedding group). Stage times
+keeps its own copy of the tied embedding (Megatron's embedding group). With vocabulary
+passes (Yeung et al. 2025) the last stage keeps only the final norm: the output layer
+(logits and cross-entropy) runs as each rank's S and T, 1/p of it each, and every rank
+holds V/(t·p) rows of the tied table, as ``passes/vocab_rows.py`` splits them. Stage times
 are numpy arrays (the search prices thousands of layouts); the by-component
 ``Work`` of a stage is built only when asked (``StagePlan.work``).
 """
@@ -15,7 +18,9 @@ import numpy as np
 
 from fxpipe.planner.config import LayerBalance, CandidateLayout, ScheduleKind
 from fxpipe.planner.layer_cost import CostModel
-from fxpipe.planner.work import Component, Work
+from fxpipe.planner.work import ZERO, Component, Work
+from fxpipe.schedules.simulate import StageDurations
+from fxpipe.schedules.vocab_passes import split_output_layer
 
 
 def split_layers(layers: int, num_stages: int, balance: LayerBalance,
@@ -58,14 +63,46 @@ class StagePlan:
     params: np.ndarray
     """Per stage: parameters per GPU."""
     parts: tuple[Work, Work, Work]
-    """(one layer, embedding, head) Work, to rebuild a stage's breakdown."""
+    """(one layer, embedding, head on the last stage) Work, to rebuild a stage's breakdown;
+    with vocabulary passes the head part is the final norm alone."""
     p2p: tuple[float, float]
     """(send, receive-side all-gather) seconds per stage boundary and microbatch."""
+    output: Work | None = None
+    """Vocabulary passes: the output layer (logits GEMM and cross-entropy) that every rank
+    runs 1/p of as its S and T; not in the stage arrays. None: the head is on the last stage."""
 
     def ranks(self, values: np.ndarray) -> np.ndarray:
         """Sum a per-stage array over each rank's v stages -> per rank."""
         p = self.config.pp
         return values.reshape(self.config.chunks, p).sum(axis=0)
+
+    def durations(self) -> StageDurations:
+        """The simulator's durations. With vocabulary passes: the stages as the partition
+        sees them (the output layer on the last) through ``split_output_layer``, which
+        takes it off the last stage and gives every rank 1/p of it as its S and T."""
+        if self.output is None:
+            return StageDurations(forward=tuple(self.forward.tolist()), backward=tuple(self.backward.tolist()),
+                                  weight=tuple(self.weight.tolist()))
+        out = self.output
+        f, b, w = self.forward.copy(), self.backward.copy(), self.weight.copy()
+        f[-1], b[-1], w[-1] = f[-1] + out.forward_s, b[-1] + out.backward_s, w[-1] + out.weight
+        whole = StageDurations(forward=tuple(f.tolist()), backward=tuple(b.tolist()), weight=tuple(w.tolist()))
+        return split_output_layer(whole, self.config.pp, forward=out.forward_s, backward=out.backward_s,
+                                  weight=out.weight)
+
+    def rank_busy(self) -> np.ndarray:
+        """Per rank: compute seconds per microbatch (its stages' F + B, and its S + T)."""
+        busy = self.ranks(self.forward + self.backward)
+        if self.output is not None:
+            busy = busy + (self.output.forward_s + self.output.backward_s) / self.config.pp
+        return busy
+
+    def rank_work(self, r: int) -> Work:
+        """Rank r's work per microbatch by component: its stages' and its vocabulary block's."""
+        w = ZERO
+        for k in range(r, len(self.layers), self.config.pp):
+            w = w + self.work(k)
+        return w if self.output is None else w + self.output.scaled(1 / self.config.pp)
 
     def work(self, k: int) -> Work:
         """Stage k's forward/backward by component."""
@@ -87,7 +124,11 @@ def plan_stages(model: CostModel, cfg: CandidateLayout) -> StagePlan:
     t, b, S = cfg.tp, cfg.micro_batch, cfg.num_stages
     sp = cfg.sequence_parallel and t > 1
     layer = model.layer(t, b, cfg.recompute, sp, cfg.schedule is ScheduleKind.ZB_H1)
-    emb, head = model.embedding(t, b, sp), model.head(t, b, sp)
+    emb = model.embedding(t, b, sp)
+    # Vocabulary passes: the last stage keeps the final norm; the output layer is every
+    # rank's alike, so the layers are balanced without it (PartitionConfig.elsewhere).
+    output = model.output_layer(t, b) if cfg.vocab_passes else None
+    head = model.final_norm(t, b, sp) if cfg.vocab_passes else model.head(t, b, sp)
     extra = [0.0] * S
     extra[0] += emb.forward_s + emb.backward_s
     extra[-1] += head.forward_s + head.backward_s
@@ -103,15 +144,20 @@ def plan_stages(model: CostModel, cfg: CandidateLayout) -> StagePlan:
     vocab_params = shape.padded_vocab(t) * shape.hidden / t
     fwd[0] += emb.forward_s
     bwd[0] += emb.backward_s
-    params[0] += vocab_params + shape.seq * shape.hidden  # word (split) + position (replicated)
     fwd[-1] += head.forward_s
     bwd[-1] += head.backward_s
     wgt[-1] += head.weight
-    params[-1] += 2 * shape.hidden + (vocab_params if cfg.pp > 1 else 0.0)  # final norm, tied copy
+    params[0] += shape.seq * shape.hidden  # position table (replicated)
+    params[-1] += 2 * shape.hidden  # final norm
+    if cfg.vocab_passes:
+        params[:cfg.pp] += vocab_params / cfg.pp  # stage r < p is on rank r: its rows of the tied table
+    else:
+        params[0] += vocab_params  # the word table (split over TP)
+        params[-1] += vocab_params if cfg.pp > 1 else 0.0  # the last rank's tied copy
     if S > 1:
         fwd[:-1] += send
         fwd[1:] += gather
         bwd[1:] += send
         bwd[:-1] += gather
     return StagePlan(config=cfg, layers=counts, forward=fwd, backward=bwd, weight=np.minimum(wgt, bwd),
-                     params=params, parts=(layer, emb, head), p2p=(send, gather))
+                     params=params, parts=(layer, emb, head), p2p=(send, gather), output=output)

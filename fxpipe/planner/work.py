@@ -23,6 +23,9 @@ class Component(enum.Enum):
     """Pipeline idle time of the critical rank."""
     DP_SYNC = "dp sync"
     """Exposed data-parallel gradient all-reduce (and the tied-embedding all-reduce)."""
+    VOCAB_LOOKUP = "vocab lookup"
+    """Vocabulary passes: the embedding lookup's reduce onto the first rank before the
+    schedule and its gradient's broadcast after it (``runtime/vocab_lookup.py``)."""
     OPTIMIZER = "optimizer"
     """The Adam step (memory bound)."""
 

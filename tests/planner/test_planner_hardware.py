@@ -22,6 +22,9 @@ def test_ring_collectives():
     ag = A100.collective_s(Collective.ALL_GATHER, S, n, n)
     rs = A100.collective_s(Collective.REDUCE_SCATTER, S, n, n)
     assert ag + rs == pytest.approx(ar)
+    # broadcast and reduce: a pipelined ring moves the whole tensor over each link once
+    for kind in (Collective.BROADCAST, Collective.REDUCE):
+        assert A100.collective_s(kind, S, n, n) == pytest.approx(S / link.collective_bw + (n - 1) * link.collective_latency)
     assert A100.collective_s(Collective.ALL_REDUCE, S, 1, 1) == 0.0
     # a group with one member per node rides one NIC; with 8 per node, eight
     one = A100.collective_s(Collective.ALL_REDUCE, S, 16, 1)
