@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, port: int, out: str, layout: dict, args: argp
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     import fxpipe
     import fxpipe.runtime.api  # noqa: F401  (what every process loads before it builds anything)
-    import torch.export  # noqa: F401
+    from torch import export as _export  # noqa: F401
     from fxpipe.models import build_workload
     from fxpipe.models.registry import GPT_CONFIGS
 
