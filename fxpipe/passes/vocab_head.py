@@ -10,7 +10,9 @@ stage's graph by structure:
     alias / clone | cast]* → cross_entropy (or log_softmax → nll_loss)
 
 as the blockwise loss recognises it (``split_loss._match``: 2-D logits, no class
-weights, no label smoothing), where the cross-entropy is the stage's loss, ``W`` is a
+weights, no label smoothing; under tensor parallelism the TP pass's
+``vocab_parallel_cross_entropy`` of the TP rank's columns, whose blocks are then of
+that rank's rows), where the cross-entropy is the stage's loss, ``W`` is a
 trainable parameter [V, h] the stage reads nowhere else and the linear has no bias.
 The last stage then outputs ``x`` (the head's input) and the class indices instead of
 the loss; ``PipelinePlan.vocab_head`` records the chain, the reduction and each rank's
@@ -134,8 +136,8 @@ def vocab_row_params(program: Program, elsewhere: frozenset[str]) -> frozenset[s
     weights the head nodes (``elsewhere``) read, split into one block per rank
     (``VocabHead.blocks``), and each table that an embedding lookup of batch token ids
     reads, which ``vocab_rows`` gives the head's rows when tied and splits evenly where
-    the head is split when untied (``passes/vocab_lookup.py``; vocabulary passes run at
-    tp=1 only). The partition charges their state evenly per rank instead of to the
+    the head is split when untied (``passes/vocab_lookup.py``; under TP of each TP
+    rank's rows). The partition charges their state evenly per rank instead of to the
     stage that reads them (``PartitionConfig.spread``)."""
     from fxpipe.passes.vocab_lookup import lookup_of
 

@@ -24,8 +24,9 @@ ranks hold (a tied embedding on the first stage and head rows on the last) leave
 hold them (``runtime/grad_sync.py``), not as one whole-tensor all-reduce.
 A parameter that tensor parallelism splits along another dim than 0 is left alone.
 
-The embedding lookup of such a table (``aten.embedding`` of batch token ids) is done by
-the rows' owners at tp=1 (``passes/vocab_lookup.py``): a tied table's rows are then its
+The embedding lookup of such a table (``aten.embedding`` of batch token ids, or under
+TP the vocabulary-parallel lookup of a TP rank's rows) is done by the rows' owners
+(``passes/vocab_lookup.py``): a tied table's rows are then its
 head's rows on each rank (a head reading it whole on the last rank holds it alone), and
 an untied table is split evenly where the head is split; the consuming stage reads the
 owners' summed lookup as an input and its rank holds only the rows it owns.

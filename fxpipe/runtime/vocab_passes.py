@@ -20,7 +20,13 @@ microbatch j, in the order the schedule lists them (``schedules/vocab_passes.py`
 - ``REDUCE_G j``: the partial gradients of x summed onto the last stage's rank, whose
   backward of j starts from it.
 
-Every collective runs on the pipeline group with the step's timeout (``Transport.wait``
+Under tensor parallelism (``VocabHead.vocab_size`` set: the captured loss was the TP
+pass's vocabulary-parallel cross-entropy) rank r's block is of its TP rank's rows, the
+statistics are all-reduced over the TP group after the pipeline group, the TP padding
+rows never win (-inf), and x's summed gradient goes on through the stage's
+``copy_to_tp`` (or SP gather), whose backward sums it over the TP ranks.
+
+Every collective runs on the pipeline group (and the TP group) with the step's timeout (``Transport.wait``
 names the peer on a stall); the schedule lists them in one order on every rank.
 Memory: a microbatch's block logits stay from its S to its T.
 """

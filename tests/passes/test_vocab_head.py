@@ -58,9 +58,35 @@ def test_head_is_cut_off_the_last_stage(compiled):
             sorted((k.value, j) for k in kinds for j in range(2))
 
 
+def test_head_under_tensor_parallelism_is_cut_into_blocks_of_each_tp_shard():
+    """tp=2 × pp=2, a vocabulary tp does not divide: the vocabulary-parallel cross-entropy
+    and lookup leave the stages, rank r owns block r of each TP rank's padded rows, and
+    the class count (for the padding rows' mask) is the model's."""
+    from fxpipe.passes.split_loss import _match
+    from fxpipe.tp.ops import OPS
+
+    model, batch, loss_fn = _wide_vocab.workload_tied_odd()
+    config = ParallelConfig(pp=2, tp=2, microbatches=2, costs="model", vocab_passes=True).with_world(4)
+    compiled = compile_pipeline(model, tuple(t[:2] for t in batch), config, loss_fn=loss_fn)
+    plan, v = compiled.plan, _wide_vocab.VOCAB - 3
+    local = -(-v // 2)  # each TP rank's rows, padding included
+    head = plan.vocab_head
+    assert head.vocab_size == v and head.blocks == ((0, local // 2), (local // 2, local))
+    assert plan.row_shards[head.weight].ranks == tuple(((a, b),) for a, b in head.blocks)
+    assert [(lk.table, lk.vocab_parallel) for lk in plan.lookups] == [(head.weight, True)]
+    gone = {OPS.vocab_parallel_cross_entropy.default, OPS.vocab_parallel_embedding.default, aten.linear.default}
+    for st in plan.stages:
+        assert not {n.target for n in st.graph_module.graph.nodes} & gone, st.index
+    # The blockwise loss (split_loss) does not take the TP loss: only the passes opt in.
+    tp_program = compile_pipeline(model, tuple(t[:2] for t in batch), config, loss_fn=loss_fn,
+                                  until="tensor_parallel").program
+    logits = next(n for n in tp_program.graph.nodes if n.target is OPS.vocab_parallel_cross_entropy.default)
+    head_linear = [n for n in tp_program.graph.nodes if n.target is aten.linear.default][-1]
+    assert _match(head_linear) is None and _match(head_linear, vocab_parallel=True).loss is logits
+
+
 @pytest.mark.parametrize("layout, message", [
     (dict(pp=1), "pp=1"),
-    (dict(pp=2, tp=2), "tp=2"),
     (dict(pp=2, split_loss=True), "split_loss=True"),
 ])
 def test_config_refuses_what_it_cannot_run(layout, message):
