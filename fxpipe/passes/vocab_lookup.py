@@ -7,9 +7,8 @@ first rank and their owners). Megatron's vocabulary-parallel embedding (Shoeybi 
 2019 §3) splits the lookup over tensor-parallel ranks: each looks the ids up in its rows,
 ids outside them read zeros, and an all-reduce sums the parts. Here the parts come from
 pipeline ranks instead (Yeung et al., MLSys 2025, arXiv 2411.05288): every rank reads
-the batch, so each owner can look the microbatch's ids up in its rows, and one
-reduction per step brings the sum to the stage that reads it
-(``runtime/vocab_lookup.py``). The stage graph reads the result as an input instead
+the batch, so each owner can look the microbatch's ids up in its rows and send its
+part to the stage that reads the sum (``runtime/vocab_lookup.py``). The stage graph reads the result as an input instead
 of computing it, and the rows of a tied table and of its head coincide on each owner,
 so the tied gradient sum becomes local.
 

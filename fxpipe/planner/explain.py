@@ -58,7 +58,7 @@ def _why(c: Component, a: Prediction, b: Prediction) -> str:
     if c is Component.P2P:
         return f"stage-boundary transfers (p·v={ca.num_stages}/{cb.num_stages} stages)"
     if c is Component.VOCAB_LOOKUP:
-        return "the embedding lookups' reduce and broadcast over the pipeline (vocabulary passes)"
+        return "the first microbatch's embedding lookup from the table's owners (vocabulary passes)"
     if c is Component.OPTIMIZER:
         return "optimizer step over the parameters each GPU holds"
     return (f"{c.value} time per GPU (b={ca.micro_batch}/{cb.micro_batch}: GEMM shapes and "

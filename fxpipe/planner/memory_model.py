@@ -82,10 +82,11 @@ def vocab_block_activation_bytes(shape: TransformerShape, micro_batch: int, tp: 
     return 2.0 * s * b * shape.hidden + 4.0 * s * b * shape.padded_vocab(tp) / (tp * pp)
 
 
-def lookup_activation_bytes(shape: TransformerShape, micro_batch: int, num_microbatches: int) -> float:
-    """First rank under vocabulary passes: the embedding lookups of the whole step, summed
-    from the table's owners before the schedule (``runtime/vocab_lookup.py``: m·b·s·h)."""
-    return 2.0 * num_microbatches * shape.seq * micro_batch * shape.hidden
+def lookup_activation_bytes(shape: TransformerShape, micro_batch: int, parts: int) -> float:
+    """Every rank under vocabulary passes: its ``parts`` partial embedding lookups in
+    flight (b·s·h each; ``runtime/vocab_lookup.py`` holds a part from its send, one
+    microbatch ahead of the first stage's forward, until that stage's backward)."""
+    return 2.0 * parts * shape.seq * micro_batch * shape.hidden
 
 
 @dataclass(frozen=True, kw_only=True)

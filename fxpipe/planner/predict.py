@@ -3,8 +3,9 @@
 Iteration = max over pipeline ranks r of
     finish_r (the simulated schedule, p2p inside the stage times; with vocabulary passes
               every rank's S and T and their collectives inside the schedule)
-  + lookup   (vocabulary passes: the embedding lookup's reduce onto the first rank before
-              the schedule and its gradient's broadcast after, m·b·s·h each over pp)
+  + lookup   (vocabulary passes: the table's owners send each microbatch's part of the
+              embedding lookup (b·s·h) point to point, one microbatch ahead, so only the
+              first microbatch's arrival is exposed; the gradients go back overlapped)
   + sync_r   (data-parallel gradient all-reduce of r's parameters, ring over d ranks,
               exposed per ``DPOverlap``; plus the tied-embedding all-reduce between the
               first and last rank when p > 1 without vocabulary passes)
@@ -69,7 +70,8 @@ def rank_memory(model: CostModel, cfg: CandidateLayout, stages: StagePlan,
     the embedding's, the last the head's once), plus recomputation's working layer. With
     vocabulary passes the last stage keeps only the final norm's input; every rank holds
     its block (head input and V/(t·p) logits) for each microbatch between S and T, and
-    the first rank the step's summed embedding lookups."""
+    every rank its parts of the embedding lookup in flight (the first stage's in-flight
+    microbatches and one sent ahead, ``runtime/vocab_lookup.py``)."""
     shape, opts = model.shape, model.options
     t, b, p, S = cfg.tp, cfg.micro_batch, cfg.pp, cfg.num_stages
     sp = cfg.sequence_parallel and t > 1
@@ -86,7 +88,7 @@ def rank_memory(model: CostModel, cfg: CandidateLayout, stages: StagePlan,
         act[(S - 1) % p] += final_norm_activation_bytes(shape, b, t, sp)
         act += vocab_in_flight(cfg.schedule, p, cfg.num_microbatches, cfg.chunks) \
             * vocab_block_activation_bytes(shape, b, t, p)
-        act[0] += lookup_activation_bytes(shape, b, cfg.num_microbatches)
+        act += lookup_activation_bytes(shape, b, min(int(flight[0]) + 1, cfg.num_microbatches))
     else:
         act[(S - 1) % p] += head_activation_bytes(shape, b, t, sp)  # freed soon after its forward
     params = stages.ranks(stages.params)
@@ -110,16 +112,15 @@ def _sync_s(model: CostModel, cfg: CandidateLayout, stages: StagePlan, r: int, p
 
 
 def lookup_s(model: CostModel, cfg: CandidateLayout) -> float:
-    """Vocabulary passes: the embedding lookups' reduce onto the first rank before the
-    schedule and the gradients' broadcast after it (one each per step, m·b·s·h over the
-    pp group; ``runtime/vocab_lookup.py``). Every rank waits for both."""
+    """Vocabulary passes: the first microbatch's embedding lookup, whose parts (b·s·h
+    from each of the table's owners, point to point) the first stage waits for before
+    its first forward; later parts are sent one microbatch ahead and the gradients go
+    back without a wait (``runtime/vocab_lookup.py``), so they overlap the schedule."""
     if not cfg.vocab_passes:
         return 0.0
     hw, shape = model.hw, model.shape
-    nbytes = model.dtype * cfg.num_microbatches * cfg.micro_batch * shape.seq * shape.hidden
-    per_node = hw.members_per_node(cfg.pp, cfg.tp * cfg.dp)
-    return sum(hw.collective_s(kind, nbytes, cfg.pp, per_node)
-               for kind in (Collective.REDUCE, Collective.BROADCAST))
+    nbytes = model.dtype * cfg.micro_batch * shape.seq * shape.hidden
+    return hw.p2p_s(nbytes, intra_node=hw.members_per_node(cfg.pp, cfg.tp * cfg.dp) == cfg.pp)
 
 
 def predict(shape: TransformerShape, cfg: CandidateLayout, options: PlannerOptions,

@@ -133,8 +133,7 @@ def plan(shape: TransformerShape, gpus: int, global_batch: int, options: Planner
             f"({options.hardware.name}, {options.hardware.usable_memory_fraction:.0%} of "
             f"{options.hardware.memory_bytes / 2**30:.0f} GiB): the smallest needs {smallest / 1e9:.1f} GB. "
             f"Use more GPUs, allow full recompute (--recompute full) or sequence parallelism"
-            + ("; with vocabulary passes the first rank holds the step's m embedding lookups: try "
-               "--vocab-passes search" if options.vocab_passes is VocabPasses.ON else ""))
+            + ("; or try --vocab-passes search" if options.vocab_passes is VocabPasses.ON else ""))
     scored.sort(key=lambda x: (x[0], x[1]))
     best: list[Prediction] = []
     simulated = 0

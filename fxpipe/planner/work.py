@@ -24,8 +24,9 @@ class Component(enum.Enum):
     DP_SYNC = "dp sync"
     """Exposed data-parallel gradient all-reduce (and the tied-embedding all-reduce)."""
     VOCAB_LOOKUP = "vocab lookup"
-    """Vocabulary passes: the embedding lookup's reduce onto the first rank before the
-    schedule and its gradient's broadcast after it (``runtime/vocab_lookup.py``)."""
+    """Vocabulary passes: the first microbatch's embedding lookup parts, sent point to
+    point by the table's owners before the first stage's first forward (later ones are
+    sent ahead and overlap; ``runtime/vocab_lookup.py``)."""
     OPTIMIZER = "optimizer"
     """The Adam step (memory bound)."""
 

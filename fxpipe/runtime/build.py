@@ -33,7 +33,7 @@ from fxpipe.runtime.precision import LossScaler, MasterWeights, Precision
 from fxpipe.runtime.shards import ShardBuilder
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport
-from fxpipe.runtime.vocab_lookup import VocabLookups
+from fxpipe.runtime.vocab_lookup import VocabLookups, wire_name
 from fxpipe.runtime.vocab_passes import VocabPasses
 from fxpipe.runtime.zero import ZeroPartition
 from fxpipe.schedules.ir import ActionKind, Schedule
@@ -89,10 +89,10 @@ def build_runtime(compiled: CompiledPipeline, groups: MeshGroups, shards: ShardB
                               context=context) for s in my_stages}
     compiled_stages = _compile_runners(runners, plan, compiled.schedule, state, groups, context, device) \
         if config.compile else ()
-    value_ids = {n: i for i, n in enumerate(sorted(plan.values))}
+    value_ids = {n: i for i, n in enumerate(sorted(plan.values) + sorted(wire_name(lk.name) for lk in plan.lookups))}
     transport = Transport(device=device, timeout=timeout, value_ids=value_ids, num_values=max(1, len(value_ids)),
                           scatter_gather=tp_group if config.scatter_gather else None)
-    lookups = VocabLookups(plan, compiled.schedule, groups, state, device, transport) if plan.lookups else None
+    lookups = VocabLookups(plan, compiled.actions, groups, state, device, transport) if plan.lookups else None
     vocab = None
     if plan.vocab_head is not None:  # this rank's block of the LM head (runtime/vocab_passes.py)
         last = runners.get(plan.num_stages - 1)

@@ -43,8 +43,9 @@ class PipelineExecutor:
         self.vocab = vocab
         """This rank's block of the LM head (``vocab_passes.py``), with ``plan.vocab_head``."""
         self.lookups = lookups
-        """The owners' embedding lookups of row-split tables (``vocab_lookup.py``): summed
-        before the first action, their gradients sent back to the owners after the last."""
+        """The owners' embedding lookups of row-split tables (``vocab_lookup.py``): each
+        owner's part of a microbatch sent before the action its simulation placed it at,
+        summed by the consuming stage's rank, its gradient sent back after the backward."""
         self.runners, self.transport = runners, transport
         self.peer = global_rank_of_pp
         self.actions = schedule.actions[pp_rank]
@@ -70,16 +71,18 @@ class PipelineExecutor:
                     K.ALLREDUCE_S: lambda a: self.vocab.allreduce_s(a.microbatch),
                     K.T: lambda a: self.vocab.t(a.microbatch), K.REDUCE_G: self._reduce_g}
         if self.lookups is not None:
-            self.lookups.forward(microbatches)
-        for action in self.actions:
+            self.lookups.start(microbatches)
+        for index, action in enumerate(self.actions):
+            if self.lookups is not None:
+                self.lookups.before(index)
             self._compute_start = None
             start = time.perf_counter()
             handlers[action.kind](action)
             # A compute action's event starts after its receives arrived: waiting is bubble.
             self.events.append((action, self._compute_start or start, time.perf_counter()))
-        self.transport.flush_sends()
         if self.lookups is not None:
-            self.lookups.backward()
+            self.lookups.finish(len(self.actions))
+        self.transport.flush_sends()
         assert not self.to_send and not self.posted, "every transfer of the step completed"
         assert self.vocab is None or self.vocab.idle, "every vocabulary pass of the step ran"
         leftover = {s: r.in_flight for s, r in self.runners.items() if r.in_flight}

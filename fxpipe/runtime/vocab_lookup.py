@@ -1,70 +1,84 @@
 """Embedding lookups of a table whose rows are split over pipeline ranks (``VocabLookup``).
 
 The compiler (``passes/vocab_lookup.py``) took the lookup out of the stage that reads
-it; here the owners of the table's rows do it, once per step, outside the schedule:
+it; here the owners of the table's rows do it, microbatch by microbatch:
 
-- ``forward`` (before the schedule's first action): every pipeline rank looks each
-  microbatch's token ids up in the rows it owns — an id outside them reads zeros — and
-  one ``reduce`` over the pipeline group sums the parts onto the rank of the consuming
-  stage, which hands microbatch i's sum to that stage's forward as an input.
-- ``backward`` (after the schedule's last action): the consuming rank has collected
-  the gradient of that input for every microbatch; one ``broadcast`` over the pipeline
-  group gives it to every owner, which runs its own part's backward, so autograd builds
-  the gradient of its rows only (the fp32-master hooks fire as for any gradient).
+- forward of microbatch j: every owner looks j's token ids up in the rows it owns —
+  an id outside them reads zeros — and sends its part to the rank of the consuming
+  stage, which sums the parts (and its own, when it owns rows) into the stage's input
+  just before that stage's F of j;
+- backward: right after the consuming stage's B (or I) of j, that rank sends the
+  input's gradient to every other owner, which runs its own part's backward, so
+  autograd builds the gradient of its rows only (the fp32-master hooks fire as for any
+  gradient).
+
+Where each owner sends and receives is fixed before the step from a simulation of the
+schedule (unit times, every rank the same). Sends never block and a part depends on
+nothing but the batch and the owner's rows, so an owner may send part j anywhere: it
+sends it one microbatch ahead — before its first blocking action that starts at or
+after the consumer's F of j - 1 (part 0 first thing in the step) — so the part is
+there when the consumer's F of j wants it. It takes the gradient before its first
+blocking action that starts at or after the consumer's backward of j ends: every wait
+is on an event earlier in that time order, so the point-to-point transfers (tagged per
+lookup and microbatch) cannot deadlock with the schedule's own transfers and
+collectives. An owner holds part j from its send to its gradient, the consumer j's
+result only until its F, and every send is dropped once it completed: memory follows
+the schedule's microbatches in flight (plus the one sent ahead), not the step's m.
 
 Every rank reads the batch, so every owner has the ids. Under tensor parallelism the
 lookup is one TP rank's vocabulary-parallel one (``VocabLookup.vocab_parallel``): the
 pipeline ranks of each TP rank sum their parts of its rows, and the stage sums the TP
-ranks' results as it did. Both collectives run on the
-existing pipeline group (its timeout), at the same two points of every step, in the
-plan's lookup order on every rank: nothing can interleave with the schedule's sends.
-Each row is looked up by one rank only (the lowest holder), so the sum adds zeros to
-exactly one copy of every embedding: bit-identical to one process's lookup.
-Memory: the consuming rank holds every microbatch's lookup of the step at once (the
-whole local batch's embeddings, ``m·b·s·h``), and each owner its part's ids.
+ranks' results as it did. Each row is looked up by one rank only (the lowest holder),
+so the sum adds zeros to exactly one copy of every embedding: bit-identical to one
+process's lookup.
 """
 from __future__ import annotations
 
-import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from fxpipe.pipeline_plan import PipelinePlan, VocabLookup
+from fxpipe.pipeline_plan import PipelinePlan, StageValue, VocabLookup
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.transport import Pending, Transport
-from fxpipe.schedules.ir import Schedule
+from fxpipe.schedules.ir import ActionKind, Schedule
+
+K = ActionKind
+_NON_BLOCKING = frozenset({K.SEND_F, K.SEND_B, K.RECV_F, K.RECV_B})
+"""Actions that only post a transfer: they never wait, so they do not order the lookups."""
+
+
+def wire_name(lookup: str) -> str:
+    """The transport's name for a lookup's transfers (tags apart from the stage values)."""
+    return f"lookup:{lookup}"
 
 
 @dataclass
 class _Lookup:
     plan: VocabLookup
     consumer: int
-    """Global rank of the pipeline rank running the consuming stage."""
+    """Pipeline rank running the consuming stage."""
+    owners: tuple[int, ...]
+    """Pipeline ranks holding rows of the table, the consumer excluded."""
     owned: torch.Tensor | None
     """Global row -> position in this rank's rows, -1 where another rank looks it up;
     None: this rank owns no row of the table."""
-    parts: list[torch.Tensor] = field(default_factory=list)
-    """This rank's partial lookups of the step (with their autograd graph), per microbatch."""
-    results: list[torch.Tensor] = field(default_factory=list)
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    wire: StageValue
+    parts: dict[int, torch.Tensor] = field(default_factory=dict)
+    """This rank's partial lookups in flight (with their autograd graph), by microbatch."""
 
 
 class VocabLookups:
     """This rank's part in every ``VocabLookup`` of the plan (module docstring)."""
 
-    def __init__(self, plan: PipelinePlan, schedule: Schedule, groups: MeshGroups,
+    def __init__(self, plan: PipelinePlan, actions: Schedule, groups: MeshGroups,
                  state: dict[str, torch.Tensor], device: torch.device, transport: Transport) -> None:
-        self.groups, self.state, self.device = groups, state, device
-        self.transport = transport
-        """Waits on the collectives with the step's timeout and names the peer on a stall."""
-        self.owners = {lk.name: [groups.pp_peer(p) for p, r in enumerate(plan.row_shards[lk.table].ranks) if r]
-                       for lk in plan.lookups}
-        self.lookups: list[_Lookup] = []
-        self.m = 0
+        self.groups, self.state, self.device, self.transport = groups, state, device, transport
         me = groups.pp_rank
+        self.lookups: list[_Lookup] = []
         for lk in plan.lookups:
             rows = plan.row_shards[lk.table]
             owned = None
@@ -75,39 +89,65 @@ class VocabLookups:
                         start = rows.offset(me, a)
                         owned[a:b] = torch.arange(start, start + b - a)
                 owned = owned.to(device)
-            self.lookups.append(_Lookup(lk, groups.pp_peer(schedule.stage_to_rank(lk.stage)), owned))
+            consumer = actions.stage_to_rank(lk.stage)
+            owners = tuple(p for p, r in enumerate(rows.ranks) if r and p != consumer)
+            wire = StageValue(name=wire_name(lk.name), producer=-1, consumers=(lk.stage,), spec=lk.spec,
+                              requires_grad=True)
+            self.lookups.append(_Lookup(lk, consumer, owners, owned, wire))
+        self.points = _points(actions, self.lookups, me)
+        """Action index -> what this owner does before that action: ("send", lookup, j)
+        or ("grad", lookup, j); index len(actions): after the last one."""
+        self.mb: Sequence[Sequence[torch.Tensor]] = ()
+        self.peak_parts = 0
+        """Most partial lookups this rank held at once in the last step."""
+        self.outbox: list[tuple[Pending, torch.Tensor]] = []
+        """Sends not known to be complete, with the tensor each must keep alive."""
 
-    def forward(self, microbatches: Sequence[Sequence[torch.Tensor]]) -> None:
-        """Every microbatch's lookups, summed onto their consuming ranks (collective)."""
-        self.m = len(microbatches)
+    def start(self, microbatches: Sequence[Sequence[torch.Tensor]]) -> None:
+        self.mb, self.peak_parts = microbatches, 0
         for lk in self.lookups:
-            spec = lk.plan.spec
-            lk.parts, lk.grads = [], {}
-            if lk.owned is not None:
-                with torch.enable_grad():
-                    lk.parts = [self._part(lk, mb[lk.plan.batch_input]) for mb in microbatches]
-                flat = torch.cat([p.detach().reshape(-1) for p in lk.parts])
+            lk.parts.clear()
+
+    def _send(self, lk: _Lookup, t: torch.Tensor, pp_rank: int, backward: bool, mb: int) -> None:
+        """Post a send of ``t`` (kept alive until it completes: ``_reap``)."""
+        dst = self.groups.pp_peer(pp_rank)
+        t = t.detach().contiguous()
+        work = dist.isend(t, dst=dst, tag=self.transport.tag(backward, lk.wire.name, mb), group=self.transport.group)
+        what = f"sending {'the gradient of ' if backward else ''}the embedding lookup {lk.plan.name!r} " \
+               f"(microbatch {mb}) to rank {dst}"
+        self.outbox.append((Pending(work, dst, what), t))
+        self._reap()
+
+    def _reap(self) -> None:
+        self.outbox = [(p, t) for p, t in self.outbox if not p.work.is_completed()]
+
+    def before(self, index: int) -> None:
+        """What this rank does for other ranks' lookups before its action ``index``."""
+        self._reap()
+        for what, lk, j in self.points.get(index, ()):
+            if what == "send":
+                self._send(lk, self._part(lk, j), lk.consumer, False, j)
             else:
-                flat = torch.zeros(len(microbatches) * math.prod(spec.shape), dtype=spec.dtype, device=self.device)
-            mine = lk.consumer == self.groups.rank
-            self._wait(dist.reduce(flat, dst=lk.consumer, group=self.groups.pp_group, async_op=True), lk,
-                       "receiving" if mine else "sending")
-            lk.results = [t.view(spec.shape) for t in flat.chunk(len(microbatches))] if mine else []
+                pending, grad = self.transport.recv(lk.wire, self.groups.pp_peer(lk.consumer),
+                                                    self.transport.tag(True, lk.wire.name, j))
+                self.transport.wait(pending)
+                torch.autograd.backward([lk.parts.pop(j)], [grad])
 
-    def _wait(self, work, lk: _Lookup, doing: str) -> None:
-        """Wait for a lookup's collective; a stall names the peer: the consuming rank for
-        the others, an owner (the first other one) for the consuming rank."""
-        mine = lk.consumer == self.groups.rank
-        others = [r for r in self.owners[lk.plan.name] if r != self.groups.rank] or [self.groups.rank]
-        peer = others[0] if mine else lk.consumer
-        toward = "from" if doing.startswith("receiving") else "to"
-        self.transport.wait(Pending(work, peer, f"{doing} the embedding lookup {lk.plan.name!r} of the step's "
-                                                f"microbatches {toward} rank {peer}"))
+    def finish(self, num_actions: int) -> None:
+        """The points after the last action, and every send completed; then nothing of
+        the step may be in flight."""
+        self.before(num_actions)
+        for pending, _t in self.outbox:
+            self.transport.wait(pending)
+        self.outbox.clear()
+        held = {lk.plan.name: sorted(lk.parts) for lk in self.lookups if lk.parts}
+        assert not held, f"lookup parts still held after the step: {held}"
 
-    def _part(self, lk: _Lookup, batch: torch.Tensor) -> torch.Tensor:
-        """This rank's rows' share of the lookup: zeros where another rank owns the id."""
+    def _part(self, lk: _Lookup, j: int) -> torch.Tensor:
+        """This rank's rows' share of microbatch j's lookup: zeros where another rank owns
+        the id (kept, with its autograd graph, until its gradient arrives)."""
         assert lk.owned is not None
-        ids, pad = lk.plan.ids(batch), lk.plan.padding_idx
+        ids, pad = lk.plan.ids(self.mb[j][lk.plan.batch_input]), lk.plan.padding_idx
         rows = lk.owned.shape[0]
         if lk.plan.vocab_parallel:  # the TP rank's rows: token t is its row t - tp_rank·rows
             ids, pad = ids - self.groups.tp_rank * rows, pad - self.groups.tp_rank * rows
@@ -116,31 +156,79 @@ class VocabLookups:
         hit = local >= 0
         table = self.state[lk.plan.table]
         pad = int(lk.owned[pad]) if lk.plan.padding_idx >= 0 and 0 <= pad < rows else -1
-        out = torch.ops.aten.embedding(table, local.clamp(min=0), pad)
-        return torch.where(hit.unsqueeze(-1), out, out.new_zeros(()))
+        with torch.enable_grad():
+            out = torch.ops.aten.embedding(table, local.clamp(min=0), pad)
+            out = torch.where(hit.unsqueeze(-1), out, out.new_zeros(()))
+        lk.parts[j] = out
+        self.peak_parts = max(self.peak_parts, sum(len(x.parts) for x in self.lookups))
+        return out
 
     def inputs(self, stage: int, mb: int) -> dict[str, torch.Tensor]:
-        """The summed lookups stage ``stage`` reads for microbatch ``mb``."""
-        return {lk.plan.name: lk.results[mb] for lk in self.lookups if lk.plan.stage == stage}
+        """The summed lookups stage ``stage`` reads for microbatch ``mb`` (on its rank)."""
+        out = {}
+        for lk in self.lookups:
+            if lk.plan.stage != stage:
+                continue
+            total = self._part(lk, mb).detach() if lk.owned is not None else None
+            for owner in lk.owners:
+                pending, buf = self.transport.recv(lk.wire, self.groups.pp_peer(owner),
+                                                   self.transport.tag(False, lk.wire.name, mb))
+                self.transport.wait(pending)
+                total = buf if total is None else total + buf
+            out[lk.plan.name] = total
+        return out
 
     def put_grad(self, name: str, mb: int, grad: torch.Tensor | None) -> None:
-        """The gradient of lookup ``name``'s result for ``mb`` (None: it reached no loss)."""
+        """The gradient of lookup ``name``'s result for ``mb`` (None: it reached no loss):
+        sent to every other owner, and this rank's own part's backward run."""
         for lk in self.lookups:
-            if lk.plan.name == name:
-                lk.grads[mb] = grad if grad is not None else torch.zeros_like(lk.results[mb])
+            if lk.plan.name != name:
+                continue
+            grad = grad if grad is not None else torch.zeros(lk.plan.spec.shape, dtype=lk.plan.spec.dtype,
+                                                             device=self.device)
+            for owner in lk.owners:
+                self._send(lk, grad, owner, True, mb)
+            if mb in lk.parts:
+                torch.autograd.backward([lk.parts.pop(mb)], [grad])
 
-    def backward(self) -> None:
-        """Every owner builds the gradient of its rows from the consuming rank's (collective)."""
-        for lk in self.lookups:
-            spec, m = lk.plan.spec, self.m
-            if lk.consumer == self.groups.rank:
-                assert sorted(lk.grads) == list(range(m)), f"lookup {lk.plan.name}: gradients of {sorted(lk.grads)}"
-                flat = torch.cat([lk.grads[i].reshape(-1) for i in range(m)])
-            else:
-                flat = torch.empty(m * math.prod(spec.shape), dtype=spec.dtype, device=self.device)
-            self._wait(dist.broadcast(flat, src=lk.consumer, group=self.groups.pp_group, async_op=True), lk,
-                       "sending the gradient of" if lk.consumer == self.groups.rank else "receiving the gradient of")
-            if lk.parts:
-                torch.autograd.backward(lk.parts, [g.view(spec.shape) for g in flat.chunk(len(lk.parts))])
-            lk.parts, lk.grads, lk.results = [], {}, []
 
+def _points(actions: Schedule, lookups: Sequence[_Lookup], me: int) -> dict[int, list[tuple[str, _Lookup, int]]]:
+    """Where this rank sends each part and takes each gradient (module docstring), from
+    one unit-time simulation of the lowered schedule every rank runs."""
+    mine = [lk for lk in lookups if me in lk.owners]
+    if not mine:
+        return {}
+    from fxpipe.schedules.simulate import StageDurations, simulate
+
+    durations = StageDurations.uniform(actions.num_stages)
+    if actions.has_vocab_passes:  # S and T: any positive time
+        p = actions.num_ranks
+        durations = StageDurations(forward=durations.forward, backward=durations.backward, weight=durations.weight,
+                                   vocab_forward=(1.0,) * p, vocab_backward=(1.0,) * p)
+    timeline = simulate(actions, durations).timeline
+    at = {a: (float(s), float(e)) for acts, starts, ends in zip(timeline.actions, timeline.start, timeline.end)
+          for a, s, e in zip(acts, starts, ends)}
+    blocking = [(k, at[a][0]) for k, a in enumerate(actions.actions[me]) if a.kind not in _NON_BLOCKING]
+    end = len(actions.actions[me])
+
+    def first_from(t: float) -> int:
+        return next((k for k, s in blocking if s >= t), end)
+
+    points: dict[int, list[tuple[str, _Lookup, int]]] = defaultdict(list)
+    order: dict[tuple[str, int, int], int] = {}
+    for n, lk in enumerate(mine):
+        consumer = actions.actions[lk.consumer]
+        forward = {a.microbatch: a for a in consumer if a.kind is K.F and a.stage == lk.plan.stage}
+        backward = {a.microbatch: a for a in consumer if a.kind in (K.B, K.I) and a.stage == lk.plan.stage}
+        for j in range(actions.num_microbatches):
+            sent = first_from(at[forward[j - 1]][0]) if j else 0  # one ahead
+            taken = first_from(at[backward[j]][1])
+            points[sent].append(("send", lk, j))
+            points[taken].append(("grad", lk, j))
+            # At one point: gradients of parts sent earlier first (they free memory), then
+            # the sends, then gradients of parts sent at this very point.
+            order[("send", n, j)], order[("grad", n, j)] = 1, 0 if sent < taken else 2
+    index = {id(lk): n for n, lk in enumerate(mine)}
+    for k in points:
+        points[k].sort(key=lambda x: (order[(x[0], index[id(x[1])], x[2])], x[2]))
+    return dict(points)

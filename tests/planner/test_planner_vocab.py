@@ -61,9 +61,9 @@ def test_step_time_equals_a_direct_simulation(kind, v):
     pred = predict(SHAPE, cfg, opts, model)
     assert pred.makespan_s == pytest.approx(direct.makespan, rel=1e-9)
     assert pred.pipeline.busy == pytest.approx(direct.busy, rel=1e-9)
-    # iteration: the last rank to finish, plus the lookups' reduce and broadcast (m·b·s·h), plus
-    # its Adam step; d = 1 and no tied copy: no gradient all-reduce at all
-    lookup = 2 * _pipelined(d * m * n * SHAPE.hidden, p, link)
+    # iteration: the last rank to finish, plus the first microbatch's lookup part (b·s·h, point to
+    # point; later ones are sent ahead), plus its Adam step; d = 1 and no tied copy: no all-reduce
+    lookup = d * n * SHAPE.hidden / link.p2p_bw + link.p2p_latency
     params = stages.ranks(stages.params)
     ends = [float(e.max()) + lookup + A100.memory_s(params[r] * opts.optimizer_bytes_per_param, 4)
             for r, e in enumerate(direct.timeline.end)]
@@ -96,10 +96,11 @@ def test_every_rank_holds_its_rows_of_the_tied_table(t, p):
         ends = (r == 0) + (r == p - 1)
         assert mem_off[r].params - mem_on[r].params == pytest.approx(ends * vp * h / t - rows, rel=1e-9)
     # 1F1B: one block between S and T on every rank (its input copy and V/(t·p) fp32 logits);
-    # the first rank holds the step's m lookups (b·s·h each), the last only the final norm's input
-    # instead of the head's inputs and the whole fp32 logits
+    # every rank its lookup parts in flight (b·s·h each: the first stage's p microbatches and one
+    # sent ahead), the last only the final norm's input instead of the head's inputs and logits
     block = 2 * s * b * h + 4 * s * b * vp / (t * p)
-    extra = [block + (2 * m * b * s * h if r == 0 else 0)
+    parts = min(p + 1, m)
+    extra = [block + 2 * parts * b * s * h
              - (2 * s * b * h + 4 * s * b * vp / t if r == p - 1 else 0) for r in range(p)]
     assert [x.activation_bytes - y.activation_bytes for x, y in zip(mem_on, mem_off)] == pytest.approx(extra)
 

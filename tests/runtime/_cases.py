@@ -99,7 +99,8 @@ def _train_case(parallelize, simulate, rank: int, case: dict) -> dict:
                   rows={n: r.ranks for n, r in pm.plan.row_shards.items()},
                   lookups=sorted({lk.table for lk in pm.plan.lookups}),
                   held={n: tuple(t.shape) for n, t in pm.state.items() if n in pm.plan.row_shards},
-                  pp_rank=pm.groups.pp_rank)
+                  pp_rank=pm.groups.pp_rank,
+                  lookup_peak=pm.executor.lookups.peak_parts if pm.executor.lookups is not None else 0)
     full = pm.full_state_dict()
     if rank == 0:
         result["params"] = full

@@ -176,6 +176,12 @@ def _check(results_by_rank, index, references):
         # The embedding table is looked up by its rows' owners: the first rank, whose stage
         # reads the lookup, holds only its rows of it (before: the whole table).
         assert rank0["lookups"], "the embedding was not looked up by its rows' owners"
+        # Each owner holds a microbatch's part of the lookup only while the consuming stage
+        # (on rank 0) holds its activations, and one sent ahead: never the step's m parts
+        # (runtime/vocab_lookup.py; at pp=2 with 1F1B that is 3 of 4).
+        for rank_results in results_by_rank:
+            assert rank_results[index]["lookup_peak"] <= rank0["bound"] + 1, (rank_results[index]["lookup_peak"],
+                                                                              rank0["bound"])
         for name in rank0["lookups"]:
             assert sum(b - a for a, b in rank0["rows"][name][0]) < ref_params[name].shape[0], name
             assert results_by_rank[0][index]["held"].get(name, (0,))[0] < ref_params[name].shape[0], name
