@@ -121,7 +121,9 @@ def test_the_embedding_is_looked_up_by_its_rows_owners(compiled):
     """The untied embedding at pp=4: the consuming stage reads the lookup as an input and
     holds no row of the table, the rows are split evenly over the ranks, and the owners'
     masked lookups (runtime/vocab_lookup.py, without the collectives) sum to the one-process
-    lookup, each part's backward building the gradient of its owner's rows only."""
+    lookup, each part's backward building the gradient of its owner's rows only; each
+    owner sends its part of microbatch j no later than the consumer's F of j wants it
+    and takes its gradient after the consumer's backward of j, in one time order."""
     from types import SimpleNamespace
 
     from fxpipe.runtime.vocab_lookup import VocabLookups
@@ -146,8 +148,9 @@ def test_the_embedding_is_looked_up_by_its_rows_owners(compiled):
     for p in range(4):
         state = {lk.table: table[rows.positions(p)].clone().requires_grad_(True)}
         groups = SimpleNamespace(pp_rank=p, rank=p, pp_peer=lambda q: q)
-        owner = VocabLookups(plan, c.schedule, groups, state, torch.device("cpu"), transport=None)  # no collective here
-        part = owner._part(owner.lookups[0], tokens)
+        owner = VocabLookups(plan, c.actions, groups, state, torch.device("cpu"), transport=None)  # no transfer here
+        owner.start([[tokens if i == lk.batch_input else None for i in range(lk.batch_input + 1)]])
+        part = owner._part(owner.lookups[0], 0)
         part.backward(grad)
         parts.append(part.detach())
         row_grads.append(state[lk.table].grad)
@@ -196,3 +199,40 @@ def test_only_plain_lookups_of_batch_ids_are_outlined():
     assert lookup_of(scaled, table, batch) is None
     assert lookup_of(shifted, table, batch) is None
     assert lookup_of(plain, other, batch) is None  # not a lookup of that table
+
+
+@pytest.mark.parametrize("kind, p, v", [("1f1b", 2, 1), ("1f1b", 4, 1), ("interleaved", 2, 2), ("zb-h1", 4, 1),
+                                        ("zb-v", 2, 2), ("gpipe", 2, 1)])
+def test_lookup_parts_follow_the_microbatches_in_flight(kind, p, v):
+    """Where each owner sends its parts and takes their gradients (runtime/vocab_lookup.py)
+    on the lowered schedules: every part is sent once, before its gradient, and an owner
+    never holds more parts than the consuming stage's peak in flight (the simulator's)
+    plus the one sent ahead — with m = 8 microbatches, never all of them under 1F1B."""
+    from types import SimpleNamespace
+
+    from fxpipe.runtime.vocab_lookup import _points
+    from fxpipe.schedules import generate, lower, simulate
+
+    m = 8
+    actions = lower(generate(kind, p, m, v))
+    lk = SimpleNamespace(consumer=0, owners=tuple(range(1, p)), plan=SimpleNamespace(stage=0))
+    bound = simulate(actions).peak_in_flight[0]
+    for me in range(1, p):
+        points = _points(actions, [lk], me)
+        held = peak = 0
+        sent, taken = set(), set()
+        for k in sorted(points):
+            for what, _lk, j in points[k]:
+                if what == "send":
+                    assert j not in sent
+                    sent.add(j)
+                    held += 1
+                else:
+                    assert j in sent and j not in taken
+                    taken.add(j)
+                    held -= 1
+                peak = max(peak, held)
+        assert sent == taken == set(range(m))
+        assert peak <= bound + 1, (me, peak, bound)
+        if kind in ("1f1b", "zb-h1"):
+            assert peak < m
