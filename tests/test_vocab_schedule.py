@@ -15,7 +15,7 @@ from fxpipe.config import ParallelConfig
 from fxpipe.passes.partition import build_problem_graph
 from fxpipe.schedules import StageDurations, add_vocab_passes, generate, lower, simulate, validate
 from fxpipe.schedules.vocab_passes import place_vocab_passes
-from fxpipe.vocab_schedule import placed_schedule
+from fxpipe.vocab_schedule import describe, placed_schedule
 from tests.runtime import _wide_vocab
 
 M = 4
@@ -67,6 +67,8 @@ def test_schedule_is_placed_on_the_stage_and_head_times(compiled):
     # partition sized the activation memory for.
     strip = lambda s: [[a for a in acts if not a.kind.is_vocab] for acts in s.actions]  # noqa: E731
     assert strip(compiled.schedule) == strip(unit) == [list(acts) for acts in base.actions]
+    line = describe(config, timing, compiled.schedule)  # what fxpipe compile prints
+    assert f"{1e3 * _span(compiled.schedule, timing):.3f} ms, {1e3 * _span(unit, timing):.3f} ms" in line
 
 
 def test_placement_is_deterministic(captured, compiled):
@@ -99,4 +101,5 @@ def test_uniform_partition_keeps_unit_times(captured):
     uniform = compile_program(program, config)
     assert uniform.vocab_timing is None
     assert uniform.schedule.actions == config.schedule_ir().actions
+    assert "unit times" in describe(config, None, uniform.schedule)
     validate(uniform.actions)
