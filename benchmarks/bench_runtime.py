@@ -129,7 +129,8 @@ def placement(pm, unit_model=None) -> dict:
 
     unit = lower(pm.config.schedule_ir())
     if unit_model is not None:  # the same actions in the unit order: only the placement differs
-        unit_model.schedule, unit_model.executor.actions = unit, unit.actions[unit_model.groups.pp_rank]
+        unit_model.schedule = unit_model.executor.schedule = unit
+        unit_model.executor.actions = unit.actions[unit_model.groups.pp_rank]
     timing = vocab_timing(pm.plan, pm.config)
     if timing is None:
         return dict(differ=pm.schedule.actions != unit.actions, placed_ms=None, unit_ms=None)
