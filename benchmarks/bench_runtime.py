@@ -1,6 +1,6 @@
 """End to end, as users would run it: fxpipe vs torch.distributed.pipelining vs one process.
 
-    .venv/bin/python benchmarks/bench_runtime.py [--steps 10] [--pp 2] [--vocab-passes]
+    .venv/bin/python benchmarks/bench_runtime.py [--steps 10] [--pp 2] [--vocab-passes [--unit-placement]]
 
 HF GPT-2 config (8 layers, h=256, 4 heads, s=128, V=50257), m=8 microbatches of 2
 sequences, one thread per process, gloo. Side by side in one run, same model,
@@ -17,7 +17,11 @@ batch and threads:
   ``Schedule1F1B`` instead — the result file says which ran;
 - **fxpipe on that even layer split** (``partition="uniform"``): what the partition
   gains, apart from how the two runtimes differ;
-- **one process** with gradient accumulation over the same 8 microbatches.
+- **one process** with gradient accumulation over the same 8 microbatches;
+- with ``--vocab-passes --unit-placement``: **fxpipe with the vocabulary passes at unit
+  times** as well (the same layout, its executor walking ``add_vocab_passes`` with unit
+  times, the schedule before ``vocab_schedule.py`` placed the passes on the stages'
+  costs), so the two placements are timed in the same rounds.
 
 Rounds: each times every contender once, back to back (also P independent copies of
 the one-process job at once: the machine's own ceiling for a P-way split while P is at
@@ -27,7 +31,8 @@ reported: the busy time summed over all stages against the one-process step (the
 the split adds). Prints the median step times, the three ratios the balance issue sets targets for
 (stage imbalance <= 1.10, speed-up over one process >= 1.70x at pp=2, fxpipe <= 0.60x
 the even-split pipeline), fxpipe's per-stage predicted vs measured times, and writes
-benchmarks/results/runtime_pp{P}.md (``runtime_pp{P}_vocab.md`` with --vocab-passes). Medians over --steps rounds after one warm-up.
+benchmarks/results/runtime_pp{P}.md (``runtime_pp{P}_vocab.md`` with --vocab-passes,
+``runtime_pp{P}_vocab_placement.md`` with --unit-placement too). Medians over --steps rounds after one warm-up.
 """
 from __future__ import annotations
 
@@ -114,8 +119,28 @@ class Logits(nn.Module):
         return self.model(input_ids=ids).logits
 
 
+def placement(pm, unit_model=None) -> dict:
+    """The vocabulary passes' placement of ``pm`` against unit times: whether the two
+    schedules differ and their simulated steps on the compiled stage and head times
+    (``vocab_schedule.py``). ``unit_model``: a second model whose executor is made to
+    walk the unit placement (the schedule before placement on costs), to time both."""
+    from fxpipe.schedules import lower, simulate
+    from fxpipe.vocab_schedule import vocab_timing
+
+    unit = lower(pm.config.schedule_ir())
+    if unit_model is not None:  # the same actions in the unit order: only the placement differs
+        unit_model.schedule = unit_model.executor.schedule = unit
+        unit_model.executor.actions = unit.actions[unit_model.groups.pp_rank]
+    timing = vocab_timing(pm.plan, pm.config)
+    if timing is None:
+        return dict(differ=pm.schedule.actions != unit.actions, placed_ms=None, unit_ms=None)
+    span = lambda s: 1e3 * simulate(s, timing.durations, p2p_latency=timing.p2p_latency,  # noqa: E731
+                                    collective_latency=timing.collective_latency).makespan
+    return dict(differ=pm.schedule.actions != unit.actions, placed_ms=span(pm.schedule), unit_ms=span(unit))
+
+
 def worker(rank: int, world: int, port: int, steps: int, out: str, schedule: str | None,
-           vocab_passes: bool = False) -> None:
+           vocab_passes: bool = False, unit_placement: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
@@ -183,6 +208,13 @@ def worker(rank: int, world: int, port: int, steps: int, out: str, schedule: str
     fx_even = fxpipe.parallelize(model4, pp=world, microbatches=M, example_inputs=batch, loss_fn=loss_fn,
                                  partition="uniform", costs="model")
     even_meter = BalanceMeter()
+    fx_unit, placed = None, None
+    if vocab_passes:
+        if unit_placement:  # the same layout, its vocabulary passes at unit times
+            model5, _, _ = workload()
+            fx_unit = fxpipe.parallelize(model5, pp=world, microbatches=M, example_inputs=batch, loss_fn=loss_fn,
+                                         vocab_passes=True, **({"schedule": schedule} if schedule else {}))
+        placed = placement(pm, fx_unit)
     # One round times each contender once, back to back, so a shared VM's drift (its
     # speed moved by 20-30% within minutes while these were taken) hits all of them
     # alike; the ratios are medians over rounds. "alone": rank 0 runs the one-process
@@ -194,6 +226,8 @@ def worker(rank: int, world: int, port: int, steps: int, out: str, schedule: str
         "alone": (lambda: single_step() if rank == 0 else None, None),
         "shared": (single_step, None),
     }
+    if fx_unit is not None:
+        contenders["fx_unit"] = (lambda: fx_unit.train_step(batch), None)
     for fn, _ in contenders.values():  # warm-up
         fn()
     times: dict[str, list[float]] = {k: [] for k in contenders}
@@ -208,7 +242,7 @@ def worker(rank: int, world: int, port: int, steps: int, out: str, schedule: str
                 each()
     torch.save(dict(times=times, setup=setup, balance=meter.summary(), how=how,
                     even_balance=even_meter.summary(), even_partition=fx_even.partition if rank == 0 else None,
-                    partition=pm.partition if rank == 0 else None),
+                    partition=pm.partition if rank == 0 else None, placed=placed),
                os.path.join(out, f"{rank}.pt"))
     dist.destroy_process_group()
 
@@ -234,6 +268,23 @@ def write_result(name: str, text: str) -> None:
         f.write(text)
 
 
+def placement_lines(placed: dict | None, times, med, ratio) -> list[str]:
+    """The vocabulary passes' placement on costs against unit times (``placement``)."""
+    if placed is None:
+        return []
+    if placed["placed_ms"] is None:
+        lines = ["- vocabulary passes placed at unit times (the partition balanced no times)"]
+    else:
+        same = "differs from" if placed["differ"] else "is the same action order as"
+        lines = [f"- vocabulary passes placed on the stages' costs (offset 0): the schedule {same} the unit "
+                 f"placement; simulated step on the compiled times {placed['placed_ms']:.1f} ms placed, "
+                 f"{placed['unit_ms']:.1f} ms at unit times"]
+    if "fx_unit" in times:
+        lines.append(f"- measured, same rounds: placed on costs {med['fx'] * 1e3:.1f} ms, at unit times "
+                     f"{med['fx_unit'] * 1e3:.1f} ms; placed / unit step time: **{ratio('fx', 'fx_unit'):.3f}**")
+    return lines
+
+
 def main() -> None:
     from fxpipe.runtime.balance import balance, balance_table
 
@@ -243,7 +294,12 @@ def main() -> None:
     ap.add_argument("--schedule", default=None, help="fxpipe's schedule (default: parallelize's default)")
     ap.add_argument("--vocab-passes", action="store_true",
                     help="fxpipe's row: the output layer as vocabulary passes on every rank")
+    ap.add_argument("--unit-placement", action="store_true",
+                    help="with --vocab-passes: also time the same layout with the passes placed at unit times "
+                         "(what the runtime ran before placing them on the stages' costs), in the same rounds")
     args = ap.parse_args()
+    if args.unit_placement and not args.vocab_passes:
+        ap.error("--unit-placement compares placements of the vocabulary passes: add --vocab-passes")
     machine = (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
                f"{args.pp} processes x 1 thread, gloo")
     print(f"machine: {machine}")
@@ -251,7 +307,8 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
-        mp.start_processes(worker, args=(args.pp, port, args.steps, out, args.schedule, args.vocab_passes),
+        mp.start_processes(worker, args=(args.pp, port, args.steps, out, args.schedule, args.vocab_passes,
+                                                   args.unit_placement),
                            nprocs=args.pp,
                            start_method="spawn")
         res = [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(args.pp)]
@@ -315,10 +372,12 @@ def main() -> None:
         f"target <= 1.08)",
         f"- fxpipe setup (capture, cost measurement, partition, split): {max(r['setup'] for r in res):.1f} s",
         f"- torch.distributed.pipelining set up as: {res[0]['how']}",
+        *placement_lines(res[0].get("placed"), times, med, ratio),
         "", "```", balance_table(rows, imbalance), "```", "",
         "The even layer split, run by fxpipe:", "", "```", balance_table(even_rows, even_imbalance), "```", "",
         "Per round, ms: " + "; ".join(f"{k} " + " ".join(f"{t * 1e3:.0f}" for t in v) for k, v in times.items()), ""]
-    write_result(f"runtime_pp{args.pp}{'_vocab' if args.vocab_passes else ''}.md", "\n".join(lines))
+    suffix = ("_vocab" if args.vocab_passes else "") + ("_placement" if args.unit_placement else "")
+    write_result(f"runtime_pp{args.pp}{suffix}.md", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from fxpipe.passes.partition import PartitionConfig
     from fxpipe.passes.tensor_parallel.coverage import TPCoverage
     from fxpipe.vocab import TokenInput
+    from fxpipe.vocab_schedule import VocabTiming
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ class CompiledPipeline:
     config: "ParallelConfig"
     """The layout it was compiled for."""
     schedule: Schedule
-    """The compute-only schedule (F, B, I, W per rank) the partition was solved for."""
+    """The compute-only schedule (F, B, I, W per rank) the partition was solved for; under
+    vocabulary passes, with their S/T blocks placed on ``vocab_timing`` (same F/B/I/W order
+    per rank: ``vocab_schedule.py``)."""
     program: Program
     """The last Program: tensor-parallel and costed; with ``stages`` once partitioned."""
     plan: PipelinePlan | None
@@ -57,6 +60,10 @@ class CompiledPipeline:
     executor walks); None without a plan."""
     timings: tuple[PassTiming, ...]
     capture_s: float = 0.0
+    vocab_timing: "VocabTiming | None" = None
+    """Under vocabulary passes: the per-microbatch stage, S/T and transfer times the
+    passes were placed on (global rank 0's); None: placed with unit times (the partition
+    balanced no times, or no vocabulary passes)."""
 
     @property
     def specs(self) -> Mapping[str, ShardSpec]:

@@ -26,6 +26,7 @@ token ids against the vocabulary, before anything is measured).
     vocab_head              the LM head + loss cut off the last stage for the vocabulary passes (opt-in)
     vocab_rows              each pipeline rank holds only the rows of the LM head (tied embedding) it reads
     recompute               activation recomputation regions per stage
+    (place)                 vocab_passes: the S/T passes re-placed on the stages' costs (``vocab_schedule.py``)
     (lower)                 the schedule with SEND/RECV placed, per rank (``schedules/lowering.py``)
 
 Every pass takes the one ``CompileContext``; what a pass finds that is not per node
@@ -43,7 +44,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.nn as nn
 
-from fxpipe.artifact import CompiledPipeline, ModelStats
+from fxpipe.artifact import CompiledPipeline, ModelStats, PassTiming
 from fxpipe.capture import capture
 from fxpipe.config import ParallelConfig
 from fxpipe.passes.node_cost import cost_pass, total_cost
@@ -64,6 +65,7 @@ from fxpipe.runtime.precision import Precision
 from fxpipe.schedules.ir import Schedule
 from fxpipe.schedules.lowering import lower
 from fxpipe.vocab import token_inputs
+from fxpipe.vocab_schedule import placed_schedule, vocab_timing
 
 MeasureFn = Callable[[Program, PartitionConfig, "CompileContext"], PartitionConfig]
 SolveFn = Callable[[Program, PartitionConfig], Program]
@@ -80,6 +82,10 @@ class CompileHooks:
     check: Callable[[Program], None] | None = None
     """Called once the whole model's facts are known (after ``model_stats``: token inputs
     and their vocabulary) and before anything expensive; raises on bad input."""
+    agree: Callable[[Any], Any] | None = None
+    """Global rank 0's value of its argument, on every rank (the runtime broadcasts it):
+    what the vocabulary passes are placed on, so that every rank walks one collective
+    order; None: one process, its own value."""
 
 
 @dataclass(frozen=True)
@@ -262,8 +268,20 @@ def compile_program(program: Program, config: ParallelConfig, *, device: torch.d
     out, timings = run_passes(program, ctx, passes=passes, skip=skip, debug=debug)
     last_program = out if isinstance(out, Program) else out.program
     plan = out if isinstance(out, PipelinePlan) else None
+    timing = None
+    if plan is not None and config.vocab_passes:
+        # The partition and split are known: place the passes on the stages' own times,
+        # rank 0's on every rank (one collective order; vocab_schedule.py).
+        start = time.perf_counter()
+        timing = vocab_timing(plan, config)
+        if hooks.agree is not None:
+            timing = hooks.agree(timing)
+        schedule = placed_schedule(config, timing)
+        timings.append(PassTiming("vocab_placement", time.perf_counter() - start,
+                                  sum(len(s.graph_module.graph.nodes) for s in plan.stages)))
     return CompiledPipeline(config=config, schedule=schedule, program=last_program, plan=plan,
-                            actions=lower(schedule) if plan is not None else None, timings=tuple(timings))
+                            actions=lower(schedule) if plan is not None else None, timings=tuple(timings),
+                            vocab_timing=timing)
 
 
 def compile_pipeline(model: nn.Module, microbatch: Sequence[torch.Tensor], config: ParallelConfig, *,

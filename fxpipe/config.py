@@ -174,7 +174,9 @@ class ParallelConfig:
         return self.num_stages > 1 and self.partition in (Method.ILP, Method.DP)
 
     def schedule_ir(self):
-        """The compute-only schedule (``fxpipe/schedules``) of this layout."""
+        """The compute-only schedule (``fxpipe/schedules``) of this layout; under vocabulary
+        passes with them at unit times, what the partition is solved for (the compiler
+        re-places them on the stages' costs after the split: ``fxpipe/vocab_schedule.py``)."""
         schedule = generate(self.schedule, self.pp, self.num_microbatches, self.chunks)
         if self.vocab_passes:
             from fxpipe.schedules.vocab_passes import add_vocab_passes

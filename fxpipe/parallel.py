@@ -117,7 +117,7 @@ class MeshHooks:
     _shards: ShardBuilder | None = None
 
     def compile_hooks(self) -> CompileHooks:
-        return CompileHooks(measure=self.measure, solve=self.solve, check=self.check)
+        return CompileHooks(measure=self.measure, solve=self.solve, check=self.check, agree=self.agree)
 
     def shards(self, program: Program) -> ShardBuilder:
         """This rank's parameter builder, made once the tensor-parallel pass has set the
@@ -145,6 +145,13 @@ class MeshHooks:
         dist.broadcast_object_list(box, src=0)
         assignment, result = box[0]
         return program.replace(stages=assignment, partition=result)
+
+    def agree(self, value):
+        # Rank 0's value everywhere: what the vocabulary passes are placed on decides the
+        # order of their collectives, which must be one order on every rank.
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def check(self, program):
         # Token ids past the vocabulary: refused before costs are measured or solved for.

@@ -113,6 +113,10 @@ def _print_partition(result, hw_name: str, args: argparse.Namespace) -> None:
     print(f"pipeline     pp={layout.pp} chunks={layout.chunks} schedule={layout.schedule.value} "
           f"microbatches={layout.num_microbatches}")
     print(stage_table(program, assignment, partition, hw_name))
+    if layout.vocab_passes and result.plan is not None:
+        from fxpipe.vocab_schedule import describe
+
+        print(describe(layout, result.vocab_timing, result.schedule))
     if layout.tp > 1:
         print(_inter_stage_bytes(result.plan, layout))
     if args.json:

@@ -210,3 +210,19 @@ def test_zero_times_still_place_validly(name, v):
                        vocab_forward=(0.0,) * 3, vocab_backward=(0.5,) * 3)
     validate(lower(place_vocab_passes(base, d)))
     validate(lower(add_vocab_passes(base, d, offset=1)))
+
+
+@pytest.mark.parametrize("name, v", GENERATORS)
+def test_search_is_never_slower_than_the_unit_placement(name, v):
+    """The unit-time cut is among the candidates: under these (the cost model's GPT-2
+    8x256 times, pp=2) every cut at the durations' own times comes out slower than the
+    unit cut for interleaved and ZB-H1, and the search must not return one of those."""
+    base = generate(name, 2, 8, v)
+    n = base.num_stages
+    f, b = (0.057, 0.06), (0.114, 0.12)
+    d = StageDurations(forward=f * (n // 2), backward=b * (n // 2), weight=tuple(x / 2 for x in b) * (n // 2),
+                       vocab_forward=(0.076,) * 2, vocab_backward=(0.152,) * 2)
+    latency = dict(p2p_latency=3e-4, collective_latency=(3e-4, 5e-5, 3e-4))
+    best = place_vocab_passes(base, d, offsets=(0,), **latency)
+    validate(lower(best))
+    assert simulate(best, d, **latency).makespan <= simulate(add_vocab_passes(base), d, **latency).makespan + 1e-12
