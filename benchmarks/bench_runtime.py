@@ -32,7 +32,7 @@ the split adds). Prints the median step times, the three ratios the balance issu
 (stage imbalance <= 1.10, speed-up over one process >= 1.70x at pp=2, fxpipe <= 0.60x
 the even-split pipeline), fxpipe's per-stage predicted vs measured times, and writes
 benchmarks/results/runtime_pp{P}.md (``runtime_pp{P}_vocab.md`` with --vocab-passes,
-``runtime_pp{P}_vocab_placement.md`` with --unit-placement too). Medians over --steps rounds after one warm-up.
+``runtime_pp{P}_vocab_placement[_SCHEDULE].md`` with --unit-placement too). Medians over --steps rounds after one warm-up.
 """
 from __future__ import annotations
 
@@ -376,7 +376,8 @@ def main() -> None:
         "", "```", balance_table(rows, imbalance), "```", "",
         "The even layer split, run by fxpipe:", "", "```", balance_table(even_rows, even_imbalance), "```", "",
         "Per round, ms: " + "; ".join(f"{k} " + " ".join(f"{t * 1e3:.0f}" for t in v) for k, v in times.items()), ""]
-    suffix = ("_vocab" if args.vocab_passes else "") + ("_placement" if args.unit_placement else "")
+    suffix = ("_vocab" if args.vocab_passes else "") + (
+        ("_placement" + (f"_{args.schedule}" if args.schedule else "")) if args.unit_placement else "")
     write_result(f"runtime_pp{args.pp}{suffix}.md", "\n".join(lines))
 
 
