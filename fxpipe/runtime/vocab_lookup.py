@@ -34,6 +34,7 @@ process's lookup.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -45,6 +46,8 @@ from fxpipe.pipeline_plan import PipelinePlan, StageValue, VocabLookup
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.transport import Pending, Transport
 from fxpipe.schedules.ir import ActionKind, Schedule
+from fxpipe.schedules.simulate import StageDurations
+from fxpipe.schedules.vocab_passes import start_times
 
 K = ActionKind
 _NON_BLOCKING = frozenset({K.SEND_F, K.SEND_B, K.RECV_F, K.RECV_B})
@@ -198,37 +201,27 @@ def _points(actions: Schedule, lookups: Sequence[_Lookup], me: int) -> dict[int,
     mine = [lk for lk in lookups if me in lk.owners]
     if not mine:
         return {}
-    from fxpipe.schedules.simulate import StageDurations, simulate
-
     durations = StageDurations.uniform(actions.num_stages)
     if actions.has_vocab_passes:  # S and T: any positive time
         p = actions.num_ranks
-        durations = StageDurations(forward=durations.forward, backward=durations.backward, weight=durations.weight,
-                                   vocab_forward=(1.0,) * p, vocab_backward=(1.0,) * p)
-    timeline = simulate(actions, durations).timeline
-    at = {a: (float(s), float(e)) for acts, starts, ends in zip(timeline.actions, timeline.start, timeline.end)
-          for a, s, e in zip(acts, starts, ends)}
-    blocking = [(k, at[a][0]) for k, a in enumerate(actions.actions[me]) if a.kind not in _NON_BLOCKING]
-    end = len(actions.actions[me])
+        durations = dataclasses.replace(durations, vocab_forward=(1.0,) * p, vocab_backward=(1.0,) * p)
+    start, end = start_times(actions, durations)
+    blocking = [(k, start[a]) for k, a in enumerate(actions.actions[me]) if a.kind not in _NON_BLOCKING]
+    last = len(actions.actions[me])
 
     def first_from(t: float) -> int:
-        return next((k for k, s in blocking if s >= t), end)
+        return next((k for k, s in blocking if s >= t), last)
 
-    points: dict[int, list[tuple[str, _Lookup, int]]] = defaultdict(list)
-    order: dict[tuple[str, int, int], int] = {}
-    for n, lk in enumerate(mine):
+    # At one point: gradients of parts sent earlier first (they free memory), then the
+    # sends, then gradients of parts sent at this very point.
+    entries: dict[int, list[tuple[int, int, str, _Lookup]]] = defaultdict(list)
+    for lk in mine:
         consumer = actions.actions[lk.consumer]
         forward = {a.microbatch: a for a in consumer if a.kind is K.F and a.stage == lk.plan.stage}
         backward = {a.microbatch: a for a in consumer if a.kind in (K.B, K.I) and a.stage == lk.plan.stage}
         for j in range(actions.num_microbatches):
-            sent = first_from(at[forward[j - 1]][0]) if j else 0  # one ahead
-            taken = first_from(at[backward[j]][1])
-            points[sent].append(("send", lk, j))
-            points[taken].append(("grad", lk, j))
-            # At one point: gradients of parts sent earlier first (they free memory), then
-            # the sends, then gradients of parts sent at this very point.
-            order[("send", n, j)], order[("grad", n, j)] = 1, 0 if sent < taken else 2
-    index = {id(lk): n for n, lk in enumerate(mine)}
-    for k in points:
-        points[k].sort(key=lambda x: (order[(x[0], index[id(x[1])], x[2])], x[2]))
-    return dict(points)
+            sent = first_from(start[forward[j - 1]]) if j else 0  # one ahead
+            taken = first_from(end[backward[j]])
+            entries[sent].append((1, j, "send", lk))
+            entries[taken].append((0 if sent < taken else 2, j, "grad", lk))
+    return {k: [(what, lk, j) for _o, j, what, lk in sorted(v, key=lambda e: e[:2])] for k, v in entries.items()}

@@ -71,9 +71,10 @@ def _floored(durations: StageDurations) -> StageDurations:
                           vocab_backward=tuple(max(x, _EPS) for x in durations.vocab_backward))
 
 
-def _start_times(schedule: Schedule,
+def start_times(schedule: Schedule,
                  durations: StageDurations | None) -> tuple[dict[Action, float], dict[Action, float]]:
-    """Start and end of every action in a simulation of ``schedule`` (unit durations if None)."""
+    """Start and end of every action in a simulation of ``schedule`` (compute-only or
+    lowered; unit durations if None): a time order every dependence follows."""
     n = schedule.num_stages
     d = np.ones((6, n)) if durations is None else _floored(durations).as_array()
     check_structure(schedule)
@@ -138,7 +139,7 @@ def add_vocab_passes(schedule: Schedule, durations: StageDurations | None = None
     if schedule.num_ranks < 2:
         raise ValueError("vocabulary passes split the output layer over pipeline ranks: need pp >= 2, got 1")
     schedule = run_forwards_earlier(schedule, offset)
-    start, end = _start_times(schedule, durations)
+    start, end = start_times(schedule, durations)
     return _place(schedule, start, end, s_delay, t_lead)
 
 
@@ -204,7 +205,7 @@ def place_vocab_passes(schedule: Schedule, durations: StageDurations, *, p2p_lat
     for offset in offsets:
         base = run_forwards_earlier(schedule, offset)
         try:
-            _start_times(base, durations)
+            start_times(base, durations)
         except ScheduleError:  # forwards this much earlier wait on a backward behind them: skip
             if offset == 0:
                 raise
