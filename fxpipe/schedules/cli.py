@@ -19,12 +19,12 @@ import argparse
 import os
 import sys
 
-from .lowering import lower
-from .registry import SCHEDULES, generate
-from .render import render_ascii, render_gantt, render_trace
-from .simulate import StageDurations, simulate
-from .validate import validate
-from .vocab_passes import place_vocab_passes, split_output_layer
+from fxpipe.schedules.lowering import lower
+from fxpipe.schedules.registry import SCHEDULES, generate
+from fxpipe.schedules.render import render_ascii, render_gantt, render_trace
+from fxpipe.schedules.simulate import StageDurations, simulate
+from fxpipe.schedules.validate import validate
+from fxpipe.schedules.vocab_passes import place_vocab_passes, split_output_layer
 
 
 MAX_PAIRS = 100_000

@@ -238,7 +238,7 @@ class Schedule:
     def to_csv(self) -> str:
         """One row per rank, one cell per action: the format of torch's
         ``_dump_csv``, which its ``_load_csv`` reads back."""
-        from .text import schedule_to_csv
+        from fxpipe.schedules.text import schedule_to_csv
 
         return schedule_to_csv(self)
 
@@ -255,13 +255,13 @@ class Schedule:
     def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = None) -> "Schedule":
         """Parse CSV text written by ``to_csv`` or by torch's ``_dump_csv``;
         the stage -> rank mapping is inferred (see ``text.schedule_from_csv``)."""
-        from .text import schedule_from_csv
+        from fxpipe.schedules.text import schedule_from_csv
 
         return schedule_from_csv(text, name=name, num_microbatches=num_microbatches)
 
     def format_grid(self, marks: dict[tuple[int, int], str] | None = None, window: int | None = 12) -> str:
         """The step x rank grid, marked cells shown as ``>3F0<`` (see ``text.format_grid``)."""
-        from .text import format_grid
+        from fxpipe.schedules.text import format_grid
 
         return format_grid(self, marks, window)
 

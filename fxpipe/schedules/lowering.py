@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _sim_core
-from .ir import KIND_CODE, KIND_OF_CODE, Action, ActionKind, Schedule, ScheduleArrays, prime_arrays
-from .simulate import kernel_error
-from .validate import check_structure
+from fxpipe.schedules import _sim_core
+from fxpipe.schedules.ir import KIND_CODE, KIND_OF_CODE, Action, ActionKind, Schedule, ScheduleArrays, prime_arrays
+from fxpipe.schedules.simulate import kernel_error
+from fxpipe.schedules.validate import check_structure
 
 F, B, I = ActionKind.F, ActionKind.B, ActionKind.I  # noqa: E741
 SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B

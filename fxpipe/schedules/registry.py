@@ -7,8 +7,8 @@ from typing import Callable
 
 from fxpipe.enums import parse_enum
 
-from .generators import gpipe, interleaved, one_f_one_b, zb_h1, zb_v
-from .ir import Schedule
+from fxpipe.schedules.generators import gpipe, interleaved, one_f_one_b, zb_h1, zb_v
+from fxpipe.schedules.ir import Schedule
 
 
 class ScheduleKind(enum.Enum):

@@ -23,10 +23,10 @@ from typing import Sequence
 
 import numpy as np
 
-from . import _sim_core
-from .ir import KIND_CODE, ActionKind, Schedule
-from .timeline import Timeline
-from .validate import ScheduleError, check_structure, locate
+from fxpipe.schedules import _sim_core
+from fxpipe.schedules.ir import KIND_CODE, ActionKind, Schedule
+from fxpipe.schedules.timeline import Timeline
+from fxpipe.schedules.validate import ScheduleError, check_structure, locate
 
 
 def _per_stage(name: str, value: Sequence[float], num_stages: int | None) -> tuple[float, ...]:

@@ -6,7 +6,7 @@ import csv
 import io
 from typing import Sequence
 
-from .ir import Action, Schedule
+from fxpipe.schedules.ir import Action, Schedule
 
 
 def parse_actions(cells: Sequence[str]) -> tuple[Action, ...]:

@@ -13,7 +13,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from .ir import Action, ActionKind
+from fxpipe.schedules.ir import Action, ActionKind
 
 
 class Event(NamedTuple):

@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _sim_core
-from .ir import Action, ActionKind, Schedule
-from .simulate import StageDurations, kernel_error
-from .validate import ScheduleError, check_structure
+from fxpipe.schedules import _sim_core
+from fxpipe.schedules.ir import Action, ActionKind, Schedule
+from fxpipe.schedules.simulate import StageDurations, kernel_error
+from fxpipe.schedules.validate import ScheduleError, check_structure
 
 F, B, I = ActionKind.F, ActionKind.B, ActionKind.I  # noqa: E741
 S, T = ActionKind.S, ActionKind.T
@@ -187,7 +187,7 @@ def place_vocab_passes(schedule: Schedule, durations: StageDurations, *, p2p_lat
     (``add_vocab_passes(schedule, offset=...)``) is a candidate too, so the result is
     never slower under ``durations`` than the unit placement. Ties keep the first
     found, the smaller offset (less activation memory)."""
-    from .simulate import simulate
+    from fxpipe.schedules.simulate import simulate
 
     floored = _floored(durations)
 

@@ -3,10 +3,10 @@
 Pick them by name through ``fxpipe.schedules.registry.generate``. Every
 generator's docstring states its constraints, bubble and peak memory.
 """
-from .gpipe import gpipe
-from .interleaved import interleaved
-from .one_f_one_b import one_f_one_b
-from .v_shape import zb_v
-from .zero_bubble import zb_h1
+from fxpipe.schedules.generators.gpipe import gpipe
+from fxpipe.schedules.generators.interleaved import interleaved
+from fxpipe.schedules.generators.one_f_one_b import one_f_one_b
+from fxpipe.schedules.generators.v_shape import zb_v
+from fxpipe.schedules.generators.zero_bubble import zb_h1
 
 __all__ = ["gpipe", "interleaved", "one_f_one_b", "zb_h1", "zb_v"]

@@ -1,8 +1,8 @@
 """GPipe (Huang et al. 2019): all forwards, then all backwards."""
 from __future__ import annotations
 
-from ..ir import Schedule, loop_stage_ranks
-from ._common import B, F, act, check_sizes, schedule
+from fxpipe.schedules.ir import Schedule, loop_stage_ranks
+from fxpipe.schedules.generators._common import B, F, act, check_sizes, schedule
 
 
 def gpipe(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:

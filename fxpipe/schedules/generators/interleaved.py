@@ -1,8 +1,8 @@
 """Interleaved 1F1B (Narayanan et al. SC21 §2.2.2, Fig. 4), for any m."""
 from __future__ import annotations
 
-from ..ir import Schedule, loop_stage_ranks
-from ._common import B, F, act, check_sizes, schedule
+from fxpipe.schedules.ir import Schedule, loop_stage_ranks
+from fxpipe.schedules.generators._common import B, F, act, check_sizes, schedule
 
 
 def microbatch_groups(num_ranks: int, num_microbatches: int) -> list[range]:

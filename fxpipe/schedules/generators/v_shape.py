@@ -1,8 +1,8 @@
 """ZB-V, the V-shaped zero-bubble schedule of Qi et al., ICLR 2024 §6."""
 from __future__ import annotations
 
-from ..ir import Schedule, v_stage_ranks
-from ._common import F, I, W, act, check_sizes, schedule
+from fxpipe.schedules.ir import Schedule, v_stage_ranks
+from fxpipe.schedules.generators._common import F, I, W, act, check_sizes, schedule
 
 
 def zb_v(num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:

@@ -1,8 +1,8 @@
 """ZB-H1, the handcrafted zero-bubble schedule of Qi et al., ICLR 2024 §3.1."""
 from __future__ import annotations
 
-from ..ir import Schedule, loop_stage_ranks
-from ._common import F, I, W, act, check_sizes, schedule
+from fxpipe.schedules.ir import Schedule, loop_stage_ranks
+from fxpipe.schedules.generators._common import F, I, W, act, check_sizes, schedule
 
 
 def zb_h1(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from ..timeline import Timeline
+from fxpipe.schedules.timeline import Timeline
 
 
 def summary_line(timeline: Timeline) -> str:

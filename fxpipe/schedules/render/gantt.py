@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 
-from ..ir import ActionKind
-from ..timeline import Timeline
-from .ascii import summary_line
+from fxpipe.schedules.ir import ActionKind
+from fxpipe.schedules.timeline import Timeline
+from fxpipe.schedules.render.ascii import summary_line
 
 _CMAP = {ActionKind.F: "Blues", ActionKind.B: "Greens", ActionKind.I: "Greens", ActionKind.W: "Oranges",
          ActionKind.S: "Purples", ActionKind.T: "RdPu"}

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 
-from ..ir import Action, ActionKind
-from ..timeline import Timeline
+from fxpipe.schedules.ir import Action, ActionKind
+from fxpipe.schedules.timeline import Timeline
 
 _US_PER_UNIT = {"us": 1.0, "ms": 1e3, "s": 1e6, "unit": 1e3}  # a simulated unit shows as 1 ms
 _COMM_PARTNER = {
