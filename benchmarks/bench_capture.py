@@ -36,7 +36,7 @@ def main() -> None:
         t0 = time.perf_counter()
         w = build_workload("gpt3-175b", batch=1, device="meta", layers=args.layers)
         t1 = time.perf_counter()
-        prog = fxpipe.capture(w.model, w.example_inputs)
+        prog = fxpipe.compiler.capture(w.model, w.example_inputs)
         t2 = time.perf_counter()
         prog, _ = run_passes(prog)
         t3 = time.perf_counter()
@@ -58,7 +58,7 @@ def main() -> None:
 
 def functionalize_cost(name: str, layers: int) -> None:
     """What functionalization (part of capture) finds and costs on a model's raw export."""
-    from fxpipe.capture import _LossModule, _model_kwargs
+    from fxpipe.compiler.capture import _LossModule, _model_kwargs
     from fxpipe.passes.functionalize import functionalize, mutated_args
 
     w = build_workload(name, batch=1, device="meta", layers=layers)

@@ -53,7 +53,7 @@ def _workload(name: str, seq: int, batch: int):
 
     if name != "hf-gpt2":
         return build_workload(name, batch=batch, seq=seq, seed=0)
-    from fxpipe.losses import causal_lm_loss
+    from fxpipe.models.losses import causal_lm_loss
     from fxpipe.models.hf import _gpt2
     from fxpipe.models.registry import Workload
 

@@ -21,16 +21,16 @@ import platform
 import time
 
 import fxpipe
-from fxpipe.hardware import A100
+from fxpipe.base.hardware import A100
 from fxpipe.models import build_workload
 from fxpipe.passes import run_passes
-from fxpipe.passes.partition import PartitionConfig, solve_partition, stage_inflight
+from fxpipe.passes.assign_stages import PartitionConfig, solve_partition, stage_inflight
 from fxpipe.schedules.registry import generate
 
 
 def _program(name: str):
     w = build_workload(name, batch=1, device="meta")
-    return run_passes(fxpipe.capture(w.model, w.example_inputs))[0]
+    return run_passes(fxpipe.compiler.capture(w.model, w.example_inputs))[0]
 
 
 def gpt2_medium() -> None:

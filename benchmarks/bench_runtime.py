@@ -55,7 +55,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def workload():
-    from fxpipe.losses import causal_lm_loss
+    from fxpipe.models.losses import causal_lm_loss
     from fxpipe.models.hf import _gpt2
 
     torch.manual_seed(0)
@@ -75,7 +75,7 @@ class _StageModule(nn.Module):
         self.plan, self.stage = plan, stage
         self.names = plan.stage_params(stage.index)
         self.params = nn.ParameterList([nn.Parameter(state[n].detach().clone()) for n in self.names])
-        # An embedding fxpipe has its rows' owners look up (runtime/vocab_lookup.py) is
+        # An embedding fxpipe has its rows' owners look up (runtime/lookup_exchange.py) is
         # looked up here in a whole copy of the table, as pipelining's stage would hold it.
         self.lookups = [lk for lk in plan.lookups if lk.stage == stage.index]
         self.tables = nn.ParameterList([nn.Parameter(model.get_parameter(lk.table).detach().clone())
@@ -125,7 +125,7 @@ def placement(pm, unit_model=None) -> dict:
     (``vocab_schedule.py``). ``unit_model``: a second model whose executor is made to
     walk the unit placement (the schedule before placement on costs), to time both."""
     from fxpipe.schedules import lower, simulate
-    from fxpipe.vocab_schedule import vocab_timing
+    from fxpipe.compiler.vocab_placement import vocab_timing
 
     unit = lower(pm.config.schedule_ir())
     if unit_model is not None:  # the same actions in the unit order: only the placement differs

@@ -68,7 +68,7 @@ def worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
 def predict(schedule, steps_by_rank, held_out: int):
     """Simulated makespan of ``held_out`` from the other steps' per-stage medians, and its
     measured makespan."""
-    from fxpipe.schedules.ir import Action
+    from fxpipe.schedules.actions import Action
     from fxpipe.schedules.simulate import StageDurations, simulate
 
     n = schedule.num_stages

@@ -28,14 +28,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fxpipe.hardware import Collective, get_hardware  # noqa: E402
-from fxpipe.planner.config import PlannerOptions  # noqa: E402
+from fxpipe.base.hardware import Collective, get_hardware  # noqa: E402
+from fxpipe.planner.options import PlannerOptions  # noqa: E402
 from fxpipe.planner.layer_cost import CostModel  # noqa: E402
 from fxpipe.planner.shapes import TransformerShape  # noqa: E402
-from fxpipe.recompute_mode import RecomputeMode  # noqa: E402
+from fxpipe.base.recompute_mode import RecomputeMode  # noqa: E402
 from fxpipe.schedules import StageDurations, generate, simulate, split_output_layer, validate  # noqa: E402
 from fxpipe.schedules import lower  # noqa: E402
-from fxpipe.schedules.vocab_passes import place_vocab_passes  # noqa: E402
+from fxpipe.schedules.vocab_actions import place_vocab_passes  # noqa: E402
 
 M, B_MICRO, SEQ, LAYERS, HIDDEN, HEADS, VOCAB = 8, 2, 128, 8, 256, 4, 50257  # bench_runtime.py's
 PROFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cpu_profile.json")

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def _busy(pm) -> float:
     """Seconds this rank spent in F/B/I/W actions during the last step."""
-    from fxpipe.schedules.ir import ActionKind as K
+    from fxpipe.schedules.actions import ActionKind as K
 
     return sum(end - start for action, start, end in pm.last_stats.events if action.kind in (K.F, K.B, K.I, K.W))
 
@@ -41,7 +41,7 @@ def worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
     import fxpipe
-    import fxpipe.compiler as compiler
+    import fxpipe.compiler.pipeline as compiler
     from bench_runtime import M, workload
 
     models = {}

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fxpipe.losses import causal_lm_loss
+from fxpipe.models.losses import causal_lm_loss
 
 BATCH, SEQ, VOCAB = 4, 16, 256
 MAX_PARAMS = 5_000_000

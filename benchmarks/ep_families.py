@@ -21,10 +21,10 @@ import torch  # noqa: E402
 import fxpipe  # noqa: E402
 from compat_families import NotBuildable, build, family_names, tiny_config  # noqa: E402
 from fxpipe.ep import expert_group_context  # noqa: E402
-from fxpipe.losses import causal_lm_loss  # noqa: E402
+from fxpipe.models.losses import causal_lm_loss  # noqa: E402
 from fxpipe.passes import canonicalize_pass  # noqa: E402
 from fxpipe.passes.expert_parallel import EPConfig, expert_parallel_pass  # noqa: E402
-from fxpipe.sharding import shard_state  # noqa: E402
+from fxpipe.ir.shard_spec import shard_state  # noqa: E402
 from fxpipe.tp import run_emulated  # noqa: E402
 
 EP = 2
@@ -43,7 +43,7 @@ def check(model_type: str) -> tuple[str, int]:
     fam = build(model_type)
     model, (ids, targets) = fam.model, fam.batch
     rows = ids.shape[0] // EP
-    base = canonicalize_pass(fxpipe.capture(model, (ids[:rows], targets[:rows]), causal_lm_loss))
+    base = canonicalize_pass(fxpipe.compiler.capture(model, (ids[:rows], targets[:rows]), causal_lm_loss))
     program = expert_parallel_pass(base, EPConfig(ep=EP, dp=EP))
     result = program.expert_parallel
     left = "; ".join(result.skipped) or "-"

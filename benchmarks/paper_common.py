@@ -94,7 +94,7 @@ class Run:
 
 
 def cpu_profile(recalibrate: bool = False):
-    from fxpipe.hardware import Hardware
+    from fxpipe.base.hardware import Hardware
     from fxpipe.planner.calibrate import calibrate
 
     if recalibrate or not os.path.exists(PROFILE):

@@ -7,7 +7,7 @@ with and without full recomputation: predicted sequences/s, and whether the layo
 in 80 GB (the paper: without recomputation only small batches fit; with it, large
 batches reach the higher throughput). Measured (fxpipe's recompute pass, applied to
 every stage after the split): small GPT, 8 layers, p=2, b=2, m=4, none vs full —
-step time, and the bytes one layer saves for backward (fxpipe.saved_activations, in process) for
+step time, and the bytes one layer saves for backward (fxpipe.costs.saved_activations, in process) for
 none / selective / full beside the planner's formula. ~1.5 min.
 """
 from __future__ import annotations
@@ -19,12 +19,12 @@ from fxpipe.planner import predict, shape_from_registry
 
 
 def activation_rows() -> list[list]:
-    """Saved bytes per layer, measured by fxpipe.saved_activations vs layer_activation_bytes (fp32 → ×2,
+    """Saved bytes per layer, measured by fxpipe.costs.saved_activations vs layer_activation_bytes (fp32 → ×2,
     fused CPU attention, dropout 0)."""
     import torch
 
-    from fxpipe.capture import capture
-    from fxpipe.saved_activations import measure_saved
+    from fxpipe.compiler.capture import capture
+    from fxpipe.costs.saved_activations import measure_saved
     from fxpipe.models.gpt import GPT, GPTConfig
     from fxpipe.passes import run_passes
     from fxpipe.passes.recompute import RecomputeMode, apply_recompute
@@ -79,7 +79,7 @@ def main() -> None:
         print(write_table("paper_fig17_activations", ["recompute", "measured MB/layer", "formula MB/layer",
                                                       "error %"], act,
                           f"One layer of fxpipe's GPT (h={HIDDEN}, {HEADS} heads, s={SEQ}, b=2, fp32, dropout 0, "
-                          "CPU flash SDPA): bytes saved for backward, measured by fxpipe.saved_activations, vs "
+                          "CPU flash SDPA): bytes saved for backward, measured by fxpipe.costs.saved_activations, vs "
                           "layer_activation_bytes × 2 (fp32) with the 5as/h term dropped (fused attention). "
                           "The formula's 34 includes two 1-byte dropout masks, absent at dropout 0."))
         runs = [Run(label=f"recompute {rc}", layers=8, pp=2, micro_batch=2, microbatches=4, recompute=rc)

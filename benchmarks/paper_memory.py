@@ -18,7 +18,7 @@ import statistics
 
 from paper_common import figure, save_plot, write_table
 
-from fxpipe.hardware import V100
+from fxpipe.base.hardware import V100
 from fxpipe.passes.recompute import RecomputeMode
 from fxpipe.planner import LayerBalance, CandidateLayout, PlannerOptions, TransformerShape, predict
 

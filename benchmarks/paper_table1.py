@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from paper_common import figure, save_plot, write_table
 
-from fxpipe.hardware import A100
+from fxpipe.base.hardware import A100
 from fxpipe.planner import PlannerOptions, plan, predict
 from fxpipe.planner.sc21 import TABLE1
 

@@ -8,7 +8,7 @@ whole and the blockwise cross-entropy, and with vocabulary passes (the output la
 block r on rank r, ``passes/vocab_head.py``). For every pipeline rank: the bytes of the
 parameters whose rows ``passes/vocab_rows.py`` split, as held before the pass (the
 whole tensor on every rank that reads it) and after (the rank's rows; the tied table's
-embedding lookup done by the rows' owners, ``passes/vocab_lookup.py``), against the
+embedding lookup done by the rows' owners, ``passes/outline_lookups.py``), against the
 even share V·h/S (V·h: the bytes of every row-split tensor, the embedding's too when
 untied). Shapes only: nothing is timed, so the numbers do not depend on the machine's
 load. Writes nothing; prints one table per layout.
@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def measure(pp: int, split_loss: bool, vocab_passes: bool = False) -> list[str]:
     from bench_runtime import B_MICRO, M, workload
-    from fxpipe.compiler import compile_pipeline
-    from fxpipe.config import ParallelConfig
+    from fxpipe.compiler.pipeline import compile_pipeline
+    from fxpipe.ir.parallel_config import ParallelConfig
 
     model, batch, loss_fn = workload()
     config = ParallelConfig(pp=pp, microbatches=M, costs="model", split_loss=split_loss,

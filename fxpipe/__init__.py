@@ -6,8 +6,8 @@
 """
 from typing import Any
 
-from fxpipe.capture import CaptureError, capture
-from fxpipe.program import NodeCost, ParamInfo, ParamKind, Program, TensorSpec
+from fxpipe.compiler.capture import CaptureError, capture
+from fxpipe.ir.program import NodeCost, ParamInfo, ParamKind, Program, TensorSpec
 
 __version__ = "0.1.0"
 __all__ = ["CaptureError", "CompiledPipeline", "NodeCost", "ParallelConfig", "ParallelModel", "ParamInfo",
@@ -16,8 +16,8 @@ __all__ = ["CaptureError", "CompiledPipeline", "NodeCost", "ParallelConfig", "Pa
 # The runtime (torch.distributed, the partition solver) loads on first use, so that
 # `import fxpipe` and the CLI's --help stay quick (PEP 562 module __getattr__).
 _LAZY = {"parallelize": "fxpipe.parallel", "ParallelModel": "fxpipe.runtime.api",
-         "ParallelConfig": "fxpipe.config", "compile_pipeline": "fxpipe.compiler",
-         "CompiledPipeline": "fxpipe.artifact"}
+         "ParallelConfig": "fxpipe.ir.parallel_config", "compile_pipeline": "fxpipe.compiler.pipeline",
+         "CompiledPipeline": "fxpipe.ir.artifact"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,7 @@
 """``fxpipe.parallelize``: compile a model for this rank's place in the mesh, then run it.
 
 Every rank runs the same call (launched by torchrun or ``fxpipe run``): the compile
-pipeline (``fxpipe/compiler.py``) with the mesh's two hooks, then the runtime built
+pipeline (``fxpipe/compiler/pipeline.py``) with the mesh's two hooks, then the runtime built
 from what it returned (``runtime/build.py``)::
 
     parallelize ─> compile_pipeline ─> CompiledPipeline ─> build_runtime ─> ParallelModel
@@ -26,20 +26,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fxpipe.compiler import CompileHooks, compile_pipeline
-from fxpipe.config import ParallelConfig
+from fxpipe.compiler.pipeline import CompileHooks, compile_pipeline
+from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.costs import apply_profile, measured_profile
-from fxpipe.passes.partition import partition_pass
-from fxpipe.program import Program
+from fxpipe.passes.assign_stages import partition_pass
+from fxpipe.ir.program import Program
 from fxpipe.runtime.api import ParallelModel
 from fxpipe.runtime.build import build_runtime
 from fxpipe.runtime.launch import init_distributed
 from fxpipe.ep import expert_group_context
 from fxpipe.runtime.experts import ExpertGroups, build_expert_groups
 from fxpipe.runtime.mesh import Mesh, MeshGroups, build_groups
-from fxpipe.runtime.shards import ShardBuilder
+from fxpipe.params.rank_state import ShardBuilder
 from fxpipe.tp import DropoutRNG, ProcessGroupTP, tp_group_context
-from fxpipe.vocab import check_token_ids
+from fxpipe.ir.token_inputs import check_token_ids
 
 
 def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
@@ -56,8 +56,8 @@ def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
     one global batch as ``train_step`` will receive it (every rank passes the same
     batch; each data-parallel rank trains on its rows). ``weights``: a Hugging Face
     safetensors directory to take the parameters from (each rank reads its shards only,
-    ``fxpipe/weights.py``); a model built on the meta device is otherwise initialised
-    shard by shard by its own init scheme (``fxpipe/init.py``, ``init_fn`` to override).
+    ``fxpipe/params/hf_weights.py``); a model built on the meta device is otherwise initialised
+    shard by shard by its own init scheme (``fxpipe/params/deferred_init.py``, ``init_fn`` to override).
     ``loss_scaler``: ``LossScaler`` arguments under fp16 (``runtime/precision.py``).
     """
     config = ParallelConfig(**layout) if config is None else dataclasses.replace(config, **layout)

@@ -11,8 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from fxpipe.runtime.checkpoint_files import step_dirname
-from fxpipe.runtime.checkpoint_manifest import FORMAT, digest, with_digest
+from fxpipe.checkpoint.files import step_dirname
+from fxpipe.checkpoint.manifest import FORMAT, digest, with_digest
 
 RUN_A, RUN_B = "a" * 16, "b" * 16
 

@@ -1,6 +1,6 @@
 """Bad inputs, table-driven: each gives one clear message (asserted by its key numbers
 and words), no traceback, exit code 2 — and for ``fxpipe run``, before any worker is
-spawned (``fxpipe.launcher.launch`` is replaced by a function that fails the test).
+spawned (``fxpipe.job.launcher.launch`` is replaced by a function that fails the test).
 
 Everything runs in this process: the CLI through ``fxpipe.cli.main``, the API in a
 world of one process (``parallelize`` without torchrun's environment)."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-import fxpipe.launcher
+import fxpipe.job.launcher
 from fxpipe import cli
 from fxpipe.models import build_workload
 from tests._ckpt_files import make_checkpoint
@@ -50,7 +50,7 @@ def _readonly(tmp: Path, monkeypatch) -> None:
         if Path(dir).name == "ro":
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
         return real(*args, dir=dir, **kwargs)
-    monkeypatch.setattr(fxpipe.preflight_files.tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(fxpipe.job.preflight_files.tempfile, "mkstemp", mkstemp)
 
 
 def _other_model(tmp: Path) -> None:
@@ -206,9 +206,9 @@ CASES = [
 
 @pytest.mark.parametrize("argv, expected, setup", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_cli_refuses(argv, expected, setup, tmp_path, monkeypatch, capsys):
-    import fxpipe.preflight_files  # noqa: F401  (the set-ups patch it)
+    import fxpipe.job.preflight_files  # noqa: F401  (the set-ups patch it)
 
-    monkeypatch.setattr(fxpipe.launcher, "launch", _spawned)
+    monkeypatch.setattr(fxpipe.job.launcher, "launch", _spawned)
     if setup is not None:
         setup(*(tmp_path, monkeypatch)[:setup.__code__.co_argcount])
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
@@ -226,7 +226,7 @@ def test_cli_refuses(argv, expected, setup, tmp_path, monkeypatch, capsys):
 
 
 def test_cli_debug_shows_the_traceback(monkeypatch):
-    from fxpipe.capture import CaptureError
+    from fxpipe.compiler.capture import CaptureError
 
     with pytest.raises(CaptureError, match="could not capture _Branchy"):
         cli.main(["compile", "--model", "tests._bad_models:data_dependent", "--debug"])
@@ -330,8 +330,8 @@ def test_train_step_checks_token_ids(world_of_one):
 def test_token_inputs_of_a_hf_model():
     """Hugging Face's loss shifts labels with a pad of -100: the target bound is not traced
     through the pad, the embedding's is (a real vocabulary of 128)."""
-    from fxpipe.capture import capture
-    from fxpipe.vocab import TokenRole, token_inputs
+    from fxpipe.compiler.capture import capture
+    from fxpipe.ir.token_inputs import TokenRole, token_inputs
 
     w = build_workload("hf:llama", batch=2, seq=8)
     found = token_inputs(capture(w.model, w.example_inputs, w.loss_fn))
@@ -353,6 +353,6 @@ def test_failed_ranks_are_summarised_in_one_line(tmp_path):
         0: failure(0, "PeerError: rank 0 receiving 'x' (microbatch 0) from rank 2: timed out", 20),
         2: failure(2, "RuntimeError: CUDA out of\nmemory", 10),
         3: ProcessFailure(local_rank=3, pid=103, exitcode=-15, error_file=str(tmp_path / "none"))})
-    line = fxpipe.launcher.summarize_failure(exc)
+    line = fxpipe.job.launcher.summarize_failure(exc)
     assert line == ("rank 2 failed: RuntimeError: CUDA out of memory (ranks 0, 3 failed too); "
                     "add --debug for every failed rank's traceback")

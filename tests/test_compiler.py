@@ -1,16 +1,16 @@
-"""The one compile pipeline (fxpipe/compiler.py) and its config (fxpipe/config.py)."""
+"""The one compile pipeline (fxpipe/compiler/pipeline.py) and its config (fxpipe/ir/parallel_config.py)."""
 from __future__ import annotations
 
 import pytest
 
 import fxpipe
-from fxpipe.compiler import CompileHooks, compile_pipeline, pipeline_names
-from fxpipe.config import ParallelConfig, ScheduleKind
+from fxpipe.compiler.pipeline import CompileHooks, compile_pipeline, pipeline_names
+from fxpipe.ir.parallel_config import ParallelConfig, ScheduleKind
 from fxpipe.models import build_workload
 from fxpipe.partition import Method
 from fxpipe.passes import canonicalize_pass, cost_pass, total_cost
-from fxpipe.passes.partition import partition_pass
-from fxpipe.recompute_mode import RecomputeMode
+from fxpipe.passes.assign_stages import partition_pass
+from fxpipe.base.recompute_mode import RecomputeMode
 from fxpipe.runtime.precision import Precision
 from fxpipe.schedules.registry import SCHEDULES, schedule_names
 
@@ -79,7 +79,7 @@ def test_pipeline_runs_every_pass_through_the_driver(tiny):
     assert set(plan.program.stages.values()) == {0, 1}
     assert result.program.tensor_parallel is not None and result.partition is not None
     # Model FLOPs are the whole model's, counted before TP halves every matmul.
-    whole = total_cost(cost_pass(canonicalize_pass(fxpipe.capture(tiny.model, tiny.example_inputs,
+    whole = total_cost(cost_pass(canonicalize_pass(fxpipe.compiler.capture(tiny.model, tiny.example_inputs,
                                                                   tiny.loss_fn))))
     assert result.stats.flops_per_step == (whole.fwd_flops + whole.bwd_flops) * 4
     per_rank = sum(c.fwd_flops + c.bwd_flops for c in result.program.costs.values())

@@ -14,14 +14,14 @@ from fxpipe.costs.measure import chunks
 from fxpipe.costs.profile import cache_path, device_name, profile_key
 from fxpipe.models import build_workload
 from fxpipe.passes import run_passes
-from fxpipe.passes.partition import PartitionConfig, solve_partition
+from fxpipe.passes.assign_stages import PartitionConfig, solve_partition
 
 CPU = torch.device("cpu")
 
 
 def _program(batch=2, name="gpt-tiny"):
     w = build_workload(name, batch=batch, seq=16, layers=4)
-    program, _ = run_passes(fxpipe.capture(w.model, w.example_inputs, w.loss_fn))
+    program, _ = run_passes(fxpipe.compiler.capture(w.model, w.example_inputs, w.loss_fn))
     return w, program
 
 

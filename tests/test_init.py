@@ -1,4 +1,4 @@
-"""Deferred initialisation (fxpipe/init.py): rules recorded from the model's own init,
+"""Deferred initialisation (fxpipe/params/deferred_init.py): rules recorded from the model's own init,
 replayed shard by shard; the same values for every layout."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fxpipe.init import InitError, materialize, materialize_, materialize_tensor, record_init
+from fxpipe.params.deferred_init import InitError, materialize, materialize_, materialize_tensor, record_init
 from fxpipe.models import build_workload
 from fxpipe.passes.tensor_parallel import ShardKind, ShardSpec, shard_state
 from tests.runtime import _init_cases as cases

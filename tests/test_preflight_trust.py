@@ -1,5 +1,5 @@
 """``fxpipe run``'s refusals that must come before any worker (issue: trust, round two),
-through ``fxpipe.cli.main`` in this process with ``fxpipe.launcher.launch`` replaced by
+through ``fxpipe.cli.main`` in this process with ``fxpipe.job.launcher.launch`` replaced by
 a function that fails the test — or, where the input is fine, that records the config
 the workers would get. Each case asserts the exit code, the one-line message naming
 the numbers and paths, and what stayed on disk."""
@@ -15,13 +15,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import fxpipe.launcher
-import fxpipe.preflight_files
+import fxpipe.job.launcher
+import fxpipe.job.preflight_files
 from fxpipe import cli
 from fxpipe.models import build_workload
-from fxpipe.preflight_files import check_schedule
-from fxpipe.runtime.checkpoint_files import step_dirname
-from fxpipe.train import _batch_hint
+from fxpipe.job.preflight_files import check_schedule
+from fxpipe.checkpoint.files import step_dirname
+from fxpipe.job.train import _batch_hint
 from tests._ckpt_files import edit_manifest, make_checkpoint, schedule
 from tests.runtime.test_checkpoint_trust import _within
 
@@ -36,7 +36,7 @@ def _spawned(*args, **kwargs):
 
 def _refused(argv: list[str], monkeypatch, capsys, *expected: str) -> str:
     """Exit code 2, one line, every ``expected`` piece in it, no worker."""
-    monkeypatch.setattr(fxpipe.launcher, "launch", _spawned)
+    monkeypatch.setattr(fxpipe.job.launcher, "launch", _spawned)
     code = cli.main([str(a) for a in argv])
     err = capsys.readouterr().err
     assert code == 2, err
@@ -49,7 +49,7 @@ def _refused(argv: list[str], monkeypatch, capsys, *expected: str) -> str:
 def _launched(argv: list[str], monkeypatch, capsys):
     """The preflight passes: the config the workers would be started with."""
     seen = []
-    monkeypatch.setattr(fxpipe.launcher, "launch", lambda config, debug=False: seen.append(config) or 0)
+    monkeypatch.setattr(fxpipe.job.launcher, "launch", lambda config, debug=False: seen.append(config) or 0)
     code = cli.main([str(a) for a in argv])
     assert code == 0, capsys.readouterr().err
     return seen[0]
@@ -136,8 +136,8 @@ def test_tampered_schedule_falls_back_to_the_intact_step(tmp_path, monkeypatch, 
     for s in (2, 4):
         make_checkpoint(root, s, names=TINY_NAMES, source="GPT")
     edit_manifest(root / step_dirname(4), extra={"lr_scheduler": dict(schedule(4), base_lrs=[2e6])})
-    from fxpipe.preflight_files import resume_path
-    from fxpipe.train import TrainConfig
+    from fxpipe.job.preflight_files import resume_path
+    from fxpipe.job.train import TrainConfig
     assert resume_path(TrainConfig(checkpoint_dir=str(root), resume=True)) == root / step_dirname(2)
     assert _launched(RUN + ["--checkpoint-dir", root, "--resume"], monkeypatch, capsys).resume
 
@@ -235,7 +235,7 @@ def test_float_widening_is_accepted(tmp_path, monkeypatch, capsys):
 
 
 def test_a_shard_linked_out_of_the_directory_is_refused(tmp_path):
-    from fxpipe.weights import WeightsDir
+    from fxpipe.params.hf_weights import WeightsDir
 
     d = _weights(tmp_path)
     outside = tmp_path / "outside.safetensors"
@@ -254,8 +254,8 @@ def test_a_shard_linked_out_of_the_directory_is_refused(tmp_path):
 
 
 def test_export_removes_the_weights_it_replaces(tmp_path):
-    from fxpipe.runtime.export import export_consolidated
-    from fxpipe.weights import WeightsDir
+    from fxpipe.checkpoint.export import export_consolidated
+    from fxpipe.params.hf_weights import WeightsDir
 
     ckpt = tmp_path / "ck"
     make_checkpoint(ckpt, 1, names=("w", "v"))
@@ -311,7 +311,7 @@ def test_writability_is_a_real_write(tmp_path, monkeypatch, capsys, code):
     """os.access says yes to root on a full or read-only disk; the probe's write says why."""
     def fsync(fd):
         raise OSError(code, os.strerror(code))
-    monkeypatch.setattr(fxpipe.preflight_files.os, "fsync", fsync)
+    monkeypatch.setattr(fxpipe.job.preflight_files.os, "fsync", fsync)
     _refused(RUN + ["--checkpoint-dir", tmp_path / "ck"], monkeypatch, capsys,
              f"--checkpoint-dir {tmp_path}/ck cannot be written (tried a file in {tmp_path})",
              f"{errno.errorcode[code]}: {os.strerror(code)}")
@@ -337,7 +337,7 @@ def test_gpt2_medium_passes_the_preflight_on_meta(monkeypatch, capsys):
     """`fxpipe run --model gpt2-medium` captured on meta in the launcher (was: .max() of a meta tensor)."""
     config = _launched(["run", "--model", "gpt2-medium", "--steps", "2", "--seq", "64", "--micro-batch-size", "1",
                         "--microbatches", "4", "--costs", "model", "--timeline", "none"], monkeypatch, capsys)
-    assert config.model == "gpt2-medium" and fxpipe.preflight.capture_device("gpt2-medium") == "meta"
+    assert config.model == "gpt2-medium" and fxpipe.job.preflight.capture_device("gpt2-medium") == "meta"
 
 
 def test_every_registry_model_passes_or_is_refused_in_one_line(monkeypatch):
@@ -345,10 +345,10 @@ def test_every_registry_model_passes_or_is_refused_in_one_line(monkeypatch):
     vocabulary; the large ones still on meta): the check passes or says why in one line."""
     import dataclasses
 
-    import fxpipe.preflight as preflight
-    from fxpipe.config import ParallelConfig
+    import fxpipe.job.preflight as preflight
+    from fxpipe.ir.parallel_config import ParallelConfig
     from fxpipe.models import registry
-    from fxpipe.train import TrainConfig
+    from fxpipe.job.train import TrainConfig
 
     devices = {n: preflight.capture_device(n) for n in registry.model_names()}
     for name, cfg in list(registry.GPT_CONFIGS.items()):
@@ -376,6 +376,6 @@ def test_a_rank_without_an_error_report_is_summarised_by_its_exit_code():
 
     exc = ChildFailedError("_spawned_entry", {1: ProcessFailure(local_rank=1, pid=9, exitcode=1,
                                                                  error_file="/nonexistent/error.json")})
-    line = fxpipe.launcher.summarize_failure(exc)
+    line = fxpipe.job.launcher.summarize_failure(exc)
     assert line.startswith("rank 1 failed: exit code 1, and no error report") and "ENOSPC" in line, line
     assert "To enable traceback" not in line

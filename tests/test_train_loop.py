@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fxpipe.models import build_workload
-from fxpipe.train_loop import LRSchedule, lr_factor, param_groups
+from fxpipe.job.components import LRSchedule, lr_factor, param_groups
 
 LR, MIN_LR, WARMUP, STEPS = 1e-3, 1e-4, 10, 110
 
@@ -64,9 +64,9 @@ def test_evaluation_leaves_the_loss_scale_and_written_buffers_as_it_found_them()
     besides gradients — fp16's loss scale, buffers the forward writes — is put back."""
     from types import SimpleNamespace
 
-    from fxpipe.program import ParamKind
+    from fxpipe.ir.program import ParamKind
     from fxpipe.runtime.precision import LossScaler
-    from fxpipe.train_loop import evaluate
+    from fxpipe.job.components import evaluate
 
     weight = torch.nn.Parameter(torch.ones(2))
     state = {"w": weight, "running": torch.zeros(2)}

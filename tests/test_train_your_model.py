@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxpipe.runtime.checkpoint import list_checkpoints
+from fxpipe.checkpoint.dcp import list_checkpoints
 from tests.data._corpus import train_bpe, write_corpus
 from tests.runtime._dist import _free_port
 
@@ -69,9 +69,9 @@ def _reference(root: Path, argv: list[str], steps: int) -> tuple[list[float], li
     from fxpipe.cli import build_parser
     from fxpipe.cli.run import resolve
     from fxpipe.data import DataStream
-    from fxpipe.losses import next_token_loss
-    from fxpipe.train_setup import build_job
-    from fxpipe.train_loop import lr_scheduler, param_groups
+    from fxpipe.models.losses import next_token_loss
+    from fxpipe.job.workload import build_job
+    from fxpipe.job.components import lr_scheduler, param_groups
 
     config = resolve(build_parser().parse_args(["run", *argv]))
     _, source = build_job(config)

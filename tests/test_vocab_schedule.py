@@ -1,5 +1,5 @@
 """The runtime's schedule under vocabulary passes, placed on the compiled stages' costs
-(fxpipe/vocab_schedule.py, ``compile_program``). In process, on the tied wide-vocabulary
+(fxpipe/compiler/vocab_placement.py, ``compile_program``). In process, on the tied wide-vocabulary
 model at pp=2 with the cost model's times: the compiled schedule validates, is the one
 ``place_vocab_passes`` finds on the stage and head times (never slower than the unit
 placement, here strictly faster), keeps the partition's F/B order, is the same on every
@@ -10,12 +10,12 @@ import dataclasses
 
 import pytest
 
-from fxpipe.compiler import CompileHooks, capture_for, compile_program
-from fxpipe.config import ParallelConfig
-from fxpipe.passes.partition import build_problem_graph
+from fxpipe.compiler.pipeline import CompileHooks, capture_for, compile_program
+from fxpipe.ir.parallel_config import ParallelConfig
+from fxpipe.passes.assign_stages import build_problem_graph
 from fxpipe.schedules import StageDurations, add_vocab_passes, generate, lower, simulate, validate
-from fxpipe.schedules.vocab_passes import place_vocab_passes
-from fxpipe.vocab_schedule import describe, placed_schedule
+from fxpipe.schedules.vocab_actions import place_vocab_passes
+from fxpipe.compiler.vocab_placement import describe, placed_schedule
 from tests.runtime import _wide_vocab
 
 M = 4

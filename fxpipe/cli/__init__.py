@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fxpipe.capture import CaptureError
+    from fxpipe.compiler.capture import CaptureError
 
     args = build_parser().parse_args(argv)
     try:

@@ -5,7 +5,7 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from fxpipe.planner.cli import add_calibrate_arguments, run_calibrate
+    from fxpipe.cli.planner_args import add_calibrate_arguments, run_calibrate
 
     add_calibrate_arguments(p)
     p.set_defaults(fn=run_calibrate)

@@ -5,7 +5,7 @@ import argparse
 from dataclasses import dataclass
 
 from fxpipe.cli.flags import LAYOUT_FLAGS, TARGET_FLAGS, TRAIN_FLAGS, add_flags, given, with_layout
-from fxpipe.config import ParallelConfig
+from fxpipe.ir.parallel_config import ParallelConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flags(p, LAYOUT_FLAGS, vars(DEFAULT_LAYOUT), skip=SKIPPED)
     p.add_argument("--graph", metavar="FILE", help="write the compiled ATen graph as text")
     p.add_argument("--skip-pass", action="append", default=[], metavar="NAME",
-                   help="skip a pass of the compile pipeline by name (repeatable; names: fxpipe/compiler.py)")
+                   help="skip a pass of the compile pipeline by name (repeatable; names: fxpipe/compiler/pipeline.py)")
     p.add_argument("--debug", action="store_true",
                    help="lint the graph and check invariants after every pass; full tracebacks")
     p.add_argument("--json", metavar="FILE", help="write the stage table as JSON")
@@ -40,11 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fxpipe.compiler import CompileHooks, compile_pipeline
+    from fxpipe.compiler.pipeline import CompileHooks, compile_pipeline
     from fxpipe.models.registry import build_workload
     from fxpipe.passes.tensor_parallel import render_sharding_report
-    from fxpipe.preflight import capture_device
-    from fxpipe.report import compile_summary
+    from fxpipe.job.preflight import capture_device
+    from fxpipe.compiler.compile_report import compile_summary
 
     target = CompileTarget(**given(args, TARGET))
     layout = with_layout(DEFAULT_LAYOUT, given(args, LAYOUT_FLAGS))
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         measured.append(name)
         return config
 
-    # The same pipeline parallelize runs (fxpipe/compiler.py); one stage needs no partition.
+    # The same pipeline parallelize runs (fxpipe/compiler/pipeline.py); one stage needs no partition.
     result = compile_pipeline(workload.model, workload.example_inputs, layout, loss_fn=workload.loss_fn,
                               hooks=CompileHooks(measure=measure), skip=args.skip_pass, debug=args.debug,
                               until=None if pipelined else "cost")
@@ -105,7 +105,7 @@ def _measured_config(program, config, ctx, workload, layout: ParallelConfig, tar
 def _print_partition(result, hw_name: str, args: argparse.Namespace) -> None:
     import json
 
-    from fxpipe.report import stage_rows, stage_table
+    from fxpipe.compiler.compile_report import stage_rows, stage_table
 
     layout, program, partition = result.config, result.program, result.partition
     assignment = dict(program.stages)
@@ -114,7 +114,7 @@ def _print_partition(result, hw_name: str, args: argparse.Namespace) -> None:
           f"microbatches={layout.num_microbatches}")
     print(stage_table(program, assignment, partition, hw_name))
     if layout.vocab_passes and result.plan is not None:
-        from fxpipe.vocab_schedule import describe
+        from fxpipe.compiler.vocab_placement import describe
 
         print(describe(layout, result.vocab_timing, result.schedule))
     if layout.tp > 1:
@@ -130,7 +130,7 @@ def _print_partition(result, hw_name: str, args: argparse.Namespace) -> None:
 
 def _inter_stage_bytes(plan, layout: ParallelConfig) -> str:
     """Bytes each tp rank sends between stages per step, with and without scatter-gather."""
-    from fxpipe.report import human
+    from fxpipe.compiler.compile_report import human
     from fxpipe.tp import inter_stage_bytes
 
     totals = {}

@@ -128,7 +128,7 @@ LAYOUT_FLAGS = _flags(
     Flag("allow_over_limit", "print a uniform/params plan that exceeds --memory-limit instead of refusing "
          "it (to compare methods)", None, Kind.SWITCH),
 )
-"""``ParallelConfig``'s fields (fxpipe/config.py)."""
+"""``ParallelConfig``'s fields (fxpipe/ir/parallel_config.py)."""
 
 
 def optional_path(text: str) -> str | None:
@@ -190,7 +190,7 @@ TRAIN_FLAGS = _flags(
          metavar="PATH"),
     Flag("keep_checkpoints", "newest checkpoints kept in --checkpoint-dir", positive_int, metavar="N"),
 )
-"""``TrainConfig``'s fields (fxpipe/train.py), but ``parallel`` (LAYOUT_FLAGS)."""
+"""``TrainConfig``'s fields (fxpipe/job/train.py), but ``parallel`` (LAYOUT_FLAGS)."""
 
 TARGET_FLAGS = _flags(
     Flag("batch", "sequences per batch B", positive_int),

@@ -8,7 +8,7 @@ import enum
 import os
 
 from fxpipe.cli.flags import LAYOUT_FLAGS, TRAIN_FLAGS, add_flags, given, with_layout
-from fxpipe.train import TrainConfig
+from fxpipe.job.train import TrainConfig
 
 DEFAULT = TrainConfig()
 """The embedded default: gpt-small on the standard library's source, tp=2 × pp=2."""
@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace) -> TrainConfig:
     """Defaults, then the config file, then the flags given."""
-    from fxpipe.config_file import read_config
+    from fxpipe.job.config_file import read_config
 
     fields = read_config(args.config, {**TRAIN_FLAGS, **LAYOUT_FLAGS}) if args.config else {}
     fields.update(given(args, TRAIN_FLAGS))
@@ -41,7 +41,7 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
 
 def check_flags_by_name(values: dict) -> None:
     """``preflight.check_flags`` reads the flags by their names (messages name the flag)."""
-    from fxpipe.preflight import check_flags
+    from fxpipe.job.preflight import check_flags
 
     names = {f.field: f.key.replace("-", "_") for f in {**TRAIN_FLAGS, **LAYOUT_FLAGS}.values()}
     plain = lambda v: v.value if isinstance(v, enum.Enum) else v  # noqa: E731 (flags hold names)
@@ -49,11 +49,11 @@ def check_flags_by_name(values: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fxpipe.launcher import launch
-    from fxpipe.preflight import check_run
+    from fxpipe.job.launcher import launch
+    from fxpipe.job.preflight import check_run
 
     config = resolve(args)
-    # Everything checkable is checked here, before a worker starts (fxpipe/preflight.py).
+    # Everything checkable is checked here, before a worker starts (fxpipe/job/preflight.py).
     # Under torchrun every rank is a worker already: the model is captured by each anyway.
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     check_run(config, model=not under_torchrun)

@@ -45,7 +45,7 @@ def parse_costs(costs) -> str:
 
 def probe_groups(program, config) -> tuple:
     """(fine graph with cost-model times, its coarsening into probe groups)."""
-    from fxpipe.passes.partition import build_problem_graph
+    from fxpipe.passes.assign_stages import build_problem_graph
 
     from fxpipe.passes.coalesce_blocks import split_block_keys
 

@@ -22,7 +22,7 @@ import torch
 
 from fxpipe.costs.measure import PHASES
 from fxpipe.partition import Coarsening
-from fxpipe.safe_io import UnsafeFileError, read_bounded
+from fxpipe.base.safe_io import UnsafeFileError, read_bounded
 
 FORMAT = 1
 MAX_BYTES = 16 * 2**20
@@ -110,7 +110,7 @@ class CostProfile:
     def load(path: str | os.PathLike) -> "CostProfile":
         """Parse and check a profile file; ProfileError says what is wrong with it."""
         path = Path(path)
-        try:  # a regular file under the cap: a FIFO or /dev/zero is refused at once (fxpipe/safe_io.py)
+        try:  # a regular file under the cap: a FIFO or /dev/zero is refused at once (fxpipe/base/safe_io.py)
             doc = json.loads(read_bounded(path, MAX_BYTES), parse_constant=_refuse_constant)
         except UnsafeFileError as e:
             raise ProfileError(f"not a readable cost profile: {e}") from None

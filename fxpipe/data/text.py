@@ -20,7 +20,7 @@ import numpy as np
 
 from fxpipe.data.tokenizer import ByteTokenizer, HFTokenizer
 from fxpipe.data.tokens import TokenDtype, open_token_file
-from fxpipe.safe_io import check_regular, open_regular, read_bounded
+from fxpipe.base.safe_io import check_regular, open_regular, read_bounded
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 MAX_TEXT_FILE = 4 << 30

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from fxpipe.safe_io import read_bounded
+from fxpipe.base.safe_io import read_bounded
 
 MAX_TOKENIZER_BYTES = 256 << 20
 """A tokenizer file larger than this is refused unread (Llama 3's tokenizer.json is 9 MB)."""

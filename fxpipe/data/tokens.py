@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fxpipe.enums import parse_enum
-from fxpipe.safe_io import check_regular
+from fxpipe.base.enums import parse_enum
+from fxpipe.base.safe_io import check_regular
 
 
 class TokenDtype(enum.Enum):

@@ -109,7 +109,7 @@ class GPT(nn.Module):
         self.init_weights()
 
     def init_weights(self) -> None:
-        """The whole init scheme in one method (also what deferred init replays, fxpipe/init.py)."""
+        """The whole init scheme in one method (also what deferred init replays, fxpipe/params/deferred_init.py)."""
         self.apply(self._init_weights)
         # GPT-2 scales the residual projections by 1/sqrt(2l) at init.
         for name, p in self.named_parameters():

@@ -4,8 +4,8 @@ safetensors), built on the meta device from its config.
 No weights are allocated here: ``AutoModelForCausalLM.from_config`` under
 ``torch.device("meta")`` gives the module tree and shapes, and each rank then takes
 only its shards — from the directory's safetensors through the slice reader
-(``fxpipe/weights.py``, ``parallelize(weights=DIR)``), or, for a directory without
-weights, from the model's own init scheme applied shard by shard (``fxpipe/init.py``).
+(``fxpipe/params/hf_weights.py``, ``parallelize(weights=DIR)``), or, for a directory without
+weights, from the model's own init scheme applied shard by shard (``fxpipe/params/deferred_init.py``).
 The batch follows nanoGPT's convention (inputs, next tokens) so all ``seq`` positions
 are trained (``next_token_loss``).
 """
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from fxpipe.losses import next_token_loss
-from fxpipe.safe_io import read_bounded
-from fxpipe.weights import INDEX, SINGLE
+from fxpipe.models.losses import next_token_loss
+from fxpipe.base.safe_io import read_bounded
+from fxpipe.params.hf_weights import INDEX, SINGLE
 
 MAX_CONFIG_BYTES = 4 << 20
 """config.json larger than this is refused unread (a real one is a few KB)."""

@@ -1,7 +1,7 @@
 """Models by name, for the CLI, tests and benchmarks.
 
 ``build_workload("gpt-tiny", batch=2, seq=32)`` returns the model, one example
-batch and the loss function — exactly what ``fxpipe.capture`` and
+batch and the loss function — exactly what ``fxpipe.compiler.capture`` and
 ``fxpipe.parallelize`` take. Names:
 
 - fxpipe's own GPT (``fxpipe/models/gpt.py``) at several sizes: ``gpt-tiny``,
@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from fxpipe.losses import causal_lm_loss, next_token_loss
+from fxpipe.models.losses import causal_lm_loss, next_token_loss
 from fxpipe.models.gpt import GPT, GPTConfig
 from fxpipe.models.hf import HF_FAMILIES
 from fxpipe.models.zoo import VOCAB as ZOO_VOCAB

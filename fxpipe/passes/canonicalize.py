@@ -10,7 +10,7 @@ import copy
 
 import torch
 
-from fxpipe.program import Program
+from fxpipe.ir.program import Program
 
 aten = torch.ops.aten
 

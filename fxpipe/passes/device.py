@@ -13,7 +13,7 @@ import copy
 
 import torch
 
-from fxpipe.program import Program
+from fxpipe.ir.program import Program
 
 
 def retarget_device_pass(program: Program, device: torch.device) -> Program:

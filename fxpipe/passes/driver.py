@@ -5,7 +5,7 @@ runs them in order, can skip one by name, times each, and in debug mode lints
 every graph a pass returns and checks the Program's invariants after every pass —
 after the split, every stage graph and the regions outlined in it — naming the
 pass that broke them. ``DEFAULT_PASSES`` are the graph passes every layout needs; the
-whole compile pipeline (``fxpipe/compiler.py``) runs them and then the pipeline's
+whole compile pipeline (``fxpipe/compiler/pipeline.py``) runs them and then the pipeline's
 own steps through this same driver — the last of which turn the Program into a
 ``PipelinePlan``.
 """
@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from fxpipe.artifact import PassTiming
+from fxpipe.ir.artifact import PassTiming
 from fxpipe.passes.canonicalize import canonicalize_pass
 from fxpipe.passes.node_cost import cost_pass
 from fxpipe.passes.lint import lint_plan, lint_program
 from fxpipe.passes.tensor_parallel import tensor_parallel_pass
-from fxpipe.program import Program
+from fxpipe.ir.program import Program
 
 PassFn = Callable[[Any, object], Any]
 """Program -> Program, except the pipeline's last steps (split: Program -> PipelinePlan)."""

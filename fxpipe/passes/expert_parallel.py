@@ -28,8 +28,8 @@ import torch.fx as fx
 
 from fxpipe.ep.dispatch import ep_combine, ep_dispatch
 from fxpipe.passes.tensor_parallel.graph_ops import SPLITS, TRANSPOSES, arg, is_grouped_mm, is_pointwise, shape
-from fxpipe.program import ParamKind, Program
-from fxpipe.sharding import ShardKind, ShardSpec
+from fxpipe.ir.program import ParamKind, Program
+from fxpipe.ir.shard_spec import ShardKind, ShardSpec
 
 aten = torch.ops.aten
 _ROW_WISE = frozenset({aten.slice.Tensor, aten.narrow.default, *SPLITS})  # along features only

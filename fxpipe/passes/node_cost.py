@@ -19,8 +19,8 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 
-from fxpipe.program import NodeCost, ParamKind, Program, itemsize
-from fxpipe.sizes import concrete, numel
+from fxpipe.ir.program import NodeCost, ParamKind, Program, itemsize
+from fxpipe.ir.sizes import concrete, numel
 
 aten = torch.ops.aten
 
@@ -97,7 +97,7 @@ _INTERMEDIATE = {aten.cross_entropy_loss.default: 0}
 def node_cost(node: fx.Node, hints: Mapping[str, int] = {}  # noqa: B006 (read only)
               ) -> tuple[int, int, int, int, int]:
     """(fwd matmul FLOPs, bwd matmul FLOPs, other FLOPs, out bytes, memory traffic bytes).
-    ``hints`` prices data-dependent sizes (``Program.size_hints``, fxpipe/sizes.py)."""
+    ``hints`` prices data-dependent sizes (``Program.size_hints``, fxpipe/ir/sizes.py)."""
     val = node.meta.get("val")
     out_bytes = _nbytes(val, hints)
     if node.op != "call_function":

@@ -31,17 +31,17 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from fxpipe.recompute_mode import RecomputeMode  # noqa: F401  (re-exported: the mode lives torch-free)
+from fxpipe.base.recompute_mode import RecomputeMode  # noqa: F401  (re-exported: the mode lives torch-free)
 
-from fxpipe.recompute_region import CheckpointedRegion
-from fxpipe.subgraph import boundary, copy_subgraph
-from fxpipe.program import NodeCost, Program
+from fxpipe.ir.recompute_region import CheckpointedRegion
+from fxpipe.ir.subgraph import boundary, copy_subgraph
+from fxpipe.ir.program import NodeCost, Program
 
 aten = torch.ops.aten
 
 LAYER_KEY = "fxpipe_layer"
 """``node.meta`` key holding the layer index of a region's call and getitem nodes
-(they are not in the capture's ``layers`` map; ``fxpipe.saved_activations`` reads it)."""
+(they are not in the capture's ``layers`` map; ``fxpipe.costs.saved_activations`` reads it)."""
 REGION_KEY = "fxpipe_recompute"
 """``node.meta`` key holding the :class:`RecomputeRegion` of a region's call node."""
 

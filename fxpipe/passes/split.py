@@ -27,9 +27,9 @@ import torch
 import torch.fx as fx
 
 from fxpipe.passes.functionalize import mutated_args
-from fxpipe.pipeline_plan import PipelinePlan, Stage, StageValue
-from fxpipe.program import ParamKind, Program, TensorSpec
-from fxpipe.sizes import is_dynamic
+from fxpipe.ir.stage_plan import PipelinePlan, Stage, StageValue
+from fxpipe.ir.program import ParamKind, Program, TensorSpec
+from fxpipe.ir.sizes import is_dynamic
 
 
 def _is_random(node: fx.Node) -> bool:

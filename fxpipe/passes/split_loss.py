@@ -59,8 +59,8 @@ import torch.fx as fx
 from fxpipe.passes.node_cost import cost_pass
 from fxpipe.passes.split import side_values
 from fxpipe.passes.split_matmul import MatmulSplit, call
-from fxpipe.loss_chain import ChainKind, ChainOp, Reduction
-from fxpipe.program import Program
+from fxpipe.ir.loss_chain import ChainKind, ChainOp, Reduction
+from fxpipe.ir.program import Program
 from fxpipe.tp.ops import OPS
 
 aten = torch.ops.aten

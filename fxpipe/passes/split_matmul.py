@@ -55,7 +55,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from fxpipe.passes.node_cost import cost_pass
-from fxpipe.program import Program
+from fxpipe.ir.program import Program
 
 aten = torch.ops.aten
 MAX_BLOCKS = 32

@@ -3,7 +3,7 @@
 With ``ParallelConfig(vocab_passes=True)`` the output layer runs on every pipeline
 rank, each on its block of the vocabulary (Yeung et al., "Balancing Pipeline
 Parallelism with Vocabulary Parallelism", MLSys 2025, arXiv 2411.05288; the schedule's
-S / T actions, ``schedules/vocab_passes.py``). This pass takes the head out of the last
+S / T actions, ``schedules/vocab_actions.py``). This pass takes the head out of the last
 stage's graph by structure:
 
     linear(x, W) → [slice of a leading dim | reshape keeping the last dim |
@@ -19,7 +19,7 @@ the loss; ``PipelinePlan.vocab_head`` records the chain, the reduction and each 
 block of rows (V split evenly). ``vocab_rows`` then gives every rank exactly its
 block of ``W`` (and of a tied embedding, whose lookup its rows' owners do), so storage,
 optimizer, checkpoints and export work on the rows as for any row-split parameter.
-The runtime (``runtime/vocab_passes.py``) computes each block's logits and online-softmax
+The runtime (``runtime/vocab_head.py``) computes each block's logits and online-softmax
 statistics, and their gradients, from there.
 """
 from __future__ import annotations
@@ -30,10 +30,10 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from fxpipe.loss_chain import Reduction
+from fxpipe.ir.loss_chain import Reduction
 from fxpipe.passes.split_loss import _match
-from fxpipe.pipeline_plan import PipelinePlan, StageValue, VocabHead
-from fxpipe.program import ParamKind, Program, TensorSpec
+from fxpipe.ir.stage_plan import PipelinePlan, StageValue, VocabHead
+from fxpipe.ir.program import ParamKind, Program, TensorSpec
 
 aten = torch.ops.aten
 
@@ -136,10 +136,10 @@ def vocab_row_params(program: Program, elsewhere: frozenset[str]) -> frozenset[s
     weights the head nodes (``elsewhere``) read, split into one block per rank
     (``VocabHead.blocks``), and each table that an embedding lookup of batch token ids
     reads, which ``vocab_rows`` gives the head's rows when tied and splits evenly where
-    the head is split when untied (``passes/vocab_lookup.py``; under TP of each TP
+    the head is split when untied (``passes/outline_lookups.py``; under TP of each TP
     rank's rows). The partition charges their state evenly per rank instead of to the
     stage that reads them (``PartitionConfig.spread``)."""
-    from fxpipe.passes.vocab_lookup import lookup_of
+    from fxpipe.passes.outline_lookups import lookup_of
 
     if not elsewhere:
         return frozenset()

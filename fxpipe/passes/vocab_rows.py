@@ -26,7 +26,7 @@ A parameter that tensor parallelism splits along another dim than 0 is left alon
 
 The embedding lookup of such a table (``aten.embedding`` of batch token ids, or under
 TP the vocabulary-parallel lookup of a TP rank's rows) is done by the rows' owners
-(``passes/vocab_lookup.py``): a tied table's rows are then its
+(``passes/outline_lookups.py``): a tied table's rows are then its
 head's rows on each rank (a head reading it whole on the last rank holds it alone), and
 an untied table is split evenly where the head is split; the consuming stage reads the
 owners' summed lookup as an input and its rank holds only the rows it owns.
@@ -40,10 +40,10 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from fxpipe.passes.vocab_lookup import is_lookup, outline_lookups, stage_lookups
-from fxpipe.pipeline_plan import PipelinePlan
-from fxpipe.program import ParamKind
-from fxpipe.sharding import PipelineRows, ShardKind, ShardSpec, ranges_of
+from fxpipe.passes.outline_lookups import is_lookup, outline_lookups, stage_lookups
+from fxpipe.ir.stage_plan import PipelinePlan
+from fxpipe.ir.program import ParamKind
+from fxpipe.ir.shard_spec import PipelineRows, ShardKind, ShardSpec, ranges_of
 
 aten = torch.ops.aten
 
@@ -69,7 +69,7 @@ def _stage_reads(plan: PipelinePlan, stage: int, rows_of: Mapping[str, int],
                  lookups: bool = False) -> dict[str, set[int] | None]:
     """Canonical name -> rows stage ``stage`` reads (None: the whole tensor). With
     ``lookups``, an embedding lookup by batch token ids reads no rows (its owners do it:
-    ``passes/vocab_lookup.py``)."""
+    ``passes/outline_lookups.py``)."""
     canon = plan.canonical
     st = plan.stages[stage]
     placeholders = [n for n in st.graph_module.graph.nodes if n.op == "placeholder"][:len(st.params)]
@@ -140,7 +140,7 @@ def vocab_rows_pass(plan: PipelinePlan, stage_ranks: Sequence[int], specs: Mappi
     blocks = {head.weight: [set(range(a, b)) for a, b in head.blocks]} if head is not None else {}
     _add(held, blocks, pp)
     # Under tp > 1 the lookups are the TP pass's vocabulary-parallel ones, of each TP
-    # rank's rows: the owners split those further (passes/vocab_lookup.py).
+    # rank's rows: the owners split those further (passes/outline_lookups.py).
     looked = _lookup_stages(plan, rows_of)
     sub = {c: rows_of[c] for c in looked}
     with_lookups = _held(plan, stage_ranks, sub, pp, lookups=True)

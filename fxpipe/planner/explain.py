@@ -1,7 +1,7 @@
 """Text for ``fxpipe plan``: the ranking table and why the winner wins."""
 from __future__ import annotations
 
-from fxpipe.planner.config import CandidateLayout, ScheduleKind
+from fxpipe.planner.options import CandidateLayout, ScheduleKind
 from fxpipe.planner.predict import Prediction
 from fxpipe.planner.search import PlanResult
 from fxpipe.planner.work import Component

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from fxpipe.hardware import Collective, Hardware
-from fxpipe.recompute_mode import RecomputeMode
-from fxpipe.planner.config import PlannerOptions
+from fxpipe.base.hardware import Collective, Hardware
+from fxpipe.base.recompute_mode import RecomputeMode
+from fxpipe.planner.options import PlannerOptions
 from fxpipe.planner.shapes import TransformerShape
 from fxpipe.planner.work import Component as C
 from fxpipe.planner.work import Work
@@ -178,7 +178,7 @@ class CostModel:
     @lru_cache(maxsize=None)
     def vocab_collectives(self, tp: int, pp: int, dp: int, b: int) -> tuple[float, float, float]:
         """Seconds of the vocabulary passes' collectives per microbatch, as
-        ``runtime/vocab_passes.py`` issues them over the pp group (ranks tp·dp apart):
+        ``runtime/vocab_head.py`` issues them over the pp group (ranks tp·dp apart):
         BCAST_H the head's input (b·s·h) and the int64 targets; ALLREDUCE_S the maxima
         (fp32 per token), then the rescaled sums and target logits (2 × fp32), over pp and
         then TP; REDUCE_G the input gradient (b·s·h) onto the last stage."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxpipe.recompute_mode import RecomputeMode
+from fxpipe.base.recompute_mode import RecomputeMode
 from fxpipe.planner.shapes import TransformerShape
 
 
@@ -75,7 +75,7 @@ def final_norm_activation_bytes(shape: TransformerShape, micro_batch: int, tp: i
 
 
 def vocab_block_activation_bytes(shape: TransformerShape, micro_batch: int, tp: int, pp: int) -> float:
-    """Every rank, per microbatch between its S and its T (``runtime/vocab_passes.py``): its
+    """Every rank, per microbatch between its S and its T (``runtime/vocab_head.py``): its
     copy of the head's input (2sbh, whole: broadcast after the SP gather) and its block's
     fp32 logits, V/(t·p) columns (4sb·V/(tp))."""
     s, b = shape.seq, micro_batch
@@ -84,7 +84,7 @@ def vocab_block_activation_bytes(shape: TransformerShape, micro_batch: int, tp: 
 
 def lookup_activation_bytes(shape: TransformerShape, micro_batch: int, parts: int) -> float:
     """Every rank under vocabulary passes: its ``parts`` partial embedding lookups in
-    flight (b·s·h each; ``runtime/vocab_lookup.py`` holds a part from its send, one
+    flight (b·s·h each; ``runtime/lookup_exchange.py`` holds a part from its send, one
     microbatch ahead of the first stage's forward, until that stage's backward)."""
     return 2.0 * parts * shape.seq * micro_batch * shape.hidden
 

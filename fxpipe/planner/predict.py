@@ -21,13 +21,13 @@ from typing import Mapping
 
 import numpy as np
 
-from fxpipe.hardware import Collective
-from fxpipe.planner.config import DPOverlap, CandidateLayout, PlannerOptions
+from fxpipe.base.hardware import Collective
+from fxpipe.planner.options import DPOverlap, CandidateLayout, PlannerOptions
 from fxpipe.planner.layer_cost import CostModel
 from fxpipe.planner.memory_model import (RankMemory, embedding_activation_bytes, final_norm_activation_bytes,
                                          head_activation_bytes, layer_activation_bytes, lookup_activation_bytes,
                                          recompute_working_bytes, vocab_block_activation_bytes)
-from fxpipe.planner.pipeline import PipelineTiming, simulate_pipeline, vocab_in_flight
+from fxpipe.planner.pipeline_time import PipelineTiming, simulate_pipeline, vocab_in_flight
 from fxpipe.planner.shapes import TransformerShape, model_flops
 from fxpipe.planner.stages import StagePlan, plan_stages
 from fxpipe.planner.work import Component
@@ -71,7 +71,7 @@ def rank_memory(model: CostModel, cfg: CandidateLayout, stages: StagePlan,
     vocabulary passes the last stage keeps only the final norm's input; every rank holds
     its block (head input and V/(t·p) logits) for each microbatch between S and T, and
     every rank its parts of the embedding lookup in flight (the first stage's in-flight
-    microbatches and one sent ahead, ``runtime/vocab_lookup.py``)."""
+    microbatches and one sent ahead, ``runtime/lookup_exchange.py``)."""
     shape, opts = model.shape, model.options
     t, b, p, S = cfg.tp, cfg.micro_batch, cfg.pp, cfg.num_stages
     sp = cfg.sequence_parallel and t > 1
@@ -115,7 +115,7 @@ def lookup_s(model: CostModel, cfg: CandidateLayout) -> float:
     """Vocabulary passes: the first microbatch's embedding lookup, whose parts (b·s·h
     from each of the table's owners, point to point) the first stage waits for before
     its first forward; later parts are sent one microbatch ahead and the gradients go
-    back without a wait (``runtime/vocab_lookup.py``), so they overlap the schedule."""
+    back without a wait (``runtime/lookup_exchange.py``), so they overlap the schedule."""
     if not cfg.vocab_passes:
         return 0.0
     hw, shape = model.hw, model.shape

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxpipe.recompute_mode import RecomputeMode
-from fxpipe.planner.config import DPOverlap, LayerBalance, CandidateLayout, PlannerOptions, ScheduleKind
+from fxpipe.base.recompute_mode import RecomputeMode
+from fxpipe.planner.options import DPOverlap, LayerBalance, CandidateLayout, PlannerOptions, ScheduleKind
 from fxpipe.planner.shapes import TransformerShape, shape_from_registry
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxpipe.recompute_mode import RecomputeMode
+from fxpipe.base.recompute_mode import RecomputeMode
 
 
 @dataclass(frozen=True, kw_only=True)

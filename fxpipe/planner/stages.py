@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fxpipe.planner.config import LayerBalance, CandidateLayout, ScheduleKind
+from fxpipe.planner.options import LayerBalance, CandidateLayout, ScheduleKind
 from fxpipe.planner.layer_cost import CostModel
 from fxpipe.planner.work import ZERO, Component, Work
 from fxpipe.schedules.simulate import StageDurations
-from fxpipe.schedules.vocab_passes import split_output_layer
+from fxpipe.schedules.vocab_actions import split_output_layer
 
 
 def split_layers(layers: int, num_stages: int, balance: LayerBalance,

@@ -26,7 +26,7 @@ class Component(enum.Enum):
     VOCAB_LOOKUP = "vocab lookup"
     """Vocabulary passes: the first microbatch's embedding lookup parts, sent point to
     point by the table's owners before the first stage's first forward (later ones are
-    sent ahead and overlap; ``runtime/vocab_lookup.py``)."""
+    sent ahead and overlap; ``runtime/lookup_exchange.py``)."""
     OPTIMIZER = "optimizer"
     """The Adam step (memory bound)."""
 

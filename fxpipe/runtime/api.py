@@ -13,20 +13,20 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from fxpipe.artifact import ModelStats
-from fxpipe.config import ParallelConfig
+from fxpipe.ir.artifact import ModelStats
+from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.partition import PartitionResult
-from fxpipe.sharding import unshard_state
-from fxpipe.pipeline_plan import PipelinePlan
+from fxpipe.ir.shard_spec import unshard_state
+from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.experts import ExpertGroups, gather_experts, tokens_per_expert
 from fxpipe.runtime.grad_sync import GradSync
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.precision import MasterWeights
 from fxpipe.runtime.zero import ZeroPartition
-from fxpipe.schedules.ir import Schedule
+from fxpipe.schedules.actions import Schedule
 from fxpipe.tp import DropoutRNG
-from fxpipe.vocab import TokenInput, check_token_ids
+from fxpipe.ir.token_inputs import TokenInput, check_token_ids
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class ParallelModel:
         self.compiled_stages = compiled_stages
         """``compile=True``: one ``runtime.compiled.StageCompile`` per stage of this rank."""
         self.token_inputs = token_inputs
-        """Batch inputs that are token ids, with their vocabulary (``fxpipe/vocab.py``)."""
+        """Batch inputs that are token ids, with their vocabulary (``fxpipe/ir/token_inputs.py``)."""
         self.tp_rng = tp_rng
         """The tensor-parallel dropout streams (Megatron's RNG tracker), saved in checkpoints."""
         self.experts = experts

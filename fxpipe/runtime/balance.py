@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from fxpipe.schedules.ir import ActionKind
+from fxpipe.schedules.actions import ActionKind
 
 K = ActionKind
 

@@ -1,6 +1,6 @@
 """``build_runtime``: one rank's runtime objects from a ``CompiledPipeline``.
 
-Everything here is read off the artifact (``fxpipe/artifact.py``): the stages this
+Everything here is read off the artifact (``fxpipe/ir/artifact.py``): the stages this
 rank runs and their parameters from the plan, its action list from the lowered
 schedule, the shard of every parameter from the shard specs. Nothing is compiled,
 lowered or solved again; the mesh's process groups are the only other input.
@@ -21,23 +21,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fxpipe.artifact import CompiledPipeline
-from fxpipe.pipeline_plan import PipelinePlan
-from fxpipe.program import ParamKind
+from fxpipe.ir.artifact import CompiledPipeline
+from fxpipe.ir.stage_plan import PipelinePlan
+from fxpipe.ir.program import ParamKind
 from fxpipe.runtime.api import ParallelModel
 from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.experts import ExpertGroups
 from fxpipe.runtime.grad_sync import GradSync
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.precision import LossScaler, MasterWeights, Precision
-from fxpipe.runtime.shards import ShardBuilder
+from fxpipe.params.rank_state import ShardBuilder
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport
-from fxpipe.runtime.vocab_lookup import VocabLookups, wire_name
-from fxpipe.runtime.vocab_passes import VocabPasses
+from fxpipe.runtime.lookup_exchange import VocabLookups, wire_name
+from fxpipe.runtime.vocab_head import VocabPasses
 from fxpipe.runtime.zero import ZeroPartition
-from fxpipe.schedules.ir import ActionKind, Schedule
-from fxpipe.sharding import shard_state
+from fxpipe.schedules.actions import ActionKind, Schedule
+from fxpipe.ir.shard_spec import shard_state
 from fxpipe.tp import DropoutRNG, TPGroup
 
 
@@ -94,7 +94,7 @@ def build_runtime(compiled: CompiledPipeline, groups: MeshGroups, shards: ShardB
                           scatter_gather=tp_group if config.scatter_gather else None)
     lookups = VocabLookups(plan, compiled.actions, groups, state, device, transport) if plan.lookups else None
     vocab = None
-    if plan.vocab_head is not None:  # this rank's block of the LM head (runtime/vocab_passes.py)
+    if plan.vocab_head is not None:  # this rank's block of the LM head (runtime/vocab_head.py)
         last = runners.get(plan.num_stages - 1)
         any_runner = next(iter(runners.values()))
         vocab = VocabPasses(plan, compiled.schedule, groups, state, device, transport,

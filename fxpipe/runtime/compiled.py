@@ -56,7 +56,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from fxpipe.recompute_region import CheckpointedRegion
+from fxpipe.ir.recompute_region import CheckpointedRegion
 from fxpipe.runtime.compiled_split import GraphSplit, Splitter, WeightQueue
 
 
@@ -302,7 +302,7 @@ def example_args(plan, stage, state, device: torch.device) -> list[torch.Tensor]
         t = torch.zeros(value.spec.shape, dtype=value.spec.dtype, device=device)
         args.append(t.requires_grad_(value.requires_grad))
     specs_of = {lk.name: lk.spec for lk in plan.lookups}
-    for name in stage.lookups:  # the summed lookups of row-split tables (runtime/vocab_lookup.py)
+    for name in stage.lookups:  # the summed lookups of row-split tables (runtime/lookup_exchange.py)
         spec = specs_of[name]
         args.append(torch.zeros(spec.shape, dtype=spec.dtype, device=device).requires_grad_(True))
     return args

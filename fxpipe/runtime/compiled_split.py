@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 from torch.autograd.graph import GradientEdge
 
-from fxpipe.subgraph import copy_subgraph
+from fxpipe.ir.subgraph import copy_subgraph
 
 
 class CannotSplit(Exception):

@@ -23,12 +23,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fxpipe.pipeline_plan import PipelinePlan
+from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport, check_spec
-from fxpipe.runtime.vocab_lookup import VocabLookups
-from fxpipe.runtime.vocab_passes import VocabPasses
-from fxpipe.schedules.ir import Action, ActionKind, Schedule
+from fxpipe.runtime.lookup_exchange import VocabLookups
+from fxpipe.runtime.vocab_head import VocabPasses
+from fxpipe.schedules.actions import Action, ActionKind, Schedule
 
 K = ActionKind
 Key = tuple[int, int]  # (stage, microbatch)

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from fxpipe.pipeline_plan import PipelinePlan
+from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.runtime.experts import sync_expert_grads
 from fxpipe.runtime.mesh import MeshGroups, subgroup
-from fxpipe.schedules.ir import Schedule
+from fxpipe.schedules.actions import Schedule
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group: Any, scale: float = 1.0) -> None:

@@ -17,7 +17,7 @@ from typing import Callable, ContextManager, Mapping, Sequence
 
 import torch
 
-from fxpipe.pipeline_plan import PipelinePlan, Stage
+from fxpipe.ir.stage_plan import PipelinePlan, Stage
 from fxpipe.runtime.backward_split import BackwardSplit
 from fxpipe.runtime.compiled_split import accumulate, compiled_node
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.pipeline_plan import StageValue
+from fxpipe.ir.stage_plan import StageValue
 from fxpipe.tp.group import TPGroup
 from fxpipe.tp.scatter_gather import gather_chunks, scatter_chunk
 

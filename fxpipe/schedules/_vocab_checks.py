@@ -12,7 +12,7 @@ the grid.
 """
 from __future__ import annotations
 
-from fxpipe.schedules.ir import Action, ActionKind, Schedule
+from fxpipe.schedules.actions import Action, ActionKind, Schedule
 
 F, S, T = ActionKind.F, ActionKind.S, ActionKind.T
 BCAST_H, ALLREDUCE_S, REDUCE_G = ActionKind.BCAST_H, ActionKind.ALLREDUCE_S, ActionKind.REDUCE_G

@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from fxpipe.schedules import _sim_core
-from fxpipe.schedules.ir import KIND_CODE, KIND_OF_CODE, Action, ActionKind, Schedule, ScheduleArrays, prime_arrays
+from fxpipe.schedules.actions import KIND_CODE, KIND_OF_CODE, Action, ActionKind, Schedule, ScheduleArrays, prime_arrays
 from fxpipe.schedules.simulate import kernel_error
 from fxpipe.schedules.validate import check_structure
 

@@ -5,10 +5,10 @@ import enum
 from dataclasses import dataclass
 from typing import Callable
 
-from fxpipe.enums import parse_enum
+from fxpipe.base.enums import parse_enum
 
 from fxpipe.schedules.generators import gpipe, interleaved, one_f_one_b, zb_h1, zb_v
-from fxpipe.schedules.ir import Schedule
+from fxpipe.schedules.actions import Schedule
 
 
 class ScheduleKind(enum.Enum):

@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from fxpipe.schedules import _sim_core
-from fxpipe.schedules.ir import KIND_CODE, ActionKind, Schedule
+from fxpipe.schedules.actions import KIND_CODE, ActionKind, Schedule
 from fxpipe.schedules.timeline import Timeline
 from fxpipe.schedules.validate import ScheduleError, check_structure, locate
 

@@ -13,7 +13,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from fxpipe.schedules.ir import Action, ActionKind
+from fxpipe.schedules.actions import Action, ActionKind
 
 
 class Event(NamedTuple):

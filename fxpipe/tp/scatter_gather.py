@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from fxpipe.program import itemsize
+from fxpipe.ir.program import itemsize
 from fxpipe.tp.group import TPGroup
 
 

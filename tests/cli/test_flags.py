@@ -12,9 +12,9 @@ from fxpipe.cli import build_parser
 from fxpipe.cli.compile import DEFAULT_LAYOUT, SKIPPED, CompileTarget
 from fxpipe.cli.flags import LAYOUT_FLAGS, TARGET_FLAGS, TRAIN_FLAGS
 from fxpipe.cli.run import DEFAULT, resolve
-from fxpipe.config import ParallelConfig
-from fxpipe.config_file import read_config, to_toml
-from fxpipe.train import TrainConfig
+from fxpipe.ir.parallel_config import ParallelConfig
+from fxpipe.job.config_file import read_config, to_toml
+from fxpipe.job.train import TrainConfig
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:

@@ -14,13 +14,13 @@ from typing import Any, Mapping, Sequence
 import torch
 
 import fxpipe
-from fxpipe.saved_activations import measure_saved
+from fxpipe.costs.saved_activations import measure_saved
 from fxpipe.models import build_workload
 from fxpipe.models.gpt import GPT, GPTConfig
 from fxpipe.passes import run_passes
 from fxpipe.passes.recompute import RecomputeMode, apply_recompute
 from fxpipe.passes.tensor_parallel import TPConfig, shard_state
-from fxpipe.program import Program
+from fxpipe.ir.program import Program
 from fxpipe.tp import DropoutRNG, run_emulated, tp_group_context
 
 
@@ -36,7 +36,7 @@ def _captured(name: str, seq: int, dropout: float, attn_dropout: bool, batch: in
             for block in model.transformer.h:
                 block.attn.dropout = 0.0
     # Passes never mutate their input: one capture serves every TP config.
-    return fxpipe.capture(model, w.example_inputs, w.loss_fn), tuple(w.example_inputs), model.config
+    return fxpipe.compiler.capture(model, w.example_inputs, w.loss_fn), tuple(w.example_inputs), model.config
 
 
 @lru_cache(maxsize=None)
@@ -60,7 +60,7 @@ def _local(prog: Program, rank: int) -> tuple[dict[str, torch.Tensor], list[torc
 
 def saved_bytes_per_rank(prog: Program, batch: Sequence[torch.Tensor], mode: RecomputeMode, *,
                          seed: int = 0) -> list[dict[int | None, int]]:
-    """Per TP rank, layer -> bytes its forward saves for backward (``fxpipe.saved_activations``),
+    """Per TP rank, layer -> bytes its forward saves for backward (``fxpipe.costs.saved_activations``),
     with ``mode`` applied to the TP program's graph."""
     tp = prog.tensor_parallel.config.tp
     gm = apply_recompute(prog.graph_module, prog.layers, mode)

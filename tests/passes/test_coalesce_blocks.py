@@ -93,7 +93,7 @@ def test_measured_costs_time_a_splits_blocks_together():
     """A measured profile times all blocks of a split in one probe group, coalesced as
     they will run (one weight-slice backward, not one per block)."""
     from fxpipe.costs import measured_profile, probe_groups
-    from fxpipe.passes.partition import PartitionConfig
+    from fxpipe.passes.assign_stages import PartitionConfig
 
     program = _program(LOSSES["mean"][0])
     blocked = split_loss_pass(split_matmul_pass(program, 2))

@@ -8,7 +8,7 @@ from fxpipe.passes import DEFAULT_PASSES, PassSpec, ProgramInvariantError, pass_
 @pytest.fixture(scope="module")
 def program():
     w = build_workload("gpt-tiny")
-    return fxpipe.capture(w.model, w.example_inputs), w
+    return fxpipe.compiler.capture(w.model, w.example_inputs), w
 
 
 def test_runs_in_order_with_timings(program):
@@ -49,7 +49,7 @@ def test_debug_lint_checks_every_stage_graph(program):
 
     import torch
 
-    from fxpipe.passes.partition import PartitionConfig, partition_pass
+    from fxpipe.passes.assign_stages import PartitionConfig, partition_pass
     from fxpipe.passes.split import split_pass
 
     costed, _ = run_passes(program[0])

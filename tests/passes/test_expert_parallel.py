@@ -9,7 +9,7 @@ import fxpipe
 from fxpipe.ep import expert_group_context
 from fxpipe.passes import canonicalize_pass
 from fxpipe.passes.expert_parallel import EPConfig, expert_parallel_pass
-from fxpipe.sharding import ShardKind, shard_state
+from fxpipe.ir.shard_spec import ShardKind, shard_state
 from fxpipe.tp import run_emulated
 
 pytest.importorskip("transformers.integrations.moe")
@@ -24,7 +24,7 @@ def _capture(form):
     batch = (ids, ids.roll(-1, 1))
     torch.manual_seed(1)
     model = StackedExperts(form)
-    return model, canonicalize_pass(fxpipe.capture(model, tuple(t[:1] for t in batch))), batch
+    return model, canonicalize_pass(fxpipe.compiler.capture(model, tuple(t[:1] for t in batch))), batch
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +64,8 @@ def test_grouped_moe_equals_eager(grouped, ep):
 
 
 def test_other_moe_forms_left_alone_and_refusals(grouped):
-    from fxpipe.compiler import CompileContext, expert_parallel_step
-    from fxpipe.config import ParallelConfig
+    from fxpipe.compiler.pipeline import CompileContext, expert_parallel_step
+    from fxpipe.ir.parallel_config import ParallelConfig
 
     _, select, _ = _capture("select")  # one expert's matrix picked from the stack: no grouped matmul
     program = expert_parallel_pass(select, EPConfig(ep=2, dp=2))

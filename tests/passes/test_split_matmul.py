@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import fxpipe
 from fxpipe.passes import cost_pass, run_passes
-from fxpipe.passes.partition import PartitionConfig, solve_partition
+from fxpipe.passes.assign_stages import PartitionConfig, solve_partition
 from fxpipe.passes.split_matmul import BLOCKS_PER_SHARE, MAX_BLOCKS, split_matmul_pass
 from tests.runtime._wide_vocab import workload
 
@@ -14,7 +14,7 @@ aten = torch.ops.aten
 
 
 def _program(model, batch, loss_fn=None):
-    program, _ = run_passes(fxpipe.capture(model, batch, loss_fn))
+    program, _ = run_passes(fxpipe.compiler.capture(model, batch, loss_fn))
     return program
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fxpipe.compiler import compile_pipeline
-from fxpipe.config import ParallelConfig
-from fxpipe.program import ParamKind
-from fxpipe.schedules.ir import ActionKind
+from fxpipe.compiler.pipeline import compile_pipeline
+from fxpipe.ir.parallel_config import ParallelConfig
+from fxpipe.ir.program import ParamKind
+from fxpipe.schedules.actions import ActionKind
 from tests.runtime import _wide_vocab
 
 aten = torch.ops.aten

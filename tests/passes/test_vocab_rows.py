@@ -8,10 +8,10 @@ with one process is checked in the equivalence worlds (tests/runtime/test_equiva
 import pytest
 import torch
 
-from fxpipe.compiler import compile_pipeline
-from fxpipe.config import ParallelConfig
-from fxpipe.runtime.checkpoint_shards import first_held, restrict
-from fxpipe.sharding import PipelineRows, ShardKind, ShardSpec, compose, shard_tensor
+from fxpipe.compiler.pipeline import compile_pipeline
+from fxpipe.ir.parallel_config import ParallelConfig
+from fxpipe.checkpoint.shard_chunks import first_held, restrict
+from fxpipe.ir.shard_spec import PipelineRows, ShardKind, ShardSpec, compose, shard_tensor
 from tests.runtime import _wide_vocab
 
 aten = torch.ops.aten
@@ -89,7 +89,7 @@ def test_tied_rows_sum_per_range_and_are_written_once():
 def test_an_even_head_split_holds_an_even_share_of_rows():
     """The head's blocks cut in half between two stages (the ILP places rows for time;
     here the cut is chosen): each rank's head parameter is within 10% of V·h/S bytes."""
-    from fxpipe.compiler import compile_program, capture_for
+    from fxpipe.compiler.pipeline import compile_program, capture_for
     from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
     from fxpipe.passes.split import split_pass
     from fxpipe.passes.vocab_rows import vocab_rows_pass
@@ -120,13 +120,13 @@ def test_an_even_head_split_holds_an_even_share_of_rows():
 def test_the_embedding_is_looked_up_by_its_rows_owners(compiled):
     """The untied embedding at pp=4: the consuming stage reads the lookup as an input and
     holds no row of the table, the rows are split evenly over the ranks, and the owners'
-    masked lookups (runtime/vocab_lookup.py, without the collectives) sum to the one-process
+    masked lookups (runtime/lookup_exchange.py, without the collectives) sum to the one-process
     lookup, each part's backward building the gradient of its owner's rows only; each
     owner sends its part of microbatch j no later than the consumer's F of j wants it
     and takes its gradient after the consumer's backward of j, in one time order."""
     from types import SimpleNamespace
 
-    from fxpipe.runtime.vocab_lookup import VocabLookups
+    from fxpipe.runtime.lookup_exchange import VocabLookups
 
     c = compiled[4]
     plan = c.plan
@@ -184,7 +184,7 @@ def test_only_plain_lookups_of_batch_ids_are_outlined():
     batch input through views stay in the stage."""
     import torch.fx as fx
 
-    from fxpipe.passes.vocab_lookup import lookup_of
+    from fxpipe.passes.outline_lookups import lookup_of
 
     g = fx.Graph()
     table, ids, other = g.placeholder("table"), g.placeholder("ids"), g.placeholder("other")
@@ -204,13 +204,13 @@ def test_only_plain_lookups_of_batch_ids_are_outlined():
 @pytest.mark.parametrize("kind, p, v", [("1f1b", 2, 1), ("1f1b", 4, 1), ("interleaved", 2, 2), ("zb-h1", 4, 1),
                                         ("zb-v", 2, 2), ("gpipe", 2, 1)])
 def test_lookup_parts_follow_the_microbatches_in_flight(kind, p, v):
-    """Where each owner sends its parts and takes their gradients (runtime/vocab_lookup.py)
+    """Where each owner sends its parts and takes their gradients (runtime/lookup_exchange.py)
     on the lowered schedules: every part is sent once, before its gradient, and an owner
     never holds more parts than the consuming stage's peak in flight (the simulator's)
     plus the one sent ahead — with m = 8 microbatches, never all of them under 1F1B."""
     from types import SimpleNamespace
 
-    from fxpipe.runtime.vocab_lookup import _points
+    from fxpipe.runtime.lookup_exchange import _points
     from fxpipe.schedules import generate, lower, simulate
 
     m = 8

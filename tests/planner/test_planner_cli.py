@@ -2,8 +2,8 @@
 import argparse
 import json
 
-from fxpipe.hardware import Hardware
-from fxpipe.planner.cli import add_calibrate_arguments, add_plan_arguments, run_calibrate, run_plan
+from fxpipe.base.hardware import Hardware
+from fxpipe.cli.planner_args import add_calibrate_arguments, add_plan_arguments, run_calibrate, run_plan
 
 
 def _parse(add, argv):

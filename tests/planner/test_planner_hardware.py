@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from fxpipe.hardware import A100, CPU, H100, PRESETS, V100, Collective, Hardware, get_hardware
+from fxpipe.base.hardware import A100, CPU, H100, PRESETS, V100, Collective, Hardware, get_hardware
 
 
 def test_presets_and_rates():

@@ -3,10 +3,10 @@ import pytest
 
 from fxpipe.passes.recompute import RecomputeMode
 from fxpipe.planner import CandidateLayout, PlannerOptions, ScheduleKind, TransformerShape, predict
-from fxpipe.planner.config import LayerBalance
+from fxpipe.planner.options import LayerBalance
 from fxpipe.planner.layer_cost import CostModel
 from fxpipe.planner.memory_model import head_activation_bytes, layer_activation_bytes
-from fxpipe.planner.pipeline import in_flight
+from fxpipe.planner.pipeline_time import in_flight
 from fxpipe.planner.predict import rank_memory
 from fxpipe.planner.stages import plan_stages
 

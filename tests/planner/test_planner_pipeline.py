@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from fxpipe.planner import ScheduleKind
-from fxpipe.planner.pipeline import in_flight, simulate_pipeline
+from fxpipe.planner.pipeline_time import in_flight, simulate_pipeline
 from fxpipe.schedules import StageDurations, generate, simulate
 
 

@@ -4,12 +4,12 @@ import time
 
 import pytest
 
-from fxpipe.hardware import Hardware
+from fxpipe.base.hardware import Hardware
 from fxpipe.passes.recompute import RecomputeMode
 from fxpipe.planner import (LayerBalance, CandidateLayout, PlannerOptions, ScheduleKind, TransformerShape,
                             enumerate_layouts, plan, predict, shape_from_registry)
 from fxpipe.planner.stages import split_layers
-from fxpipe.hardware import A100
+from fxpipe.base.hardware import A100
 
 SMALL = TransformerShape(name="small", layers=6, hidden=1024, heads=8, seq=1024, vocab=32000)
 # A100 with 3 GiB so that memory prunes part of the space.

@@ -7,19 +7,19 @@ import json
 import numpy as np
 import pytest
 
-from fxpipe.hardware import A100, Hardware
+from fxpipe.base.hardware import A100, Hardware
 from fxpipe.planner import (CandidateLayout, Component, PlannerOptions, ScheduleKind, TransformerShape, VocabPasses,
                             plan, predict, shape_from_registry)
-from fxpipe.planner.cli import add_plan_arguments, run_plan
-from fxpipe.planner.config import LayerBalance
+from fxpipe.cli.planner_args import add_plan_arguments, run_plan
+from fxpipe.planner.options import LayerBalance
 from fxpipe.planner.layer_cost import CostModel
-from fxpipe.planner.pipeline import vocab_in_flight
+from fxpipe.planner.pipeline_time import vocab_in_flight
 from fxpipe.planner.predict import rank_memory
 from fxpipe.planner.stages import plan_stages
-from fxpipe.recompute_mode import RecomputeMode
+from fxpipe.base.recompute_mode import RecomputeMode
 from fxpipe.schedules import StageDurations, add_vocab_passes, generate, simulate, split_output_layer
 from fxpipe.schedules.generators.interleaved import microbatch_groups
-from fxpipe.schedules.ir import ActionKind
+from fxpipe.schedules.actions import ActionKind
 
 SHAPE = TransformerShape(name="x", layers=8, hidden=512, heads=8, seq=512, vocab=50257, dropout=False)
 # A Gemma-sized vocabulary (256k rows) on a 1.5B-parameter stack: the head is ~10 layers' work.

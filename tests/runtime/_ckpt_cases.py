@@ -82,7 +82,7 @@ def _scramble_rng() -> None:
 @reusing_captures
 def world_pp2(rank: int, world: int, root: str, killed_dir: str) -> dict:
     """pp=2: the uninterrupted run (saving at SAVE_AT), resume, kill-recovery, exports."""
-    from fxpipe.runtime.checkpoint import export_consolidated, list_checkpoints, load_checkpoint, save_checkpoint
+    from fxpipe.checkpoint.dcp import export_consolidated, list_checkpoints, load_checkpoint, save_checkpoint
 
     root_path, out = Path(root), {}
     pm, w, opt, sched = build("gpt-tiny", pp=2)
@@ -135,7 +135,7 @@ def _rows_run(rank: int, root: Path, name: str, layout: dict) -> dict:
     split loss blocks, or vocabulary passes): saving at SAVE_AT without gathering into
     ``root / name``, and its export (safetensors, whole tensors) into ``name_export``.
     Also reports the rank's pipeline and TP coordinates."""
-    from fxpipe.runtime.checkpoint import export_consolidated, save_checkpoint
+    from fxpipe.checkpoint.dcp import export_consolidated, save_checkpoint
 
     pm, w, opt, sched = build(ROWS, pp=2, **layout)
     r = dict(rows={n: rows.ranks for n, rows in pm.plan.row_shards.items()},
@@ -163,7 +163,7 @@ def _precision_resume(directory: Path, precision: str, scaler: dict | None) -> d
     loss scale have all moved on since the save, so each must come from the checkpoint)."""
     from dataclasses import asdict
 
-    from fxpipe.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from fxpipe.checkpoint.dcp import load_checkpoint, save_checkpoint
 
     pm, w, opt, sched = build("gpt-tiny", pp=2, precision=precision, loss_scaler=scaler)
     losses = train(pm, w, opt, sched, range(SAVE_AT))
@@ -201,7 +201,7 @@ def no_gather():
 
 def _resume(rank: int, pm, w, opt, sched, directory: Path) -> dict:
     """Load ``directory`` into a built ParallelModel, train to STEPS, report."""
-    from fxpipe.runtime.checkpoint import load_checkpoint
+    from fxpipe.checkpoint.dcp import load_checkpoint
 
     _scramble_rng()
     with no_gather():
@@ -221,7 +221,7 @@ def world_reshard(rank: int, world: int, root: str) -> dict:
     ("run", from world_pp2) into tp=2 × pp=2, pp=4 and dp=2 × pp=2, and the tp=2 × pp=2
     one into pp=4, tp=1 × dp=2 × pp=2 and tp=4. A ParallelModel loads several
     checkpoints in turn (each load replaces its whole state): compiling dominates."""
-    from fxpipe.runtime.checkpoint import export_consolidated, save_checkpoint
+    from fxpipe.checkpoint.dcp import export_consolidated, save_checkpoint
 
     root_path, out = Path(root), {}
     pm, w, opt, sched = build("gpt-tiny", tp=2, pp=2)
@@ -278,7 +278,7 @@ def save_then_hang(directory: str, expected: str, store: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from fxpipe.runtime.checkpoint import save_checkpoint
+    from fxpipe.checkpoint.dcp import save_checkpoint
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     pm, w, opt, sched = build("gpt-tiny", pp=1)

@@ -29,7 +29,7 @@ def state(step: int) -> dict[str, torch.Tensor]:
 
 
 def main(mode: str, directory: str, *steps: str) -> None:
-    from fxpipe.runtime.checkpoint import write_checkpoint
+    from fxpipe.checkpoint.dcp import write_checkpoint
 
     store = tempfile.mktemp()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
@@ -47,7 +47,7 @@ def main(mode: str, directory: str, *steps: str) -> None:
     elif mode == "choose":  # the collective choice load_checkpoint makes, warnings included
         import warnings
 
-        from fxpipe.runtime.checkpoint import choose_intact
+        from fxpipe.checkpoint.dcp import choose_intact
         for which in steps:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -59,7 +59,7 @@ def main(mode: str, directory: str, *steps: str) -> None:
             for w in caught:
                 print(f"WARN {w.category.__name__}: {w.message}", flush=True)
     elif mode == "loop":  # continues after the newest checkpoint, as a resumed job would
-        from fxpipe.runtime.checkpoint_files import adopt_run, list_checkpoints, run_of
+        from fxpipe.checkpoint.files import adopt_run, list_checkpoints, run_of
         found = list_checkpoints(directory)
         step = found[-1][0] + 1 if found else 1
         if found:  # continues the run that saved them (a resume adopts it), so its prune applies

@@ -52,8 +52,8 @@ def ep_case(rank: int, world: int, directory: str) -> dict:
     """Two SGD steps (momentum: optimizer state to checkpoint) at dp=2, ep=2; after the first, a checkpoint and a safetensors
     export; after the second, the checkpoint loaded back and the second step run again."""
     from fxpipe.parallel import parallelize
-    from fxpipe.runtime.checkpoint import load_checkpoint, save_checkpoint
-    from fxpipe.runtime.export import export_consolidated
+    from fxpipe.checkpoint.dcp import load_checkpoint, save_checkpoint
+    from fxpipe.checkpoint.export import export_consolidated
     from fxpipe.runtime.grad_norm import global_grad_norm
 
     model, batch = model_and_batch()

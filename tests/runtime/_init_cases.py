@@ -50,7 +50,7 @@ def world_meta(rank: int, world: int, weights_dir: str) -> list[dict]:
 
 def reference(name: str) -> list[float]:
     """One process: the meta model made real by the public function, trained eagerly."""
-    from fxpipe.init import materialize_
+    from fxpipe.params.deferred_init import materialize_
     from fxpipe.models import build_workload
 
     w = build_workload(name, batch=BATCH, seq=SEQ, device="meta")

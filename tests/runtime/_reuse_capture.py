@@ -27,7 +27,7 @@ def _key(model: torch.nn.Module, inputs, loss_fn) -> tuple:
 
 @contextlib.contextmanager
 def captures_reused() -> Iterator[dict]:
-    import fxpipe.compiler as compiler
+    import fxpipe.compiler.pipeline as compiler
 
     original = compiler.capture
     pristine: dict[tuple, object] = {}

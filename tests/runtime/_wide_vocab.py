@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fxpipe.losses import causal_lm_loss
+from fxpipe.models.losses import causal_lm_loss
 from fxpipe.models.hf import _llama
 
 VOCAB, WIDTH, LAYERS, HEADS = 4096, 32, 2, 4

@@ -31,7 +31,7 @@ def world_zero(rank: int, world: int, root: str) -> dict:
     """dp=2 × pp=2 and tp=2 × dp=2: ZeRO-1 against plain data parallel, fp32 and bf16; a
     ZeRO-1 checkpoint resumed without ZeRO and in another layout; gradient clipping over
     the shards of those layouts and of tp=2 × pp=2 (tests/runtime/_clip_cases.py)."""
-    from fxpipe.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from fxpipe.checkpoint.dcp import load_checkpoint, save_checkpoint
 
     out = {}
     for key, kwargs in (("dp2pp2", dict(pp=2, dp=2)), ("tp2dp2", dict(pp=1, dp=2, tp=2))):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import fxpipe
 from fxpipe.models import build_workload
 from fxpipe.passes import run_passes
-from fxpipe.passes.partition import PartitionConfig, partition_pass
+from fxpipe.passes.assign_stages import PartitionConfig, partition_pass
 from fxpipe.passes.recompute import RecomputeMode, apply_recompute
 from fxpipe.passes.split import split_pass
 from fxpipe.runtime.backward_split import BackwardSplit
@@ -81,7 +81,7 @@ def test_split_equals_fused_backward(cls):
 
 def _stage_plan(name, recompute=RecomputeMode.NONE):
     w = build_workload(name, batch=2, seq=16, layers=4)
-    prog, _ = run_passes(fxpipe.capture(w.model, w.example_inputs, w.loss_fn))
+    prog, _ = run_passes(fxpipe.compiler.capture(w.model, w.example_inputs, w.loss_fn))
     cfg = PartitionConfig(num_stages=2, stage_to_rank=(0, 1), inflight=(2, 1), method="uniform")
     plan = split_pass(partition_pass(prog, cfg), num_stages=2)
     if recompute is not RecomputeMode.NONE:

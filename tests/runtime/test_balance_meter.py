@@ -1,7 +1,7 @@
 """The measured busy time per stage counts every compute action a rank runs for it,
 the vocabulary passes included (they are the output layer's work), and no transfer."""
 from fxpipe.runtime.balance import BalanceMeter
-from fxpipe.schedules.ir import Action, ActionKind as K
+from fxpipe.schedules.actions import Action, ActionKind as K
 
 
 def _events(spans):

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from fxpipe.cli import main
-from fxpipe.losses import causal_lm_loss
-from fxpipe.runtime.checkpoint import export_consolidated, latest_checkpoint, list_checkpoints, step_dirname
-from fxpipe.runtime.checkpoint_files import SafeReader
+from fxpipe.models.losses import causal_lm_loss
+from fxpipe.checkpoint.dcp import export_consolidated, latest_checkpoint, list_checkpoints, step_dirname
+from fxpipe.checkpoint.files import SafeReader
 from tests.runtime import _ckpt_cases as cases
 from tests.runtime import _wide_vocab
 from tests.runtime._dist import run_world
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # ---- single process: the directory protocol ---------------------------------------------------
 def _fake_checkpoint(root: Path, step: int, suffix: str = "") -> Path:
     """A directory with a well-formed manifest listing its one (empty) file."""
-    from fxpipe.runtime.checkpoint_manifest import digest
+    from fxpipe.checkpoint.manifest import digest
 
     path = root / (step_dirname(step) + suffix)
     path.mkdir(parents=True)
@@ -459,7 +459,7 @@ def test_fxpipe_run_resume_equals_an_uninterrupted_run(cli_runs):
     assert (cli_runs["root"] / "m.pt").exists()
     # The data position (windows consumed: steps × global batch 4·4) is what the resume read
     # on from; the resolved config is saved beside the checkpoints.
-    from fxpipe.runtime.checkpoint_manifest import read_manifest
+    from fxpipe.checkpoint.manifest import read_manifest
     kept = dict(list_checkpoints(cli_runs["root"] / "ckpt"))
     assert [read_manifest(kept[s])["extra"]["data"]["position"] for s in (3, 6, 10)] == [48, 96, 160]
     assert 'model = "gpt-tiny"' in (cli_runs["root"] / "ckpt" / "fxpipe-run.toml").read_text()
@@ -479,7 +479,7 @@ def test_ctrl_c_stops_at_a_step_boundary_and_saves(cli_runs):
 def test_tp_dropout_streams_round_trip_through_the_rng_state():
     """The TP dropout generators (sharded and replicated streams) are saved per rank
     and rewound on load, so a resumed tp>1 run draws the masks it would have drawn."""
-    from fxpipe.runtime.checkpoint import _rng_state, _set_rng
+    from fxpipe.checkpoint.dcp import _rng_state, _set_rng
     from fxpipe.tp import DropoutRNG
 
     rng = DropoutRNG(seed=3, tp_rank=1)

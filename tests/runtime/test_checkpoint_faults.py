@@ -22,11 +22,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fxpipe.runtime import checkpoint_files
-from fxpipe.runtime.checkpoint import candidates, local_problems, pick_intact, read_dcp
-from fxpipe.runtime.checkpoint_files import SafeReader, latest_checkpoint, list_checkpoints, step_dirname
-from fxpipe.runtime.checkpoint_lock import CheckpointLockError, check_free
-from fxpipe.runtime.checkpoint_manifest import CorruptCheckpointError, with_digest
+from fxpipe.checkpoint import files as checkpoint_files
+from fxpipe.checkpoint.dcp import candidates, local_problems, pick_intact, read_dcp
+from fxpipe.checkpoint.files import SafeReader, latest_checkpoint, list_checkpoints, step_dirname
+from fxpipe.checkpoint.lock import CheckpointLockError, check_free
+from fxpipe.checkpoint.manifest import CorruptCheckpointError, with_digest
 from tests.runtime._ckpt_child import state
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -24,9 +24,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from fxpipe.runtime.checkpoint import export_consolidated, latest_checkpoint
-from fxpipe.runtime.checkpoint_files import SafeReader, step_dirname
-from fxpipe.runtime.checkpoint_metadata import ALLOWED_GLOBALS, UnsafeCheckpointError, read_metadata
+from fxpipe.checkpoint.dcp import export_consolidated, latest_checkpoint
+from fxpipe.checkpoint.files import SafeReader, step_dirname
+from fxpipe.checkpoint.metadata import ALLOWED_GLOBALS, UnsafeCheckpointError, read_metadata
 
 DCP_METADATA = "torch.distributed.checkpoint.metadata"
 

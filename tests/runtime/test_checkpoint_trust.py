@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from fxpipe.runtime import checkpoint_files, checkpoint_lock
-from fxpipe.runtime.checkpoint import candidates, local_problems, pick_intact
-from fxpipe.runtime.checkpoint_files import (list_checkpoints, latest_checkpoint, prune, read_pointer,
+from fxpipe.checkpoint import files as checkpoint_files
+from fxpipe.checkpoint import lock as checkpoint_lock
+from fxpipe.checkpoint.dcp import candidates, local_problems, pick_intact
+from fxpipe.checkpoint.files import (list_checkpoints, latest_checkpoint, prune, read_pointer,
                                              remove_other_runs, step_dirname, write_atomic)
-from fxpipe.runtime.checkpoint_lock import CheckpointLockError
-from fxpipe.runtime.checkpoint_manifest import CorruptCheckpointError, read_manifest
-from fxpipe.safe_io import UnsafeFileError, read_bounded
+from fxpipe.checkpoint.lock import CheckpointLockError
+from fxpipe.checkpoint.manifest import CorruptCheckpointError, read_manifest
+from fxpipe.base.safe_io import UnsafeFileError, read_bounded
 from tests._ckpt_files import RUN_A, RUN_B, edit_manifest, make_checkpoint
 
 

@@ -142,7 +142,7 @@ def test_a_stage_failing_on_another_rank_runs_eagerly_everywhere():
 def test_recompute_regions_are_inlined_with_partitioner_tags():
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from fxpipe.capture import capture
+    from fxpipe.compiler.capture import capture
     from fxpipe.models import build_workload
 
     w = build_workload("gpt-tiny", batch=2, seq=8, layers=2)

@@ -38,7 +38,7 @@ def _cases(pp):
         cases += [dict(model=SHARED, pp=2, schedule="1f1b")]
         # Its cross-entropy block by block too (split_loss): the fold crosses stages.
         # With it, each rank holds only its rows of the head (passes/vocab_rows.py), and the
-        # embedding is looked up by the owners of its rows (passes/vocab_lookup.py): split
+        # embedding is looked up by the owners of its rows (passes/outline_lookups.py): split
         # evenly when untied, the head's rows when tied; the first rank holds only its rows.
         cases += [dict(model=WIDE, pp=2, schedule="1f1b", split_loss=True, rows=True),
                   dict(model=WIDE, pp=2, schedule="zb-h1"),
@@ -178,7 +178,7 @@ def _check(results_by_rank, index, references):
         assert rank0["lookups"], "the embedding was not looked up by its rows' owners"
         # Each owner holds a microbatch's part of the lookup only while the consuming stage
         # (on rank 0) holds its activations, and one sent ahead: never the step's m parts
-        # (runtime/vocab_lookup.py; at pp=2 with 1F1B that is 3 of 4).
+        # (runtime/lookup_exchange.py; at pp=2 with 1F1B that is 3 of 4).
         for rank_results in results_by_rank:
             assert rank_results[index]["lookup_peak"] <= rank0["bound"] + 1, (rank_results[index]["lookup_peak"],
                                                                               rank0["bound"])

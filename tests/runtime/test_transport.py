@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from fxpipe.pipeline_plan import StageValue
-from fxpipe.program import TensorSpec
+from fxpipe.ir.stage_plan import StageValue
+from fxpipe.ir.program import TensorSpec
 from fxpipe.runtime.mesh import Mesh, resolve_dp
 from fxpipe.runtime.transport import TransferError, check_spec
 

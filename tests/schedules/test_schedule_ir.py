@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from fxpipe.schedules import Action, ActionKind, Schedule, generate, lower
-from fxpipe.schedules.ir import loop_stage_ranks, v_stage_ranks
+from fxpipe.schedules.actions import loop_stage_ranks, v_stage_ranks
 
 
 @pytest.mark.parametrize(

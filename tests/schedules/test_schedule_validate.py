@@ -2,7 +2,7 @@
 import pytest
 
 from fxpipe.schedules import Action, Schedule, ScheduleError, generate, lower, validate
-from fxpipe.schedules.ir import loop_stage_ranks
+from fxpipe.schedules.actions import loop_stage_ranks
 
 
 def edit(sched, rank, fn):

@@ -1,4 +1,4 @@
-"""Vocabulary passes (fxpipe/schedules/vocab_passes.py): placement, validation, simulation."""
+"""Vocabulary passes (fxpipe/schedules/vocab_actions.py): placement, validation, simulation."""
 import itertools
 import random
 
@@ -6,7 +6,7 @@ import pytest
 
 from fxpipe.schedules import (Action, ActionKind, ScheduleError, StageDurations, add_vocab_passes, generate, lower,
                               simulate, split_output_layer, validate)
-from fxpipe.schedules.vocab_passes import place_vocab_passes
+from fxpipe.schedules.vocab_actions import place_vocab_passes
 
 K = ActionKind
 GENERATORS = [("1f1b", None), ("interleaved", 2), ("zb-h1", None), ("zb-v", 2)]

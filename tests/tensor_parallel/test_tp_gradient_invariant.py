@@ -18,7 +18,7 @@ import fxpipe
 from fxpipe.passes import canonicalize_pass
 from fxpipe.passes.tensor_parallel import ShardKind, TPConfig, tensor_parallel_pass
 from fxpipe.passes.tensor_parallel import placement
-from fxpipe.sharding import ShardSpec
+from fxpipe.ir.shard_spec import ShardSpec
 from tests.tensor_parallel._tp_helpers import reference, run_tp
 
 H, HEADS, V, T = 32, 4, 64, 8
@@ -121,7 +121,7 @@ def _program(variant: str):
     model = TinyLM(**VARIANTS[variant])
     g = torch.Generator().manual_seed(1)
     batch = (torch.randint(0, V, (2, T), generator=g), torch.randint(0, V, (2, T), generator=g))
-    return canonicalize_pass(fxpipe.capture(model, batch)), batch
+    return canonicalize_pass(fxpipe.compiler.capture(model, batch)), batch
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -23,7 +23,7 @@ def test_in_the_driver_with_lint():
 
 
 def test_driver_config_carries_a_tp_config():
-    from fxpipe.config import ParallelConfig
+    from fxpipe.ir.parallel_config import ParallelConfig
 
     class Cfg:  # tp/sp attributes alone are not a config: the layout is typed once, in ParallelConfig
         tp, sp = 2, False

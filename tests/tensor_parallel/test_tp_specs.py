@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from fxpipe.passes.tensor_parallel import ShardKind, ShardSpec, shard_state, unshard_state
-from fxpipe.sharding import ranges_of
+from fxpipe.ir.shard_spec import ranges_of
 from tests.tensor_parallel._tp_helpers import compile_tp
 
 

@@ -1,8 +1,8 @@
 """Automatic tensor parallelism (Megatron-LM, Shoeybi et al. 2019) as a compiler pass."""
-from fxpipe.passes.tensor_parallel.config import TPConfig
-from fxpipe.passes.tensor_parallel.result import (BlockInfo, BlockKind, CollectiveKind, CollectiveSite,
+from fxpipe.ir.tp_config import TPConfig
+from fxpipe.ir.tp_result import (BlockInfo, BlockKind, CollectiveKind, CollectiveSite,
                                                   Comm, TPResult, render_sharding_report)
-from fxpipe.sharding import ShardKind, ShardSpec, shard_state, unshard_state
+from fxpipe.ir.shard_spec import ShardKind, ShardSpec, shard_state, unshard_state
 from fxpipe.passes.tensor_parallel.tp_pass import tensor_parallel_pass
 
 __all__ = ["BlockInfo", "BlockKind", "CollectiveKind", "CollectiveSite", "Comm", "ShardKind",

@@ -15,8 +15,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
-from fxpipe.sharding import ShardKind, ShardSpec
-from fxpipe.program import Program
+from fxpipe.ir.shard_spec import ShardKind, ShardSpec
+from fxpipe.ir.program import Program
 
 TOP_REASONS = 3
 

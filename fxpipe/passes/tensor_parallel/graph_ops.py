@@ -95,7 +95,7 @@ def val(node: Any) -> Any:
 
 
 def shape(node: fx.Node) -> tuple[int, ...]:
-    """Static sizes as ints; a data-dependent size (routed tokens, fxpipe/sizes.py) as a
+    """Static sizes as ints; a data-dependent size (routed tokens, fxpipe/ir/sizes.py) as a
     negative stand-in, equal for equal symbols and never equal to a real size, so the
     channel rules can match feature dimensions around it without guarding on it."""
     return tuple(_dim(s) for s in node.meta["val"].shape)

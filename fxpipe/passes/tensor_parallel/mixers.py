@@ -157,7 +157,7 @@ def narrow(plan: Any, consumer: fx.Node, a: fx.Node, lay: Any, dim_of: Callable[
     from fxpipe.passes.tensor_parallel.attention_forms import strided_blocks
     from fxpipe.passes.tensor_parallel.node_layouts import Conversion, is_sharded
     from fxpipe.passes.tensor_parallel.param_shards import Narrowing
-    from fxpipe.passes.tensor_parallel.result import CollectiveKind
+    from fxpipe.ir.tp_result import CollectiveKind
 
     al = plan.layouts.get(a.name)
     if al is None or is_sharded(al):

@@ -23,7 +23,7 @@ from fxpipe.passes.tensor_parallel.attention_forms import SharedChannels, consta
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.layout import Layout, LayoutFailure, layout_of, local_range, replicated
 from fxpipe.passes.tensor_parallel.provenance import Provenance, index_dim
-from fxpipe.passes.tensor_parallel.result import CollectiveKind
+from fxpipe.ir.tp_result import CollectiveKind
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch.fx as fx
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import norm_dim, shape
 from fxpipe.passes.tensor_parallel.layout import Layout
-from fxpipe.passes.tensor_parallel.result import CollectiveKind
+from fxpipe.ir.tp_result import CollectiveKind
 
 
 @dataclass(frozen=True)

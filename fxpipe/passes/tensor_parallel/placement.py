@@ -20,9 +20,9 @@ from fxpipe.passes.tensor_parallel.attention_forms import split_shared
 from fxpipe.passes.tensor_parallel.layout import LayoutFailure
 from fxpipe.passes.tensor_parallel.node_layouts import TPPlan
 from fxpipe.passes.tensor_parallel.provenance import Provenance
-from fxpipe.passes.tensor_parallel.result import BlockInfo, BlockKind
-from fxpipe.sharding import ShardKind, ShardSpec, ranges_of
-from fxpipe.program import ParamKind, Program
+from fxpipe.ir.tp_result import BlockInfo, BlockKind
+from fxpipe.ir.shard_spec import ShardKind, ShardSpec, ranges_of
+from fxpipe.ir.program import ParamKind, Program
 
 
 @dataclass(frozen=True)

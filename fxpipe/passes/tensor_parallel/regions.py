@@ -39,8 +39,8 @@ from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxpipe.passes.canonicalize import _ASSERTS  # dropped from the bodies as from the graph
-from fxpipe.program import Program
-from fxpipe.subgraph import boundary
+from fxpipe.ir.program import Program
+from fxpipe.ir.subgraph import boundary
 
 aten = torch.ops.aten
 SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled

@@ -24,8 +24,8 @@ from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import arg
 from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan, is_sharded
 from fxpipe.passes.tensor_parallel.regions import MODE, close_regions, refresh as refresh_regions
-from fxpipe.passes.tensor_parallel.result import CollectiveKind, CollectiveSite
-from fxpipe.program import Program
+from fxpipe.ir.tp_result import CollectiveKind, CollectiveSite
+from fxpipe.ir.program import Program
 from fxpipe.tp.ops import OPS
 
 _OP = {
@@ -280,7 +280,7 @@ def rewrite(program: Program, plan: TPPlan, reduce_kind: dict[str, Conversion],
 
 def _refresh_shapes(gm: fx.GraphModule, local_params: dict[str, tuple[int, ...]]) -> None:
     # Ops whose output size the data decides (nonzero, where) need the capture's shape
-    # environment: their symbols are bound again to the capture's (fxpipe/sizes.py).
+    # environment: their symbols are bound again to the capture's (fxpipe/ir/sizes.py).
     old = [n.meta.get("val") for n in gm.graph.nodes]
     mode = detect_fake_mode([v for v in old if isinstance(v, torch.Tensor)])
     if mode is None or mode.shape_env is None:

@@ -26,8 +26,8 @@ from fxpipe.passes.tensor_parallel.layout import LayoutFailure
 from fxpipe.passes.tensor_parallel.node_layouts import Conflict, TPPlan, build_plan
 from fxpipe.passes.tensor_parallel.placement import build_specs
 from fxpipe.passes.tensor_parallel.provenance import Provenance, analyze, shared_copies, split_statistics
-from fxpipe.sharding import ShardSpec
-from fxpipe.program import ParamKind, Program
+from fxpipe.ir.shard_spec import ShardSpec
+from fxpipe.ir.program import ParamKind, Program
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ import torch.fx as fx
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan, is_sharded
-from fxpipe.passes.tensor_parallel.result import CollectiveKind
-from fxpipe.program import Program
+from fxpipe.ir.tp_result import CollectiveKind
+from fxpipe.ir.program import Program
 
 K = CollectiveKind
 

@@ -24,17 +24,17 @@ import dataclasses
 import math
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
-from fxpipe.passes.tensor_parallel.config import TPConfig, tp_config_of
+from fxpipe.ir.tp_config import TPConfig, tp_config_of
 from fxpipe.passes.tensor_parallel.coverage import measure_coverage
 from fxpipe.passes.tensor_parallel.placement import blocks
 from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan
 from fxpipe.passes.tensor_parallel.regions import open_regions
-from fxpipe.passes.tensor_parallel.result import CollectiveKind, TPResult
+from fxpipe.ir.tp_result import CollectiveKind, TPResult
 from fxpipe.passes.tensor_parallel.rewrite import rewrite
 from fxpipe.passes.tensor_parallel.search import search
 from fxpipe.passes.tensor_parallel.sequence import plan_sequence_parallel
-from fxpipe.program import ParamKind, Program
-from fxpipe.sizes import carry_hints
+from fxpipe.ir.program import ParamKind, Program
+from fxpipe.ir.sizes import carry_hints
 
 
 

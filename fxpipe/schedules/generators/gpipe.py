@@ -1,7 +1,7 @@
 """GPipe (Huang et al. 2019): all forwards, then all backwards."""
 from __future__ import annotations
 
-from fxpipe.schedules.ir import Schedule, loop_stage_ranks
+from fxpipe.schedules.actions import Schedule, loop_stage_ranks
 from fxpipe.schedules.generators._common import B, F, act, check_sizes, schedule
 
 

@@ -1,7 +1,7 @@
 """Interleaved 1F1B (Narayanan et al. SC21 §2.2.2, Fig. 4), for any m."""
 from __future__ import annotations
 
-from fxpipe.schedules.ir import Schedule, loop_stage_ranks
+from fxpipe.schedules.actions import Schedule, loop_stage_ranks
 from fxpipe.schedules.generators._common import B, F, act, check_sizes, schedule
 
 

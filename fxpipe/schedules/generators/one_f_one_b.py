@@ -1,7 +1,7 @@
 """1F1B, the PipeDream-Flush schedule (Narayanan et al. SC21 §2.2.1, Fig. 3)."""
 from __future__ import annotations
 
-from fxpipe.schedules.ir import Schedule, loop_stage_ranks
+from fxpipe.schedules.actions import Schedule, loop_stage_ranks
 from fxpipe.schedules.generators._common import B, F, act, check_sizes, schedule
 
 

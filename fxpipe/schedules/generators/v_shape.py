@@ -1,7 +1,7 @@
 """ZB-V, the V-shaped zero-bubble schedule of Qi et al., ICLR 2024 §6."""
 from __future__ import annotations
 
-from fxpipe.schedules.ir import Schedule, v_stage_ranks
+from fxpipe.schedules.actions import Schedule, v_stage_ranks
 from fxpipe.schedules.generators._common import F, I, W, act, check_sizes, schedule
 
 

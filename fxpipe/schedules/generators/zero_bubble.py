@@ -1,7 +1,7 @@
 """ZB-H1, the handcrafted zero-bubble schedule of Qi et al., ICLR 2024 §3.1."""
 from __future__ import annotations
 
-from fxpipe.schedules.ir import Schedule, loop_stage_ranks
+from fxpipe.schedules.actions import Schedule, loop_stage_ranks
 from fxpipe.schedules.generators._common import F, I, W, act, check_sizes, schedule
 
 

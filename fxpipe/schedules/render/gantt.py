@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from fxpipe.schedules.ir import ActionKind
+from fxpipe.schedules.actions import ActionKind
 from fxpipe.schedules.timeline import Timeline
 from fxpipe.schedules.render.ascii import summary_line
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from fxpipe.schedules.ir import Action, ActionKind
+from fxpipe.schedules.actions import Action, ActionKind
 from fxpipe.schedules.timeline import Timeline
 
 _US_PER_UNIT = {"us": 1.0, "ms": 1e3, "s": 1e6, "unit": 1e3}  # a simulated unit shows as 1 ms

@@ -1,0 +1,272 @@
+"""Hardware models: turn FLOPs, bytes and collectives into seconds.
+
+A small roofline per kernel plus ring collectives over two link classes:
+
+- a matrix multiply takes max(FLOPs / (peak · matmul_efficiency), bytes / memory
+  bandwidth) — compute bound for large GEMMs, memory bound for thin ones (the
+  attention bmm of a small head dimension);
+- an element-wise kernel takes its bytes / (peak bandwidth · memory_efficiency);
+- every kernel pays ``op_overhead_s`` (launch, or eager dispatch on a CPU);
+- a ring collective of S bytes over n ranks takes 2(n−1)/n·S/bw + 2(n−1)·latency
+  (all-reduce) or (n−1)/n·S/bw + (n−1)·latency (all-gather, reduce-scatter), with
+  NVLink's bus bandwidth inside a node; a group spanning nodes with k members per
+  node drives k NICs at once (NCCL runs one ring per NIC), so its bandwidth is
+  min(NVLink, k · NIC).
+
+The presets' efficiencies are assumptions, written down with their reason beside
+each preset; ``fxpipe calibrate`` measures this machine instead (``Hardware.load``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # keep this module free of torch: the planner imports it
+    from fxpipe.ir.program import NodeCost
+
+
+class Collective(enum.Enum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    BROADCAST = "broadcast"
+    """One rank's tensor to all: a pipelined ring moves the whole tensor over each link once."""
+    REDUCE = "reduce"
+    """All ranks' tensors summed onto one: the broadcast's ring, reversed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One class of interconnect, seen from one device."""
+
+    p2p_bw: float
+    """Bytes/s one device sends to one peer (one direction)."""
+    p2p_latency: float
+    """Seconds per point-to-point message, on top of bytes / p2p_bw."""
+    collective_bw: float
+    """Ring bus bandwidth per device, bytes/s (nccl-tests' "busbw"): a ring all-reduce of
+    S bytes over n ranks moves 2(n−1)/n·S per rank at this rate."""
+    collective_latency: float
+    """Seconds per ring step (an all-reduce has 2(n−1) steps)."""
+
+    def __post_init__(self) -> None:
+        for f in ("p2p_bw", "collective_bw"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"Link.{f} must be > 0 bytes/s, got {getattr(self, f)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    name: str
+    """Preset name, or the profile's name for a measured machine."""
+    peak_flops: float
+    """Datasheet dense matmul FLOP/s of one device (fp16/bf16 tensor cores; a CPU profile
+    stores the measured fp32 rate here)."""
+    matmul_efficiency: float
+    """Fraction of ``peak_flops`` a large GEMM sustains."""
+    peak_memory_bw: float
+    """Datasheet memory bandwidth, bytes/s."""
+    memory_efficiency: float
+    """Fraction of ``peak_memory_bw`` element-wise kernels reach."""
+    attention_efficiency: float = 1.0
+    """A fused (flash) attention kernel's FLOP rate as a fraction of ``matmul_flops``
+    (FLOPs counted over the full s×s, as the paper counts them)."""
+    memory_bytes: int
+    """Device memory per accelerator."""
+    usable_memory_fraction: float = 0.9
+    """Share of ``memory_bytes`` a plan may fill; the rest covers the CUDA context,
+    library workspaces and allocator fragmentation, which the planner does not model."""
+    gpus_per_node: int = 8
+    """Devices that share the fast intra-node link (NVLink/NVSwitch)."""
+    intra_node: Link
+    """Links between devices of one node."""
+    inter_node: Link
+    """Per-device links between nodes (one NIC per GPU on DGX A100/H100)."""
+    op_overhead_s: float = 0.0
+    """Seconds every kernel pays regardless of size: launch latency on a GPU; on a calibrated
+    CPU, eager dispatch plus fxpipe's fx + autograd bookkeeping per op."""
+    source: str = ""
+    """Where the numbers come from."""
+
+    def __post_init__(self) -> None:
+        for f in ("matmul_efficiency", "memory_efficiency", "attention_efficiency", "usable_memory_fraction"):
+            v = getattr(self, f)
+            if not 0 < v <= 1:
+                raise ValueError(f"Hardware.{f} must be in (0, 1], got {v}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+
+    # ---- rates -------------------------------------------------------------------------
+    @property
+    def matmul_flops(self) -> float:
+        """Achievable dense matmul FLOP/s (peak × efficiency)."""
+        return self.peak_flops * self.matmul_efficiency
+
+    @property
+    def memory_bw(self) -> float:
+        """Achievable memory bandwidth, bytes/s."""
+        return self.peak_memory_bw * self.memory_efficiency
+
+    @property
+    def p2p_bw(self) -> float:
+        """Point-to-point bandwidth between pipeline stages on different nodes."""
+        return self.inter_node.p2p_bw
+
+    @property
+    def p2p_latency(self) -> float:
+        return self.inter_node.p2p_latency
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes * self.usable_memory_fraction
+
+    # ---- kernels -----------------------------------------------------------------------
+    def gemm_s(self, m: int, n: int, k: int, *, batch: int = 1, dtype_bytes: int = 2) -> float:
+        """Roofline time of ``batch`` (m×k)·(k×n) products: 2·m·n·k FLOPs each, reading
+        both operands and writing the result once."""
+        flops = 2.0 * m * n * k * batch
+        traffic = float(dtype_bytes) * batch * (m * k + k * n + m * n)
+        return max(flops / self.matmul_flops, traffic / self.memory_bw) + self.op_overhead_s
+
+    def memory_s(self, nbytes: float, kernels: int = 1) -> float:
+        """Time of memory-bound kernels moving ``nbytes`` in all."""
+        return nbytes / self.memory_bw + kernels * self.op_overhead_s
+
+    def forward_s(self, c: "NodeCost") -> float:
+        return c.fwd_flops / self.matmul_flops + (0 if c.fwd_flops else c.mem_bytes / self.memory_bw)
+
+    def backward_s(self, c: "NodeCost") -> float:
+        # Element-wise backward reads the saved input and the output gradient and
+        # writes the input gradient: about twice the forward traffic.
+        return c.bwd_flops / self.matmul_flops + (0 if c.fwd_flops else 2 * c.mem_bytes / self.memory_bw)
+
+    # ---- communication -----------------------------------------------------------------
+    def members_per_node(self, size: int, stride: int) -> int:
+        """Members of a group of ``size`` ranks spaced ``stride`` apart (Megatron's rank
+        layout: tp innermost, then dp, then pp) that share one node."""
+        if stride >= self.gpus_per_node:
+            return 1
+        return max(1, min(size, self.gpus_per_node // stride))
+
+    def collective_s(self, kind: Collective, nbytes: float, size: int, per_node: int) -> float:
+        """Ring ``kind`` of a ``nbytes`` tensor (the full, gathered size) over ``size``
+        ranks, ``per_node`` of them on each node."""
+        if size <= 1 or nbytes <= 0:
+            return 0.0
+        if per_node >= size:  # the whole group inside one node
+            bw, lat = self.intra_node.collective_bw, self.intra_node.collective_latency
+        else:
+            bw = min(self.intra_node.collective_bw, per_node * self.inter_node.collective_bw)
+            lat = self.inter_node.collective_latency
+        steps = size - 1
+        share = (size - 1) / size * nbytes
+        if kind is Collective.ALL_REDUCE:  # reduce-scatter then all-gather
+            steps, share = 2 * steps, 2 * share
+        elif kind in (Collective.BROADCAST, Collective.REDUCE):  # NCCL: bus bandwidth = algorithm bandwidth
+            share = nbytes
+        return share / bw + steps * lat
+
+    def p2p_s(self, nbytes: float, *, intra_node: bool) -> float:
+        link = self.intra_node if intra_node else self.inter_node
+        return nbytes / link.p2p_bw + link.p2p_latency if nbytes > 0 else 0.0
+
+    # ---- profiles ----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Hardware":
+        d = dict(d)
+        d.pop("measurements", None)
+        fields = {f.name for f in dataclasses.fields(Hardware)}
+        unknown = set(d) - fields
+        if unknown:
+            raise ValueError(f"unknown hardware profile keys {sorted(unknown)}; valid: {sorted(fields)}")
+        for key in ("intra_node", "inter_node"):
+            d[key] = Link(**d[key])
+        return Hardware(**d)
+
+    def save(self, path: str, measurements: dict[str, Any] | None = None) -> None:
+        data = self.to_dict()
+        if measurements:
+            data["measurements"] = measurements
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+
+    @staticmethod
+    def load(path: str) -> "Hardware":
+        with open(path) as f:
+            return Hardware.from_dict(json.load(f))
+
+
+GB = 1e9
+GiB = 2**30
+
+# A100-80GB SXM in a DGX A100, the SC21 paper's machine (Selene).
+# - 312 TFLOP/s dense bf16/fp16. matmul_efficiency 0.75: large fp16 GEMMs of the
+#   paper's shapes ran at roughly 230-250 TFLOP/s on the 2020-21 software stack the
+#   SC21 scripts name (NGC PyTorch 20.12) — an assumption, not a measurement.
+# - HBM2e 2.039 TB/s; element-wise kernels reach ~85% of it (STREAM-like copy).
+# - fused (flash) attention at ~0.8 of the GEMM rate (only used with --fused-attention;
+#   the paper's 2021 kernels were unfused).
+# - NVSwitch: NVLink3 300 GB/s per direction per GPU; nccl-tests all-reduce busbw on
+#   8 GPUs ~230 GB/s.
+# - InfiniBand: 8 × HDR 200 Gb/s per node, one per GPU: 25 GB/s, ~23 GB/s achieved.
+A100 = Hardware(
+    name="a100", peak_flops=312e12, matmul_efficiency=0.75, peak_memory_bw=2.039e12,
+    memory_efficiency=0.85, attention_efficiency=0.8, memory_bytes=80 * GiB, gpus_per_node=8,
+    intra_node=Link(p2p_bw=240 * GB, p2p_latency=10e-6, collective_bw=230 * GB, collective_latency=5e-6),
+    inter_node=Link(p2p_bw=23 * GB, p2p_latency=15e-6, collective_bw=23 * GB, collective_latency=10e-6),
+    op_overhead_s=5e-6, source="datasheet + assumed efficiencies (DGX A100, SC21 Selene)")
+
+# V100-32GB SXM2 in a DGX-1V.
+# - 125 TFLOP/s fp16 tensor cores; 0.75 assumed as for the A100 (~95 TFLOP/s GEMMs).
+# - HBM2 900 GB/s at 85%. Fused attention (no FlashAttention-2 on Volta) at 0.6.
+# - NVLink2 hybrid cube-mesh: 6 links × 25 GB/s per GPU; nccl-tests all-reduce busbw
+#   ~130 GB/s on 8 GPUs; a neighbour pair shares 2 links (~45 GB/s p2p).
+# - 4 × EDR 100 Gb/s per node: 6.25 GB/s per GPU, ~5.5 achieved.
+V100 = Hardware(
+    name="v100", peak_flops=125e12, matmul_efficiency=0.75, peak_memory_bw=900 * GB,
+    memory_efficiency=0.85, attention_efficiency=0.6, memory_bytes=32 * GiB, gpus_per_node=8,
+    intra_node=Link(p2p_bw=45 * GB, p2p_latency=10e-6, collective_bw=130 * GB, collective_latency=6e-6),
+    inter_node=Link(p2p_bw=5.5 * GB, p2p_latency=15e-6, collective_bw=5.5 * GB, collective_latency=12e-6),
+    op_overhead_s=6e-6, source="datasheet + assumed efficiencies (DGX-1V)")
+
+# H100-80GB SXM in a DGX H100.
+# - 989 TFLOP/s dense bf16; 0.70 assumed (large bf16 GEMMs ~650-750 TFLOP/s).
+# - HBM3 3.35 TB/s at 85%; fused attention at 0.8 of the GEMM rate.
+# - NVLink4 450 GB/s per direction per GPU; all-reduce busbw ~360 GB/s on 8 GPUs.
+# - 8 × NDR 400 Gb/s per node: 50 GB/s per GPU, ~45 achieved.
+H100 = Hardware(
+    name="h100", peak_flops=989e12, matmul_efficiency=0.70, peak_memory_bw=3.35e12,
+    memory_efficiency=0.85, attention_efficiency=0.8, memory_bytes=80 * GiB, gpus_per_node=8,
+    intra_node=Link(p2p_bw=360 * GB, p2p_latency=8e-6, collective_bw=360 * GB, collective_latency=4e-6),
+    inter_node=Link(p2p_bw=45 * GB, p2p_latency=12e-6, collective_bw=45 * GB, collective_latency=8e-6),
+    op_overhead_s=4e-6, source="datasheet + assumed efficiencies (DGX H100)")
+
+# A 2-core CPU over gloo/loopback, one thread per process: rough figures;
+# `fxpipe calibrate` measures the real ones.
+CPU = Hardware(
+    name="cpu", peak_flops=50e9, matmul_efficiency=1.0, peak_memory_bw=5 * GB, memory_efficiency=1.0,
+    memory_bytes=24 * GiB, gpus_per_node=2,
+    intra_node=Link(p2p_bw=1 * GB, p2p_latency=50e-6, collective_bw=1 * GB, collective_latency=50e-6),
+    inter_node=Link(p2p_bw=1 * GB, p2p_latency=50e-6, collective_bw=1 * GB, collective_latency=50e-6),
+    op_overhead_s=10e-6, source="rough guess; run `fxpipe calibrate`")
+
+PRESETS = {h.name: h for h in (A100, V100, H100, CPU)}
+
+
+def get_hardware(name: str) -> Hardware:
+    """A preset by name (a100, v100, h100, cpu) or a JSON profile by path
+    (``fxpipe calibrate --output PATH`` writes one)."""
+    if name in PRESETS:
+        return PRESETS[name]
+    if os.path.exists(name):
+        return Hardware.load(name)
+    raise ValueError(f"unknown hardware {name!r}; valid: {', '.join(PRESETS)}, or the path of a "
+                     f"profile written by `fxpipe calibrate`")

@@ -1,0 +1,1 @@
+"""fxpipe.compiler.pipeline."""

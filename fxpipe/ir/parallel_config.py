@@ -1,0 +1,210 @@
+"""``ParallelConfig``: every choice of a parallel layout, decided once.
+
+``fxpipe.parallelize``'s keyword arguments, ``fxpipe run``'s and ``fxpipe compile``'s
+flags all become one frozen ``ParallelConfig``; the compile pipeline
+(``fxpipe/compiler/pipeline.py``) and the runtime read it and nothing else. Names arrive as
+strings (from a user or a flag) and are parsed into enums here, with an error that
+lists the valid ones; derived defaults (``chunks`` from the schedule, scatter-gather
+from tp and sp) are resolved here, so the report, the partition and the transport
+cannot disagree about them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+from fxpipe.partition.result import Method
+from fxpipe.base.recompute_mode import RecomputeMode
+from fxpipe.schedules.registry import ScheduleKind, generate, get_spec
+from fxpipe.runtime.precision import Precision
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """One rank's view of the layout and how to compile it (see the module docstring)."""
+    tp: int = 1
+    """Tensor-parallel size: ranks that split every sharded layer."""
+    pp: int = 1
+    """Pipeline-parallel size: ranks in one pipeline."""
+    dp: int | None = None
+    """Data-parallel replicas; None: world size / (tp·pp), resolved at launch (``with_world``)."""
+    num_microbatches: int = 1
+    """Microbatches m per step, per data-parallel replica. Its public keyword is
+    ``microbatches=`` (``ParallelConfig(microbatches=8)``, ``parallelize(..., microbatches=8)``,
+    ``--microbatches``): the one alias, mapped onto this field by ``__init__``."""
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
+    chunks: int | None = None
+    """Stages per pipeline rank; None resolves to the schedule's default."""
+    partition: Method = Method.ILP
+    memory_limit_gb: float | None = None
+    """GiB per rank the partition must fit (the ILP meets it or names the smallest that fits)."""
+    precision: Precision = Precision.FP32
+    recompute: RecomputeMode = RecomputeMode.NONE
+    sp: bool = False
+    """Sequence parallelism (Korthikanti et al. 2022); needs tp > 1."""
+    scatter_gather: bool | None = None
+    """SC21 §4.1: send 1/tp chunks of replicated stage outputs. None resolves to
+    tp > 1 and not sp (with sp the boundary activation is already a sequence shard)."""
+    strict_tp: bool = False
+    """Fail (``ValueError`` naming them) when tensor parallelism leaves weight matrices whole."""
+    zero: int = 0
+    """1: ZeRO stage 1 over data parallel (``runtime/zero.py``)."""
+    ep: int = 1
+    """Expert parallelism (``passes/expert_parallel.py``): each grouped MoE's experts owned by
+    ep consecutive data-parallel ranks, E/ep each, tokens exchanged by all-to-all; must
+    divide dp. 1: every replica holds every expert."""
+    costs: str = "measure"
+    """What the partitioner balances: 'measure', 'model' or a cost profile's path (``fxpipe/costs``)."""
+    split_loss: bool = False
+    """Compute the cross-entropy over a split LM head block by block (``passes/split_loss.py``:
+    vocabulary parallelism across pipeline stages). Off by default: it balances stages
+    better but, measured end to end on CPU (HF GPT-2 8×256, pp=2, ``bench_runtime.py``),
+    trains slower than the whole cross-entropy after finer head blocks (docs/costs.md)."""
+    vocab_passes: bool = False
+    """Run the LM head and its cross-entropy as vocabulary passes (``schedules/vocab_actions.py``,
+    ``runtime/vocab_head.py``): each pipeline rank owns one block of the head's rows and
+    computes its logits' softmax statistics (S) and gradients (T) for every microbatch. Under
+    tp > 1 the blocks are of each TP rank's vocabulary shard (a V/(tp·pp) block per process)."""
+    seed: int = 0
+    timeout_s: float = 60.0
+    """Bound on every transfer and collective."""
+    compile: bool = False
+    """Compile each stage with AOTAutograd + TorchInductor (``runtime/compiled.py``)."""
+    hardware: str = "cpu"
+    """The cost model's hardware preset (``fxpipe/base/hardware.py``) when costs are not measured."""
+    time_limit_s: float = 10.0
+    """The ILP solver's time limit."""
+    allow_over_limit: bool = False
+    """Return a non-ILP plan over ``memory_limit_gb`` instead of failing (comparison tables)."""
+
+    def __post_init__(self) -> None:
+        fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        fix("schedule", ScheduleKind.parse(self.schedule))
+        fix("partition", Method.parse(self.partition))
+        fix("precision", Precision.parse(self.precision))
+        fix("recompute", self.recompute if isinstance(self.recompute, RecomputeMode)
+            else RecomputeMode.parse(self.recompute))
+        for name in ("tp", "pp", "num_microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value!r}")
+        if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
+            raise ValueError(f"dp must be a positive integer or None (world / (tp·pp)), got {self.dp!r}")
+        if self.sp and self.tp == 1:
+            raise ValueError("sp=True needs tp > 1: sequence parallelism splits the sequence over "
+                             "the tensor-parallel group")
+        if self.zero not in (0, 1):
+            raise ValueError(f"zero must be 0 (off) or 1 (optimizer state and fp32 masters sharded over "
+                             f"data parallel), got {self.zero}")
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"ep must be a positive integer (data-parallel ranks sharing the experts), got {self.ep!r}")
+        if self.ep > 1:
+            self.expert_parallel  # ep against dp, when dp is given  # noqa: B018
+            # compile: Inductor would trace the dispatch's all-to-all with fake tensors;
+            # recompute: a recomputed dispatch would count its tokens twice.
+            for name, value, ok in (("tp", self.tp, 1), ("zero", self.zero, 0),
+                                    ("compile", self.compile, False), ("recompute", self.recompute, RecomputeMode.NONE)):
+                if value != ok:
+                    shown = lambda v: v.value if isinstance(v, RecomputeMode) else v  # noqa: E731
+                    raise ValueError(f"ep={self.ep} with {name}={shown(value)} is not built yet: expert parallelism "
+                                     f"runs with {name}={shown(ok)}; use ep=1 to combine {name} with a MoE")
+        if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout_s}")
+        if self.memory_limit_gb is not None and not self.memory_limit_gb > 0:
+            raise ValueError(f"memory_limit_gb must be positive, got {self.memory_limit_gb}")
+        from fxpipe.costs import parse_costs
+        fix("costs", parse_costs(self.costs))
+        spec = get_spec(self.schedule)
+        chunks = spec.default_chunks if self.chunks is None else self.chunks
+        if not isinstance(chunks, int) or chunks < 1 or (spec.chunks is not None and chunks not in spec.chunks):
+            allowed = "any >= 1" if spec.chunks is None else ", ".join(map(str, spec.chunks))
+            raise ValueError(f"schedule {spec.name} takes chunks (stages per rank) {allowed}, got {chunks!r}")
+        fix("chunks", chunks)
+        if self.vocab_passes:
+            # One-line refusals where the passes cannot apply (the model's head is checked
+            # by the compiler, passes/vocab_head.py).
+            for bad, why in ((self.pp < 2, f"pp={self.pp}: they split the head over pipeline ranks, use pp >= 2"),
+                             (self.split_loss, "split_loss=True: both split the head; pick one"),
+                             (self.compile, "compile=True: the head's blocks run eagerly; use compile=False"),
+                             (self.ep > 1, f"ep={self.ep}: not built with expert parallelism, use ep=1")):
+                if bad:
+                    raise ValueError(f"vocab_passes=True with {why}")
+        fix("scatter_gather", self.tp > 1 and (not self.sp if self.scatter_gather is None
+                                                else bool(self.scatter_gather)))
+
+    # ---- derived -------------------------------------------------------------------------
+    def with_world(self, world_size: int) -> "ParallelConfig":
+        """``dp`` resolved against the number of processes (a mismatch is an error)."""
+        from fxpipe.runtime.mesh import resolve_dp
+
+        return dataclasses.replace(self, dp=resolve_dp(world_size, self.tp, self.pp, self.dp))
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas (1 before ``with_world`` when dp was left to the world)."""
+        return self.dp or 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.chunks
+
+    @property
+    def memory_limit_bytes(self) -> int | None:
+        return None if self.memory_limit_gb is None else int(self.memory_limit_gb * 2**30)
+
+    @property
+    def tensor_parallel(self):
+        """The tensor-parallel pass's view (``ir/tp_config.py``)."""
+        from fxpipe.passes.tensor_parallel import TPConfig
+
+        return TPConfig(tp=self.tp, sp=self.sp, scatter_gather=self.scatter_gather, strict=self.strict_tp)
+
+    @property
+    def expert_parallel(self):
+        """The expert-parallel pass's view (``passes/expert_parallel.py``); checks that ep divides dp."""
+        from fxpipe.passes.expert_parallel import EPConfig
+
+        return EPConfig(ep=self.ep, dp=self.replicas if self.dp is not None else self.ep)
+
+    @property
+    def balances_time(self) -> bool:
+        """Whether the partition optimises stage times (ILP, chain DP) rather than counts."""
+        return self.num_stages > 1 and self.partition in (Method.ILP, Method.DP)
+
+    def schedule_ir(self):
+        """The compute-only schedule (``fxpipe/schedules``) of this layout; under vocabulary
+        passes with them at unit times, what the partition is solved for (the compiler
+        re-places them on the stages' costs after the split: ``fxpipe/compiler/vocab_placement.py``)."""
+        schedule = generate(self.schedule, self.pp, self.num_microbatches, self.chunks)
+        if self.vocab_passes:
+            from fxpipe.schedules.vocab_actions import add_vocab_passes
+
+            schedule = add_vocab_passes(schedule)
+        return schedule
+
+    def partition_config(self, schedule):
+        """The partition pass's config for ``schedule`` (this config's schedule_ir())."""
+        from fxpipe.base.hardware import get_hardware
+        from fxpipe.passes.assign_stages import PartitionConfig, stage_inflight
+
+        return PartitionConfig(num_stages=schedule.num_stages, stage_to_rank=schedule.stage_ranks,
+                               inflight=stage_inflight(schedule), method=self.partition,
+                               memory_limit_bytes=self.memory_limit_bytes, hardware=get_hardware(self.hardware),
+                               time_limit_s=self.time_limit_s, allow_over_limit=self.allow_over_limit)
+
+
+_dataclass_init = ParallelConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self, *, microbatches: int | None = None, **fields) -> None:
+    # ``microbatches=`` is the documented keyword; inside, the count is ``num_microbatches``
+    # (dataclasses.replace passes both: the keyword given wins over the copied field).
+    if microbatches is not None:
+        fields["num_microbatches"] = microbatches
+    _dataclass_init(self, **fields)
+
+
+ParallelConfig.__init__ = _init  # type: ignore[method-assign]

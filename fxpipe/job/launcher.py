@@ -1,0 +1,160 @@
+"""Starting ``fxpipe run``'s workers and stopping them cleanly.
+
+Without torchrun's environment, ``launch`` starts tp·pp·dp local worker processes
+through torch.distributed's elastic launcher — the code path torchrun uses, so
+``torchrun --nproc-per-node N -m fxpipe run ...`` (and multi-node rendezvous) run
+the same worker function (``fxpipe.job.train.worker``). A failed worker is reported as
+one line naming its rank and error; SIGTERM / Ctrl-C stop every rank after the same
+step (``StopSignal``).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import sys
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from fxpipe.job.train import TrainConfig
+
+
+class StopSignal:
+    """SIGTERM / SIGINT (Ctrl-C) ask the job to stop at the next step boundary.
+
+    The handler only records the signal; ranks then agree with an all-reduce, because
+    a signal reaches each process at a different point and every rank must stop after
+    the same step (a collective left half-done would hang). A repeated signal (the
+    elastic agent forwards the one the terminal already sent) is ignored.
+
+    Installed when training starts, not before: during set-up there is nothing to
+    save, and a rank blocked there on a peer that crashed must die with the agent's
+    SIGTERM at once (a Python handler would run only after the blocked call returns)."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        """Written by the handler only: it may run between any two bytecodes of ``agreed``."""
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = self.received or signum
+
+    def agreed(self) -> int:
+        """The signal any rank received (0: none); the same answer on every rank."""
+        flag = torch.tensor([self.received], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag)
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+
+def _elastic_entry(config: TrainConfig) -> dict[str, Any]:
+    from fxpipe.job.train import worker
+
+    stop = StopSignal()  # kept until the end: a forwarded signal must not cut a save short
+    try:
+        return worker(config, stop)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:  # the error report would need disk space too: say it here
+            print(f"fxpipe run: rank {os.environ.get('RANK', '?')}: ENOSPC: {exc.strerror}: {exc.filename}",
+                  file=sys.stderr, flush=True)
+        raise
+    finally:
+        stop.restore()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawned_entry(config: TrainConfig) -> dict[str, Any]:
+    """A worker under the elastic launcher. Stopped by a signal, it exits at once with
+    128 + signal: returning would block it until the agent reads its return value, which
+    an agent that was signalled itself never does (it waits 30 s, then SIGKILLs)."""
+    summary = _elastic_entry(config)
+    if "signal" in summary:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + summary["signal"])
+    return summary
+
+
+def launch(config: TrainConfig, *, debug: bool = False) -> int:
+    """Run the job: directly under torchrun, else spawn tp·pp·dp local workers.
+    A failed worker is reported as one line naming its rank and error (``debug``:
+    also torch's own report with every failed rank's traceback)."""
+    # A run stopped by a signal exits 128 + its number (130 Ctrl-C, 143 SIGTERM), as a
+    # shell reports a signalled process, after saving when --checkpoint-dir is set.
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        summary = _elastic_entry(config)
+        return 128 + summary["signal"] if "signal" in summary else 0
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launch_cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=config.world_size,
+                              run_id=f"fxpipe-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                              rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+                              start_method="spawn")
+    try:
+        with _quiet_launcher_logs(not debug):
+            elastic_launch(launch_cfg, _spawned_entry)(config)
+    except ChildFailedError as exc:
+        codes = {f.exitcode for f in exc.failures.values()}
+        if len(codes) == 1 and codes <= {128 + signal.SIGINT, 128 + signal.SIGTERM}:
+            return codes.pop()  # only the workers were signalled; they stopped cleanly
+        print(f"fxpipe run: {summarize_failure(exc)}", file=sys.stderr)
+        if debug:
+            print(exc, file=sys.stderr)
+        return 1
+    except SignalException as exc:  # the agent got it; its workers saved before it returned
+        return 128 + int(exc.sigval)
+    return 0
+
+
+_NO_REPORT = "To enable traceback see"
+
+
+def summarize_failure(exc: Any) -> str:
+    """One line from the elastic launcher's ``ChildFailedError``: the first rank to fail
+    (by the timestamp of its error file) and its exception, then the other ranks."""
+    rank, failure = exc.get_first_failure()
+    message = failure.message
+    if isinstance(message, dict):  # the error file that ``record`` writes
+        message = message.get("message", "")
+    message = " ".join(str(message).split()) or f"exit code {failure.exitcode}"
+    if message.startswith(_NO_REPORT):  # torch's text when the worker wrote no error file
+        message = (f"exit code {failure.exitcode}, and no error report (one that cannot be written, e.g. on "
+                   f"a full disk (ENOSPC), is printed by the rank above)")
+    others = sorted(r for r in exc.failures if r != rank)
+    also = f" (ranks {', '.join(map(str, others))} failed too)" if others else ""
+    return (f"rank {rank} failed: {message}{also}; "
+            f"add --debug for every failed rank's traceback")
+
+
+@contextlib.contextmanager
+def _quiet_launcher_logs(quiet: bool):
+    """The elastic agent logs each failed worker's whole traceback and every SIGTERM it
+    sends to the others; the launcher prints its own one-line summary instead."""
+    import logging
+
+    names = [n for n in list(logging.root.manager.loggerDict)
+             if n.startswith(("torch.distributed.elastic", "torch.multiprocessing"))] if quiet else []
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

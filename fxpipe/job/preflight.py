@@ -1,0 +1,264 @@
+"""What ``fxpipe run`` checks in the launcher, before any worker process starts.
+
+A bad flag found by a worker costs seconds of start-up per rank and prints one
+traceback per rank, and another rank's "connection closed" can hide the cause. So
+the launcher checks, in order of cost, and stops at the first problem with one
+message that says what is wrong, the numbers involved and how to fix it:
+
+1. flags alone: numbers (``--timeout``, ``--lr``, ``--seed``), names (partition method,
+   schedule), ``--sp`` constraints, the sequence length against a registry GPT, the
+   schedule's size, tp·pp·dp against the workers this machine can start;
+2. the file system (``fxpipe/job/preflight_files.py``): ``--checkpoint-dir`` (writable by a
+   probe write, its lock free, no other run's checkpoints without ``--resume`` or
+   ``--overwrite``, the checkpoint a resume takes verified), ``--export`` and
+   ``--timeline`` (a file we can create), ``--init-from``'s files;
+3. the model, captured once here exactly as each worker will (one microbatch; on
+   the meta device for registry GPTs above ~300M parameters, so no weights are
+   allocated): its name, the tensor-parallel analysis (tp against attention heads,
+   sequence parallelism against the sequence length), a non-ILP partition, token ids
+   of the data against the vocabulary (``fxpipe/ir/token_inputs.py``), ``--resume`` against
+   the checkpoint's ``fxpipe.json`` (the same tensors, an LR schedule ``--lr``
+   continues) and ``--init-from``'s names, shapes and dtypes.
+
+Every check raises :class:`PreflightError` (a ``ValueError``: the CLI prints it
+without a traceback and exits 2, as argparse does for a bad flag).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fxpipe.job.preflight_files import (PreflightError, check_owner, check_resume, check_weights,
+                                    check_writable_dir, check_writable_file, resume_path)
+
+if TYPE_CHECKING:
+    from fxpipe.ir.artifact import CompiledPipeline
+    from fxpipe.job.preflight_data import DataFacts
+    from fxpipe.job.train import TrainConfig
+
+META_ABOVE_PARAMS = 3e8
+"""Registry GPTs larger than this are captured on the meta device."""
+
+
+def check_run(config: "TrainConfig", *, model: bool = True) -> "CompiledPipeline | None":
+    """The file-system and model checks, cheapest first (``check_flags`` runs on the flags,
+    before the config exists); ``model=False`` skips capturing the model. Returns what
+    the model check compiled (tensor-parallel, costed), or None."""
+    from fxpipe.job.preflight_data import check_data
+
+    resume = check_paths(config)
+    data = check_data(config)
+    return check_model(config, resume, data) if model else None
+
+
+# ---- 1. flags --------------------------------------------------------------------------------
+def check_flags(args: Any) -> None:
+    """``fxpipe run``'s flags (an argparse namespace) checked by name, so every message
+    says which flag to change; ``ParallelConfig`` would refuse the same values by field."""
+    from fxpipe.models.registry import GPT_CONFIGS
+    from fxpipe.partition import Method
+    from fxpipe.cli.viz_args import check_size
+    from fxpipe.schedules.registry import generate, get_spec
+
+    for name in ("tp", "pp", "dp", "microbatches"):
+        if getattr(args, name) < 1:
+            raise PreflightError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.seed < 2**63:  # torch, numpy and the data order all take it
+        raise PreflightError(f"--seed must be in [0, 2**63), got {args.seed}")
+    check_world(args.tp * args.pp * args.dp)
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        raise PreflightError(f"--timeout must be a positive number of seconds, got {args.timeout}; "
+                             f"it bounds every transfer and collective (default 60)")
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        raise PreflightError(f"--lr must be a positive finite number, got {args.lr} (default 2e-3)")
+    try:
+        Method.parse(args.partition)
+    except ValueError:  # the same check, with the flag's name
+        raise PreflightError(f"unknown --partition {args.partition!r}; valid: "
+                             f"{', '.join(m.value for m in Method)}") from None
+    if args.costs not in ("measure", "model"):
+        from fxpipe.costs import CostProfile, ProfileError
+        try:
+            CostProfile.load(args.costs)
+        except ProfileError as e:
+            raise PreflightError(f"--costs {args.costs}: {e}; use --costs measure (times the graph on "
+                                 f"the workers and caches it) or --costs model") from None
+    if args.sp and args.tp == 1:
+        raise PreflightError("--sp needs --tp > 1: sequence parallelism splits the sequence over "
+                             "the tensor-parallel group")
+    if args.sp and args.seq % args.tp:
+        raise PreflightError(f"--sp splits the sequence over tp={args.tp} ranks: --seq {args.seq} "
+                             f"is not a multiple of {args.tp}; use --seq "
+                             f"{args.seq - args.seq % args.tp or args.tp}")
+    cfg = GPT_CONFIGS.get(args.model)
+    if cfg is not None and args.seq > cfg.block_size:
+        raise PreflightError(f"--seq {args.seq} exceeds {args.model}'s block size {cfg.block_size}")
+    try:
+        spec = get_spec(args.schedule)
+        chunks = args.chunks if args.chunks is not None else spec.default_chunks
+        check_size(args.pp, args.microbatches, chunks)  # generating it must fit in memory
+        generate(args.schedule, args.pp, args.microbatches, chunks)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
+
+
+WORKERS_PER_CORE = 16
+"""Local CPU workers beyond this many per core are refused: each is a process of its own
+(torch alone is ~0.3 GiB), and hundreds of them on a few cores only thrash."""
+GIB_PER_WORKER = 0.4
+"""A lower bound on one worker's memory (torch, fxpipe and a tiny model imported)."""
+
+
+def check_world(world: int) -> None:
+    """tp·pp·dp local workers must be startable here (launched by fxpipe, not torchrun,
+    which places processes on nodes itself): one GPU each on a GPU machine, else within
+    WORKERS_PER_CORE per core and the free memory at GIB_PER_WORKER each."""
+    import os
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if world > gpus:
+            raise PreflightError(f"tp·pp·dp = {world} workers, but this machine has {gpus} GPUs (one "
+                                 f"worker each); use at most {gpus}, or start the job across nodes with torchrun")
+        return
+    cores = os.cpu_count() or 1
+    free_gib = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    limit = min(WORKERS_PER_CORE * cores, max(1, int(free_gib / GIB_PER_WORKER)))
+    if world > limit:
+        raise PreflightError(
+            f"tp·pp·dp = {world} worker processes, but this machine can start at most {limit} ({cores} CPU "
+            f"cores × {WORKERS_PER_CORE}, {free_gib:.1f} GiB free at {GIB_PER_WORKER} GiB each); "
+            f"use tp·pp·dp <= {limit}, or start the job across nodes with torchrun")
+
+
+# ---- 2. the file system (fxpipe/job/preflight_files.py) -----------------------------------------
+def check_paths(config: "TrainConfig") -> Path | None:
+    """Returns the checkpoint a resume will start from (digests verified), else None."""
+    resume = None
+    if config.init_from is not None:
+        from fxpipe.params.hf_weights import WeightsDir
+        try:  # the files alone (names, shapes and dtypes against the model: ``check_model``)
+            WeightsDir(config.init_from)
+        except (OSError, ValueError) as exc:
+            raise PreflightError(f"--init-from: {exc}") from None
+    if config.checkpoint_dir is not None:
+        ckpt = Path(config.checkpoint_dir)
+        check_writable_dir(ckpt, "--checkpoint-dir", "choose a directory that this user can write")
+        if ckpt.is_dir():
+            from fxpipe.checkpoint.lock import CheckpointLockError, check_free
+            try:  # another job writing there would race this one's saves
+                check_free(ckpt)
+            except CheckpointLockError as exc:
+                raise PreflightError(str(exc)) from None
+        check_owner(config)
+        if config.resume:
+            resume = resume_path(config)  # raises naming what is missing or damaged
+    if config.export is not None:
+        export = Path(config.export)
+        if export.is_dir() or export.suffix == "":  # a safetensors directory (fxpipe/checkpoint/export.py)
+            check_writable_dir(export, "--export", "choose a directory that this user can write")
+        else:
+            check_writable_file(export, "--export")
+    if config.timeline is not None:
+        check_writable_file(Path(config.timeline + ".json"), "--timeline")
+    if config.metrics_file is not None:
+        check_writable_file(Path(config.metrics_file), "--metrics-file")
+    if config.tensorboard_dir is not None:
+        import importlib.util
+        if importlib.util.find_spec("tensorboard") is None:
+            raise PreflightError("--tensorboard-dir needs the tensorboard package: pip install tensorboard "
+                                 "(or leave it out: --metrics-file writes the same scalars as JSON lines)")
+        check_writable_dir(Path(config.tensorboard_dir), "--tensorboard-dir", "choose a directory that this user can write")
+    return resume
+
+
+# ---- 3. the model ----------------------------------------------------------------------------
+def capture_device(model: str) -> str:
+    """Meta (no weights allocated) for registry GPTs above ~300M parameters and Hugging
+    Face model directories (each rank loads its shards), else cpu."""
+    from fxpipe.models.hf_dir import is_model_dir
+    from fxpipe.models.registry import GPT_CONFIGS
+
+    if is_model_dir(model):
+        return "meta"
+    cfg = GPT_CONFIGS.get(model)
+    return "meta" if cfg is not None and cfg.num_params > META_ABOVE_PARAMS else "cpu"
+
+
+def check_model(config: "TrainConfig", resume: Path | None = None, data: "DataFacts | None" = None) -> "CompiledPipeline":
+    """Capture and compile the model as the workers will, through the cheap passes (a
+    non-ILP partition too; the ILP and measured costs are left to the workers)."""
+    import torch
+
+    from fxpipe.compiler.pipeline import compile_pipeline
+    from fxpipe.partition import Method, PartitionError
+    from fxpipe.ir.token_inputs import TokenRole
+
+    if data is None:
+        from fxpipe.job.preflight_data import check_data
+        data = check_data(config)
+    device = capture_device(config.model)
+    w = _workload(config, device)
+    if w.vocab_size is not None:
+        _check_vocab(config.model, w.vocab_size, "the rows of its embedding", data)
+    # The batch the workers build from the data's windows, with its largest id as every
+    # id. It is built on the CPU (ids are checked there: a meta tensor has no values)
+    # and only then moved to the capture device.
+    tokens = torch.full((config.micro_batch_size, config.seq + 1), data.largest_id, dtype=torch.long)
+    cpu_example = w.batch_from_tokens(tokens)
+    example = tuple(t.to(device) for t in cpu_example)
+    layout = config.parallel
+    heuristic = layout.partition is not Method.ILP
+    try:
+        result = compile_pipeline(w.model, example, layout, loss_fn=w.loss_fn,
+                                  until="partition" if heuristic else "cost")
+    except PartitionError as exc:
+        raise PreflightError(f"--partition {layout.partition.value}: {exc}") from None
+    for t in result.token_inputs:
+        role = "embedding" if t.role is TokenRole.EMBEDDING else "loss (the logits' classes)"
+        _check_vocab(config.model, t.vocab_size, f"the rows of its {role} at {t.module or t.node}", data)
+    if config.resume:
+        check_resume(result.program, resume or resume_path(config), config)
+    from fxpipe.job.workload import weights_dir
+
+    try:
+        weights = weights_dir(config)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
+    if weights is not None:  # --init-from, or the --model directory's own safetensors
+        check_weights(result.program, weights)
+    return result
+
+
+def _check_vocab(model: str, vocab: int, where: str, data: "DataFacts") -> None:
+    """The tokenizer's vocabulary, then the data's largest id, against the model's
+    (never clamped: an id past the vocabulary trains on other tokens)."""
+    if data.tokenizer_vocab is not None and data.tokenizer_vocab > vocab:
+        raise PreflightError(f"{model} has a vocabulary of {vocab} tokens ({where}), but the tokenizer of "
+                             f"{data.source} has {data.tokenizer_vocab}: its largest id is "
+                             f"{data.tokenizer_vocab - 1}; give the model a vocabulary of at least "
+                             f"{data.tokenizer_vocab}, or use the model's own tokenizer")
+    if data.largest_id >= vocab:
+        raise PreflightError(f"{model} has a vocabulary of {vocab} tokens ({where}), but the largest token id "
+                             f"in {data.source} is {data.largest_id}; give the model a vocabulary of at least "
+                             f"{data.largest_id + 1}, or re-tokenize the data with the model's tokenizer")
+
+
+def _workload(config: "TrainConfig", device: str):
+    """``build_workload``, with a user function's own failure (any exception, or a result
+    that is not a workload) reported as one line naming it."""
+    from fxpipe.models.registry import build_workload
+
+    try:
+        return build_workload(config.model, batch=config.micro_batch_size, seq=config.seq, device=device,
+                              seed=config.parallel.seed)
+    except (ValueError, TypeError) as exc:
+        raise PreflightError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001  (a user model function's own failure, reported as theirs)
+        raise PreflightError(f"--model {config.model} raised {type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:300]}") from None

@@ -1,0 +1,55 @@
+"""The data half of ``fxpipe run``'s preflight (``fxpipe/job/preflight.py``): the data is
+opened (text tokenized into its cache, here, once) and checked before a worker
+starts — a missing or empty file, a ``--data-dtype`` that does not divide the file,
+fewer windows than one global batch; the largest id and the tokenizer's vocabulary
+are returned for the model check, which names both against the model's vocabulary
+(ids are never clamped)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fxpipe.job.preflight_files import PreflightError
+
+if TYPE_CHECKING:
+    from fxpipe.job.train import TrainConfig
+
+
+@dataclass(frozen=True)
+class DataFacts:
+    largest_id: int
+    """The largest token id in the training and validation data."""
+    tokenizer_vocab: int | None
+    """The tokenizer's vocabulary (None: a token file read without --tokenizer)."""
+    source: str
+
+
+def check_data(config: "TrainConfig") -> DataFacts:
+    from fxpipe.data import max_token, open_data
+    from fxpipe.job.workload import tokenizer_path
+
+    flag = "--data" if config.data is not None else "the built-in data"
+    try:
+        source = open_data(config.data, seq=config.seq, val_data=config.val_data, val_fraction=config.val_fraction,
+                           tokenizer=tokenizer_path(config), dtype=config.data_dtype.value)
+    except FileNotFoundError as exc:
+        raise PreflightError(f"{flag}: no such file or directory: {exc.filename}") from None
+    except (ValueError, OSError) as exc:
+        raise PreflightError(f"{flag}: {' '.join(str(exc).split())}") from None
+    train = source.train
+    tokens = len(train.stream.tokens)
+    if train.count < config.batch:
+        need = config.batch * config.seq + 1
+        raise PreflightError(
+            f"{train.stream.source} holds {tokens} tokens: {train.count} training windows of --seq {config.seq} "
+            f"+ 1, fewer than one global batch of {config.batch} sequences ({need} tokens"
+            + (f" before the {config.val_fraction:g} validation share" if source.val is not None
+               and config.val_data is None else "")
+            + "); give more data, or lower --micro-batch-size, --microbatches, --dp or --seq")
+    if source.val is not None and source.val.count == 0:
+        raise PreflightError(f"--val-data {config.val_data} holds {len(source.val.stream.tokens)} tokens, fewer than "
+                             f"one window of --seq {config.seq} + 1; give more validation data")
+    largest = max_token(train.stream.tokens)  # the whole stream: validation windows included
+    if source.val is not None and source.val.stream is not train.stream:
+        largest = max(largest, max_token(source.val.stream.tokens))
+    return DataFacts(largest, source.tokenizer_vocab, train.stream.source)

@@ -1,0 +1,327 @@
+"""The training job behind ``fxpipe run``: its config and the function every rank runs.
+
+``fxpipe/job/launcher.py`` starts the ranks (or torchrun does), ``fxpipe/job/run_report.py``
+prints and draws what they measured.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.job.launcher import StopSignal
+from fxpipe.job.run_report import bubble_share, progress_bar, recomputed_flops, report_balance, write_timeline
+from fxpipe.runtime.balance import BalanceMeter
+
+if TYPE_CHECKING:
+    from fxpipe.ir.parallel_config import ParallelConfig
+
+
+def _default_layout() -> "ParallelConfig":
+    from fxpipe.ir.parallel_config import ParallelConfig
+
+    return ParallelConfig(tp=2, pp=2, dp=1, microbatches=4)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """``fxpipe run``: the layout (one ``ParallelConfig``, as ``parallelize`` takes it)
+    and what only a training job has — model, data, optimizer, evaluation, checkpoints,
+    reports. Every field is a flag and a key of ``--config FILE.toml`` (``fxpipe/cli/flags.py``)."""
+    model: str = "gpt-small"
+    """A registry name, ``package.module:function``, or a Hugging Face model directory
+    (config.json, with or without safetensors: built on the meta device, each rank loading its shards)."""
+    parallel: "ParallelConfig" = field(default_factory=_default_layout)
+    micro_batch_size: int = 4
+    """Sequences per microbatch b."""
+    global_batch: int | None = None
+    """Sequences per step; default micro_batch_size · microbatches · dp."""
+    seq: int = 128
+    """Tokens per sequence s (windows of s + 1 tokens: inputs and their next tokens)."""
+    steps: int = 80
+    """Optimizer steps; the LR schedule decays over them."""
+    # ---- data (fxpipe/data) ----
+    data: str | None = None
+    """A token file (.bin, .npy), text (.txt, .jsonl, a directory of them); None: the standard library's source."""
+    val_data: str | None = None
+    """Validation data in the same forms; None: the last ``val_fraction`` of ``data``'s windows."""
+    val_fraction: float | None = None
+    """Share of the windows held out for validation; None: 0.05 when eval_interval is set, else 0."""
+    tokenizer: str | None = None
+    """tokenizer.json or a tokenizer directory for text; None: the model directory's when it has one, else bytes."""
+    data_dtype: str = "uint16"
+    """Element type of a .bin token file (the file does not say): uint16 or uint32."""
+    # ---- optimizer ----
+    lr: float = 2e-3
+    """Peak AdamW learning rate (betas 0.9, 0.95)."""
+    lr_schedule: str = "constant"
+    """After warm-up: constant, cosine or linear decay to min_lr at the last step (``fxpipe/job/components.py``)."""
+    warmup: int = 5
+    """Linear learning-rate warm-up steps."""
+    min_lr: float = 0.0
+    """The rate cosine and linear decay end at."""
+    weight_decay: float = 0.1
+    """AdamW's, on matrices and embeddings; biases and norm weights (1-D tensors) get none."""
+    grad_clip: float | None = None
+    """Clip the global gradient norm over every shard to this; None: no clipping."""
+    # ---- evaluation and reports ----
+    eval_interval: int = 0
+    """Steps between validation passes (and after the last step); 0: none."""
+    eval_steps: int = 4
+    """Global batches per validation pass."""
+    metrics_file: str | None = None
+    """Append one JSON object per logged step (and per validation) to this file."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard scalars here (needs the tensorboard package)."""
+    log_interval: int = 10
+    """Steps between log lines (and metrics records); the first step is always logged."""
+    timeline: str | None = "fxpipe-timeline"
+    """Path prefix for the measured timeline of the last step (.json Perfetto, .png); None: off."""
+    init_from: str | None = None
+    """A Hugging Face safetensors directory to take the weights from (each rank reads its shards)."""
+    checkpoint_dir: str | None = None
+    """Directory of DCP checkpoints (docs/checkpoints.md); None: never save."""
+    save_interval: int | None = None
+    """Save every N steps when checkpoint_dir is set (always also at the end and on SIGTERM/SIGINT)."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in checkpoint_dir (model, optimizer, RNG, data position)."""
+    overwrite: bool = False
+    """Save into a checkpoint_dir that holds another run's checkpoints, replacing them at the
+    first save (without it, and without resume, the launcher refuses such a directory)."""
+    resume_from: int | None = None
+    """Resume from the checkpoint of this step (implies ``resume``); an error if it is corrupt."""
+    export: str | None = None
+    """Write one consolidated state_dict under the model's own names here when the run completes."""
+    keep_checkpoints: int = 3
+    """Newest checkpoints kept in checkpoint_dir; older ones are deleted after each save."""
+
+    def __post_init__(self) -> None:
+        if self.parallel.dp is None:  # fxpipe run starts tp·pp·dp workers: dp must be known
+            raise ValueError("TrainConfig needs parallel.dp (the workers fxpipe run starts)")
+        if self.checkpoint_dir is None and (self.resume or self.resume_from is not None
+                                            or self.save_interval is not None):
+            raise ValueError("--resume, --resume-from and --save-interval need --checkpoint-dir DIR")
+        if self.resume_from is not None:
+            if self.resume_from < 0:
+                raise ValueError(f"--resume-from must be a step >= 0, got {self.resume_from}")
+            object.__setattr__(self, "resume", True)
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ValueError(f"--save-interval must be >= 1, got {self.save_interval}")
+        # Sizes first: the global-batch hint below divides by them.
+        for name in ("micro_batch_size", "seq", "steps", "log_interval", "eval_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        layout = self.parallel
+        if self.global_batch is not None and self.global_batch < 1:
+            raise ValueError(f"--global-batch must be >= 1, got {self.global_batch}")
+        if self.global_batch is not None:
+            per_step = self.micro_batch_size * layout.num_microbatches * layout.dp
+            if self.global_batch != per_step:
+                raise ValueError(
+                    f"global batch {self.global_batch} != micro-batch size · microbatches · dp = "
+                    f"{self.micro_batch_size}·{layout.num_microbatches}·{layout.dp} = {per_step}; "
+                    f"{_batch_hint(self.global_batch, self.micro_batch_size, layout.dp)}")
+        from fxpipe.data.tokens import TokenDtype
+        from fxpipe.job.components import LRSchedule
+
+        object.__setattr__(self, "lr_schedule", LRSchedule.parse(self.lr_schedule))
+        object.__setattr__(self, "data_dtype", TokenDtype.parse(self.data_dtype))
+        if self.val_fraction is None:
+            object.__setattr__(self, "val_fraction", 0.05 if self.eval_interval and self.val_data is None else 0.0)
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.eval_interval and self.val_data is None and self.val_fraction == 0:
+            raise ValueError("--eval-interval needs validation data: --val-data PATH or --val-fraction F > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"--min-lr must be in [0, --lr {self.lr:g}], got {self.min_lr:g}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"--grad-clip must be a norm > 0, got {self.grad_clip}")
+        if self.warmup < 0 or self.eval_interval < 0 or self.weight_decay < 0:
+            raise ValueError(f"--warmup, --eval-interval and --weight-decay must be >= 0, got "
+                             f"{self.warmup}, {self.eval_interval}, {self.weight_decay}")
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.tp * self.parallel.pp * self.parallel.dp
+
+    @property
+    def batch(self) -> int:
+        return self.micro_batch_size * self.parallel.num_microbatches * self.parallel.dp
+
+
+def _batch_hint(global_batch: int, micro_batch_size: int, dp: int) -> str:
+    """Flags that make b·m·dp equal ``global_batch`` (only values that do), or why none can."""
+    if global_batch % dp:
+        return f"--global-batch must be a multiple of --dp {dp}"
+    per_replica = global_batch // dp
+    if per_replica % micro_batch_size == 0:
+        return f"set --microbatches {per_replica // micro_batch_size}"
+    b = max(d for d in range(1, micro_batch_size) if per_replica % d == 0)
+    return f"set --micro-batch-size {b} --microbatches {per_replica // b}"
+
+
+def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, Any]:
+    """One rank of the job (what torchrun or the elastic launcher starts). ``stop``
+    catches SIGTERM/SIGINT from the first step on; without one, its handlers stay
+    installed for the process's life."""
+    from fxpipe.data import DataStream
+    from fxpipe.job.preflight_files import check_schedule
+    from fxpipe.parallel import parallelize
+    from fxpipe.checkpoint.dcp import export_consolidated, load_checkpoint
+    from fxpipe.runtime.grad_norm import clip_grad_norm, global_grad_norm
+    from fxpipe.job.components import MetricsWriter, lr_scheduler, param_groups, peak_memory_gib, validate
+    from fxpipe.job.workload import build_job, weights_dir
+
+    seed, layout = config.parallel.seed, config.parallel
+    torch.manual_seed(seed)
+    if not torch.cuda.is_available():  # share the cores between the local workers
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    w, source = build_job(config)
+    # Every rank passes the same global batch as the example (train_step's contract).
+    first = w.batch_from_tokens(DataStream(source.train, config.batch, seed=seed).next_batch())
+    pm = parallelize(w.model, layout, example_inputs=first, loss_fn=w.loss_fn, weights=weights_dir(config))
+    rank = dist.get_rank()
+    stream = DataStream(source.train, config.batch, dp=layout.dp, dp_rank=pm.groups.dp_rank, seed=seed)
+    opt = torch.optim.AdamW(param_groups(pm.named_parameters(), config.weight_decay), lr=config.lr,
+                            betas=(0.9, 0.95))
+    sched = lr_scheduler(opt, config)
+    start_step = 0
+    if config.resume:
+        start_step, extra = load_checkpoint(pm, opt, config.checkpoint_dir, step=config.resume_from)
+        check_schedule(extra, start_step, config.lr, len(opt.param_groups))  # digest-covered, and in range
+        sched.load_state_dict(extra["lr_scheduler"])
+        if "data" in extra:  # the token position, whatever the layout that saved it
+            stream.load_state(extra["data"])
+        else:  # saved before the data position was kept: one global batch per step
+            stream.position = start_step * config.batch
+    last_saved = start_step if config.resume else None
+    # Model FLOPs per step (Megatron's 72·B·s·l·h²(1 + s/6h + V/12lh) for a GPT, summed
+    # by the cost pass over the whole model, so any model gets it). Recomputation is
+    # hardware work, not model work: reported separately as hardware FLOP/s.
+    flops_per_step = pm.model_stats.flops_per_step
+    hw_flops_per_step = flops_per_step + recomputed_flops(pm) * layout.num_microbatches * layout.dp
+    tokens_per_step = config.batch * config.seq
+    metrics = MetricsWriter(config.metrics_file, config.tensorboard_dir) if rank == 0 else None
+    if rank == 0:
+        from fxpipe.job.config_file import to_toml
+
+        print("config: " + ", ".join(to_toml(config).splitlines()), flush=True)  # the resolved run, in its keys
+        print(f"fxpipe run: {config.model}, {pm.model_stats.num_parameters / 1e6:.2f}M parameters, "
+              f"tp={layout.tp}{' (sp)' if layout.sp else ''} pp={layout.pp} dp={layout.dp}, "
+              f"schedule {layout.schedule.value}, {layout.precision.value}, recompute {layout.recompute.value}, "
+              f"{'compiled (Inductor), ' if layout.compile else ''}"
+              f"{layout.num_microbatches} microbatches × {config.micro_batch_size} × {config.seq} tokens, "
+              f"{config.steps} steps; data: {source.train.stream.source}, {source.train.count} windows"
+              + (f", validation {source.val.count}" if source.val is not None else ""), flush=True)
+    times, losses, bubbles = [], [], []
+    meter = BalanceMeter()
+    t_start = time.perf_counter()
+    stop = stop if stop is not None else StopSignal()
+    stop.install()
+    for step in range(start_step, config.steps):
+        if stop.agreed():
+            break
+        batch = w.batch_from_tokens(stream.global_rows(stream.next_batch()))
+        lr = opt.param_groups[0]["lr"]
+        t0 = time.perf_counter()
+        loss = pm.train_step(batch)
+        grad_norm = clip_grad_norm(pm, config.grad_clip) if config.grad_clip else global_grad_norm(pm)
+        opt.step()
+        sched.step()
+        t1 = time.perf_counter()
+        if not torch.isfinite(torch.tensor(loss)):
+            raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or check the data")
+        if step > start_step or config.steps - start_step == 1:  # the first step warms up
+            meter.add(pm.last_stats.events)
+        bubble = torch.tensor([bubble_share(pm.last_stats.events, t0, t1)], dtype=torch.float64)
+        dist.all_reduce(bubble)
+        times.append(t1 - t0)
+        losses.append(loss)
+        bubbles.append(float(bubble) / dist.get_world_size())
+        if rank == 0:
+            progress_bar(step + 1, config.steps, loss)
+            if (step + 1) % config.log_interval == 0 or step == 0:
+                tflops = flops_per_step / (t1 - t0) / dist.get_world_size() / 1e12
+                hw = "" if hw_flops_per_step == flops_per_step else \
+                    f" ({hw_flops_per_step / (t1 - t0) / dist.get_world_size() / 1e12:.3g} hardware)"
+                skipped = f" | skipped: fp16 overflow, loss scale {pm.master.loss_scale:g}" \
+                    if pm.last_step_skipped else ""
+                print(f"iter {step + 1:5d} | loss {loss:.4f} | {(t1 - t0) * 1e3:8.1f} ms/iter | "
+                      f"{tokens_per_step / (t1 - t0):9.0f} tokens/s | {tflops:.3g} TFLOP/s/process{hw} | "
+                      f"bubble {bubbles[-1]:.1%}{skipped}", flush=True)
+                metrics.write(dict(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm,
+                                   tokens_per_s=tokens_per_step / (t1 - t0), tflops_per_process=tflops,
+                                   bubble=bubbles[-1], memory_gib=peak_memory_gib()))
+        if source.val is not None and config.eval_interval and (
+                (step + 1) % config.eval_interval == 0 or step + 1 == config.steps):
+            validate(pm, w, source.val, config, step + 1, metrics)
+        if config.save_interval and (step + 1) % config.save_interval == 0:
+            last_saved = _save(pm, opt, sched, stream, step + 1, config)
+    stopped = stop.agreed()  # again: a signal during the last step must stop every rank alike
+    done = start_step + len(losses)
+    if metrics is not None:
+        metrics.close()
+    if config.checkpoint_dir is not None and done != last_saved:
+        _save(pm, opt, sched, stream, done, config)
+    if stopped:
+        if rank == 0:
+            print(f"stopped by {signal.Signals(stopped).name} after step {done}"
+                  + ("; resume with --resume" if config.checkpoint_dir else ""), flush=True)
+        return dict(signal=stopped, steps_done=done)
+    if config.export:
+        hf_config = getattr(w.model, "config", None)  # a Hugging Face model: config.json beside
+        export_consolidated(pm, config.export,
+                            hf_config=hf_config if hasattr(hf_config, "save_pretrained") else None)
+        if rank == 0:
+            print(f"consolidated state_dict: {config.export}", flush=True)
+    if not losses:
+        if rank == 0:
+            print(f"the checkpoint is at step {start_step} >= --steps {config.steps}: nothing to train", flush=True)
+        return dict(steps_done=start_step)
+    imbalance = report_balance(pm, meter)
+    write_timeline(pm, config, imbalance)
+    summary = dict(imbalance=imbalance, first_loss=losses[0], final_loss=losses[-1], median_ms=statistics.median(times) * 1e3,
+                   tokens_per_s=tokens_per_step / statistics.median(times),
+                   tflops_per_process=flops_per_step / statistics.median(times) / dist.get_world_size() / 1e12,
+                   bubble=statistics.median(bubbles), wall_s=time.perf_counter() - t_start,
+                   parameter_share=pm.parameter_share)
+    if rank == 0:
+        print(f"done: loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} in {config.steps} steps, "
+              f"{summary['wall_s']:.1f} s; median {summary['median_ms']:.1f} ms/iter, "
+              f"{summary['tokens_per_s']:.0f} tokens/s, {summary['tflops_per_process']:.3g} TFLOP/s/process, "
+              f"bubble {summary['bubble']:.1%}, stage imbalance {imbalance:.3f}, parameter share per tp rank "
+              f"{pm.parameter_share:.2f} (ideal {1 / layout.tp:.2f})", flush=True)
+    tokens = pm.tokens_per_expert()  # collective under expert parallelism; {} without
+    if tokens:
+        summary["tokens_per_expert"] = tokens
+        if rank == 0:
+            print("tokens per expert (MoE layer: counts over the run): "
+                  + "; ".join(f"{layer}: {counts}" for layer, counts in tokens.items()), flush=True)
+    return summary
+
+
+def _save(pm: Any, opt: Any, sched: Any, stream: Any, step: int, config: TrainConfig) -> int:
+    from pathlib import Path
+
+    from fxpipe.job.config_file import SAVED_NAME, to_toml
+    from fxpipe.checkpoint.dcp import save_checkpoint
+    from fxpipe.checkpoint.files import write_atomic
+    from fxpipe.checkpoint.size import checkpoint_size
+
+    start = time.perf_counter()
+    path = save_checkpoint(pm, opt, step, config.checkpoint_dir, keep_last=config.keep_checkpoints,
+                           extra={"lr_scheduler": sched.state_dict(), "data": stream.state()},
+                           overwrite=config.overwrite)
+    if dist.get_rank() == 0:
+        # The resolved config beside the checkpoints: `fxpipe run --config` runs it again.
+        # Atomic and never through a link planted under its name (write_atomic).
+        write_atomic(Path(config.checkpoint_dir) / SAVED_NAME, to_toml(config).encode())
+        print(f"checkpoint: {path} in {time.perf_counter() - start:.2f} s, "
+              f"{checkpoint_size(path).describe()}", flush=True)
+    return step

@@ -1,0 +1,182 @@
+"""The vocabulary passes: every pipeline rank runs its block of the LM head (``VocabHead``).
+
+The compiler cut the head and its cross-entropy off the last stage
+(``passes/vocab_head.py``) and gave rank r rows [a_r, b_r) of the head's weight. Per
+microbatch j, in the order the schedule lists them (``schedules/vocab_actions.py``):
+
+- ``BCAST_H j``: the last stage's output — the head's input x and the class indices —
+  broadcast from its rank to every rank;
+- ``S j``: the rank's block of logits, ``linear(x, W_r)`` through the captured chain
+  (views, casts) to [N, b_r - a_r], kept with its autograd graph, and per token its max
+  m_r, sum-exp s_r = Σ exp(l − m_r) and the target's logit (0 outside the block);
+- ``ALLREDUCE_S j``: online softmax (Milakov & Gimelshein 2018) over the pp group: M =
+  max_r m_r, then Σ_r s_r·exp(m_r − M) and the picks summed in one all-reduce; every
+  rank then knows loss_t = M + log S − l_t,y_t (reduced as the captured loss: mean over
+  non-ignored targets, or sum);
+- ``T j``: the block's softmax gradient (exp(l − M)/S − onehot, masked and scaled by
+  the reduction and the step's loss scale) back through the block: autograd accumulates
+  the gradient of the rank's rows (fp32-master hooks fire as for any gradient) and of
+  its copy of x;
+- ``REDUCE_G j``: the partial gradients of x summed onto the last stage's rank, whose
+  backward of j starts from it.
+
+Under tensor parallelism (``VocabHead.vocab_size`` set: the captured loss was the TP
+pass's vocabulary-parallel cross-entropy) rank r's block is of its TP rank's rows, the
+statistics are all-reduced over the TP group after the pipeline group, the TP padding
+rows never win (-inf), and x's summed gradient goes on through the stage's
+``copy_to_tp`` (or SP gather), whose backward sums it over the TP ranks.
+
+Every collective runs on the pipeline group (and the TP group) with the step's timeout (``Transport.wait``
+names the peer on a stall); the schedule lists them in one order on every rank.
+Memory: a microbatch's block logits stay from its S to its T.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.ir.loss_chain import Reduction, replay
+from fxpipe.ir.stage_plan import PipelinePlan
+from fxpipe.runtime.mesh import MeshGroups
+from fxpipe.runtime.transport import Pending, Transport
+from fxpipe.schedules.actions import Schedule
+
+
+@dataclass
+class _Micro:
+    hidden: torch.Tensor
+    """This rank's copy of x (a leaf: T leaves its partial gradient in ``.grad``)."""
+    target: torch.Tensor
+    logits: torch.Tensor | None = None
+    stats: torch.Tensor | None = None
+    """(3, N) before ALLREDUCE_S: max, sum-exp, target logit; after: M, S, pick summed."""
+    partial: torch.Tensor | None = None
+
+
+class VocabPasses:
+    """This rank's block of the head (module docstring)."""
+
+    def __init__(self, plan: PipelinePlan, schedule: Schedule, groups: MeshGroups, state: dict[str, torch.Tensor],
+                 device: torch.device, transport: Transport, loss_scale: Callable[[], float],
+                 losses: dict[int, float] | None) -> None:
+        head = plan.vocab_head
+        assert head is not None
+        self.head, self.groups, self.device, self.transport = head, groups, device, transport
+        self.weight = state[head.weight]  # rank r's rows: block r
+        self.start, self.stop = head.blocks[groups.pp_rank]
+        # Under TP the blocks are of this TP rank's rows, classes tp_rank·rows.. of the
+        # vocabulary; the statistics are reduced over the TP group too.
+        self.first = self.start + groups.tp_rank * head.blocks[-1][1] if head.vocab_size is not None else self.start
+        """The vocabulary index of the block's first row."""
+        self.padding = 0 if head.vocab_size is None else max(0, self.first + self.stop - self.start - head.vocab_size)
+        """The block's last rows past the vocabulary (TP padding): never a class."""
+        self.reduce_groups = [groups.pp_group] + ([groups.tp_group] if head.vocab_size is not None else [])
+        assert self.weight.shape[0] == self.stop - self.start, (self.weight.shape, head.blocks)
+        self.source = groups.pp_peer(schedule.stage_to_rank(plan.num_stages - 1))
+        self.is_source = self.source == groups.rank
+        self.hidden_spec, self.target_spec = plan.values[head.hidden].spec, plan.values[head.target].spec
+        self.loss_scale = loss_scale
+        """The runners' current loss scale (1/m, times the fp16 scaler's): T's gradient carries it."""
+        self.losses = losses
+        """The last stage's runner's per-microbatch losses, on its rank (None elsewhere)."""
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.micro: dict[int, _Micro] = {}
+
+    @property
+    def idle(self) -> bool:
+        return not self.outputs and not self.micro
+
+    def put(self, mb: int, hidden: torch.Tensor, target: torch.Tensor) -> None:
+        """The last stage's forward of ``mb`` produced the head's input and the targets."""
+        self.outputs[mb] = (hidden, target)
+
+    def _wait(self, work, what: str, mb: int) -> None:
+        peer = self.source if not self.is_source else self.groups.pp_peer((self.groups.pp_rank + 1)
+                                                                          % self.groups.mesh.pp)
+        self.transport.wait(Pending(work, peer, f"{what} of microbatch {mb} (vocabulary passes)"))
+
+    def bcast_h(self, mb: int) -> None:
+        if self.is_source:
+            hidden, target = self.outputs.pop(mb)
+            hidden, target = hidden.contiguous(), target.contiguous()
+        else:
+            hidden = torch.empty(self.hidden_spec.shape, dtype=self.hidden_spec.dtype, device=self.device)
+            target = torch.empty(self.target_spec.shape, dtype=self.target_spec.dtype, device=self.device)
+        for t in (hidden, target):
+            self._wait(dist.broadcast(t, src=self.source, group=self.groups.pp_group, async_op=True),
+                       "broadcasting the head's input", mb)
+        self.micro[mb] = _Micro(hidden.detach().requires_grad_(True), target)
+
+    def s(self, mb: int) -> None:
+        """The block's logits and its statistics."""
+        m = self.micro[mb]
+        width = self.stop - self.start
+        with torch.enable_grad():
+            # the captured ops between the head and the loss, on the block
+            cur = replay(self.head.chain, torch.nn.functional.linear(m.hidden, self.weight), width)
+        m.logits = cur
+        with torch.no_grad():
+            logits = self._masked(cur.detach().float())
+            top = logits.max(-1).values
+            # a block of padding only: no class, sum-exp 0 (its max, -inf, loses the max)
+            sumexp = torch.exp(logits - torch.where(top == float("-inf"), 0.0, top).unsqueeze(-1)).sum(-1)
+            local = m.target - self.first
+            inside = (local >= 0) & (local < width)
+            picked = logits.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
+            m.stats = torch.stack([top, sumexp, torch.where(inside, picked, 0.0)])
+
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with the TP padding rows' columns at -inf (they never win)."""
+        if self.padding:
+            logits = logits.clone()  # not the autograd graph's tensor
+            logits[..., logits.shape[-1] - self.padding:] = float("-inf")
+        return logits
+
+    def allreduce_s(self, mb: int) -> None:
+        """Online softmax over the ranks' blocks; the loss on every rank."""
+        m = self.micro[mb]
+        top = m.stats[0].clone()
+        for group in self.reduce_groups:  # pipeline ranks, then TP ranks: the max of all blocks
+            self._wait(dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group, async_op=True),
+                       "all-reducing the softmax maxima", mb)
+        both = torch.stack([m.stats[1] * torch.exp(m.stats[0] - top), m.stats[2]])
+        for group in self.reduce_groups:
+            self._wait(dist.all_reduce(both, group=group, async_op=True), "all-reducing the softmax sums", mb)
+        m.stats = torch.stack([top, both[0], both[1]])
+        valid = m.target != self.head.ignore_index
+        per = torch.where(valid, top + torch.log(both[0]) - both[1], 0.0)
+        loss = per.sum() / valid.sum() if self.head.reduction == Reduction.MEAN else per.sum()
+        if self.losses is not None:
+            self.losses[mb] = float(loss)
+
+    def t(self, mb: int) -> None:
+        """The block's backward: its rows' gradient and a partial gradient of x."""
+        m = self.micro[mb]
+        top, total, _pick = m.stats
+        valid = m.target != self.head.ignore_index
+        scale = self.loss_scale()
+        if self.head.reduction == Reduction.MEAN:
+            scale = scale / valid.sum().clamp(min=1)
+        weight = valid.to(torch.float32) * scale
+        with torch.no_grad():
+            logits = self._masked(m.logits.detach().float())
+            grad = torch.exp(logits - top.unsqueeze(-1)) / total.unsqueeze(-1)
+            width = self.stop - self.start
+            local = m.target - self.first
+            inside = ((local >= 0) & (local < width)).to(grad.dtype)
+            grad.scatter_add_(-1, local.clamp(0, width - 1).unsqueeze(-1), -inside.unsqueeze(-1))
+            grad = (grad * weight.unsqueeze(-1)).to(m.logits.dtype)
+        torch.autograd.backward([m.logits], [grad])
+        m.partial = m.hidden.grad if m.hidden.grad is not None else torch.zeros_like(m.hidden)
+        m.logits = None
+
+    def reduce_g(self, mb: int) -> torch.Tensor | None:
+        """The partial gradients of x summed onto the last stage's rank (its gradient there)."""
+        m = self.micro.pop(mb)
+        partial = m.partial.contiguous()
+        self._wait(dist.reduce(partial, dst=self.source, group=self.groups.pp_group, async_op=True),
+                   "reducing the head's input gradient", mb)
+        return partial if self.is_source else None

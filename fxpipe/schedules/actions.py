@@ -1,0 +1,282 @@
+"""The schedule IR: per pipeline rank, an ordered list of actions.
+
+An action is (stage index, kind, microbatch). Its text form is
+``{stage}{kind}{microbatch}`` -- ``3F0``, ``1SEND_B2``, ``0W5`` -- the form
+torch.distributed.pipelining prints and parses (``_Action.__repr__`` /
+``_Action.from_str``), so a schedule written here as CSV loads there unchanged.
+
+Conventions shared with torch.distributed.pipelining:
+- ``SEND_F`` carries the *sender's* stage, ``RECV_F`` the *receiver's*:
+  ``2SEND_F0`` on the rank of stage 2 matches ``3RECV_F0`` on the rank of stage 3.
+  Backward goes the other way: ``3SEND_B0`` matches ``2RECV_B0``.
+- The loss is computed inside the last stage's ``F``; its ``B`` (or ``I``)
+  starts the backward chain.
+- ``B`` is the full backward. Zero-bubble schedules split it into ``I`` (input
+  gradient, on the critical path) and ``W`` (weight gradient, deferrable),
+  Qi et al. 2024 §2.
+
+fxpipe's own kinds, with no torch counterpart: the vocabulary passes ``S``/``T``
+and their collectives ``BCAST_H``/``ALLREDUCE_S``/``REDUCE_G`` (vocab_passes.py).
+"""
+from __future__ import annotations
+
+import enum
+import os
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterable, NamedTuple
+
+import numpy as np
+
+
+class ActionKind(enum.Enum):
+    """What an action does; the value is its spelling in the text form."""
+
+    F = "F"  # forward (the last stage's forward includes the loss)
+    B = "B"  # full backward
+    I = "I"  # backward for inputs (zero bubble)  # noqa: E741
+    W = "W"  # backward for weights (zero bubble)
+    # Vocabulary passes (Yeung et al. 2025, "S" and "T"): every rank's block of the
+    # output layer, for one microbatch. Their stage field is the rank's vocabulary
+    # block, which is also the rank's first stage (stage r lives on rank r in both
+    # placements). See vocab_passes.py.
+    S = "S"  # block logits, local max / sum-exp / target logit
+    T = "T"  # block softmax grad, weight grad, partial grad of the last hidden state
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    # Collectives of the vocabulary passes, one per rank per microbatch, in the same
+    # order on every rank; posted without blocking, completed when all ranks posted.
+    BCAST_H = "BCAST_H"  # the last stage's output hidden state to every rank (before S)
+    ALLREDUCE_S = "ALLREDUCE_S"  # the S statistics combined (between S and T)
+    REDUCE_G = "REDUCE_G"  # partial hidden-state gradients summed on the last stage (before its B)
+
+    @property
+    def is_compute(self) -> bool:
+        return self in _COMPUTE_KINDS
+
+    @property
+    def is_comm(self) -> bool:
+        return not self.is_compute
+
+    @property
+    def is_p2p(self) -> bool:
+        """SEND/RECV between neighbouring stages (what ``lower`` adds)."""
+        return self in _P2P_KINDS
+
+    @property
+    def is_collective(self) -> bool:
+        """A vocabulary-pass collective over all pipeline ranks."""
+        return self in _COLLECTIVE_KINDS
+
+    @property
+    def is_vocab(self) -> bool:
+        """A vocabulary pass or one of its collectives."""
+        return self in _VOCAB_KINDS
+
+
+_COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.S, ActionKind.T})
+_P2P_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
+_COLLECTIVE_KINDS = frozenset({ActionKind.BCAST_H, ActionKind.ALLREDUCE_S, ActionKind.REDUCE_G})
+_VOCAB_KINDS = _COLLECTIVE_KINDS | {ActionKind.S, ActionKind.T}
+
+# Integer codes of the kinds in the flat arrays the numba kernels read.
+KIND_CODE = {kind: code for code, kind in enumerate(ActionKind)}
+KIND_OF_CODE = tuple(ActionKind)
+
+# torch's _action_regex, less the FSDP/grad-reduction kinds (UNSHARD, RESHARD,
+# REDUCE_GRAD) fxpipe's runtime handles outside the schedule.
+_ACTION_RE = re.compile(
+    r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BCAST_H|ALLREDUCE_S|REDUCE_G|F|B|I|W|S|T)(\d+)\s*$"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of one rank: run ``kind`` for ``microbatch`` on ``stage``."""
+
+    stage: int
+    kind: ActionKind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @staticmethod
+    def parse(text: str) -> "Action":
+        """Inverse of ``str``: ``Action.parse("1SEND_B2") == Action(1, SEND_B, 2)``."""
+        match = _ACTION_RE.match(text)
+        if match is None:
+            raise ValueError(
+                f"cannot parse action {text!r}: expected {{stage}}{{kind}}{{microbatch}} "
+                f"with kind one of {[k.value for k in ActionKind]}, e.g. '3F0' or '1SEND_B2'"
+            )
+        stage, kind, microbatch = match.groups()
+        return Action(int(stage), ActionKind(kind), int(microbatch))
+
+
+def loop_stage_ranks(num_ranks: int, num_chunks: int) -> tuple[int, ...]:
+    """Looped placement (Megatron SC21 §2.2): stage c lives on rank c mod p."""
+    return tuple(stage % num_ranks for stage in range(num_ranks * num_chunks))
+
+
+def v_stage_ranks(num_ranks: int) -> tuple[int, ...]:
+    """V placement (ZB-V, DualPipeV): rank r holds stages r and 2p-1-r, so the
+    first and the last stage share rank 0 and the turn at stage p-1 -> p is local."""
+    return tuple(range(num_ranks)) + tuple(reversed(range(num_ranks)))
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class Schedule:
+    """A pipeline schedule: for every pp rank, the ordered actions it runs.
+
+    ``actions[r]`` is rank r's list. A *compute-only* schedule holds F/B/I/W;
+    ``lower()`` returns one with SEND/RECV inserted.
+    """
+
+    name: str
+    """Generator name (``"1f1b"``, ...) or ``"csv"`` for a loaded file."""
+    num_microbatches: int
+    """Microbatches per step (m)."""
+    stage_ranks: tuple[int, ...]
+    """stage index -> pp rank; its length is the number of stages (p * v)."""
+    actions: tuple[tuple[Action, ...], ...]
+    """Per pp rank, the actions in execution order."""
+
+    def __post_init__(self) -> None:
+        assert self.num_microbatches >= 1, self.num_microbatches
+        assert len(self.actions) >= 1
+        assert all(0 <= r < len(self.actions) for r in self.stage_ranks), self.stage_ranks
+        assert len(self.stage_ranks) % len(self.actions) == 0, (
+            "every rank must hold the same number of stages",
+            self.stage_ranks,
+        )
+
+    def __repr__(self) -> str:  # the actions can number millions; show the shape
+        return (
+            f"Schedule(name={self.name!r}, p={self.num_ranks}, m={self.num_microbatches}, "
+            f"v={self.num_chunks}, actions={sum(map(len, self.actions))}, lowered={self.is_lowered})"
+        )
+
+    @property
+    def num_ranks(self) -> int:
+        """Pipeline-parallel size (p)."""
+        return len(self.actions)
+
+    @property
+    def num_stages(self) -> int:
+        """Total number of model chunks (p * v)."""
+        return len(self.stage_ranks)
+
+    @property
+    def num_chunks(self) -> int:
+        """Stages per rank (v)."""
+        return self.num_stages // self.num_ranks
+
+    def stage_to_rank(self, stage: int) -> int:
+        return self.stage_ranks[stage]
+
+    def stages_of_rank(self, rank: int) -> tuple[int, ...]:
+        """The stages rank ``rank`` holds, in stage order."""
+        return tuple(s for s, r in enumerate(self.stage_ranks) if r == rank)
+
+    @cached_property
+    def is_lowered(self) -> bool:
+        """True if SEND/RECV actions are present."""
+        return any(a.kind.is_p2p for rank in self.actions for a in rank)
+
+    @cached_property
+    def has_vocab_passes(self) -> bool:
+        """True if the output layer runs as S/T passes on every rank (``add_vocab_passes``)."""
+        return any(a.kind.is_vocab for rank in self.actions for a in rank)
+
+    @cached_property
+    def splits_backward(self) -> bool:
+        """True if the backward is split into I and W (zero-bubble family)."""
+        return any(a.kind in (ActionKind.I, ActionKind.W) for rank in self.actions for a in rank)
+
+    def compute_only(self) -> "Schedule":
+        """The same schedule with SEND/RECV removed (vocabulary collectives stay:
+        they belong to the passes, not to the lowering)."""
+        return self.with_actions(
+            tuple(a for a in rank if not a.kind.is_p2p) for rank in self.actions
+        )
+
+    def with_actions(self, actions: Iterable[Iterable[Action]]) -> "Schedule":
+        return Schedule(
+            name=self.name,
+            num_microbatches=self.num_microbatches,
+            stage_ranks=self.stage_ranks,
+            actions=tuple(tuple(rank) for rank in actions),
+        )
+
+    @cached_property
+    def arrays(self) -> "ScheduleArrays":
+        """The actions as flat integer arrays (rank r's actions are
+        ``[offsets[r], offsets[r+1])``), built once per schedule: the numba
+        simulator reads these, so a planner re-simulating one schedule with
+        other durations pays the Python-object walk only once."""
+        codes = KIND_CODE
+        flat = [a for rank in self.actions for a in rank]
+        offsets = np.zeros(self.num_ranks + 1, dtype=np.int64)
+        np.cumsum([len(rank) for rank in self.actions], out=offsets[1:])
+        return ScheduleArrays(
+            kind=np.fromiter((codes[a.kind] for a in flat), dtype=np.int8, count=len(flat)),
+            stage=np.fromiter((a.stage for a in flat), dtype=np.int32, count=len(flat)),
+            microbatch=np.fromiter((a.microbatch for a in flat), dtype=np.int32, count=len(flat)),
+            offsets=offsets,
+            stage_ranks=np.asarray(self.stage_ranks, dtype=np.int32),
+        )
+
+    # ---- text forms (implemented in text.py) -----------------------------
+
+    def to_csv(self) -> str:
+        """One row per rank, one cell per action: the format of torch's
+        ``_dump_csv``, which its ``_load_csv`` reads back."""
+        from fxpipe.schedules.notation import schedule_to_csv
+
+        return schedule_to_csv(self)
+
+    def write_csv(self, path: str | os.PathLike) -> None:
+        with open(path, "w", newline="") as f:
+            f.write(self.to_csv())
+
+    @staticmethod
+    def read_csv(path: str | os.PathLike, **kwargs) -> "Schedule":
+        with open(path, newline="") as f:
+            return Schedule.from_csv(f.read(), **kwargs)
+
+    @staticmethod
+    def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = None) -> "Schedule":
+        """Parse CSV text written by ``to_csv`` or by torch's ``_dump_csv``;
+        the stage -> rank mapping is inferred (see ``text.schedule_from_csv``)."""
+        from fxpipe.schedules.notation import schedule_from_csv
+
+        return schedule_from_csv(text, name=name, num_microbatches=num_microbatches)
+
+    def format_grid(self, marks: dict[tuple[int, int], str] | None = None, window: int | None = 12) -> str:
+        """The step x rank grid, marked cells shown as ``>3F0<`` (see ``text.format_grid``)."""
+        from fxpipe.schedules.notation import format_grid
+
+        return format_grid(self, marks, window)
+
+
+class ScheduleArrays(NamedTuple):
+    kind: np.ndarray  # int8 codes, see KIND_CODE
+    stage: np.ndarray  # int32
+    microbatch: np.ndarray  # int32
+    offsets: np.ndarray  # int64, length num_ranks + 1
+    stage_ranks: np.ndarray  # int32, stage -> rank
+
+
+def prime_arrays(schedule: Schedule, arrays: ScheduleArrays) -> None:
+    """Fill ``schedule.arrays``'s cache with arrays a pass already built (they
+    must describe ``schedule.actions`` exactly; checked by assert)."""
+    assert len(arrays.kind) == sum(map(len, schedule.actions))
+    assert "arrays" not in schedule.__dict__
+    schedule.__dict__["arrays"] = arrays  # where functools.cached_property keeps it
