@@ -36,7 +36,7 @@ def main() -> None:
         t0 = time.perf_counter()
         w = build_workload("gpt3-175b", batch=1, device="meta", layers=args.layers)
         t1 = time.perf_counter()
-        prog = fxpipe.compiler.capture(w.model, w.example_inputs)
+        prog = fxpipe.capture(w.model, w.example_inputs)
         t2 = time.perf_counter()
         prog, _ = run_passes(prog)
         t3 = time.perf_counter()

@@ -30,7 +30,7 @@ from fxpipe.schedules.registry import generate
 
 def _program(name: str):
     w = build_workload(name, batch=1, device="meta")
-    return run_passes(fxpipe.compiler.capture(w.model, w.example_inputs))[0]
+    return run_passes(fxpipe.capture(w.model, w.example_inputs))[0]
 
 
 def gpt2_medium() -> None:

@@ -36,7 +36,7 @@ def main() -> None:
 
     model, batch, loss_fn = workload()
     mb = tuple(t[:2] for t in batch)
-    program, _ = run_passes(fxpipe.compiler.capture(model, mb, loss_fn))
+    program, _ = run_passes(fxpipe.capture(model, mb, loss_fn))
     cfg = PartitionConfig(num_stages=2, stage_to_rank=(0, 1), inflight=(2, 1))
     plan = split_pass(partition_pass(program, cfg), num_stages=2)
     state = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in program.state.items()}

@@ -3,7 +3,7 @@ zoo of models written outside transformers (``fxpipe/models/zoo``, rows ``zoo:<n
 
 For each family that builds offline as a tiny model (``compat_families.py``):
 
-  capture   fxpipe.compiler.capture in this process; the captured loss must equal eager
+  capture   fxpipe.capture in this process; the captured loss must equal eager
   tp2       fxpipe.parallelize(tp=2) in a gloo world of 2
   pp2       fxpipe.parallelize(pp=2) in a gloo world of 2
   tp2×pp2   fxpipe.parallelize(tp=2, pp=2) in a gloo world of 4

@@ -127,7 +127,7 @@ def capture_cell(model_type: str) -> tuple[Cell, Cell | None]:
     start = time.perf_counter()
     fam = build(model_type)
     try:
-        program = fxpipe.compiler.capture(fam.model, fam.batch, fam.loss_fn)
+        program = fxpipe.capture(fam.model, fam.batch, fam.loss_fn)
     except Exception as exc:
         cell = classify(exc)
         cell.seconds = time.perf_counter() - start

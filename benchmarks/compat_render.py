@@ -107,7 +107,7 @@ def render(data: dict, notes: str = "") -> str:
         "4 heads, 2 key/value heads where the family has them, vocabulary 256, dropout 0,",
         "fp32, SDPA attention where supported, else eager) and run four ways:",
         "",
-        "- **capture**: `fxpipe.compiler.capture`; the captured graph's loss must equal eager's;",
+        "- **capture**: `fxpipe.capture`; the captured graph's loss must equal eager's;",
         "- **tp2**, **pp2**, **tp2×pp2**: `fxpipe.parallelize` in a gloo world of 2, 2 and 4",
         "  processes, 2 microbatches, two SGD steps (lr 0.1), compared with one process:",
         "  both steps' losses within rtol 1e-4 and every first-step gradient with",

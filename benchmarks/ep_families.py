@@ -43,7 +43,7 @@ def check(model_type: str) -> tuple[str, int]:
     fam = build(model_type)
     model, (ids, targets) = fam.model, fam.batch
     rows = ids.shape[0] // EP
-    base = canonicalize_pass(fxpipe.compiler.capture(model, (ids[:rows], targets[:rows]), causal_lm_loss))
+    base = canonicalize_pass(fxpipe.capture(model, (ids[:rows], targets[:rows]), causal_lm_loss))
     program = expert_parallel_pass(base, EPConfig(ep=EP, dp=EP))
     result = program.expert_parallel
     left = "; ".join(result.skipped) or "-"

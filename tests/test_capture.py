@@ -20,7 +20,7 @@ def _eager_loss(w):
 @pytest.fixture(scope="module", params=FIVE_MODELS)
 def captured(request):
     w = build_workload(request.param, batch=2, seq=16)
-    return w, fxpipe.compiler.capture(w.model, w.example_inputs, w.loss_fn)
+    return w, fxpipe.capture(w.model, w.example_inputs, w.loss_fn)
 
 
 def test_loss_and_every_gradient_match_eager(captured):
@@ -59,14 +59,14 @@ def test_layers_found_from_structure(captured):
 
 def test_tied_embedding_is_one_group():
     w = build_workload("gpt-tiny")
-    prog = fxpipe.compiler.capture(w.model, w.example_inputs)
+    prog = fxpipe.capture(w.model, w.example_inputs)
     assert prog.tied_groups == {"transformer.wte.weight": ("transformer.wte.weight", "lm_head.weight")}
     assert len(prog.trainable()) == len(list(w.model.parameters()))
 
 
 def test_capture_on_meta_allocates_nothing():
     w = build_workload("gpt2-small", batch=1, seq=128, device="meta", layers=2)
-    prog = fxpipe.compiler.capture(w.model, w.example_inputs)
+    prog = fxpipe.capture(w.model, w.example_inputs)
     assert all(t.device.type == "meta" for t in prog.state.values())
     assert prog.num_parameters() == w.config.num_params - (1024 - 128) * 0  # positions table kept
 
@@ -85,7 +85,7 @@ class _Branchy(nn.Module):
 
 def test_untraceable_model_names_class_and_line():
     with pytest.raises(CaptureError) as info:
-        fxpipe.compiler.capture(_Branchy(), (torch.randn(2, 4),))
+        fxpipe.capture(_Branchy(), (torch.randn(2, 4),))
     msg = str(info.value)
     assert "_Branchy" in msg
     assert "test_capture.py" in msg and "if y.sum() > 0" in msg
@@ -95,31 +95,31 @@ def test_untraceable_model_names_class_and_line():
 def test_wrong_input_type_is_a_clear_error():
     w = build_workload("gpt-tiny")
     with pytest.raises(TypeError, match=r"example_inputs\[1\] is a list"):
-        fxpipe.compiler.capture(w.model, (w.example_inputs[0], [1, 2, 3]))
+        fxpipe.capture(w.model, (w.example_inputs[0], [1, 2, 3]))
 
 
 def test_wrong_input_shape_is_a_clear_error():
     w = build_workload("gpt-tiny")
     bad = torch.zeros(2, 500, dtype=torch.long)  # longer than block_size
     with pytest.raises(CaptureError, match=r"GPT.*\n.*at: .*gpt.py.*\n.*try: check that example_inputs \(\(2, 500\)"):
-        fxpipe.compiler.capture(w.model, (bad, bad))
+        fxpipe.capture(w.model, (bad, bad))
 
 
 def test_model_output_that_is_not_a_loss_needs_loss_fn():
     w = build_workload("hf:gpt2")
     with pytest.raises(TypeError, match="loss_fn"):
-        fxpipe.compiler.capture(w.model, (w.example_inputs[0],))
+        fxpipe.capture(w.model, (w.example_inputs[0],))
 
 
 def test_model_without_transformer_layers_captures():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     x, y = torch.randn(4, 8), torch.randn(4, 1)
-    prog = fxpipe.compiler.capture(model, (x, y), loss_fn=lambda out, t: ((out - t) ** 2).mean())
+    prog = fxpipe.capture(model, (x, y), loss_fn=lambda out, t: ((out - t) ** 2).mean())
     ref = ((model(x) - y) ** 2).mean()
     assert torch.allclose(prog.run(prog.state, x, y), ref)
     # nn.Sequential children are indexed, so they read as "layers"; a plain module has none.
     plain = nn.Linear(8, 1)
-    prog2 = fxpipe.compiler.capture(plain, (x, torch.randn(4, 1)), loss_fn=lambda o, t: ((o - t) ** 2).mean())
+    prog2 = fxpipe.capture(plain, (x, torch.randn(4, 1)), loss_fn=lambda o, t: ((o - t) ** 2).mean())
     assert prog2.layers == {} and prog2.layer_container == ""
 
 
@@ -134,7 +134,7 @@ def test_buffers_record_persistence():
         def forward(self, x):
             return (self.lin(x) * self.scale * self.cache).sum()
 
-    prog = fxpipe.compiler.capture(WithBuffers(), (torch.randn(2, 4),))
+    prog = fxpipe.capture(WithBuffers(), (torch.randn(2, 4),))
     assert {p.name: p.persistent for p in prog.params if p.kind is ParamKind.BUFFER} == \
         {"scale": True, "cache": False}
     from fxpipe.checkpoint.dcp import state_dict_names

@@ -79,7 +79,7 @@ def test_pipeline_runs_every_pass_through_the_driver(tiny):
     assert set(plan.program.stages.values()) == {0, 1}
     assert result.program.tensor_parallel is not None and result.partition is not None
     # Model FLOPs are the whole model's, counted before TP halves every matmul.
-    whole = total_cost(cost_pass(canonicalize_pass(fxpipe.compiler.capture(tiny.model, tiny.example_inputs,
+    whole = total_cost(cost_pass(canonicalize_pass(fxpipe.capture(tiny.model, tiny.example_inputs,
                                                                   tiny.loss_fn))))
     assert result.stats.flops_per_step == (whole.fwd_flops + whole.bwd_flops) * 4
     per_rank = sum(c.fwd_flops + c.bwd_flops for c in result.program.costs.values())

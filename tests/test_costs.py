@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 
 def _program(batch=2, name="gpt-tiny"):
     w = build_workload(name, batch=batch, seq=16, layers=4)
-    program, _ = run_passes(fxpipe.compiler.capture(w.model, w.example_inputs, w.loss_fn))
+    program, _ = run_passes(fxpipe.capture(w.model, w.example_inputs, w.loss_fn))
     return w, program
 
 

@@ -21,7 +21,7 @@ from fxpipe import cli
 from fxpipe.models import build_workload
 from fxpipe.job.preflight_files import check_schedule
 from fxpipe.checkpoint.files import step_dirname
-from fxpipe.job.train import _batch_hint
+from fxpipe.job.config import _batch_hint
 from tests._ckpt_files import edit_manifest, make_checkpoint, schedule
 from tests.runtime.test_checkpoint_trust import _within
 
@@ -137,7 +137,7 @@ def test_tampered_schedule_falls_back_to_the_intact_step(tmp_path, monkeypatch, 
         make_checkpoint(root, s, names=TINY_NAMES, source="GPT")
     edit_manifest(root / step_dirname(4), extra={"lr_scheduler": dict(schedule(4), base_lrs=[2e6])})
     from fxpipe.job.preflight_files import resume_path
-    from fxpipe.job.train import TrainConfig
+    from fxpipe.job.config import TrainConfig
     assert resume_path(TrainConfig(checkpoint_dir=str(root), resume=True)) == root / step_dirname(2)
     assert _launched(RUN + ["--checkpoint-dir", root, "--resume"], monkeypatch, capsys).resume
 
@@ -348,7 +348,7 @@ def test_every_registry_model_passes_or_is_refused_in_one_line(monkeypatch):
     import fxpipe.job.preflight as preflight
     from fxpipe.ir.parallel_config import ParallelConfig
     from fxpipe.models import registry
-    from fxpipe.job.train import TrainConfig
+    from fxpipe.job.config import TrainConfig
 
     devices = {n: preflight.capture_device(n) for n in registry.model_names()}
     for name, cfg in list(registry.GPT_CONFIGS.items()):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fxpipe.models import build_workload
-from fxpipe.job.components import LRSchedule, lr_factor, param_groups
+from fxpipe.job.components import lr_factor, param_groups
+from fxpipe.job.config import LRSchedule
 
 LR, MIN_LR, WARMUP, STEPS = 1e-3, 1e-4, 10, 110
 

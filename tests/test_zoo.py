@@ -33,7 +33,7 @@ def _zoo_name(key):
 @pytest.fixture(scope="module", params=list(ZOO))
 def captured(request):
     w = build_workload(_zoo_name(request.param), batch=2, seq=16)
-    return request.param, w, fxpipe.compiler.capture(w.model, w.example_inputs, w.loss_fn)
+    return request.param, w, fxpipe.capture(w.model, w.example_inputs, w.loss_fn)
 
 
 def test_every_zoo_model_has_a_feature_check():

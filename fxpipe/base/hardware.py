@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # keep this module free of torch: the planner imports it
-    from fxpipe.ir.program import NodeCost
+    from fxpipe.base.op_cost import NodeCost
 
 
 class Collective(enum.Enum):

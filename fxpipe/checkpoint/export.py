@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from fxpipe.checkpoint.files import SafeReader, is_complete, resolve
+from fxpipe.checkpoint.state import _model_state, read_dcp, state_dict_names
 from fxpipe.checkpoint.manifest import CorruptCheckpointError, file_names, read_manifest, verify
 
 # safetensors dtype codes (the format's spec: huggingface/safetensors README).
@@ -45,7 +46,6 @@ MAX_SHARD_BYTES = 5 * 2**30
 def _quiet_load(tensors: dict[str, torch.Tensor], path: Path) -> None:
     with warnings.catch_warnings():  # DCP notes that it loads without a process group: intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        from fxpipe.checkpoint.dcp import read_dcp
         read_dcp(tensors, path, no_dist=True)
 
 
@@ -200,8 +200,6 @@ def export_consolidated(source: Any, path: str | os.PathLike, *, hf_config: Any 
     out = Path(path)
     if isinstance(source, (str, os.PathLike)):
         return _export(_directory_source(source), out, hf_config, max_shard_bytes)
-    from fxpipe.checkpoint.dcp import _model_state, state_dict_names
-
     pm, rank = source, dist.get_rank()
     tmp = out.parent / f".{out.name}.model-only.tmp"
     if rank == 0:

@@ -11,7 +11,7 @@ import sys
 from typing import Sequence
 
 from fxpipe.cli import calibrate, compile, plan, run, viz
-from fxpipe.cli.flags import positive_float, positive_int
+from fxpipe.job.flags import positive_float, positive_int
 
 __all__ = ["build_parser", "main", "positive_float", "positive_int"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from fxpipe.cli.flags import LAYOUT_FLAGS, TARGET_FLAGS, TRAIN_FLAGS, add_flags, given, with_layout
+from fxpipe.job.flags import LAYOUT_FLAGS, TARGET_FLAGS, TRAIN_FLAGS, add_flags, given, with_layout
 from fxpipe.ir.parallel_config import ParallelConfig
 
 

@@ -7,8 +7,8 @@ import dataclasses
 import enum
 import os
 
-from fxpipe.cli.flags import LAYOUT_FLAGS, TRAIN_FLAGS, add_flags, given, with_layout
-from fxpipe.job.train import TrainConfig
+from fxpipe.job.flags import LAYOUT_FLAGS, TRAIN_FLAGS, add_flags, given, with_layout
+from fxpipe.job.config import TrainConfig
 
 DEFAULT = TrainConfig()
 """The embedded default: gpt-small on the standard library's source, tp=2 × pp=2."""

@@ -140,7 +140,7 @@ def capture(model: nn.Module, example_inputs: Any,
     ``example_inputs`` is one batch, a tuple of tensors; with ``loss_fn`` its last
     item is the target. Works on meta tensors (no weights allocated)::
 
-        prog = fxpipe.compiler.capture(GPT(cfg), (idx, targets))
+        prog = fxpipe.capture(GPT(cfg), (idx, targets))
         loss = prog.run(prog.state, idx, targets)
     """
     inputs = _check_inputs(example_inputs)

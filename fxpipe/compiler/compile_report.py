@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from fxpipe.passes.node_cost import VIEW_OPS
+from fxpipe.ir.op_tables import VIEW_OPS
 from fxpipe.passes.driver import PassTiming
 from fxpipe.ir.program import ParamKind, Program
 from fxpipe.ir.sizes import describe_hints, unbacked_symbols

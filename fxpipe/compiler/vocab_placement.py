@@ -32,22 +32,10 @@ from fxpipe.schedules.actions import Schedule
 from fxpipe.schedules.registry import generate
 from fxpipe.schedules.simulate import StageDurations
 from fxpipe.schedules.vocab_actions import add_vocab_passes, place_vocab_passes
+from fxpipe.ir.pass_results import VocabTiming
 
 STATS_PER_TOKEN = 3
 """fp32 softmax statistics all-reduced per token: max, sum-exp and target logit."""
-
-
-@dataclass(frozen=True)
-class VocabTiming:
-    """What the vocabulary passes are placed on, in seconds per microbatch."""
-    durations: StageDurations
-    """Each stage's F, B and W without the head (W: half of B, as ``StageDurations.uniform``),
-    and per pp rank its S and T: 1/pp of the head's forward and backward."""
-    p2p_latency: float
-    """A stage-boundary transfer: the head's hidden state over the link."""
-    collective_latency: tuple[float, float, float]
-    """BCAST_H, ALLREDUCE_S and REDUCE_G: the hidden state, the statistics and the
-    hidden state's gradient, each priced as one transfer of its payload over the link."""
 
 
 def vocab_timing(plan: PipelinePlan, config: ParallelConfig) -> VocabTiming | None:

@@ -20,6 +20,7 @@ from fxpipe.costs.measure import chunks, time_groups
 from fxpipe.costs.profile import (CostProfile, ProfileError, cache_path, check_usable, device_name,
                                   profile_key)
 from fxpipe.partition import Coarsening, coarsen
+from fxpipe.ir.parallel_config import parse_costs
 
 __all__ = ["CostProfile", "ProfileError", "apply_profile", "measured_profile",
            "parse_costs", "probe_groups"]
@@ -28,19 +29,6 @@ PROBE_GROUPS = 64
 """Probe groups timed per model: fine enough that the ILP's cuts fall between or
 inside groups whose time is known, coarse enough that each timing is well above the
 timer's and Python's per-call overhead."""
-
-
-def parse_costs(costs) -> str:
-    """'measure', 'model' or the path of an existing profile; anything else is an error
-    naming the choices."""
-    import os
-
-    if isinstance(costs, os.PathLike):
-        costs = os.fspath(costs)
-    if isinstance(costs, str) and (costs in ("measure", "model") or os.path.isfile(costs)):
-        return costs
-    raise ValueError(f"costs must be 'measure', 'model' or the path of a cost profile file, got {costs!r}"
-                     + (" (no such file)" if isinstance(costs, str) else ""))
 
 
 def probe_groups(program, config) -> tuple:

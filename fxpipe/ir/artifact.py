@@ -15,23 +15,13 @@ from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.ir.program import Program
 from fxpipe.schedules.actions import Schedule
 from fxpipe.ir.shard_spec import ShardSpec, expert_rank_spec, rank_specs
+from fxpipe.ir.pass_configs import PartitionConfig
+from fxpipe.ir.pass_results import ModelStats, TokenInput, VocabTiming
+from fxpipe.ir.tp_result import TPCoverage
+from fxpipe.partition.result import PartitionResult
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # a type hint only: the config module is heavier than the artifact's readers need
     from fxpipe.ir.parallel_config import ParallelConfig
-    from fxpipe.partition import PartitionResult
-    from fxpipe.passes.assign_stages import PartitionConfig
-    from fxpipe.passes.tensor_parallel.coverage import TPCoverage
-    from fxpipe.ir.token_inputs import TokenInput
-    from fxpipe.compiler.vocab_placement import VocabTiming
-
-
-@dataclass(frozen=True)
-class ModelStats:
-    """Whole-model numbers, counted before tensor parallelism shards the graph."""
-    num_parameters: int
-    flops_per_step: int
-    """Model FLOPs of one step over the global batch: matmul forward + backward, the
-    quantity of Megatron's 72·B·s·l·h²(1 + s/6h + V/12lh) (no recomputation)."""
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 from fxpipe.partition.result import Method
 from fxpipe.base.recompute_mode import RecomputeMode
+from fxpipe.base.hardware import get_hardware
+from fxpipe.ir.pass_configs import EPConfig, PartitionConfig, TPConfig
+from fxpipe.schedules.inflight import stage_inflight
 from fxpipe.schedules.registry import ScheduleKind, generate, get_spec
-from fxpipe.runtime.precision import Precision
+from fxpipe.schedules.vocab_actions import add_vocab_passes
+from fxpipe.base.precision import Precision
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +57,7 @@ class ParallelConfig:
     zero: int = 0
     """1: ZeRO stage 1 over data parallel (``runtime/zero.py``)."""
     ep: int = 1
-    """Expert parallelism (``passes/expert_parallel.py``): each grouped MoE's experts owned by
+    """Expert parallelism (``ir/pass_configs.py``): each grouped MoE's experts owned by
     ep consecutive data-parallel ranks, E/ep each, tokens exchanged by all-to-all; must
     divide dp. 1: every replica holds every expert."""
     costs: str = "measure"
@@ -114,7 +119,6 @@ class ParallelConfig:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout_s}")
         if self.memory_limit_gb is not None and not self.memory_limit_gb > 0:
             raise ValueError(f"memory_limit_gb must be positive, got {self.memory_limit_gb}")
-        from fxpipe.costs import parse_costs
         fix("costs", parse_costs(self.costs))
         spec = get_spec(self.schedule)
         chunks = spec.default_chunks if self.chunks is None else self.chunks
@@ -137,8 +141,6 @@ class ParallelConfig:
     # ---- derived -------------------------------------------------------------------------
     def with_world(self, world_size: int) -> "ParallelConfig":
         """``dp`` resolved against the number of processes (a mismatch is an error)."""
-        from fxpipe.runtime.mesh import resolve_dp
-
         return dataclasses.replace(self, dp=resolve_dp(world_size, self.tp, self.pp, self.dp))
 
     @property
@@ -155,17 +157,13 @@ class ParallelConfig:
         return None if self.memory_limit_gb is None else int(self.memory_limit_gb * 2**30)
 
     @property
-    def tensor_parallel(self):
-        """The tensor-parallel pass's view (``ir/tp_config.py``)."""
-        from fxpipe.passes.tensor_parallel import TPConfig
-
+    def tensor_parallel(self) -> TPConfig:
+        """The tensor-parallel pass's view (``ir/pass_configs.py``)."""
         return TPConfig(tp=self.tp, sp=self.sp, scatter_gather=self.scatter_gather, strict=self.strict_tp)
 
     @property
-    def expert_parallel(self):
-        """The expert-parallel pass's view (``passes/expert_parallel.py``); checks that ep divides dp."""
-        from fxpipe.passes.expert_parallel import EPConfig
-
+    def expert_parallel(self) -> EPConfig:
+        """The expert-parallel pass's view (``ir/pass_configs.py``); checks that ep divides dp."""
         return EPConfig(ep=self.ep, dp=self.replicas if self.dp is not None else self.ep)
 
     @property
@@ -179,16 +177,11 @@ class ParallelConfig:
         re-places them on the stages' costs after the split: ``fxpipe/compiler/vocab_placement.py``)."""
         schedule = generate(self.schedule, self.pp, self.num_microbatches, self.chunks)
         if self.vocab_passes:
-            from fxpipe.schedules.vocab_actions import add_vocab_passes
-
             schedule = add_vocab_passes(schedule)
         return schedule
 
-    def partition_config(self, schedule):
+    def partition_config(self, schedule) -> PartitionConfig:
         """The partition pass's config for ``schedule`` (this config's schedule_ir())."""
-        from fxpipe.base.hardware import get_hardware
-        from fxpipe.passes.assign_stages import PartitionConfig, stage_inflight
-
         return PartitionConfig(num_stages=schedule.num_stages, stage_to_rank=schedule.stage_ranks,
                                inflight=stage_inflight(schedule), method=self.partition,
                                memory_limit_bytes=self.memory_limit_bytes, hardware=get_hardware(self.hardware),
@@ -208,3 +201,28 @@ def _init(self, *, microbatches: int | None = None, **fields) -> None:
 
 
 ParallelConfig.__init__ = _init  # type: ignore[method-assign]
+
+
+def parse_costs(costs) -> str:
+    """'measure', 'model' or the path of an existing profile; anything else is an error
+    naming the choices."""
+
+
+    if isinstance(costs, os.PathLike):
+        costs = os.fspath(costs)
+    if isinstance(costs, str) and (costs in ("measure", "model") or os.path.isfile(costs)):
+        return costs
+    raise ValueError(f"costs must be 'measure', 'model' or the path of a cost profile file, got {costs!r}"
+                     + (" (no such file)" if isinstance(costs, str) else ""))
+
+
+def resolve_dp(world_size: int, tp: int, pp: int, dp: int | None) -> int:
+    """dp defaults to world_size / (tp·pp); any mismatch is a user error."""
+    if world_size % (tp * pp):
+        raise ValueError(f"world size {world_size} is not divisible by tp·pp = {tp}·{pp} = {tp * pp}; "
+                         f"launch a multiple of {tp * pp} processes or change tp/pp")
+    implied = world_size // (tp * pp)
+    if dp is not None and dp != implied:
+        raise ValueError(f"tp·pp·dp = {tp}·{pp}·{dp} = {tp * pp * dp} but the world has {world_size} "
+                         f"processes; use dp={implied} or launch {tp * pp * dp} processes")
+    return implied

@@ -16,21 +16,18 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
+from fxpipe.base.dtypes import _itemsize, itemsize
+from fxpipe.base.op_cost import NodeCost
 
-if TYPE_CHECKING:  # pass results, typed here and defined beside the pass that writes them
-    from fxpipe.ir.artifact import ModelStats
-    from fxpipe.partition import PartitionResult
-    from fxpipe.passes.assign_stages import PartitionConfig
-    from fxpipe.passes.recompute import RecomputeRegion
-    from fxpipe.passes.split_loss import BlockwiseLoss
-    from fxpipe.passes.split_matmul import MatmulSplit
-    from fxpipe.passes.expert_parallel import EPResult
-    from fxpipe.passes.tensor_parallel import TPResult
-    from fxpipe.ir.token_inputs import TokenInput
+from fxpipe.ir.pass_configs import PartitionConfig
+from fxpipe.ir.pass_results import (BlockwiseLoss, EPResult, MatmulSplit, ModelStats, RecomputeRegion,
+                                    TokenInput)
+from fxpipe.ir.tp_result import TPResult
+from fxpipe.partition.result import PartitionResult
 
 
 class ParamKind(enum.Enum):
@@ -82,23 +79,6 @@ class TensorSpec:
     @staticmethod
     def of(t: torch.Tensor) -> "TensorSpec":
         return TensorSpec(tuple(t.shape), t.dtype)
-
-
-@dataclass(frozen=True)
-class NodeCost:
-    """Cost of one node from shapes alone (see ``fxpipe.passes.node_cost``)."""
-    fwd_flops: int
-    """Matrix-multiply FLOPs of the forward (2·M·N·K), the FLOPs of model-FLOPs formulas."""
-    bwd_flops: int
-    """Matrix-multiply FLOPs of the backward (input and weight gradients)."""
-    other_flops: int
-    """Element-wise / reduction FLOPs of the forward (one per output element, roughly)."""
-    out_bytes: int
-    """Bytes of the node's output tensor(s): what crosses a stage boundary if cut here."""
-    mem_bytes: int
-    """Bytes the forward reads and writes (inputs + outputs), for a roofline time."""
-    param_bytes: int
-    """Bytes of parameters this node reads (counted once, at the parameter's first use)."""
 
 
 @dataclass(frozen=True)
@@ -215,11 +195,3 @@ class Program:
         return outputs[self.loss_output]
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    if dtype == torch.bool:
-        return 1
-    return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    return _itemsize(dtype)

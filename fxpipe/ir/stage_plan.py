@@ -38,7 +38,7 @@ class StageValue:
 
     @property
     def nbytes(self) -> int:
-        from fxpipe.ir.program import itemsize
+        from fxpipe.base.dtypes import itemsize
         n = 1
         for d in self.spec.shape:
             n *= d

@@ -21,35 +21,15 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from fxpipe.passes.node_cost import VIEW_OPS
 from fxpipe.ir.program import Program
+from fxpipe.ir.op_tables import VALUE_PRESERVING
+from fxpipe.ir.pass_results import TokenRole, TokenInput
 
 aten = torch.ops.aten
 
-# Ops whose output holds only values of their (first) input: bounds carry through.
-VALUE_PRESERVING = VIEW_OPS | {aten.clone.default, aten._to_copy.default, aten.contiguous.default,
-                                aten.copy.default}
 _LOSS_TARGETS = {aten.cross_entropy_loss.default: 1, aten.nll_loss_forward.default: 1,
                  aten.nll_loss.default: 1, aten.nll_loss2d_forward.default: 1}
 """Loss op -> position of its class-index target argument (its input is argument 0)."""
-
-
-class TokenRole(enum.Enum):
-    EMBEDDING = "embedding index"
-    LOSS_TARGET = "loss target"
-
-
-@dataclass(frozen=True)
-class TokenInput:
-    """A batch input whose values index a table of ``vocab_size`` rows."""
-    input_index: int
-    """Position in the batch (``example_inputs`` order)."""
-    vocab_size: int
-    role: TokenRole
-    node: str
-    """The embedding or loss node, for messages."""
-    module: str = ""
-    """Module path of that node ('' when outside any submodule)."""
 
 
 def _source_input(node: object, inputs: Sequence[str]) -> int | None:

@@ -15,23 +15,10 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from fxpipe.base.enums import parse_enum
+from fxpipe.job.config import LRSchedule
 
 if TYPE_CHECKING:
-    from fxpipe.job.train import TrainConfig
-
-
-class LRSchedule(enum.Enum):
-    """What the learning rate does after the linear warm-up."""
-    CONSTANT = "constant"
-    COSINE = "cosine"
-    """Half a cosine from --lr to --min-lr over the steps after warm-up (Loshchilov &
-    Hutter 2017, SGDR, without restarts; nanoGPT's and Megatron's default)."""
-    LINEAR = "linear"
-    """A straight line from --lr to --min-lr at the last step."""
-
-    @classmethod
-    def parse(cls, name: "str | LRSchedule") -> "LRSchedule":
-        return parse_enum(cls, name, "--lr-schedule")
+    from fxpipe.job.config import TrainConfig
 
 
 def lr_factor(step: int, *, schedule: LRSchedule, warmup: int, steps: int, lr: float, min_lr: float) -> float:

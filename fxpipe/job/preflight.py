@@ -35,7 +35,7 @@ from fxpipe.job.preflight_files import (PreflightError, check_owner, check_resum
 if TYPE_CHECKING:
     from fxpipe.ir.artifact import CompiledPipeline
     from fxpipe.job.preflight_data import DataFacts
-    from fxpipe.job.train import TrainConfig
+    from fxpipe.job.config import TrainConfig
 
 META_ABOVE_PARAMS = 3e8
 """Registry GPTs larger than this are captured on the meta device."""
@@ -58,7 +58,7 @@ def check_flags(args: Any) -> None:
     says which flag to change; ``ParallelConfig`` would refuse the same values by field."""
     from fxpipe.models.registry import GPT_CONFIGS
     from fxpipe.partition import Method
-    from fxpipe.cli.viz_args import check_size
+    from fxpipe.schedules.registry import check_size
     from fxpipe.schedules.registry import generate, get_spec
 
     for name in ("tp", "pp", "dp", "microbatches"):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from fxpipe.job.preflight_files import PreflightError
 
 if TYPE_CHECKING:
-    from fxpipe.job.train import TrainConfig
+    from fxpipe.job.config import TrainConfig
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fxpipe.ir.program import Program
-    from fxpipe.job.train import TrainConfig
+    from fxpipe.job.config import TrainConfig
 
 
 class PreflightError(ValueError):

@@ -12,7 +12,7 @@ from fxpipe.runtime.balance import BalanceMeter, balance, balance_table
 
 if TYPE_CHECKING:
     from fxpipe.runtime.api import ParallelModel
-    from fxpipe.job.train import TrainConfig
+    from fxpipe.job.config import TrainConfig
 
 
 def progress_bar(step: int, total: int, loss: float, width: int = 30) -> None:

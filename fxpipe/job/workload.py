@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fxpipe.job.train import TrainConfig
+    from fxpipe.job.config import TrainConfig
 
 
 def build_job(config: "TrainConfig"):

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from fxpipe.models.losses import next_token_loss
+from fxpipe.models.workload import Workload, _token_batch
 from fxpipe.base.safe_io import read_bounded
 from fxpipe.params.hf_weights import INDEX, SINGLE
 
@@ -92,7 +93,6 @@ def build_model(directory: str, device: torch.device | str = "meta") -> torch.nn
 
 
 def dir_workload(directory: str, *, batch: int, seq: int, device: torch.device | str, seed: int):
-    from fxpipe.models.registry import Workload, _token_batch
 
     model = build_model(directory, device)
     vocab = vocab_size(model.config)

@@ -1,7 +1,7 @@
 """Models by name, for the CLI, tests and benchmarks.
 
 ``build_workload("gpt-tiny", batch=2, seq=32)`` returns the model, one example
-batch and the loss function — exactly what ``fxpipe.compiler.capture`` and
+batch and the loss function — exactly what ``fxpipe.capture`` and
 ``fxpipe.parallelize`` take. Names:
 
 - fxpipe's own GPT (``fxpipe/models/gpt.py``) at several sizes: ``gpt-tiny``,
@@ -28,34 +28,10 @@ import torch.nn as nn
 from fxpipe.models.losses import causal_lm_loss, next_token_loss
 from fxpipe.models.gpt import GPT, GPTConfig
 from fxpipe.models.hf import HF_FAMILIES
+from fxpipe.models.hf_dir import dir_workload, is_model_dir
 from fxpipe.models.zoo import VOCAB as ZOO_VOCAB
 from fxpipe.models.zoo import ZOO
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What capture needs: the model, one batch as ``train_step`` will see it, the loss."""
-    model: nn.Module
-    example_inputs: tuple[Any, ...]
-    loss_fn: Callable[..., torch.Tensor] | None = None
-    config: GPTConfig | None = None
-    """The GPT shape when known (FLOPs formulas, planner); None for HF or user models."""
-    vocab_size: int | None = None
-    """Token ids must be below this (None: unknown, e.g. a user model)."""
-    labels_shifted: bool = True
-    """True: the batch is (inputs, next tokens) — nanoGPT's convention; False: (inputs,
-    labels aligned with inputs) — Hugging Face's, where the loss shifts."""
-
-    def batch_from_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """A training batch from (B, s+1) token windows, in this model's convention. Ids
-        outside the vocabulary are refused, never clamped (that trains on other data)."""
-        if self.vocab_size is not None and tokens.numel() and tokens.device.type != "meta":
-            top = int(tokens.max())
-            if top >= self.vocab_size:
-                raise ValueError(f"token id {top} is outside the model's vocabulary of {self.vocab_size}; "
-                                 f"give the model a vocabulary of at least {top + 1}")
-        x = tokens[:, :-1].contiguous()
-        return (x, tokens[:, 1:].contiguous()) if self.labels_shifted else (x, x.clone())
+from fxpipe.models.workload import Workload, _token_batch
 
 
 GPT_CONFIGS: dict[str, GPTConfig] = {
@@ -83,14 +59,6 @@ def model_names() -> list[str]:
     is missing is left out; building it says which extra to install)."""
     return [*GPT_CONFIGS, *(f"hf:{k}" for k in HF_FAMILIES),
             *(f"zoo:{k}" for k, m in ZOO.items() if m.available)]
-
-
-def _token_batch(batch: int, seq: int, vocab: int, device: torch.device | str,
-                 seed: int) -> torch.Tensor:
-    if torch.device(device).type == "meta":
-        return torch.empty(batch, seq, dtype=torch.long, device="meta")
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
 
 
 def build_workload(name: str, *, batch: int = 2, seq: int | None = None,
@@ -132,7 +100,6 @@ def build_workload(name: str, *, batch: int = 2, seq: int | None = None,
                         labels_shifted=False)
     if name.startswith("zoo:"):
         return _zoo_workload(name, batch, seq or 16, device, seed, layers or 2)
-    from fxpipe.models.hf_dir import dir_workload, is_model_dir
     if is_model_dir(name):  # a Hugging Face model directory (fxpipe/models/hf_dir.py)
         return dir_workload(name, batch=batch, seq=seq or 128, device=device, seed=seed)
     if ":" in name:

@@ -16,74 +16,13 @@ import networkx as nx
 from fxpipe.base.hardware import CPU, Hardware
 from fxpipe.partition import Method, PartitionError, PartitionProblem, PartitionResult, coarsen, partition
 from fxpipe.partition.memory_floor import MemoryLimitError, gib
-from fxpipe.passes.node_cost import VIEW_OPS
+from fxpipe.ir.op_tables import VIEW_OPS
 from fxpipe.passes.split import side_values
 from fxpipe.ir.program import ParamKind, Program
 from fxpipe.ir.sizes import is_dynamic
 from fxpipe.schedules.actions import ActionKind, Schedule
-
-
-@dataclass(frozen=True, kw_only=True)
-class PartitionConfig:
-    num_stages: int
-    """S = p·v."""
-    stage_to_rank: tuple[int, ...]
-    inflight: tuple[int, ...]
-    """Peak microbatches whose activations each stage holds (``stage_inflight``)."""
-    method: Method = Method.ILP
-    """ilp | uniform | params | dp (a name is parsed by ``Method.parse``)."""
-    memory_limit_bytes: int | None = None
-    hardware: Hardware = CPU
-    state_bytes_per_param_byte: float = 4.0
-    """Bytes held per byte of parameter: the parameter, its gradient, and Adam's two
-    moments, all in the parameter's dtype (fp32: 4 × 4 = 16 bytes per parameter)."""
-    activation_scale: float = 1.0
-    """Multiplies every activation estimate: e.g. 1/tp for a model that will be
-    tensor-parallel with sequence parallelism (Korthikanti et al. 2022), 0.5 for
-    bf16 activations of an fp32 capture."""
-    allow_over_limit: bool = False
-    """Return a plan over ``memory_limit_bytes`` instead of raising (uniform, params and dp
-    may produce one: the first two ignore memory, dp falls back to the memory-blind
-    optimum); for comparison tables. The ILP always honours the limit or raises."""
-    node_times: Mapping[Any, tuple[float, float]] | None = None
-    """Measured (fwd, bwd) seconds per fine node (``fxpipe.costs``); None: the hardware
-    model's estimate from FLOPs and bytes."""
-    elsewhere: frozenset[str] = frozenset()
-    """Nodes that run outside the stages (the LM head and its loss under vocabulary passes,
-    ``passes/vocab_head.py``: split over every rank): no time, no parameter memory and no
-    activation for the stage holding them; their outputs still cost their bytes if cut."""
-    spread: frozenset[str] = frozenset()
-    """Canonical names of parameters that every pipeline rank holds an even share of rows
-    of after ``vocab_rows`` (the LM head and its embedding table under vocabulary passes,
-    ``vocab_head.vocab_row_params``): their state is charged ceil(bytes / ranks) to every
-    rank rather than whole to the stage whose op reads them."""
-    link: tuple[float, float] | None = None
-    """Measured (latency s, bandwidth B/s) between pipeline ranks; None: the hardware's."""
-    max_groups: int = 256
-    time_limit_s: float = 10.0
-    seed: int = 0
-    num_workers: int = 1
-
-    def __post_init__(self) -> None:
-        if len(self.stage_to_rank) != self.num_stages or len(self.inflight) != self.num_stages:
-            raise ValueError("stage_to_rank and inflight need one entry per stage")
-        object.__setattr__(self, "method", Method.parse(self.method))  # frozen
-
-
-def stage_inflight(schedule: Schedule) -> tuple[int, ...]:
-    """Per stage, the most microbatches between their F and the backward action that
-    frees them (B, or W when the backward is split), from the action order alone."""
-    frees = ActionKind.W if schedule.splits_backward else ActionKind.B
-    peak = [0] * schedule.num_stages
-    for rank in schedule.actions:
-        live = [0] * schedule.num_stages
-        for a in rank:
-            if a.kind is ActionKind.F:
-                live[a.stage] += 1
-                peak[a.stage] = max(peak[a.stage], live[a.stage])
-            elif a.kind is frees:
-                live[a.stage] -= 1
-    return tuple(max(1, x) for x in peak)
+from fxpipe.ir.pass_configs import PartitionConfig
+from fxpipe.schedules.inflight import stage_inflight
 
 
 def build_problem_graph(program: Program, config: PartitionConfig) -> nx.DiGraph:

@@ -30,52 +30,11 @@ from fxpipe.ep.dispatch import ep_combine, ep_dispatch
 from fxpipe.passes.tensor_parallel.graph_ops import SPLITS, TRANSPOSES, arg, is_grouped_mm, is_pointwise, shape
 from fxpipe.ir.program import ParamKind, Program
 from fxpipe.ir.shard_spec import ShardKind, ShardSpec
+from fxpipe.ir.pass_results import ExpertLayer, EPResult
+from fxpipe.ir.pass_configs import EPConfig
 
 aten = torch.ops.aten
 _ROW_WISE = frozenset({aten.slice.Tensor, aten.narrow.default, *SPLITS})  # along features only
-
-
-@dataclass(frozen=True, kw_only=True)
-class EPConfig:
-    ep: int
-    """Expert-parallel ranks: each owns E/ep experts of every MoE layer."""
-    dp: int
-    """Data-parallel replicas; ep must divide it (an expert group is ep consecutive dp ranks)."""
-
-    def __post_init__(self) -> None:
-        for name in ("ep", "dp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.dp % self.ep:
-            divisors = [d for d in range(1, self.dp + 1) if self.dp % d == 0]
-            raise ValueError(f"ep={self.ep} does not divide dp={self.dp}: the experts are owned by data-parallel "
-                             f"ranks, choose ep among {divisors}")
-
-
-@dataclass(frozen=True)
-class ExpertLayer:
-    layer: int
-    """Index among the graph's grouped MoEs (the key of the tokens-per-expert counts)."""
-    experts: int
-    params: tuple[str, ...]
-    """Canonical names of its stacked expert weights."""
-    dispatch: str
-    """Node that dispatches its tokens."""
-
-
-@dataclass(frozen=True)
-class EPResult:
-    ep: int
-    layers: tuple[ExpertLayer, ...]
-    specs: dict[str, ShardSpec]
-    """Canonical name -> which experts each expert-parallel rank holds (dim 0 ranges)."""
-    skipped: tuple[str, ...] = ()
-    """Grouped matmuls left data-parallel, each with why."""
-
-    @property
-    def expert_params(self) -> frozenset[str]:
-        return frozenset(self.specs)
 
 
 def _stacked_param(node: object, params: dict[str, str]) -> str | None:

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from fxpipe.ir.program import NodeCost, ParamKind, Program, itemsize
 from fxpipe.ir.sizes import concrete, numel
+from fxpipe.ir.op_tables import VIEW_OPS
 
 aten = torch.ops.aten
 
@@ -73,17 +74,6 @@ _MATMUL: dict[Any, Callable[[fx.Node, Mapping[str, int]], int]] = {
     aten._scaled_dot_product_efficient_attention.default: _sdpa_flops,
     aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_flops,
 }
-
-# Ops that only re-describe memory: no FLOPs, no traffic (a cut still sends their output).
-VIEW_OPS = frozenset({
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
-    aten.permute.default, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
-    aten.squeeze.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
-    aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.alias.default,
-    aten.detach.default, aten.unflatten.int, aten.flatten.using_ints, aten.unbind.int,
-    aten.view_as.default, aten.as_strided.default, aten.to.dtype_layout, aten.to.dtype,
-    aten._assert_tensor_metadata.default, aten.lift_fresh_copy.default,
-})
 
 
 # Composite ops that materialise an intermediate as large as an input: its write and

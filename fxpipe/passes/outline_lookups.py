@@ -32,7 +32,7 @@ from fxpipe.ir.stage_plan import PipelinePlan, Stage, VocabLookup
 from fxpipe.ir.program import TensorSpec
 from fxpipe.ir.subgraph import copy_subgraph
 from fxpipe.tp.ops import OPS
-from fxpipe.ir.token_inputs import VALUE_PRESERVING
+from fxpipe.ir.op_tables import VALUE_PRESERVING
 
 aten = torch.ops.aten
 

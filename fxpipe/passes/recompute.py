@@ -36,6 +36,7 @@ from fxpipe.base.recompute_mode import RecomputeMode  # noqa: F401  (re-exported
 from fxpipe.ir.recompute_region import CheckpointedRegion
 from fxpipe.ir.subgraph import boundary, copy_subgraph
 from fxpipe.ir.program import NodeCost, Program
+from fxpipe.ir.pass_results import RecomputeRegion
 
 aten = torch.ops.aten
 
@@ -59,20 +60,6 @@ class RecomputeConfig:
         if not isinstance(self.mode, RecomputeMode):
             raise TypeError(f"mode must be a RecomputeMode, got {self.mode!r}; "
                             f"use RecomputeMode.parse({self.mode!r})")
-
-
-@dataclass(frozen=True)
-class RecomputeRegion:
-    """One outlined region: what it holds and what crosses its boundary."""
-    name: str
-    """Name of its submodule and of the call node that replaced it."""
-    layer: int
-    mode: RecomputeMode
-    nodes: tuple[str, ...]
-    """Original node names, in graph order (they keep these names inside the body)."""
-    inputs: tuple[str, ...]
-    """Values the forward keeps for backward (parameters among them cost nothing)."""
-    outputs: tuple[str, ...]
 
 
 # Matrix multiplies. One with a parameter operand is a projection (a region boundary);

@@ -62,6 +62,7 @@ from fxpipe.passes.split_matmul import MatmulSplit, call
 from fxpipe.ir.loss_chain import ChainKind, ChainOp, Reduction
 from fxpipe.ir.program import Program
 from fxpipe.tp.ops import OPS
+from fxpipe.ir.pass_results import LossBlock, BlockwiseLoss
 
 aten = torch.ops.aten
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -69,27 +70,6 @@ _IDENTITY = (aten.alias.default, aten.clone.default)
 _CASTS = (aten._to_copy.default, aten.to.dtype)
 _NLL = (aten.nll_loss_forward.default, aten.nll_loss_nd.default, aten.nll_loss.default)
 _LOG_SOFTMAX = (aten._log_softmax.default, aten.log_softmax.int)
-
-
-@dataclass(frozen=True)
-class LossBlock:
-    """One block's share of the loss, folded into the running (lse, pick) of the blocks
-    before it."""
-    logits: str
-    """The block's matmul node (``MatmulBlock.output``)."""
-    acc: str
-    """(2, N): [logsumexp, target logit] over this block and all blocks before it."""
-    nodes: tuple[str, ...]
-    """Every node built for the block, the replayed chain first, ``acc`` last."""
-
-
-@dataclass(frozen=True)
-class BlockwiseLoss:
-    """A cross-entropy rewritten over the blocks of one split matmul."""
-    chain: tuple[ChainOp, ...]
-    target: str
-    blocks: tuple[LossBlock, ...]
-    """In block order; the last block's ``acc`` feeds the loss."""
 
 
 @dataclass(frozen=True)

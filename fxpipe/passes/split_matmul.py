@@ -56,6 +56,7 @@ from torch._guards import detect_fake_mode
 
 from fxpipe.passes.node_cost import cost_pass
 from fxpipe.ir.program import Program
+from fxpipe.ir.pass_results import MatmulBlock, MatmulSplit
 
 aten = torch.ops.aten
 MAX_BLOCKS = 32
@@ -63,34 +64,6 @@ BLOCKS_PER_SHARE = 8
 """Blocks per stage share: an op of share f of the matmul FLOPs gets ceil(f · 8 · S) blocks
 (at most MAX_BLOCKS), each at most an eighth of a stage's share (module docstring)."""
 MATMULS = (aten.linear.default, aten.addmm.default, aten.mm.default)
-
-
-@dataclass(frozen=True)
-class MatmulBlock:
-    """Output features [start, end) of a split matmul."""
-    start: int
-    end: int
-    output: str
-    """The block's matmul node."""
-    nodes: tuple[str, ...]
-    """Every node built for the block: weight (and bias) slice, then the matmul."""
-
-
-@dataclass(frozen=True)
-class MatmulSplit:
-    """One matmul cut into output-feature blocks: what rebuilding any range needs."""
-    target: Any
-    """aten.linear / aten.addmm / aten.mm."""
-    x: str
-    weight: str
-    bias: str | None
-    weight_dim: int
-    """The weight's output-feature dim: 0 for linear ([out, in]), 1 for addmm / mm ([in, out])."""
-    kwargs: tuple[tuple[str, Any], ...]
-    key: str
-    """Module path of the op that was cut; block i of k is keyed ``key[i/k]``."""
-    blocks: tuple[MatmulBlock, ...]
-    """In output-feature order."""
 
 
 def _blocks(n: int, k: int) -> list[tuple[int, int]]:

@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any, Iterable
 
 import torch.distributed as dist
+from fxpipe.ir.parallel_config import resolve_dp
 
 
 @dataclass(frozen=True)
@@ -51,18 +52,6 @@ class Mesh:
     def pp_groups(self) -> list[list[int]]:
         return [[self.rank(pp=p, dp=d, tp=t) for p in range(self.pp)]
                 for d in range(self.dp) for t in range(self.tp)]
-
-
-def resolve_dp(world_size: int, tp: int, pp: int, dp: int | None) -> int:
-    """dp defaults to world_size / (tp·pp); any mismatch is a user error."""
-    if world_size % (tp * pp):
-        raise ValueError(f"world size {world_size} is not divisible by tp·pp = {tp}·{pp} = {tp * pp}; "
-                         f"launch a multiple of {tp * pp} processes or change tp/pp")
-    implied = world_size // (tp * pp)
-    if dp is not None and dp != implied:
-        raise ValueError(f"tp·pp·dp = {tp}·{pp}·{dp} = {tp * pp * dp} but the world has {world_size} "
-                         f"processes; use dp={implied} or launch {tp * pp * dp} processes")
-    return implied
 
 
 @dataclass

@@ -20,26 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-
-class Precision(enum.Enum):
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16,
-                Precision.FP16: torch.float16}[self]
-
-    @staticmethod
-    def parse(name: "str | Precision") -> "Precision":
-        if isinstance(name, Precision):
-            return name
-        try:
-            return Precision(name)
-        except ValueError:
-            raise ValueError(f"unknown precision {name!r}; valid: fp32, bf16, fp16") from None
+from fxpipe.base.precision import Precision
 
 
 @dataclass

@@ -77,3 +77,19 @@ def generate(
     """
     spec = get_spec(name)
     return spec.build(num_ranks, num_microbatches, spec.default_chunks if num_chunks is None else num_chunks)
+
+
+MAX_PAIRS = 100_000
+
+
+MAX_PAIRS_IMAGE = 20_000
+
+
+def check_size(pp: int, microbatches: int, chunks: int | None, *, image: bool = False) -> None:
+    """Refuse a schedule too large to generate and draw here, naming the limit."""
+    limit = MAX_PAIRS_IMAGE if image else MAX_PAIRS
+    v = chunks or 1
+    if pp * v * microbatches > limit:
+        what = "an image" if image else "a schedule"
+        raise ValueError(f"--pp {pp} × --microbatches {microbatches} × {v} chunk(s) = {pp * v * microbatches} "
+                         f"stage-microbatch pairs; fxpipe draws {what} of at most {limit}: use fewer")

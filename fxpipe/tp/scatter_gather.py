@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from fxpipe.ir.program import itemsize
+from fxpipe.base.dtypes import itemsize
 from fxpipe.tp.group import TPGroup
 
 

@@ -10,11 +10,11 @@ import pytest
 
 from fxpipe.cli import build_parser
 from fxpipe.cli.compile import DEFAULT_LAYOUT, SKIPPED, CompileTarget
-from fxpipe.cli.flags import LAYOUT_FLAGS, TARGET_FLAGS, TRAIN_FLAGS
+from fxpipe.job.flags import LAYOUT_FLAGS, TARGET_FLAGS, TRAIN_FLAGS
 from fxpipe.cli.run import DEFAULT, resolve
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.job.config_file import read_config, to_toml
-from fxpipe.job.train import TrainConfig
+from fxpipe.job.config import TrainConfig
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:

@@ -158,7 +158,7 @@ def test_files_that_are_neither_text_nor_tokens_are_refused(tmp_path):
 def test_model_directory_tokenizer_and_pickled_weights(tmp_path):
     """A model directory's own tokenizer is used whatever form it takes (never bytes for a
     model that brought one); weights only as pickles are refused, not trained from scratch."""
-    from fxpipe.job.train import TrainConfig
+    from fxpipe.job.config import TrainConfig
     from fxpipe.job.workload import tokenizer_path, weights_dir
 
     (tmp_path / "config.json").write_text("{}")

@@ -36,7 +36,7 @@ def _captured(name: str, seq: int, dropout: float, attn_dropout: bool, batch: in
             for block in model.transformer.h:
                 block.attn.dropout = 0.0
     # Passes never mutate their input: one capture serves every TP config.
-    return fxpipe.compiler.capture(model, w.example_inputs, w.loss_fn), tuple(w.example_inputs), model.config
+    return fxpipe.capture(model, w.example_inputs, w.loss_fn), tuple(w.example_inputs), model.config
 
 
 @lru_cache(maxsize=None)

@@ -7,7 +7,7 @@ from fxpipe.passes.device import retarget_device_pass
 
 def test_factory_ops_follow_the_target_device():
     w = build_workload("hf:llama", batch=2, seq=8)
-    prog = fxpipe.compiler.capture(w.model, w.example_inputs, w.loss_fn)
+    prog = fxpipe.capture(w.model, w.example_inputs, w.loss_fn)
     devices = lambda p: {n.kwargs["device"] for n in p.graph.nodes if "device" in n.kwargs}
     assert torch.device("cpu") in devices(prog)
     moved = retarget_device_pass(prog, torch.device("meta"))

@@ -8,7 +8,7 @@ from fxpipe.passes import DEFAULT_PASSES, PassSpec, ProgramInvariantError, pass_
 @pytest.fixture(scope="module")
 def program():
     w = build_workload("gpt-tiny")
-    return fxpipe.compiler.capture(w.model, w.example_inputs), w
+    return fxpipe.capture(w.model, w.example_inputs), w
 
 
 def test_runs_in_order_with_timings(program):

@@ -36,7 +36,7 @@ def _tokens_per_expert(model: DroplessMoE, idx: torch.Tensor) -> list[int]:
 
 def test_sizes_are_those_of_the_example_batch():
     model, inputs = _moe()
-    prog = fxpipe.compiler.capture(model, inputs)
+    prog = fxpipe.capture(model, inputs)
     symbols = unbacked_symbols(prog.graph_module)
     assert len(symbols) >= 8  # one routed-token count per expert and layer at least
     with torch.no_grad():
@@ -49,7 +49,7 @@ def test_sizes_are_those_of_the_example_batch():
 
 def test_meta_capture_prices_sizes_at_their_upper_bound():
     model, inputs = _moe("meta")
-    prog = fxpipe.compiler.capture(model, inputs)
+    prog = fxpipe.capture(model, inputs)
     assert prog.size_hints == {}
     prog, _ = run_passes(prog)  # the cost pass used to raise GuardOnDataDependentSymNode
     tokens = inputs[0].numel()
@@ -64,7 +64,7 @@ def test_meta_capture_prices_sizes_at_their_upper_bound():
 @pytest.mark.parametrize("stages", [2, 4])
 def test_partition_never_cuts_a_data_dependent_value(stages):
     model, inputs = _moe()
-    prog, _ = run_passes(fxpipe.compiler.capture(model, inputs))
+    prog, _ = run_passes(fxpipe.capture(model, inputs))
     cfg = PartitionConfig(num_stages=stages, stage_to_rank=tuple(range(stages)),
                           inflight=(1,) * stages, method="ilp")  # cuts inside layers too
     plan = split_pass(partition_pass(prog, cfg), num_stages=stages)
@@ -74,7 +74,7 @@ def test_partition_never_cuts_a_data_dependent_value(stages):
 
 def test_a_cut_through_a_data_dependent_value_is_refused_by_name():
     model, inputs = _moe()
-    prog, _ = run_passes(fxpipe.compiler.capture(model, inputs))
+    prog, _ = run_passes(fxpipe.capture(model, inputs))
     nodes = prog.call_nodes()
     cut = next(i for i, n in enumerate(nodes)
                if is_dynamic(n.meta.get("val")) and n.target == torch.ops.aten.index.Tensor)

@@ -24,7 +24,7 @@ def _capture(form):
     batch = (ids, ids.roll(-1, 1))
     torch.manual_seed(1)
     model = StackedExperts(form)
-    return model, canonicalize_pass(fxpipe.compiler.capture(model, tuple(t[:1] for t in batch))), batch
+    return model, canonicalize_pass(fxpipe.capture(model, tuple(t[:1] for t in batch))), batch
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ def _raw_writes(model: nn.Module, inputs) -> list[str]:
 
 def _check_exact(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fxpipe.Program:
     """The captured program's loss and gradients equal eager's bit for bit."""
-    prog = fxpipe.compiler.capture(model, inputs)
+    prog = fxpipe.capture(model, inputs)
     assert _writes(prog.graph_module) == []
     state = {k: t.detach().clone().requires_grad_(t.requires_grad) for k, t in prog.state.items()}
     xs = tuple(x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs)
@@ -152,7 +152,7 @@ class _Counter(nn.Module):
 def test_buffer_writes_become_outputs_written_back():
     model = _Counter()
     x = torch.randn(2, 4)
-    prog = fxpipe.compiler.capture(model, (x,))
+    prog = fxpipe.capture(model, (x,))
     assert set(prog.mutated_buffers) == {"calls", "ema"}
     assert _writes(prog.graph_module) == []
     state = {k: t.detach().clone() for k, t in prog.state.items()}
@@ -177,7 +177,7 @@ class _WritesParam(nn.Module):
 
 def test_a_write_into_a_parameter_is_refused_naming_it():
     with pytest.raises(CaptureError, match=r"writes in place into w, a parameter.*mul_"):
-        fxpipe.compiler.capture(_WritesParam(), (torch.randn(4),))
+        fxpipe.capture(_WritesParam(), (torch.randn(4),))
 
 
 class _WritesExpanded(nn.Module):
@@ -190,7 +190,7 @@ class _WritesExpanded(nn.Module):
 
 def test_a_write_through_a_view_without_inverse_is_refused():
     with pytest.raises(CaptureError, match=r"expand"):
-        fxpipe.compiler.capture(_WritesExpanded(), (torch.randn(3, 4),))
+        fxpipe.capture(_WritesExpanded(), (torch.randn(3, 4),))
 
 
 def _with_a_write(prog: fxpipe.Program) -> fxpipe.Program:
@@ -211,7 +211,7 @@ def test_lint_and_split_refuse_an_in_place_op_by_name():
     from fxpipe.passes.split import split_pass
 
     torch.manual_seed(0)
-    prog = fxpipe.compiler.capture(_Write(PATTERNS["slice"]), (torch.randn(4, 6),))
+    prog = fxpipe.capture(_Write(PATTERNS["slice"]), (torch.randn(4, 6),))
     lint_program(prog, after="capture")
     bad = _with_a_write(prog)
     with pytest.raises(ProgramInvariantError, match=r"in-place ops in the graph: mul_"):
@@ -226,4 +226,4 @@ def test_every_pass_keeps_the_graph_functional():
 
     torch.manual_seed(0)
     model, inputs = SlidingWindowGPT(), batch()
-    run_passes(fxpipe.compiler.capture(model, inputs), debug=True)  # lints after every pass
+    run_passes(fxpipe.capture(model, inputs), debug=True)  # lints after every pass

@@ -41,7 +41,7 @@ def _program(name: str, dropout: float = 0.0, batch: int = 2, seq: int = 32, lay
     if w.config is not None and dropout:
         torch.manual_seed(0)
         model = GPT(dataclasses.replace(w.config, dropout=dropout))
-    prog, _ = run_passes(fxpipe.compiler.capture(model, w.example_inputs, w.loss_fn))
+    prog, _ = run_passes(fxpipe.capture(model, w.example_inputs, w.loss_fn))
     return prog, tuple(w.example_inputs)
 
 
@@ -55,7 +55,7 @@ def _hf_gpt2_eager():
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg)
     ids = torch.randint(0, 128, (2, 32))
-    prog, _ = run_passes(fxpipe.compiler.capture(model, (ids, ids.clone()), causal_lm_loss))
+    prog, _ = run_passes(fxpipe.capture(model, (ids, ids.clone()), causal_lm_loss))
     return prog, (ids, ids.clone())
 
 
@@ -467,7 +467,7 @@ def test_recompute_pass_keeps_program_invariants_costs_and_loss():
 
 def test_graph_without_layers_is_left_unchanged_with_a_note():
     lin = torch.nn.Linear(8, 8)
-    prog = fxpipe.compiler.capture(lin, (torch.randn(4, 8), torch.randn(4, 8)),
+    prog = fxpipe.capture(lin, (torch.randn(4, 8), torch.randn(4, 8)),
                           loss_fn=lambda o, t: ((o - t) ** 2).mean())
     assert not prog.layers
     with pytest.warns(RecomputeWarning, match="no repeated layers"):
@@ -517,7 +517,7 @@ class _Twisted(nn.Module):
 
 def test_selective_region_stays_one_call_when_projections_interleave_the_core():
     batch = (torch.randn(2, 8, 32), torch.randn(2, 8, 32))
-    prog = fxpipe.compiler.capture(_Twisted(), batch, loss_fn=lambda o, t: ((o - t) ** 2).mean())
+    prog = fxpipe.capture(_Twisted(), batch, loss_fn=lambda o, t: ((o - t) ** 2).mean())
     gm = apply_recompute(prog.graph_module, prog.layers, SELECTIVE)
     regions = regions_of(gm)
     assert [r.layer for r in regions] == [0, 1]

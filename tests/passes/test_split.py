@@ -28,7 +28,7 @@ def _captured(name):
     """One capture per model for all the layouts below (cases copy the state they train)."""
     w = _workload(name)
     mbs = [tuple(t[i * 2:(i + 1) * 2] for t in w.example_inputs) for i in range(M)]
-    prog, _ = run_passes(fxpipe.compiler.capture(w.model, mbs[0], w.loss_fn))
+    prog, _ = run_passes(fxpipe.capture(w.model, mbs[0], w.loss_fn))
     return w, mbs, prog
 
 
@@ -143,7 +143,7 @@ def test_every_cut_inside_a_layer_runs_through_the_transport(name):
     from fxpipe.runtime.transport import Transport
 
     w = build_workload(name, batch=2, seq=16, layers=1)
-    prog, _ = run_passes(fxpipe.compiler.capture(w.model, w.example_inputs, w.loss_fn))
+    prog, _ = run_passes(fxpipe.capture(w.model, w.example_inputs, w.loss_fn))
     with torch.no_grad():
         expected = float(prog.run(prog.state, *w.example_inputs))
     side = side_values(prog)

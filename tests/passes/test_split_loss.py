@@ -52,7 +52,7 @@ def _batch(ignored=-100):
 
 def _program(loss_fn, ignored=-100):
     torch.manual_seed(0)
-    program, _ = run_passes(fxpipe.compiler.capture(Head(), _batch(ignored), loss_fn))
+    program, _ = run_passes(fxpipe.capture(Head(), _batch(ignored), loss_fn))
     return program
 
 

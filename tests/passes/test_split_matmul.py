@@ -14,7 +14,7 @@ aten = torch.ops.aten
 
 
 def _program(model, batch, loss_fn=None):
-    program, _ = run_passes(fxpipe.compiler.capture(model, batch, loss_fn))
+    program, _ = run_passes(fxpipe.capture(model, batch, loss_fn))
     return program
 
 

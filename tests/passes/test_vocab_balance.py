@@ -29,7 +29,7 @@ def test_bench_model_balances_to_the_ideal_stage():
     with torch.device("meta"):  # costs need shapes only
         model = _gpt2(layers=8, hidden=256, heads=4, vocab=50257, seq=128)
     ids = torch.zeros(2, 128, dtype=torch.long, device="meta")
-    program, _ = run_passes(fxpipe.compiler.capture(model, (ids, ids.clone()), causal_lm_loss))
+    program, _ = run_passes(fxpipe.capture(model, (ids, ids.clone()), causal_lm_loss))
     config = _config(PP)
     split = split_matmul_pass(program, PP)
     _, whole_loss = solve_partition(split, config)
@@ -47,7 +47,7 @@ def test_bench_model_balances_to_the_ideal_stage():
 
 def test_wide_head_spreads_over_both_stages():
     model, batch, loss_fn = workload(batch=2)
-    program, _ = run_passes(fxpipe.compiler.capture(model, batch, loss_fn))
+    program, _ = run_passes(fxpipe.capture(model, batch, loss_fn))
     blocked = split_loss_pass(split_matmul_pass(program, 2))
     assignment, _ = solve_partition(blocked, _config(2))
     merged = coalesce_blocks_pass(blocked.replace(stages=assignment))

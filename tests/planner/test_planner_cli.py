@@ -3,7 +3,8 @@ import argparse
 import json
 
 from fxpipe.base.hardware import Hardware
-from fxpipe.cli.planner_args import add_calibrate_arguments, add_plan_arguments, run_calibrate, run_plan
+from fxpipe.cli.calibrate import add_calibrate_arguments, run_calibrate
+from fxpipe.cli.plan import add_plan_arguments, run_plan
 
 
 def _parse(add, argv):

@@ -10,7 +10,7 @@ import pytest
 from fxpipe.base.hardware import A100, Hardware
 from fxpipe.planner import (CandidateLayout, Component, PlannerOptions, ScheduleKind, TransformerShape, VocabPasses,
                             plan, predict, shape_from_registry)
-from fxpipe.cli.planner_args import add_plan_arguments, run_plan
+from fxpipe.cli.plan import add_plan_arguments, run_plan
 from fxpipe.planner.options import LayerBalance
 from fxpipe.planner.layer_cost import CostModel
 from fxpipe.planner.pipeline_time import vocab_in_flight

@@ -82,7 +82,8 @@ def _scramble_rng() -> None:
 @reusing_captures
 def world_pp2(rank: int, world: int, root: str, killed_dir: str) -> dict:
     """pp=2: the uninterrupted run (saving at SAVE_AT), resume, kill-recovery, exports."""
-    from fxpipe.checkpoint.dcp import export_consolidated, list_checkpoints, load_checkpoint, save_checkpoint
+    from fxpipe.checkpoint.dcp import list_checkpoints, load_checkpoint, save_checkpoint
+    from fxpipe.checkpoint.export import export_consolidated
 
     root_path, out = Path(root), {}
     pm, w, opt, sched = build("gpt-tiny", pp=2)
@@ -135,7 +136,8 @@ def _rows_run(rank: int, root: Path, name: str, layout: dict) -> dict:
     split loss blocks, or vocabulary passes): saving at SAVE_AT without gathering into
     ``root / name``, and its export (safetensors, whole tensors) into ``name_export``.
     Also reports the rank's pipeline and TP coordinates."""
-    from fxpipe.checkpoint.dcp import export_consolidated, save_checkpoint
+    from fxpipe.checkpoint.dcp import save_checkpoint
+    from fxpipe.checkpoint.export import export_consolidated
 
     pm, w, opt, sched = build(ROWS, pp=2, **layout)
     r = dict(rows={n: rows.ranks for n, rows in pm.plan.row_shards.items()},
@@ -221,7 +223,8 @@ def world_reshard(rank: int, world: int, root: str) -> dict:
     ("run", from world_pp2) into tp=2 × pp=2, pp=4 and dp=2 × pp=2, and the tp=2 × pp=2
     one into pp=4, tp=1 × dp=2 × pp=2 and tp=4. A ParallelModel loads several
     checkpoints in turn (each load replaces its whole state): compiling dominates."""
-    from fxpipe.checkpoint.dcp import export_consolidated, save_checkpoint
+    from fxpipe.checkpoint.dcp import save_checkpoint
+    from fxpipe.checkpoint.export import export_consolidated
 
     root_path, out = Path(root), {}
     pm, w, opt, sched = build("gpt-tiny", tp=2, pp=2)

@@ -81,7 +81,7 @@ def test_split_equals_fused_backward(cls):
 
 def _stage_plan(name, recompute=RecomputeMode.NONE):
     w = build_workload(name, batch=2, seq=16, layers=4)
-    prog, _ = run_passes(fxpipe.compiler.capture(w.model, w.example_inputs, w.loss_fn))
+    prog, _ = run_passes(fxpipe.capture(w.model, w.example_inputs, w.loss_fn))
     cfg = PartitionConfig(num_stages=2, stage_to_rank=(0, 1), inflight=(2, 1), method="uniform")
     plan = split_pass(partition_pass(prog, cfg), num_stages=2)
     if recompute is not RecomputeMode.NONE:

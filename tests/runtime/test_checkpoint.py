@@ -17,7 +17,8 @@ import torch
 
 from fxpipe.cli import main
 from fxpipe.models.losses import causal_lm_loss
-from fxpipe.checkpoint.dcp import export_consolidated, latest_checkpoint, list_checkpoints, step_dirname
+from fxpipe.checkpoint.dcp import latest_checkpoint, list_checkpoints, step_dirname
+from fxpipe.checkpoint.export import export_consolidated
 from fxpipe.checkpoint.files import SafeReader
 from tests.runtime import _ckpt_cases as cases
 from tests.runtime import _wide_vocab

@@ -24,7 +24,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from fxpipe.checkpoint.dcp import export_consolidated, latest_checkpoint
+from fxpipe.checkpoint.dcp import latest_checkpoint
+
+from fxpipe.checkpoint.export import export_consolidated
 from fxpipe.checkpoint.files import SafeReader, step_dirname
 from fxpipe.checkpoint.metadata import ALLOWED_GLOBALS, UnsafeCheckpointError, read_metadata
 

@@ -4,7 +4,7 @@ import argparse
 import pytest
 
 from fxpipe.schedules import SCHEDULES
-from fxpipe.cli.viz_args import add_viz_arguments, run_viz
+from fxpipe.cli.viz import add_viz_arguments, run_viz
 
 
 def parse(*argv):

@@ -18,7 +18,7 @@ from fxpipe.tp import run_emulated, tp_group_context
 def captured(name: str, **kw) -> tuple[Program, tuple[torch.Tensor, ...]]:
     """A canonicalized capture of a named workload (passes never mutate it: safe to share)."""
     w = build_workload(name, **kw)
-    return canonicalize_pass(fxpipe.compiler.capture(w.model, w.example_inputs, w.loss_fn)), w.example_inputs
+    return canonicalize_pass(fxpipe.capture(w.model, w.example_inputs, w.loss_fn)), w.example_inputs
 
 
 def leaves(state) -> dict[str, torch.Tensor]:
@@ -71,5 +71,5 @@ def capture_models(models: dict, vocab: int, seq: int, model_seed: int | None = 
     for name, make in models.items():
         if model_seed is not None:
             torch.manual_seed(model_seed)
-        out[name] = (canonicalize_pass(fxpipe.compiler.capture(make(), batch)), batch)
+        out[name] = (canonicalize_pass(fxpipe.capture(make(), batch)), batch)
     return out

@@ -41,7 +41,7 @@ def test_a_full_shard_holds_about_one_over_tp():
 
 
 def test_whole_matrices_are_counted_and_named():
-    program = canonicalize_pass(fxpipe.compiler.capture(_Cumsum(), _batch()))
+    program = canonicalize_pass(fxpipe.capture(_Cumsum(), _batch()))
     coverage = tensor_parallel_pass(program, TPConfig(tp=2)).tensor_parallel.coverage
     # down/head still pair up (column/row) behind the cumsum; up and its bias stay whole.
     assert [(name, n) for name, n, _ in coverage.whole] == [("up.weight", 16 * 32)]

@@ -42,7 +42,7 @@ def test_tp_matches_unsharded(name, tp, sp):
 
 
 def _program(model: nn.Module, batch, loss_fn=None):
-    return canonicalize_pass(fxpipe.compiler.capture(model, batch, loss_fn))
+    return canonicalize_pass(fxpipe.capture(model, batch, loss_fn))
 
 
 def test_padded_vocabulary_never_wins():

@@ -47,7 +47,7 @@ class _MLPModel(nn.Module):
 
 
 def _program(model, ids):
-    return canonicalize_pass(fxpipe.compiler.capture(model, (ids, ids), _loss))
+    return canonicalize_pass(fxpipe.capture(model, (ids, ids), _loss))
 
 
 def test_heads_not_divisible():
@@ -66,7 +66,7 @@ def test_ffn_not_divisible():
 
 def test_kv_heads_that_must_be_split():
     ids = torch.randint(0, 64, (2, 8))
-    base = canonicalize_pass(fxpipe.compiler.capture(_GQAAttention(), (ids, ids), _loss))
+    base = canonicalize_pass(fxpipe.capture(_GQAAttention(), (ids, ids), _loss))
     with pytest.raises(ValueError, match=r"2 key/value heads must be split over tp=4"):
         tensor_parallel_pass(base, TPConfig(tp=4))
 

@@ -121,7 +121,7 @@ def _program(variant: str):
     model = TinyLM(**VARIANTS[variant])
     g = torch.Generator().manual_seed(1)
     batch = (torch.randint(0, V, (2, T), generator=g), torch.randint(0, V, (2, T), generator=g))
-    return canonicalize_pass(fxpipe.compiler.capture(model, batch)), batch
+    return canonicalize_pass(fxpipe.capture(model, batch)), batch
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -192,7 +192,7 @@ def test_dropless_moe_with_expert_modules(tp):
     torch.manual_seed(0)
     ids = torch.randint(0, V, (2, T))
     batch = (ids, ids.roll(-1, 1))
-    base = canonicalize_pass(fxpipe.compiler.capture(ExpertModules(), batch))
+    base = canonicalize_pass(fxpipe.capture(ExpertModules(), batch))
     program = tensor_parallel_pass(base, TPConfig(tp=tp))
     result = program.tensor_parallel
     assert [n for n, _, _ in result.coverage.whole] == ["router.weight"]
@@ -227,7 +227,7 @@ def test_matmul_attention_heads_tp_cannot_cut_stay_replicated(tp):
     torch.manual_seed(0)
     ids = torch.randint(0, V, (2, T))
     batch = (ids, ids.roll(-1, 1))
-    base = canonicalize_pass(fxpipe.compiler.capture(MatmulGQA(), batch))
+    base = canonicalize_pass(fxpipe.capture(MatmulGQA(), batch))
     program = tensor_parallel_pass(base, TPConfig(tp=tp))
     whole = {n for n, _, _ in program.tensor_parallel.coverage.whole}
     assert whole == (set() if tp == 2 else {"q.weight", "kv.weight"})

@@ -49,7 +49,7 @@ def regions():
     torch.manual_seed(0)
     ids = torch.randint(0, V, (2, T))
     batch = (ids, ids.roll(-1, 1))
-    return canonicalize_pass(fxpipe.compiler.capture(RegionAttention(), batch)), batch
+    return canonicalize_pass(fxpipe.capture(RegionAttention(), batch)), batch
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -100,7 +100,7 @@ def test_ops_the_rewrite_adds_inside_an_autocast_block_run_in_it():
     torch.manual_seed(0)
     ids = torch.randint(0, V, (2, T))
     batch = (ids, ids.roll(-1, 1))
-    base = canonicalize_pass(fxpipe.compiler.capture(AutocastMLP(), batch))
+    base = canonicalize_pass(fxpipe.capture(AutocastMLP(), batch))
     program = tensor_parallel_pass(base, TPConfig(tp=2))
     assert program.tensor_parallel.kind_of("down.weight") is ShardKind.ROW
     (call,) = [n for n in program.graph.nodes if n.target is AUTOCAST]
@@ -163,7 +163,7 @@ def test_writes_along_dims_without_channels_keep_them_split(name, tp):
     torch.manual_seed(0)
     ids = torch.randint(0, V, (2, T))
     batch = (ids, ids.roll(-1, 1))
-    base = canonicalize_pass(fxpipe.compiler.capture(WRITES[name](), batch))
+    base = canonicalize_pass(fxpipe.capture(WRITES[name](), batch))
     op = {"sliding-window-index-put": torch.ops.aten.index_put.default,
           "stepwise-select-scatter": torch.ops.aten.select_scatter.default}[name]
     assert any(n.target is op for n in base.graph.nodes)
@@ -209,7 +209,7 @@ def test_a_mask_computed_from_projections_stays_whole_and_heads_split(tp, kv):
     torch.manual_seed(0)
     ids = torch.randint(0, V, (2, T))
     batch = (ids, ids.roll(-1, 1))
-    base = canonicalize_pass(fxpipe.compiler.capture(DynamicMask(kv), batch))
+    base = canonicalize_pass(fxpipe.capture(DynamicMask(kv), batch))
     program = tensor_parallel_pass(base, TPConfig(tp=tp))
     result = program.tensor_parallel
     if kv == HEADS:
@@ -226,7 +226,7 @@ def test_sequence_parallel_through_regions_writes_and_masks(cls):
     torch.manual_seed(0)
     ids = torch.randint(0, V, (2, T))
     batch = (ids, ids.roll(-1, 1))
-    base = canonicalize_pass(fxpipe.compiler.capture(cls(), batch))
+    base = canonicalize_pass(fxpipe.capture(cls(), batch))
     program = tensor_parallel_pass(base, TPConfig(tp=2, sp=True))
     assert not program.tensor_parallel.coverage.whole, program.tensor_parallel.coverage.describe()
     _check(base, program, batch, 2)

@@ -17,67 +17,15 @@ import numpy as np
 import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
-from fxpipe.passes.tensor_parallel import mixers, param_shards, writes
+from fxpipe.passes.tensor_parallel import layout_rules, mixers, param_shards, writes
 from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
 from fxpipe.passes.tensor_parallel.attention_forms import SharedChannels, constant_values, local_index
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.layout import Layout, LayoutFailure, layout_of, local_range, replicated
 from fxpipe.passes.tensor_parallel.provenance import Provenance, index_dim
 from fxpipe.ir.tp_result import CollectiveKind
-
-
-@dataclass(frozen=True)
-class Conversion:
-    kind: CollectiveKind
-    dim: int | None = None
-    outer: int = 1
-    """SCATTER of a strided block (``attention_forms.strided_blocks``): ``dim`` viewed as
-    (outer, -1) around the scatter, which keeps block r of the inner part."""
-
-
-@dataclass(frozen=True)
-class PartialSite:
-    """A partial sum (row-parallel output, vocab-parallel lookup) and where it is reduced."""
-    source: str
-    sink: str
-    """Last node of the single-use view chain after ``source``: the reduction goes after it."""
-    bias: str | None
-
-
-@dataclass
-class TPPlan:
-    tp: int
-    layouts: dict[str, Any] = field(default_factory=dict)
-    """Node -> Layout (a list of them for split-like nodes)."""
-    new_args: dict[str, tuple] = field(default_factory=dict)
-    new_target: dict[str, Any] = field(default_factory=dict)
-    new_kwargs: dict[str, dict] = field(default_factory=dict)
-    conflict_rows: bool = False
-    """A projection both row- and column-parallel gives up its input channels (else its output's)."""
-    conversions: dict[tuple[str, str], list[Conversion]] = field(default_factory=dict)
-    """(consumer, producer) -> ops applied to the producer's value for that consumer."""
-    column_inputs: set[tuple[str, str]] = field(default_factory=set)
-    """(consumer, producer) edges that enter a column-parallel projection (f sites)."""
-    partial: dict[str, PartialSite] = field(default_factory=dict)
-    """Sink node -> its partial-sum site."""
-    column: dict[str, Projection] = field(default_factory=dict)
-    row: dict[str, Projection] = field(default_factory=dict)
-    vocab_ce: dict[str, int] = field(default_factory=dict)
-    vocab_embedding: dict[str, str] = field(default_factory=dict)
-    """Embedding node -> weight placeholder (vocab-parallel lookups)."""
-    sharded_dropout: set[str] = field(default_factory=set)
-    gathered: frozenset[str] = frozenset()
-    """Replicated projections split with their output all-gathered (``gathered``)."""
-    shared_columns: dict[str, SharedChannels] = field(default_factory=dict)
-    """Column-parallel projection -> its channels every rank uses whole (``placement``)."""
-    pending: list = field(default_factory=list)
-    """param_shards.Narrowing: replicated operands a consumer needs other than each rank's
-    block of (only a parameter split alike can give them; else a layout failure)."""
-    param_shards: dict[str, Any] = field(default_factory=dict)
-    """Placeholder -> param_shards.ParamShard: parameters split with their consumers."""
-    statistics: dict[str, float] = field(default_factory=dict)
-    """Mean/sum over split channels -> the factor turning the local result into this
-    rank's share of the whole (local/full count for a mean); g follows it."""
+from fxpipe.passes.tensor_parallel.tp_plan import Conversion, PartialSite, TPPlan, is_sharded, _Refuse
+from fxpipe.passes.tensor_parallel.layout_rules import _operand, _attention, _einsum, _split, _slice
 
 
 def _ids(prov: Provenance, name: str) -> np.ndarray:
@@ -85,13 +33,6 @@ def _ids(prov: Provenance, name: str) -> np.ndarray:
     if isinstance(ids, list):
         return np.concatenate([i.ravel() for i in ids]) if ids else np.zeros(0, dtype=np.int64)
     return np.zeros(0, dtype=np.int64) if ids is None else ids
-
-
-def is_sharded(lay: Any) -> bool:
-    """A Layout (or a list of them, for split-like nodes) that differs between ranks."""
-    if isinstance(lay, list):
-        return any(l.is_sharded for l in lay)
-    return isinstance(lay, Layout) and lay.is_sharded
 
 
 def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: dict[str, Projection],
@@ -141,10 +82,6 @@ def build_plan(graph: fx.Graph, prov: Provenance, asg: Assignment, projections: 
         sink = _sink(nodes[name])
         plan.partial[sink] = PartialSite(name, sink, None)
     return plan
-
-
-class _Refuse(Exception):
-    pass
 
 
 class Conflict(LayoutFailure):
@@ -272,17 +209,17 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
                                                          G.aten.flatten.using_ints, G.STACK):
         return
     elif t in G.BATCHED_MATMULS:
-        mixers.matmul_rule(plan, node, lay, grad, _Refuse)
+        layout_rules.matmul_rule(plan, node, lay, grad, _Refuse)
     elif t is mixers.CONV1D:
-        mixers.conv1d_rule(plan, node, lay, grad, _Refuse)
+        layout_rules.conv1d_rule(plan, node, lay, grad, _Refuse)
     elif t in mixers.ALONG:
-        mixers.along_rule(plan, node, lay, grad, _Refuse)
+        layout_rules.along_rule(plan, node, lay, grad, _Refuse)
     elif t in G.LIKE:
-        mixers.like_rule(plan, node, _Refuse)
+        layout_rules.like_rule(plan, node, _Refuse)
     elif t is mixers.REPEAT_INTERLEAVE:
-        mixers.repeat_rule(plan, node, lay, grad, _Refuse)
+        layout_rules.repeat_rule(plan, node, lay, grad, _Refuse)
     elif t is mixers.SELECT_SCATTER:
-        mixers.select_scatter_rule(plan, node, lay, grad, _Refuse)
+        layout_rules.select_scatter_rule(plan, node, lay, grad, _Refuse)
     elif t is G.EINSUM:
         _einsum(plan, node, lay, grad)
     elif t is G.SELECT:
@@ -323,7 +260,7 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
     elif t is G.TYPE_AS:
         _operand(plan, node, node.args[0], lay, grad)
     elif t is writes.INDEX_PUT:
-        writes.layout(plan, node, lay, grad)
+        layout_rules.index_put_rule(plan, node, lay, grad)
     elif G.is_pointwise(t):
         if t is G.DROPOUT and is_sharded(lay):
             plan.sharded_dropout.add(node.name)
@@ -333,76 +270,3 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
         raise _Refuse(f"no sharding rule for {t}")
 
 
-def _operand(plan: TPPlan, consumer: fx.Node, a: fx.Node, ref: Layout, grad: set[str]) -> None:
-    """An input of a sharded consumer, aligned to it by broadcasting."""
-    off = len(ref.full) - len(shape(a))
-    mixers.narrow(plan, consumer, a, ref, lambda d: d - off, grad, _Refuse)
-
-
-def _attention(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None:
-    q = plan.layouts[node.args[0].name]
-    if not q.is_sharded:
-        raise _Refuse("keys/values are sharded but queries are not")
-    if q.sharded != (1,) or lay.sharded != (1,):
-        raise _Refuse("attention must be split by heads only")
-    for a in node.all_input_nodes[1:]:
-        # Keys/values whose channels another reader splits otherwise (Doge's values, read
-        # by a projection over all heads, split in tp blocks smaller than a head).
-        if is_sharded(plan.layouts[a.name]) and plan.layouts[a.name].sharded != (1,):
-            raise _Refuse("attention must be split by heads only")
-        _operand(plan, node, a, lay, grad)
-
-
-def _einsum(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None:
-    """Like a batched matmul: split letters must be kept in the output (never summed)."""
-    subs, out_subs = G.einsum_letters(node)
-    for sub, operand in zip(subs, node.args[1]):
-        al = plan.layouts[operand.name]
-        if any(sub[d] not in out_subs for d in al.sharded):
-            raise _Refuse("an einsum sums over a sharded dim")
-        if not al.is_sharded:  # its part of each split letter (scatter), or f
-            mixers.narrow(plan, node, operand, lay, lambda d, sub=sub: sub.find(out_subs[d]) if
-                          out_subs[d] in sub else None, grad, _Refuse)
-
-
-def _split(plan: TPPlan, node: fx.Node, where: str) -> None:
-    x = plan.layouts[node.args[0].name]
-    dim = norm_dim(arg(node, 2, "dim", 0), len(x.full))
-    if dim not in x.sharded:
-        return
-    sizes, start = [], 0
-    for v in G.val(node):
-        n = int(v.shape[dim])
-        a, b = local_range(x, dim, start, start + n, where, np.zeros(0))
-        if a != sum(sizes):
-            raise _Refuse("split pieces are not consecutive in the shard")
-        sizes.append(b - a)
-        start += n
-    plan.new_target[node.name] = G.aten.split_with_sizes.default
-    plan.new_args[node.name] = (node.args[0], sizes, dim)
-
-
-def _slice(plan: TPPlan, node: fx.Node, where: str) -> None:
-    x = plan.layouts[node.args[0].name]
-    dim = norm_dim(arg(node, 1, "dim", 0), len(x.full))
-    if dim not in x.sharded:
-        return
-    step = arg(node, 4, "step", 1)
-    start, stop, _ = slice(arg(node, 2, "start"), arg(node, 3, "end")).indices(x.full[dim])
-    if step == 1:
-        a, b = local_range(x, dim, start, stop, where, np.zeros(0))
-        plan.new_args[node.name] = (node.args[0], dim, a, b, 1)
-        return
-    # x[..., start::step] of a shard (gpt-oss's interleaved gate/up): every rank must take
-    # its part at the same local start with the same step.
-    found = set()
-    for held in x.positions[x.sharded.index(dim)]:
-        inside = np.flatnonzero(np.isin(held, np.arange(start, stop, step)))
-        if len(inside) == 0 or not np.array_equal(
-                inside, np.arange(inside[0], inside[0] + step * len(inside), step)):
-            raise _Refuse("a strided slice takes an irregular part of the shard")
-        found.add((int(inside[0]), len(inside)))
-    if len(found) != 1 or x.vocab:
-        raise _Refuse("a strided slice takes different parts of the shard on different ranks")
-    a, n = found.pop()
-    plan.new_args[node.name] = (node.args[0], dim, a, a + step * (n - 1) + 1, step)

@@ -24,7 +24,7 @@ import dataclasses
 import math
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
-from fxpipe.ir.tp_config import TPConfig, tp_config_of
+from fxpipe.ir.pass_configs import TPConfig, tp_config_of
 from fxpipe.passes.tensor_parallel.coverage import measure_coverage
 from fxpipe.passes.tensor_parallel.placement import blocks
 from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan

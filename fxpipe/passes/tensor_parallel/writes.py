@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from fxpipe.passes.tensor_parallel.channel_ids import _Unsupported, _align
 from fxpipe.passes.tensor_parallel.graph_ops import shape
 
 aten = torch.ops.aten
@@ -33,29 +34,17 @@ def _indexed_dims(node: fx.Node) -> set[int]:
 
 def ids(prov, node: fx.Node, inputs: dict) -> np.ndarray | None:
     """Provenance of the written tensor (``provenance._rule`` for ``INDEX_PUT``)."""
-    from fxpipe.passes.tensor_parallel import provenance as P  # it calls this module
     base, nd = node.args[0], len(shape(node))
     index, values = node.args[1], node.args[2]
     if any(isinstance(i, fx.Node) and i.name in inputs for i in index):
-        raise P._Unsupported("indices that carry channels")
+        raise _Unsupported("indices that carry channels")
     if values.name in inputs:
-        raise P._Unsupported("written values that carry channels")
+        raise _Unsupported("written values that carry channels")
     if base.name not in inputs:
         return None
-    b = P._align(inputs[base.name], nd)
+    b = _align(inputs[base.name], nd)
     if any(b.shape[d] > 1 for d in _indexed_dims(node)):
-        raise P._Unsupported("writes along a dim that carries channels")
+        raise _Unsupported("writes along a dim that carries channels")
     return b
 
 
-def layout(plan, node: fx.Node, lay, grad: set[str]) -> None:
-    """Operands aligned to the written tensor's layout (``node_layouts._node_rule`` for
-    ``INDEX_PUT``): a scalar written at a mask that addresses no sharded dim."""
-    from fxpipe.passes.tensor_parallel import node_layouts as L  # it calls this module
-    if _indexed_dims(node) & set(lay.sharded):
-        raise L._Refuse("index_put along a sharded dim")
-    values = node.args[2]
-    if values.meta["val"].numel() != 1:
-        raise L._Refuse("index_put of values that span the sharded dims")
-    for a in (node.args[0], values):
-        L._operand(plan, node, a, lay, grad)
