@@ -24,7 +24,8 @@ import fxpipe
 from fxpipe.base.hardware import A100
 from fxpipe.models import build_workload
 from fxpipe.passes import run_passes
-from fxpipe.passes.assign_stages import PartitionConfig, solve_partition, stage_inflight
+from fxpipe.passes.assign_stages import PartitionConfig, solve_partition
+from fxpipe.schedules.inflight import stage_inflight
 from fxpipe.schedules.registry import generate
 
 

@@ -27,19 +27,19 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxpipe.compiler.pipeline import CompileHooks, compile_pipeline
-from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.costs import apply_profile, measured_profile
-from fxpipe.passes.assign_stages import partition_pass
+from fxpipe.ep import expert_group_context
+from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.program import Program
+from fxpipe.ir.token_inputs import check_token_ids
+from fxpipe.params.rank_state import ShardBuilder
+from fxpipe.passes.assign_stages import partition_pass
 from fxpipe.runtime.api import ParallelModel
 from fxpipe.runtime.build import build_runtime
-from fxpipe.runtime.launch import init_distributed
-from fxpipe.ep import expert_group_context
 from fxpipe.runtime.experts import ExpertGroups, build_expert_groups
+from fxpipe.runtime.launch import init_distributed
 from fxpipe.runtime.mesh import Mesh, MeshGroups, build_groups
-from fxpipe.params.rank_state import ShardBuilder
 from fxpipe.tp import DropoutRNG, ProcessGroupTP, tp_group_context
-from fxpipe.ir.token_inputs import check_token_ids
 
 
 def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,

@@ -23,10 +23,9 @@ import enum
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # keep this module free of torch: the planner imports it
-    from fxpipe.base.op_cost import NodeCost
+from fxpipe.base.op_cost import NodeCost
 
 
 class Collective(enum.Enum):

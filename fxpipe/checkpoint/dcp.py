@@ -26,35 +26,26 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 
-from fxpipe.ir.shard_spec import ShardSpec
-from fxpipe.ir.state_mismatch import full_shapes, raise_if_mismatched
-from fxpipe.ir.program import ParamKind, Program
-from fxpipe.checkpoint.shard_chunks import empty_chunks, first_held, is_sharded, restrict, wrap_state
-from fxpipe.checkpoint.files import (POINTER_FILE, SafeReader, adopt_run, commit, committed,
-                                             latest_checkpoint, list_checkpoints, prune, read_pointer,
-                                             remove_debris, remove_other_runs, resolve, run_id, step_dirname,
-                                             temporary, write_atomic)
+from fxpipe.checkpoint.files import (POINTER_FILE, SafeReader, adopt_run, commit, committed, latest_checkpoint,
+                                     list_checkpoints, prune, read_pointer, remove_debris, remove_other_runs, resolve,
+                                     run_id, step_dirname, temporary, write_atomic)
 from fxpipe.checkpoint.lock import CheckpointLockError, acquire
-from fxpipe.checkpoint.manifest import (FORMAT, META_FILE, SCALER_FIELDS, CheckpointFallbackWarning,
-                                                CorruptCheckpointError, digest, file_names, read_manifest, verify,
-                                                with_digest)
+from fxpipe.checkpoint.manifest import (FORMAT, META_FILE, CheckpointFallbackWarning, CorruptCheckpointError, digest,
+                                        file_names, read_manifest, verify, with_digest)
 from fxpipe.checkpoint.metadata import UnsafeCheckpointError
-from fxpipe.checkpoint.state import (_is_persistent, state_dict_names, _model_tensors, _saved_model_tensors, _tp_ranks, _chunked, _model_state, _optimizer_names, _is_number, _optimizer_state, _rng_state, _set_rng, _SCALER_FIELDS, _scaler_state, _check_model, _targets, _local_targets, _like, _install_optimizer, read_dcp)
-
-if TYPE_CHECKING:
-    from fxpipe.runtime.api import ParallelModel
+from fxpipe.checkpoint.state import (_SCALER_FIELDS, _check_model, _install_optimizer, _local_targets, _model_state,
+                                     _model_tensors, _optimizer_names, _optimizer_state, _rng_state, _scaler_state,
+                                     _set_rng, _targets, read_dcp, state_dict_names)
+from fxpipe.runtime.api import ParallelModel
 
 __all__ = ["CheckpointFallbackWarning", "CorruptCheckpointError", "latest_checkpoint",
            "list_checkpoints", "load_checkpoint", "save_checkpoint", "state_dict_names", "step_dirname"]

@@ -32,8 +32,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from fxpipe.checkpoint.files import SafeReader, is_complete, resolve
-from fxpipe.checkpoint.state import _model_state, read_dcp, state_dict_names
 from fxpipe.checkpoint.manifest import CorruptCheckpointError, file_names, read_manifest, verify
+from fxpipe.checkpoint.state import _model_state, read_dcp, state_dict_names
 
 # safetensors dtype codes (the format's spec: huggingface/safetensors README).
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -37,12 +37,10 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from fxpipe.checkpoint.lock import JOB_ID
 from fxpipe.base.safe_io import UnsafeFileError, read_bounded
-from fxpipe.checkpoint.manifest import FORMAT, META_FILE  # noqa: F401  (re-exported)
-from fxpipe.checkpoint.manifest import CorruptCheckpointError, read_manifest
-from fxpipe.checkpoint.manifest import is_complete as _manifest_complete
-from fxpipe.checkpoint.manifest import why_incomplete as _why_incomplete
+from fxpipe.checkpoint.lock import JOB_ID
+from fxpipe.checkpoint.manifest import (CorruptCheckpointError, is_complete as _manifest_complete, read_manifest,
+                                        why_incomplete as _why_incomplete)
 from fxpipe.checkpoint.metadata import read_metadata
 
 POINTER_FILE = "latest"

@@ -27,6 +27,7 @@ fillers, and the replicas of one expert rank offer identical chunks (written onc
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Callable, Mapping
 
@@ -35,8 +36,6 @@ import torch.distributed as dist
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-
-import dataclasses
 
 from fxpipe.ir.shard_spec import PipelineRows, ShardKind, ShardSpec, ranges_of
 

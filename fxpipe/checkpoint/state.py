@@ -2,40 +2,22 @@
 (TP shards as ShardedTensors of the full shape), the optimizer's state, the RNGs and the
 loss scaler; and putting a loaded state back into this rank's tensors. The save/resume
 protocol around it is ``dcp.py``."""
-import json
-import os
 import random
-import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fxpipe.checkpoint.files import SafeReader
+from fxpipe.checkpoint.manifest import SCALER_FIELDS, CorruptCheckpointError
+from fxpipe.checkpoint.shard_chunks import empty_chunks, first_held, is_sharded, restrict, wrap_state
+from fxpipe.ir.program import ParamKind, Program
 from fxpipe.ir.shard_spec import ShardSpec
 from fxpipe.ir.state_mismatch import full_shapes, raise_if_mismatched
-from fxpipe.ir.program import ParamKind, Program
-from fxpipe.checkpoint.shard_chunks import empty_chunks, first_held, is_sharded, restrict, wrap_state
-from fxpipe.checkpoint.files import (POINTER_FILE, SafeReader, adopt_run, commit, committed,
-                                             latest_checkpoint, list_checkpoints, prune, read_pointer,
-                                             remove_debris, remove_other_runs, resolve, run_id, step_dirname,
-                                             temporary, write_atomic)
-from fxpipe.checkpoint.lock import CheckpointLockError, acquire
-from fxpipe.checkpoint.manifest import (FORMAT, META_FILE, SCALER_FIELDS, CheckpointFallbackWarning,
-                                                CorruptCheckpointError, digest, file_names, read_manifest, verify,
-                                                with_digest)
-from fxpipe.checkpoint.metadata import UnsafeCheckpointError
-
-if TYPE_CHECKING:
-    from fxpipe.runtime.api import ParallelModel
-
-__all__ = ["CheckpointFallbackWarning", "CorruptCheckpointError", "export_consolidated", "latest_checkpoint",
-           "list_checkpoints", "load_checkpoint", "save_checkpoint", "state_dict_names", "step_dirname"]
-
+from fxpipe.runtime.api import ParallelModel
 
 # ---- what is saved ---------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.compiler.capture import CaptureError
 
     args = build_parser().parse_args(argv)

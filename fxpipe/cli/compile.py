@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from fxpipe.job.flags import LAYOUT_FLAGS, TARGET_FLAGS, TRAIN_FLAGS, add_flags, given, with_layout
 from fxpipe.ir.parallel_config import ParallelConfig
+from fxpipe.job.flags import LAYOUT_FLAGS, TARGET_FLAGS, TRAIN_FLAGS, add_flags, given, with_layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,11 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # loaded when the command runs, not on import: `fxpipe --help` stays quick
+    from fxpipe.compiler.compile_report import compile_summary
     from fxpipe.compiler.pipeline import CompileHooks, compile_pipeline
+    from fxpipe.job.preflight import capture_device
     from fxpipe.models.registry import build_workload
     from fxpipe.passes.tensor_parallel import render_sharding_report
-    from fxpipe.job.preflight import capture_device
-    from fxpipe.compiler.compile_report import compile_summary
 
     target = CompileTarget(**given(args, TARGET))
     layout = with_layout(DEFAULT_LAYOUT, given(args, LAYOUT_FLAGS))
@@ -84,6 +85,7 @@ def _measured_config(program, config, ctx, workload, layout: ParallelConfig, tar
     used, and the stage table's header says so."""
     import torch
 
+    # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.costs import apply_profile, measured_profile
     from fxpipe.costs.profile import device_name
 
@@ -105,6 +107,7 @@ def _measured_config(program, config, ctx, workload, layout: ParallelConfig, tar
 def _print_partition(result, hw_name: str, args: argparse.Namespace) -> None:
     import json
 
+    # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.compiler.compile_report import stage_rows, stage_table
 
     layout, program, partition = result.config, result.program, result.partition
@@ -114,6 +117,7 @@ def _print_partition(result, hw_name: str, args: argparse.Namespace) -> None:
           f"microbatches={layout.num_microbatches}")
     print(stage_table(program, assignment, partition, hw_name))
     if layout.vocab_passes and result.plan is not None:
+        # loaded when the command runs, not on import: `fxpipe --help` stays quick
         from fxpipe.compiler.vocab_placement import describe
 
         print(describe(layout, result.vocab_timing, result.schedule))
@@ -130,6 +134,7 @@ def _print_partition(result, hw_name: str, args: argparse.Namespace) -> None:
 
 def _inter_stage_bytes(plan, layout: ParallelConfig) -> str:
     """Bytes each tp rank sends between stages per step, with and without scatter-gather."""
+    # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.compiler.compile_report import human
     from fxpipe.tp import inter_stage_bytes
 

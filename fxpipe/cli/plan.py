@@ -67,6 +67,7 @@ counts grow with the microbatch count, and at 10^7 one search took 49 s and 0.9 
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.planner.explain import explain, plan_table, search_summary
     from fxpipe.planner.search import plan
     from fxpipe.planner.shapes import shape_from_registry

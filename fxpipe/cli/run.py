@@ -7,8 +7,8 @@ import dataclasses
 import enum
 import os
 
-from fxpipe.job.flags import LAYOUT_FLAGS, TRAIN_FLAGS, add_flags, given, with_layout
 from fxpipe.job.config import TrainConfig
+from fxpipe.job.flags import LAYOUT_FLAGS, TRAIN_FLAGS, add_flags, given, with_layout
 
 DEFAULT = TrainConfig()
 """The embedded default: gpt-small on the standard library's source, tp=2 × pp=2."""
@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace) -> TrainConfig:
     """Defaults, then the config file, then the flags given."""
+    # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.job.config_file import read_config
 
     fields = read_config(args.config, {**TRAIN_FLAGS, **LAYOUT_FLAGS}) if args.config else {}
@@ -41,6 +42,7 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
 
 def check_flags_by_name(values: dict) -> None:
     """``preflight.check_flags`` reads the flags by their names (messages name the flag)."""
+    # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.job.preflight import check_flags
 
     names = {f.field: f.key.replace("-", "_") for f in {**TRAIN_FLAGS, **LAYOUT_FLAGS}.values()}
@@ -49,6 +51,7 @@ def check_flags_by_name(values: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.job.launcher import launch
     from fxpipe.job.preflight import check_run
 

@@ -20,13 +20,11 @@ import os
 import sys
 
 from fxpipe.schedules.lowering import lower
-from fxpipe.schedules.registry import SCHEDULES, generate
+from fxpipe.schedules.registry import SCHEDULES, check_size, generate
 from fxpipe.schedules.render import render_ascii, render_gantt, render_trace
 from fxpipe.schedules.simulate import StageDurations, simulate
 from fxpipe.schedules.validate import validate
 from fxpipe.schedules.vocab_actions import place_vocab_passes, split_output_layer
-from fxpipe.schedules.registry import MAX_PAIRS, MAX_PAIRS_IMAGE, check_size
-
 
 """Stage-microbatch pairs (p·v·m) ``viz`` simulates and prints: ~2.5 GB and a minute at the
 limit (measured: p=64, m=1024 takes 0.5 GB and 7 s); beyond it memory runs out."""

@@ -22,9 +22,9 @@ import torch
 import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
 
-from fxpipe.passes.functionalize import FunctionalizeError, functionalize
 from fxpipe.ir.program import ParamInfo, ParamKind, Program, TensorSpec
 from fxpipe.ir.sizes import observe_sizes, unbacked_symbols
+from fxpipe.passes.functionalize import FunctionalizeError, functionalize
 
 _WRAPPED = "model"  # attribute name of the user's model inside the loss wrapper
 

@@ -5,9 +5,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from fxpipe.ir.op_tables import VIEW_OPS
-from fxpipe.passes.driver import PassTiming
 from fxpipe.ir.program import ParamKind, Program
 from fxpipe.ir.sizes import describe_hints, unbacked_symbols
+from fxpipe.passes.driver import PassTiming
 
 
 def human(n: float, unit: str = "") -> str:

@@ -44,28 +44,29 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.nn as nn
 
-from fxpipe.ir.artifact import CompiledPipeline, ModelStats, PassTiming
+from fxpipe.base.recompute_mode import RecomputeMode
 from fxpipe.compiler.capture import capture
+from fxpipe.compiler.vocab_placement import placed_schedule, vocab_timing
+from fxpipe.ir.artifact import CompiledPipeline, ModelStats, PassTiming
 from fxpipe.ir.parallel_config import ParallelConfig
-from fxpipe.passes.node_cost import cost_pass, total_cost
-from fxpipe.passes.device import retarget_device_pass
-from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
-from fxpipe.passes.driver import DEFAULT_PASSES, PassSpec, run_passes
+from fxpipe.ir.program import Program
+from fxpipe.ir.stage_plan import PipelinePlan
+from fxpipe.ir.token_inputs import token_inputs
 from fxpipe.passes.assign_stages import PartitionConfig, partition_pass
+from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
+from fxpipe.passes.device import retarget_device_pass
+from fxpipe.passes.driver import DEFAULT_PASSES, PassSpec, run_passes
+from fxpipe.passes.expert_parallel import expert_parallel_pass
+from fxpipe.passes.node_cost import cost_pass, total_cost
 from fxpipe.passes.recompute import apply_recompute
 from fxpipe.passes.split import split_pass
 from fxpipe.passes.split_loss import split_loss_pass
 from fxpipe.passes.split_matmul import split_matmul_pass
 from fxpipe.passes.vocab_head import head_nodes, vocab_head_pass, vocab_row_params
 from fxpipe.passes.vocab_rows import vocab_rows_pass
-from fxpipe.ir.stage_plan import PipelinePlan
-from fxpipe.ir.program import Program
-from fxpipe.base.recompute_mode import RecomputeMode
 from fxpipe.runtime.precision import Precision
 from fxpipe.schedules.actions import Schedule
 from fxpipe.schedules.lowering import lower
-from fxpipe.ir.token_inputs import token_inputs
-from fxpipe.compiler.vocab_placement import placed_schedule, vocab_timing
 
 MeasureFn = Callable[[Program, PartitionConfig, "CompileContext"], PartitionConfig]
 SolveFn = Callable[[Program, PartitionConfig], Program]
@@ -116,7 +117,6 @@ def model_stats_pass(program: Program, ctx: CompileContext) -> Program:
 def expert_parallel_step(program: Program, ctx: CompileContext) -> Program:
     if ctx.config.ep == 1:
         return program
-    from fxpipe.passes.expert_parallel import expert_parallel_pass
 
     out = expert_parallel_pass(program, ctx.config.expert_parallel)
     if not out.expert_parallel.layers:

@@ -23,16 +23,15 @@ is deterministic.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from fxpipe.ir.parallel_config import ParallelConfig
-from fxpipe.passes.vocab_head import head_nodes
+from fxpipe.ir.pass_results import VocabTiming
 from fxpipe.ir.stage_plan import PipelinePlan
+from fxpipe.passes.vocab_head import head_nodes
 from fxpipe.schedules.actions import Schedule
 from fxpipe.schedules.registry import generate
-from fxpipe.schedules.simulate import StageDurations
+from fxpipe.schedules.simulate import StageDurations, simulate
 from fxpipe.schedules.vocab_actions import add_vocab_passes, place_vocab_passes
-from fxpipe.ir.pass_results import VocabTiming
 
 STATS_PER_TOKEN = 3
 """fp32 softmax statistics all-reduced per token: max, sum-exp and target logit."""
@@ -97,7 +96,6 @@ def describe(config: ParallelConfig, timing: VocabTiming | None, schedule: Sched
     step of ``schedule`` against the unit placement on those times."""
     if timing is None:
         return "vocab passes placed with unit times (the partition balanced no times)"
-    from fxpipe.schedules.simulate import simulate
 
     def span(s: Schedule) -> float:
         return 1e3 * simulate(s, timing.durations, p2p_latency=timing.p2p_latency,

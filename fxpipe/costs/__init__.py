@@ -17,10 +17,12 @@ import torch.distributed as dist
 
 from fxpipe.costs.link import probe_link
 from fxpipe.costs.measure import chunks, time_groups
-from fxpipe.costs.profile import (CostProfile, ProfileError, cache_path, check_usable, device_name,
-                                  profile_key)
-from fxpipe.partition import Coarsening, coarsen
+from fxpipe.costs.profile import CostProfile, ProfileError, cache_path, check_usable, device_name, profile_key
 from fxpipe.ir.parallel_config import parse_costs
+from fxpipe.partition import Coarsening, coarsen
+from fxpipe.passes.assign_stages import build_problem_graph
+from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass, split_block_keys
+from fxpipe.passes.split import split_pass
 
 __all__ = ["CostProfile", "ProfileError", "apply_profile", "measured_profile",
            "parse_costs", "probe_groups"]
@@ -33,9 +35,6 @@ timer's and Python's per-call overhead."""
 
 def probe_groups(program, config) -> tuple:
     """(fine graph with cost-model times, its coarsening into probe groups)."""
-    from fxpipe.passes.assign_stages import build_problem_graph
-
-    from fxpipe.passes.coalesce_blocks import split_block_keys
 
     fine = build_problem_graph(program, config)
     keyed = fine.copy()  # the blocks of a split matmul share one probe group
@@ -59,8 +58,6 @@ def measured_profile(program, config, source: str, *, device: torch.device,
 
     ``state_for(names)`` returns this rank's (sharded) parameters for ``names``;
     ``batch`` is one microbatch on ``device``; ``mesh``/``mesh_groups`` place this rank."""
-    from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
-    from fxpipe.passes.split import split_pass
 
     fine, probe = probe_groups(program, config)
     dims = (mesh.tp, mesh.dp, mesh.pp) if mesh is not None else (1, 1, 1)

@@ -24,8 +24,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.ir.program import TensorSpec
+from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.runtime.stage_runner import StageRunner
 
 PHASES = ("fwd", "bwd", "input", "weight")

@@ -20,9 +20,9 @@ from typing import Any, Sequence
 import networkx as nx
 import torch
 
+from fxpipe.base.safe_io import UnsafeFileError, read_bounded
 from fxpipe.costs.measure import PHASES
 from fxpipe.partition import Coarsening
-from fxpipe.base.safe_io import UnsafeFileError, read_bounded
 
 FORMAT = 1
 MAX_BYTES = 16 * 2**20

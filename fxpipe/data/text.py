@@ -18,9 +18,9 @@ from typing import Iterator
 
 import numpy as np
 
+from fxpipe.base.safe_io import check_regular, open_regular, read_bounded
 from fxpipe.data.tokenizer import ByteTokenizer, HFTokenizer
 from fxpipe.data.tokens import TokenDtype, open_token_file
-from fxpipe.base.safe_io import check_regular, open_regular, read_bounded
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 MAX_TEXT_FILE = 4 << 30

@@ -9,19 +9,18 @@ module imports no pass, so the runtime can import it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
-from fxpipe.ir.stage_plan import PipelinePlan
-from fxpipe.ir.program import Program
-from fxpipe.schedules.actions import Schedule
-from fxpipe.ir.shard_spec import ShardSpec, expert_rank_spec, rank_specs
+from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.pass_configs import PartitionConfig
 from fxpipe.ir.pass_results import ModelStats, TokenInput, VocabTiming
+from fxpipe.ir.program import Program
+from fxpipe.ir.shard_spec import ShardSpec, expert_rank_spec, rank_specs
+from fxpipe.ir.stage_plan import PipelinePlan
+from fxpipe.ir.state_mismatch import full_shapes
 from fxpipe.ir.tp_result import TPCoverage
 from fxpipe.partition.result import PartitionResult
-
-if TYPE_CHECKING:  # a type hint only: the config module is heavier than the artifact's readers need
-    from fxpipe.ir.parallel_config import ParallelConfig
+from fxpipe.schedules.actions import Schedule
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,6 @@ class CompiledPipeline:
         rows = self.plan.row_shards if self.plan is not None else {}
         if not rows:
             return {**self.specs, **experts}
-        from fxpipe.ir.state_mismatch import full_shapes
         return {**rank_specs(self.specs, rows, pp_rank, full_shapes(self.program, self.specs)), **experts}
 
     @property

@@ -16,14 +16,14 @@ import math
 import os
 from dataclasses import dataclass
 
-from fxpipe.partition.result import Method
-from fxpipe.base.recompute_mode import RecomputeMode
 from fxpipe.base.hardware import get_hardware
+from fxpipe.base.precision import Precision
+from fxpipe.base.recompute_mode import RecomputeMode
 from fxpipe.ir.pass_configs import EPConfig, PartitionConfig, TPConfig
+from fxpipe.partition.result import Method
 from fxpipe.schedules.inflight import stage_inflight
 from fxpipe.schedules.registry import ScheduleKind, generate, get_spec
 from fxpipe.schedules.vocab_actions import add_vocab_passes
-from fxpipe.base.precision import Precision
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,12 +20,11 @@ from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
-from fxpipe.base.dtypes import _itemsize, itemsize
-from fxpipe.base.op_cost import NodeCost
 
+from fxpipe.base.dtypes import _itemsize
+from fxpipe.base.op_cost import NodeCost
 from fxpipe.ir.pass_configs import PartitionConfig
-from fxpipe.ir.pass_results import (BlockwiseLoss, EPResult, MatmulSplit, ModelStats, RecomputeRegion,
-                                    TokenInput)
+from fxpipe.ir.pass_results import BlockwiseLoss, EPResult, MatmulSplit, ModelStats, RecomputeRegion, TokenInput
 from fxpipe.ir.tp_result import TPResult
 from fxpipe.partition.result import PartitionResult
 

@@ -11,6 +11,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from fxpipe.base.dtypes import itemsize
 from fxpipe.ir.program import Program, TensorSpec
 from fxpipe.ir.shard_spec import PipelineRows
 
@@ -38,7 +39,6 @@ class StageValue:
 
     @property
     def nbytes(self) -> int:
-        from fxpipe.base.dtypes import itemsize
         n = 1
         for d in self.spec.shape:
             n *= d

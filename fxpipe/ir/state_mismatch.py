@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from fxpipe.ir.program import ParamKind
+
 
 def full_shapes(program: Any, specs: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """Canonical name -> the tensor's whole shape (after the TP pass ``ParamInfo.shape``
     is the local shape; a sharded tensor's whole shape is its spec's ``full_shape``)."""
-    from fxpipe.ir.program import ParamKind
 
     return {p.canonical: tuple(specs[p.canonical].full_shape) if p.canonical in specs else tuple(p.shape)
             for p in program.params if p.kind is not ParamKind.CONSTANT}

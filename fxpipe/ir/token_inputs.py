@@ -14,16 +14,14 @@ job trains silently on wrong embeddings.
 """
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.fx as fx
 
-from fxpipe.ir.program import Program
 from fxpipe.ir.op_tables import VALUE_PRESERVING
-from fxpipe.ir.pass_results import TokenRole, TokenInput
+from fxpipe.ir.pass_results import TokenInput, TokenRole
+from fxpipe.ir.program import Program
 
 aten = torch.ops.aten
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping

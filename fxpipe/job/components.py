@@ -7,18 +7,15 @@ names and shapes only.
 """
 from __future__ import annotations
 
-import enum
 import json
 import math
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import torch
 
-from fxpipe.base.enums import parse_enum
-from fxpipe.job.config import LRSchedule
-
-if TYPE_CHECKING:
-    from fxpipe.job.config import TrainConfig
+from fxpipe.data import DataStream
+from fxpipe.ir.program import ParamKind
+from fxpipe.job.config import LRSchedule, TrainConfig
 
 
 def lr_factor(step: int, *, schedule: LRSchedule, warmup: int, steps: int, lr: float, min_lr: float) -> float:
@@ -62,7 +59,6 @@ def evaluate(pm: Any, batches: Iterable[tuple[torch.Tensor, ...]]) -> float:
     (an overflow or a growth counted on validation batches would move it) and the buffers
     the forward writes (running statistics, counters). Models trained with dropout see it
     here too."""
-    from fxpipe.ir.program import ParamKind
 
     scaler = getattr(pm.master, "scaler", None) if pm.master is not None else None
     kept_scale = dict(vars(scaler)) if scaler is not None else None
@@ -122,8 +118,6 @@ def validate(pm: Any, w: Any, windows: Any, config: "TrainConfig", step: int, me
     """Validation loss and perplexity over the first ``eval_steps`` global batches of the
     validation windows, in order (the same tokens at every evaluation)."""
     import math
-
-    from fxpipe.data import DataStream
 
     val = DataStream(windows, config.batch, dp=pm.groups.mesh.dp, dp_rank=pm.groups.dp_rank, shuffle=False)
     loss = evaluate(pm, (w.batch_from_tokens(val.global_rows(val.next_batch())) for _ in range(config.eval_steps)))

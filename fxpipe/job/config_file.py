@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import enum
 import tomllib
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from fxpipe.base.safe_io import read_bounded
-
-if TYPE_CHECKING:
-    from fxpipe.job.flags import Flag
-    from fxpipe.job.config import TrainConfig
+from fxpipe.job.config import TrainConfig
+from fxpipe.job.flags import LAYOUT_FLAGS, TRAIN_FLAGS, Flag, Kind, optional_path
 
 MAX_CONFIG_BYTES = 1 << 20
 SAVED_NAME = "fxpipe-run.toml"
@@ -44,14 +42,12 @@ def read_config(path: str, flags: Mapping[str, "Flag"]) -> dict[str, Any]:
 
 
 def _value(path: str, flag: "Flag", value: Any) -> Any:
-    from fxpipe.job.flags import Kind
 
     where = f"--config {path}: {flag.key}"
     if flag.kind is not Kind.VALUE:
         if not isinstance(value, bool):
             raise ValueError(f"{where} must be true or false, got {value!r}")
         return value
-    from fxpipe.job.flags import optional_path
 
     text = flag.type in (str, optional_path)
     if isinstance(value, (dict, list, bool)) or isinstance(value, str) != text:
@@ -85,7 +81,6 @@ overwrite the directory it saves into."""
 def to_toml(config: "TrainConfig") -> str:
     """The resolved run config as TOML with the flags' keys (None fields left out: their
     default is None, but for files on by default, written as "none")."""
-    from fxpipe.job.flags import LAYOUT_FLAGS, TRAIN_FLAGS, Kind, optional_path
 
     lines = []
     for flags, obj in ((TRAIN_FLAGS, config), (LAYOUT_FLAGS, config.parallel)):

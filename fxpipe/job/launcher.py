@@ -15,13 +15,12 @@ import os
 import signal
 import sys
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
 import torch.distributed as dist
-from fxpipe.job.stop_signal import StopSignal
 
 from fxpipe.job.config import TrainConfig
+from fxpipe.job.stop_signal import StopSignal
 from fxpipe.job.train import worker
 
 

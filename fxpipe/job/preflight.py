@@ -27,15 +27,23 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fxpipe.job.preflight_files import (PreflightError, check_owner, check_resume, check_weights,
-                                    check_writable_dir, check_writable_file, resume_path)
-
-if TYPE_CHECKING:
-    from fxpipe.ir.artifact import CompiledPipeline
-    from fxpipe.job.preflight_data import DataFacts
-    from fxpipe.job.config import TrainConfig
+from fxpipe.checkpoint.lock import CheckpointLockError, check_free
+from fxpipe.compiler.pipeline import compile_pipeline
+from fxpipe.costs import CostProfile, ProfileError
+from fxpipe.ir.artifact import CompiledPipeline
+from fxpipe.ir.token_inputs import TokenRole
+from fxpipe.job.config import TrainConfig
+from fxpipe.job.preflight_data import DataFacts, check_data
+from fxpipe.job.preflight_files import (PreflightError, check_owner, check_resume, check_weights, check_writable_dir,
+                                        check_writable_file, resume_path)
+from fxpipe.job.workload import weights_dir
+from fxpipe.models.hf_dir import is_model_dir
+from fxpipe.models.registry import GPT_CONFIGS, build_workload
+from fxpipe.params.hf_weights import WeightsDir
+from fxpipe.partition import Method, PartitionError
+from fxpipe.schedules.registry import check_size, generate, get_spec
 
 META_ABOVE_PARAMS = 3e8
 """Registry GPTs larger than this are captured on the meta device."""
@@ -45,7 +53,6 @@ def check_run(config: "TrainConfig", *, model: bool = True) -> "CompiledPipeline
     """The file-system and model checks, cheapest first (``check_flags`` runs on the flags,
     before the config exists); ``model=False`` skips capturing the model. Returns what
     the model check compiled (tensor-parallel, costed), or None."""
-    from fxpipe.job.preflight_data import check_data
 
     resume = check_paths(config)
     data = check_data(config)
@@ -56,10 +63,6 @@ def check_run(config: "TrainConfig", *, model: bool = True) -> "CompiledPipeline
 def check_flags(args: Any) -> None:
     """``fxpipe run``'s flags (an argparse namespace) checked by name, so every message
     says which flag to change; ``ParallelConfig`` would refuse the same values by field."""
-    from fxpipe.models.registry import GPT_CONFIGS
-    from fxpipe.partition import Method
-    from fxpipe.schedules.registry import check_size
-    from fxpipe.schedules.registry import generate, get_spec
 
     for name in ("tp", "pp", "dp", "microbatches"):
         if getattr(args, name) < 1:
@@ -78,7 +81,6 @@ def check_flags(args: Any) -> None:
         raise PreflightError(f"unknown --partition {args.partition!r}; valid: "
                              f"{', '.join(m.value for m in Method)}") from None
     if args.costs not in ("measure", "model"):
-        from fxpipe.costs import CostProfile, ProfileError
         try:
             CostProfile.load(args.costs)
         except ProfileError as e:
@@ -141,7 +143,6 @@ def check_paths(config: "TrainConfig") -> Path | None:
     """Returns the checkpoint a resume will start from (digests verified), else None."""
     resume = None
     if config.init_from is not None:
-        from fxpipe.params.hf_weights import WeightsDir
         try:  # the files alone (names, shapes and dtypes against the model: ``check_model``)
             WeightsDir(config.init_from)
         except (OSError, ValueError) as exc:
@@ -150,7 +151,6 @@ def check_paths(config: "TrainConfig") -> Path | None:
         ckpt = Path(config.checkpoint_dir)
         check_writable_dir(ckpt, "--checkpoint-dir", "choose a directory that this user can write")
         if ckpt.is_dir():
-            from fxpipe.checkpoint.lock import CheckpointLockError, check_free
             try:  # another job writing there would race this one's saves
                 check_free(ckpt)
             except CheckpointLockError as exc:
@@ -181,8 +181,6 @@ def check_paths(config: "TrainConfig") -> Path | None:
 def capture_device(model: str) -> str:
     """Meta (no weights allocated) for registry GPTs above ~300M parameters and Hugging
     Face model directories (each rank loads its shards), else cpu."""
-    from fxpipe.models.hf_dir import is_model_dir
-    from fxpipe.models.registry import GPT_CONFIGS
 
     if is_model_dir(model):
         return "meta"
@@ -195,12 +193,7 @@ def check_model(config: "TrainConfig", resume: Path | None = None, data: "DataFa
     non-ILP partition too; the ILP and measured costs are left to the workers)."""
     import torch
 
-    from fxpipe.compiler.pipeline import compile_pipeline
-    from fxpipe.partition import Method, PartitionError
-    from fxpipe.ir.token_inputs import TokenRole
-
     if data is None:
-        from fxpipe.job.preflight_data import check_data
         data = check_data(config)
     device = capture_device(config.model)
     w = _workload(config, device)
@@ -224,7 +217,6 @@ def check_model(config: "TrainConfig", resume: Path | None = None, data: "DataFa
         _check_vocab(config.model, t.vocab_size, f"the rows of its {role} at {t.module or t.node}", data)
     if config.resume:
         check_resume(result.program, resume or resume_path(config), config)
-    from fxpipe.job.workload import weights_dir
 
     try:
         weights = weights_dir(config)
@@ -252,7 +244,6 @@ def _check_vocab(model: str, vocab: int, where: str, data: "DataFacts") -> None:
 def _workload(config: "TrainConfig", device: str):
     """``build_workload``, with a user function's own failure (any exception, or a result
     that is not a workload) reported as one line naming it."""
-    from fxpipe.models.registry import build_workload
 
     try:
         return build_workload(config.model, batch=config.micro_batch_size, seq=config.seq, device=device,

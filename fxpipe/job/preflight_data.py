@@ -7,12 +7,11 @@ are returned for the model check, which names both against the model's vocabular
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from fxpipe.data import max_token, open_data
+from fxpipe.job.config import TrainConfig
 from fxpipe.job.preflight_files import PreflightError
-
-if TYPE_CHECKING:
-    from fxpipe.job.config import TrainConfig
+from fxpipe.job.workload import tokenizer_path
 
 
 @dataclass(frozen=True)
@@ -25,8 +24,6 @@ class DataFacts:
 
 
 def check_data(config: "TrainConfig") -> DataFacts:
-    from fxpipe.data import max_token, open_data
-    from fxpipe.job.workload import tokenizer_path
 
     flag = "--data" if config.data is not None else "the built-in data"
     try:

@@ -21,11 +21,15 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from fxpipe.ir.program import Program
-    from fxpipe.job.config import TrainConfig
+from fxpipe.checkpoint.dcp import candidates, local_problems, pick_intact, state_dict_names
+from fxpipe.checkpoint.files import committed
+from fxpipe.checkpoint.manifest import CorruptCheckpointError, read_manifest
+from fxpipe.ir.program import Program
+from fxpipe.job.config import TrainConfig
+from fxpipe.params.hf_weights import WeightsDir
+from fxpipe.params.rank_state import check_weights as check
 
 
 class PreflightError(ValueError):
@@ -88,8 +92,6 @@ def check_writable_file(path: Path, flag: str) -> None:
 def check_owner(config: "TrainConfig") -> None:
     """Without --resume, the directory must hold no checkpoint (of any run): saving a
     fresh run there would replace their steps. --overwrite means it."""
-    from fxpipe.checkpoint.files import committed
-    from fxpipe.checkpoint.manifest import CorruptCheckpointError, read_manifest
 
     if config.resume or config.overwrite or not Path(config.checkpoint_dir).is_dir():
         return
@@ -110,8 +112,6 @@ def check_owner(config: "TrainConfig") -> None:
 def resume_path(config: "TrainConfig") -> Path:
     """The checkpoint the workers will resume from, chosen as they will choose it
     (``candidates`` / ``pick_intact``: every digest verified, damaged ones skipped)."""
-    from fxpipe.checkpoint.dcp import candidates, local_problems, pick_intact
-    from fxpipe.checkpoint.manifest import CorruptCheckpointError
 
     try:
         paths, notes = candidates(config.checkpoint_dir, config.resume_from)
@@ -129,8 +129,6 @@ def check_resume(program: "Program", path: Path, config: "TrainConfig | None" = 
     """The checkpoint to resume from must hold this model's tensors (by ``state_dict``
     name; shapes are checked by the workers against DCP's index when they load), and
     its LR schedule must be one this run's flags continue."""
-    from fxpipe.checkpoint.dcp import state_dict_names
-    from fxpipe.checkpoint.manifest import CorruptCheckpointError, read_manifest
 
     try:
         meta: Any = read_manifest(path)  # type-checked
@@ -183,8 +181,6 @@ def check_schedule(extra: dict, step: int, lr: float, groups: int | None = None)
 # ---- weights ---------------------------------------------------------------------------------
 def check_weights(program: "Program", directory: str) -> None:
     """--init-from: names, shapes and dtypes against the model, from the headers alone."""
-    from fxpipe.params.rank_state import check_weights as check
-    from fxpipe.params.hf_weights import WeightsDir
 
     tp = program.tensor_parallel
     try:

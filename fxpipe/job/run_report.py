@@ -4,15 +4,16 @@ timeline of the last step (Perfetto JSON + PNG)."""
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from fxpipe.job.config import TrainConfig
+from fxpipe.passes.recompute import regions_of
+from fxpipe.runtime.api import ParallelModel
 from fxpipe.runtime.balance import BalanceMeter, balance, balance_table
-
-if TYPE_CHECKING:
-    from fxpipe.runtime.api import ParallelModel
-    from fxpipe.job.config import TrainConfig
+from fxpipe.schedules.render.gantt import render_gantt
+from fxpipe.schedules.render.trace import render_trace
+from fxpipe.schedules.timeline import Timeline
 
 
 def progress_bar(step: int, total: int, loss: float, width: int = 30) -> None:
@@ -34,7 +35,6 @@ def bubble_share(events: tuple, start: float, end: float) -> float:
 def recomputed_flops(pm: "ParallelModel") -> int:
     """Forward matmul FLOPs re-run in backward by recompute regions, per microbatch, all
     stages; per-rank costs × tp approximates the whole model's under tensor parallelism."""
-    from fxpipe.passes.recompute import regions_of
 
     costs = pm.plan.program.costs
     total = sum(costs[n].fwd_flops for st in pm.plan.stages for r in regions_of(st.graph_module)
@@ -56,9 +56,6 @@ def write_timeline(pm: "ParallelModel", config: TrainConfig, imbalance: float = 
     """Gather the last step's per-action times from every pipeline rank; rank 0 draws them."""
     if config.timeline is None:
         return
-    from fxpipe.schedules.render.gantt import render_gantt
-    from fxpipe.schedules.render.trace import render_trace
-    from fxpipe.schedules.timeline import Timeline
 
     events = [None] * config.parallel.pp
     dist.all_gather_object(events, pm.last_stats.events, group=pm.groups.pp_group)

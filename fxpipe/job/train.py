@@ -9,33 +9,32 @@ import os
 import signal
 import statistics
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fxpipe.job.stop_signal import StopSignal
+from fxpipe.checkpoint.dcp import load_checkpoint, save_checkpoint
+from fxpipe.checkpoint.export import export_consolidated
+from fxpipe.checkpoint.files import write_atomic
+from fxpipe.checkpoint.size import checkpoint_size
+from fxpipe.data import DataStream
+from fxpipe.job.components import MetricsWriter, lr_scheduler, param_groups, peak_memory_gib, validate
+from fxpipe.job.config import TrainConfig
+from fxpipe.job.config_file import SAVED_NAME, to_toml
+from fxpipe.job.preflight_files import check_schedule
 from fxpipe.job.run_report import bubble_share, progress_bar, recomputed_flops, report_balance, write_timeline
+from fxpipe.job.stop_signal import StopSignal
+from fxpipe.job.workload import build_job, weights_dir
+from fxpipe.parallel import parallelize
 from fxpipe.runtime.balance import BalanceMeter
-from fxpipe.job.config import _default_layout, TrainConfig, _batch_hint
-
-if TYPE_CHECKING:
-    from fxpipe.ir.parallel_config import ParallelConfig
+from fxpipe.runtime.grad_norm import clip_grad_norm, global_grad_norm
 
 
 def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, Any]:
     """One rank of the job (what torchrun or the elastic launcher starts). ``stop``
     catches SIGTERM/SIGINT from the first step on; without one, its handlers stay
     installed for the process's life."""
-    from fxpipe.data import DataStream
-    from fxpipe.job.preflight_files import check_schedule
-    from fxpipe.parallel import parallelize
-    from fxpipe.checkpoint.dcp import load_checkpoint
-    from fxpipe.checkpoint.export import export_consolidated
-    from fxpipe.runtime.grad_norm import clip_grad_norm, global_grad_norm
-    from fxpipe.job.components import MetricsWriter, lr_scheduler, param_groups, peak_memory_gib, validate
-    from fxpipe.job.workload import build_job, weights_dir
 
     seed, layout = config.parallel.seed, config.parallel
     torch.manual_seed(seed)
@@ -68,7 +67,6 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
     tokens_per_step = config.batch * config.seq
     metrics = MetricsWriter(config.metrics_file, config.tensorboard_dir) if rank == 0 else None
     if rank == 0:
-        from fxpipe.job.config_file import to_toml
 
         print("config: " + ", ".join(to_toml(config).splitlines()), flush=True)  # the resolved run, in its keys
         print(f"fxpipe run: {config.model}, {pm.model_stats.num_parameters / 1e6:.2f}M parameters, "
@@ -167,11 +165,6 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
 
 def _save(pm: Any, opt: Any, sched: Any, stream: Any, step: int, config: TrainConfig) -> int:
     from pathlib import Path
-
-    from fxpipe.job.config_file import SAVED_NAME, to_toml
-    from fxpipe.checkpoint.dcp import save_checkpoint
-    from fxpipe.checkpoint.files import write_atomic
-    from fxpipe.checkpoint.size import checkpoint_size
 
     start = time.perf_counter()
     path = save_checkpoint(pm, opt, step, config.checkpoint_dir, keep_last=config.keep_checkpoints,

@@ -3,19 +3,16 @@ in every rank: the workload (a Hugging Face directory on the meta device), the d
 the tokenizer and the weights a run takes by default."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from fxpipe.job.config import TrainConfig
+from fxpipe.data import open_data
+from fxpipe.job.config import TrainConfig
+from fxpipe.models import build_workload
+from fxpipe.models.hf_dir import check_weights_readable, has_weights, is_model_dir
 
 
 def build_job(config: "TrainConfig"):
     """(workload, data source) of the run, as every rank and the launcher's checks build
     them. A Hugging Face model directory is built on the meta device: each rank takes
     only its shards (``weights_dir``) or initialises them itself."""
-    from fxpipe.data import open_data
-    from fxpipe.models import build_workload
-    from fxpipe.models.hf_dir import is_model_dir
 
     device = "meta" if is_model_dir(config.model) else "cpu"
     w = build_workload(config.model, batch=config.batch, seq=config.seq, seed=config.parallel.seed, device=device)
@@ -31,8 +28,6 @@ def tokenizer_path(config: "TrainConfig") -> str | None:
     """--tokenizer, else the --model directory's own tokenizer when it has one."""
     from pathlib import Path
 
-    from fxpipe.models.hf_dir import is_model_dir
-
     if config.tokenizer is not None:
         return config.tokenizer
     # tokenizer.json (fast), or a tokenizer_config.json / SentencePiece model that the Hugging
@@ -45,7 +40,6 @@ def tokenizer_path(config: "TrainConfig") -> str | None:
 def weights_dir(config: "TrainConfig") -> str | None:
     """--init-from, else the --model directory when it holds safetensors (one holding its
     weights only as pickles is refused: it would otherwise train from random weights)."""
-    from fxpipe.models.hf_dir import check_weights_readable, has_weights, is_model_dir
 
     if config.init_from is not None:
         return config.init_from

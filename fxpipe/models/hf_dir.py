@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
+from fxpipe.base.safe_io import read_bounded
 from fxpipe.models.losses import next_token_loss
 from fxpipe.models.workload import Workload, _token_batch
-from fxpipe.base.safe_io import read_bounded
 from fxpipe.params.hf_weights import INDEX, SINGLE
 
 MAX_CONFIG_BYTES = 4 << 20

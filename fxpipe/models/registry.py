@@ -19,20 +19,16 @@ batch and the loss function — exactly what ``fxpipe.capture`` and
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
-from fxpipe.models.losses import causal_lm_loss, next_token_loss
 from fxpipe.models.gpt import GPT, GPTConfig
 from fxpipe.models.hf import HF_FAMILIES
 from fxpipe.models.hf_dir import dir_workload, is_model_dir
-from fxpipe.models.zoo import VOCAB as ZOO_VOCAB
-from fxpipe.models.zoo import ZOO
+from fxpipe.models.losses import causal_lm_loss, next_token_loss
 from fxpipe.models.workload import Workload, _token_batch
-
+from fxpipe.models.zoo import VOCAB as ZOO_VOCAB, ZOO
 
 GPT_CONFIGS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64),

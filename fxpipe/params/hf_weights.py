@@ -29,9 +29,9 @@ from typing import Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from fxpipe.ir.state_mismatch import raise_if_mismatched
-from fxpipe.ir.shard_spec import ShardKind, ShardSpec
 from fxpipe.base.safe_io import UnsafeFileError, check_regular, inside, read_bounded
+from fxpipe.ir.shard_spec import ShardKind, ShardSpec
+from fxpipe.ir.state_mismatch import raise_if_mismatched
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

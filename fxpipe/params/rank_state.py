@@ -14,15 +14,16 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from fxpipe.params.deferred_init import materialize_tensor, record_init
-from fxpipe.ir.shard_spec import shard_state
 from fxpipe.ir.program import ParamKind, Program
+from fxpipe.ir.shard_spec import shard_state
+from fxpipe.ir.state_mismatch import full_shapes
+from fxpipe.params.deferred_init import materialize_tensor, record_init
+from fxpipe.params.hf_weights import WeightsDir
 
 
 def stored_weights(program: Program, specs: dict, directory) -> dict:
     """Canonical name -> (WeightsDir, stored name) for every parameter, checked against
     the model's names, full shapes and dtypes first (one error listing every mismatch)."""
-    from fxpipe.params.hf_weights import WeightsDir
 
     wd = WeightsDir(directory)
     return {c: (wd, s) for c, s in check_weights(wd, program, specs).items()}
@@ -30,7 +31,6 @@ def stored_weights(program: Program, specs: dict, directory) -> dict:
 
 def check_weights(wd, program: Program, specs: dict) -> dict[str, str]:
     """``WeightsDir.check`` against ``program`` (the launcher's preflight calls it too)."""
-    from fxpipe.ir.state_mismatch import full_shapes
 
     names = {p.name: p.canonical for p in program.params if p.kind is not ParamKind.CONSTANT}
     required = {p.canonical for p in program.params if p.kind is ParamKind.PARAMETER}

@@ -15,12 +15,12 @@ Nothing here imports torch.
 from fxpipe.partition.baselines import solve_params, solve_uniform
 from fxpipe.partition.chain_dp import solve_chain_dp
 from fxpipe.partition.coarsen import Coarsening, coarsen
-from fxpipe.partition.stage_cost import StageCost, evaluate
 from fxpipe.partition.ilp import solve_ilp
 from fxpipe.partition.memory_floor import MemoryFloor, MemoryLimitError, memory_floor
 from fxpipe.partition.problem import PartitionError, PartitionProblem
 from fxpipe.partition.registry import partition
 from fxpipe.partition.result import Method, PartitionResult, SolveStatus
+from fxpipe.partition.stage_cost import StageCost, evaluate
 
 __all__ = [
     "Coarsening", "MemoryFloor", "MemoryLimitError", "Method", "PartitionError", "PartitionProblem",

@@ -10,9 +10,9 @@ import time
 import numpy as np
 
 from fxpipe.partition.chain_dp import min_max_split
-from fxpipe.partition.stage_cost import trivial_lower_bound_s
 from fxpipe.partition.problem import PartitionError, PartitionProblem
 from fxpipe.partition.result import Method, PartitionResult, SolveStatus, make_result
+from fxpipe.partition.stage_cost import trivial_lower_bound_s
 
 
 def uniform_stages(problem: PartitionProblem) -> list[int]:

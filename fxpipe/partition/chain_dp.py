@@ -21,9 +21,9 @@ from typing import Callable
 
 import numpy as np
 
-from fxpipe.partition.stage_cost import DIRECTIONS, evaluate, trivial_lower_bound_s
 from fxpipe.partition.problem import PartitionProblem
 from fxpipe.partition.result import Method, PartitionResult, SolveStatus, make_result
+from fxpipe.partition.stage_cost import DIRECTIONS, evaluate, trivial_lower_bound_s
 
 ColumnFn = Callable[[int, int], np.ndarray]
 """column(k, i)[j] = cost of the piece [j, i) as stage k, for j in 0..i-1."""

@@ -40,11 +40,11 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from fxpipe.partition.chain_dp import chain_dp_stages, fits_memory
-from fxpipe.partition.stage_cost import DIRECTIONS, evaluate, transfers
 from fxpipe.partition.encoding import StageEncoding, solver_for
 from fxpipe.partition.memory_floor import MemoryLimitError, memory_floor
 from fxpipe.partition.problem import PartitionError, PartitionProblem
 from fxpipe.partition.result import Method, PartitionResult, SolveStatus, make_result
+from fxpipe.partition.stage_cost import DIRECTIONS, evaluate, transfers
 
 TICKS_FOR_TOTAL = 10**7
 MAX_NODES = 5000  # the window bound below is O(n²); the ILP is meant for coarsened graphs

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from fxpipe.partition.chain_dp import min_memory_split
-from fxpipe.partition.stage_cost import evaluate
 from fxpipe.partition.encoding import StageEncoding, solver_for
 from fxpipe.partition.problem import PartitionError, PartitionProblem
+from fxpipe.partition.stage_cost import evaluate
 
 GIB = 2**30
 """Bytes per GiB: the unit of ``--memory-limit`` (and of what the messages print)."""

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
-from fxpipe.partition.stage_cost import StageCost, evaluate
 from fxpipe.partition.problem import Node, PartitionProblem
+from fxpipe.partition.stage_cost import StageCost, evaluate
 
 
 class Method(str, enum.Enum):

@@ -8,21 +8,16 @@ method (CP-SAT ILP by default) and writes ``Program.stages``.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Mapping
 
 import networkx as nx
 
-from fxpipe.base.hardware import CPU, Hardware
-from fxpipe.partition import Method, PartitionError, PartitionProblem, PartitionResult, coarsen, partition
-from fxpipe.partition.memory_floor import MemoryLimitError, gib
 from fxpipe.ir.op_tables import VIEW_OPS
-from fxpipe.passes.split import side_values
+from fxpipe.ir.pass_configs import PartitionConfig
 from fxpipe.ir.program import ParamKind, Program
 from fxpipe.ir.sizes import is_dynamic
-from fxpipe.schedules.actions import ActionKind, Schedule
-from fxpipe.ir.pass_configs import PartitionConfig
-from fxpipe.schedules.inflight import stage_inflight
+from fxpipe.partition import Method, PartitionError, PartitionProblem, PartitionResult, coarsen, partition
+from fxpipe.partition.memory_floor import MemoryLimitError, gib
+from fxpipe.passes.split import side_values
 
 
 def build_problem_graph(program: Program, config: PartitionConfig) -> nx.DiGraph:

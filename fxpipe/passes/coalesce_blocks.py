@@ -21,11 +21,11 @@ import dataclasses
 import torch
 import torch.fx as fx
 
+from fxpipe.ir.program import Program
 from fxpipe.passes.node_cost import cost_pass
 from fxpipe.passes.split import side_values
 from fxpipe.passes.split_loss import BlockwiseLoss, build_loss_block
 from fxpipe.passes.split_matmul import MatmulSplit, block_key, build_block, fake
-from fxpipe.ir.program import Program
 
 aten = torch.ops.aten
 

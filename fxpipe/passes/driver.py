@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from fxpipe.ir.artifact import PassTiming
-from fxpipe.passes.canonicalize import canonicalize_pass
-from fxpipe.passes.node_cost import cost_pass
-from fxpipe.passes.lint import lint_plan, lint_program
-from fxpipe.passes.tensor_parallel import tensor_parallel_pass
 from fxpipe.ir.program import Program
+from fxpipe.passes.canonicalize import canonicalize_pass
+from fxpipe.passes.lint import lint_plan, lint_program
+from fxpipe.passes.node_cost import cost_pass
+from fxpipe.passes.tensor_parallel import tensor_parallel_pass
 
 PassFn = Callable[[Any, object], Any]
 """Program -> Program, except the pipeline's last steps (split: Program -> PipelinePlan)."""

@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import copy
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from fxpipe.ep.dispatch import ep_combine, ep_dispatch
-from fxpipe.passes.tensor_parallel.graph_ops import SPLITS, TRANSPOSES, arg, is_grouped_mm, is_pointwise, shape
+from fxpipe.ir.pass_configs import EPConfig
+from fxpipe.ir.pass_results import EPResult, ExpertLayer
 from fxpipe.ir.program import ParamKind, Program
 from fxpipe.ir.shard_spec import ShardKind, ShardSpec
-from fxpipe.ir.pass_results import ExpertLayer, EPResult
-from fxpipe.ir.pass_configs import EPConfig
+from fxpipe.passes.tensor_parallel.graph_ops import SPLITS, TRANSPOSES, arg, is_grouped_mm, is_pointwise, shape
 
 aten = torch.ops.aten
 _ROW_WISE = frozenset({aten.slice.Tensor, aten.narrow.default, *SPLITS})  # along features only

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fxpipe.passes.functionalize import mutated_args
-from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.ir.program import ParamKind, Program
+from fxpipe.ir.stage_plan import PipelinePlan
+from fxpipe.passes.functionalize import mutated_args
 
 
 class ProgramInvariantError(AssertionError):

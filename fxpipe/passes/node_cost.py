@@ -19,9 +19,11 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 
-from fxpipe.ir.program import NodeCost, ParamKind, Program, itemsize
-from fxpipe.ir.sizes import concrete, numel
+from fxpipe.base.dtypes import itemsize
+from fxpipe.base.op_cost import NodeCost
 from fxpipe.ir.op_tables import VIEW_OPS
+from fxpipe.ir.program import ParamKind, Program
+from fxpipe.ir.sizes import concrete, numel
 
 aten = torch.ops.aten
 

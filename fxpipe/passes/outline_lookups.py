@@ -28,11 +28,11 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from fxpipe.ir.stage_plan import PipelinePlan, Stage, VocabLookup
+from fxpipe.ir.op_tables import VALUE_PRESERVING
 from fxpipe.ir.program import TensorSpec
+from fxpipe.ir.stage_plan import PipelinePlan, Stage, VocabLookup
 from fxpipe.ir.subgraph import copy_subgraph
 from fxpipe.tp.ops import OPS
-from fxpipe.ir.op_tables import VALUE_PRESERVING
 
 aten = torch.ops.aten
 

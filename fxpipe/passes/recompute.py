@@ -32,11 +32,10 @@ import torch
 import torch.fx as fx
 
 from fxpipe.base.recompute_mode import RecomputeMode  # noqa: F401  (re-exported: the mode lives torch-free)
-
+from fxpipe.ir.pass_results import RecomputeRegion
+from fxpipe.ir.program import NodeCost, Program
 from fxpipe.ir.recompute_region import CheckpointedRegion
 from fxpipe.ir.subgraph import boundary, copy_subgraph
-from fxpipe.ir.program import NodeCost, Program
-from fxpipe.ir.pass_results import RecomputeRegion
 
 aten = torch.ops.aten
 

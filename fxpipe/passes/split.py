@@ -26,10 +26,10 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from fxpipe.passes.functionalize import mutated_args
-from fxpipe.ir.stage_plan import PipelinePlan, Stage, StageValue
 from fxpipe.ir.program import ParamKind, Program, TensorSpec
 from fxpipe.ir.sizes import is_dynamic
+from fxpipe.ir.stage_plan import PipelinePlan, Stage, StageValue
+from fxpipe.passes.functionalize import mutated_args
 
 
 def _is_random(node: fx.Node) -> bool:

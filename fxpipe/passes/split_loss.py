@@ -56,13 +56,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fxpipe.ir.loss_chain import ChainKind, ChainOp, Reduction
+from fxpipe.ir.pass_results import BlockwiseLoss, LossBlock
+from fxpipe.ir.program import Program
 from fxpipe.passes.node_cost import cost_pass
 from fxpipe.passes.split import side_values
 from fxpipe.passes.split_matmul import MatmulSplit, call
-from fxpipe.ir.loss_chain import ChainKind, ChainOp, Reduction
-from fxpipe.ir.program import Program
 from fxpipe.tp.ops import OPS
-from fxpipe.ir.pass_results import LossBlock, BlockwiseLoss
 
 aten = torch.ops.aten
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)

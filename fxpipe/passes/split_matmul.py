@@ -47,16 +47,14 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from fxpipe.passes.node_cost import cost_pass
-from fxpipe.ir.program import Program
 from fxpipe.ir.pass_results import MatmulBlock, MatmulSplit
+from fxpipe.ir.program import Program
+from fxpipe.passes.node_cost import cost_pass
 
 aten = torch.ops.aten
 MAX_BLOCKS = 32

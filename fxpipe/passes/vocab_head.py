@@ -31,9 +31,10 @@ import torch
 import torch.fx as fx
 
 from fxpipe.ir.loss_chain import Reduction
-from fxpipe.passes.split_loss import _match
-from fxpipe.ir.stage_plan import PipelinePlan, StageValue, VocabHead
 from fxpipe.ir.program import ParamKind, Program, TensorSpec
+from fxpipe.ir.stage_plan import PipelinePlan, StageValue, VocabHead
+from fxpipe.passes.outline_lookups import lookup_of
+from fxpipe.passes.split_loss import _match
 
 aten = torch.ops.aten
 
@@ -139,7 +140,6 @@ def vocab_row_params(program: Program, elsewhere: frozenset[str]) -> frozenset[s
     the head is split when untied (``passes/outline_lookups.py``; under TP of each TP
     rank's rows). The partition charges their state evenly per rank instead of to the
     stage that reads them (``PartitionConfig.spread``)."""
-    from fxpipe.passes.outline_lookups import lookup_of
 
     if not elsewhere:
         return frozenset()

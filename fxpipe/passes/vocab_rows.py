@@ -40,10 +40,10 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from fxpipe.passes.outline_lookups import is_lookup, outline_lookups, stage_lookups
-from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.ir.program import ParamKind
 from fxpipe.ir.shard_spec import PipelineRows, ShardKind, ShardSpec, ranges_of
+from fxpipe.ir.stage_plan import PipelinePlan
+from fxpipe.passes.outline_lookups import is_lookup, outline_lookups, stage_lookups
 
 aten = torch.ops.aten
 

@@ -7,8 +7,7 @@
 
 See docs/planner.md for the cost model and its assumptions.
 """
-from fxpipe.planner.options import (DPOverlap, LayerBalance, CandidateLayout, PlannerOptions, ScheduleKind,
-                                  VocabPasses)
+from fxpipe.planner.options import CandidateLayout, DPOverlap, LayerBalance, PlannerOptions, ScheduleKind, VocabPasses
 from fxpipe.planner.predict import Prediction, predict
 from fxpipe.planner.search import PlanResult, enumerate_layouts, plan
 from fxpipe.planner.shapes import TransformerShape, model_flops, shape_from_registry

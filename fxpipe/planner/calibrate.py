@@ -35,6 +35,12 @@ import numpy as np
 import torch
 
 from fxpipe.base.hardware import CPU, Hardware, Link
+from fxpipe.compiler.capture import capture
+from fxpipe.models.gpt import GPT, GPTConfig
+from fxpipe.passes import run_passes
+from fxpipe.planner.options import CandidateLayout, PlannerOptions
+from fxpipe.planner.predict import predict
+from fxpipe.planner.shapes import TransformerShape
 
 SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
 """Message sizes in bytes for the gloo measurements."""
@@ -137,12 +143,6 @@ def measure_framework_overhead(hw: Hardware) -> dict[str, float]:
     (h=32, 4 layers, 16 tokens) whose step is all overhead: the value that makes the
     planner's cost model reproduce its measured forward + backward. The planner's time is
     linear in ``op_overhead_s``, so two predictions give the slope."""
-    from fxpipe.compiler.capture import capture
-    from fxpipe.models.gpt import GPT, GPTConfig
-    from fxpipe.passes import run_passes
-    from fxpipe.planner.options import CandidateLayout, PlannerOptions
-    from fxpipe.planner.predict import predict
-    from fxpipe.planner.shapes import TransformerShape
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)

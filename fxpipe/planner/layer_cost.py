@@ -31,8 +31,7 @@ from fxpipe.base.hardware import Collective, Hardware
 from fxpipe.base.recompute_mode import RecomputeMode
 from fxpipe.planner.options import PlannerOptions
 from fxpipe.planner.shapes import TransformerShape
-from fxpipe.planner.work import Component as C
-from fxpipe.planner.work import Work
+from fxpipe.planner.work import Component as C, Work
 
 AR, AG, RS = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER
 ELEMENTWISE_KERNELS = 8

@@ -8,7 +8,6 @@ from fxpipe.base.hardware import A100, Hardware
 from fxpipe.base.recompute_mode import RecomputeMode
 from fxpipe.schedules.registry import ScheduleKind
 
-
 PLANNED: tuple[ScheduleKind, ...] = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED, ScheduleKind.ZB_H1)
 """The schedules the planner prices (SC21's two and zero bubble H1); GPipe and ZB-V run
 in fxpipe but have no per-layer memory model here."""

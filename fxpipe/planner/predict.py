@@ -22,11 +22,11 @@ from typing import Mapping
 import numpy as np
 
 from fxpipe.base.hardware import Collective
-from fxpipe.planner.options import DPOverlap, CandidateLayout, PlannerOptions
 from fxpipe.planner.layer_cost import CostModel
 from fxpipe.planner.memory_model import (RankMemory, embedding_activation_bytes, final_norm_activation_bytes,
                                          head_activation_bytes, layer_activation_bytes, lookup_activation_bytes,
                                          recompute_working_bytes, vocab_block_activation_bytes)
+from fxpipe.planner.options import CandidateLayout, DPOverlap, PlannerOptions
 from fxpipe.planner.pipeline_time import PipelineTiming, simulate_pipeline, vocab_in_flight
 from fxpipe.planner.shapes import TransformerShape, model_flops
 from fxpipe.planner.stages import StagePlan, plan_stages

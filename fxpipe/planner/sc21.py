@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fxpipe.base.recompute_mode import RecomputeMode
-from fxpipe.planner.options import DPOverlap, LayerBalance, CandidateLayout, PlannerOptions, ScheduleKind
+from fxpipe.planner.options import CandidateLayout, DPOverlap, LayerBalance, PlannerOptions, ScheduleKind
 from fxpipe.planner.shapes import TransformerShape, shape_from_registry
 
 

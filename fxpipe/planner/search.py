@@ -23,8 +23,8 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from fxpipe.planner.options import LayerBalance, CandidateLayout, PlannerOptions, ScheduleKind, VocabPasses
 from fxpipe.planner.layer_cost import CostModel
+from fxpipe.planner.options import CandidateLayout, LayerBalance, PlannerOptions, ScheduleKind, VocabPasses
 from fxpipe.planner.pipeline_time import in_flight
 from fxpipe.planner.predict import Prediction, lower_bound_s, predict, rank_memory
 from fxpipe.planner.shapes import TransformerShape

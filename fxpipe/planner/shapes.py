@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fxpipe.base.recompute_mode import RecomputeMode
+from fxpipe.models.registry import GPT_CONFIGS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +62,6 @@ class TransformerShape:
 
 def shape_from_registry(name: str, *, seq: int | None = None) -> TransformerShape:
     """The planner's view of a GPT in ``fxpipe.models.registry.GPT_CONFIGS``."""
-    from fxpipe.models.registry import GPT_CONFIGS
 
     if name not in GPT_CONFIGS:
         raise ValueError(f"unknown model {name!r} for the planner; valid: {', '.join(GPT_CONFIGS)}")

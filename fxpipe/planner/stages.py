@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fxpipe.planner.options import LayerBalance, CandidateLayout, ScheduleKind
 from fxpipe.planner.layer_cost import CostModel
+from fxpipe.planner.options import CandidateLayout, LayerBalance, ScheduleKind
 from fxpipe.planner.work import ZERO, Component, Work
 from fxpipe.schedules.simulate import StageDurations
 from fxpipe.schedules.vocab_actions import split_output_layer

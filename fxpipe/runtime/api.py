@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from fxpipe.ir.artifact import ModelStats
 from fxpipe.ir.parallel_config import ParallelConfig
-from fxpipe.partition import PartitionResult
 from fxpipe.ir.shard_spec import unshard_state
 from fxpipe.ir.stage_plan import PipelinePlan
+from fxpipe.ir.token_inputs import TokenInput, check_token_ids
+from fxpipe.partition import PartitionResult
 from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.experts import ExpertGroups, gather_experts, tokens_per_expert
 from fxpipe.runtime.grad_sync import GradSync
@@ -26,7 +27,6 @@ from fxpipe.runtime.precision import MasterWeights
 from fxpipe.runtime.zero import ZeroPartition
 from fxpipe.schedules.actions import Schedule
 from fxpipe.tp import DropoutRNG
-from fxpipe.ir.token_inputs import TokenInput, check_token_ids
 
 
 @dataclass(frozen=True)

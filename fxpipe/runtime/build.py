@@ -22,22 +22,23 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxpipe.ir.artifact import CompiledPipeline
-from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.ir.program import ParamKind
+from fxpipe.ir.shard_spec import shard_state
+from fxpipe.ir.stage_plan import PipelinePlan
+from fxpipe.params.rank_state import ShardBuilder
 from fxpipe.runtime.api import ParallelModel
+from fxpipe.runtime.compiled import compile_stages, example_args
 from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.experts import ExpertGroups
 from fxpipe.runtime.grad_sync import GradSync
+from fxpipe.runtime.lookup_exchange import VocabLookups, wire_name
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.precision import LossScaler, MasterWeights, Precision
-from fxpipe.params.rank_state import ShardBuilder
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport
-from fxpipe.runtime.lookup_exchange import VocabLookups, wire_name
 from fxpipe.runtime.vocab_head import VocabPasses
 from fxpipe.runtime.zero import ZeroPartition
 from fxpipe.schedules.actions import ActionKind, Schedule
-from fxpipe.ir.shard_spec import shard_state
 from fxpipe.tp import DropoutRNG, TPGroup
 
 
@@ -113,7 +114,6 @@ def build_runtime(compiled: CompiledPipeline, groups: MeshGroups, shards: ShardB
 def _compile_runners(runners: dict, plan: PipelinePlan, sched: Schedule, state: dict, groups: MeshGroups,
                      context: Callable, device: torch.device) -> tuple:
     """Compile this rank's stages (``runtime/compiled.py``) and hand them to their runners."""
-    from fxpipe.runtime.compiled import compile_stages, example_args
 
     def agree(ok: dict) -> dict:
         # Every rank running a stage (its TP group and DP replicas) runs it compiled or

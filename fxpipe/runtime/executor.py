@@ -24,9 +24,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fxpipe.ir.stage_plan import PipelinePlan
+from fxpipe.runtime.lookup_exchange import VocabLookups
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport, check_spec
-from fxpipe.runtime.lookup_exchange import VocabLookups
 from fxpipe.runtime.vocab_head import VocabPasses
 from fxpipe.schedules.actions import Action, ActionKind, Schedule
 

@@ -21,13 +21,11 @@ capped at 1), so the replicas stay identical.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from fxpipe.runtime.api import ParallelModel
+from fxpipe.runtime.api import ParallelModel
 
 EPS = 1e-6
 """torch.nn.utils.clip_grad_norm_'s guard against a zero norm."""

@@ -16,7 +16,6 @@ from datetime import timedelta
 from typing import Any, Iterable
 
 import torch.distributed as dist
-from fxpipe.ir.parallel_config import resolve_dp
 
 
 @dataclass(frozen=True)

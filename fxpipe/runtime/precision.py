@@ -14,12 +14,12 @@ The low-precision copies are refreshed from the masters at the start of every st
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from fxpipe.base.precision import Precision
 
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from fxpipe.schedules import _sim_core
 from fxpipe.schedules.actions import Action, ActionKind, Schedule
-from fxpipe.schedules.simulate import StageDurations, kernel_error
+from fxpipe.schedules.simulate import StageDurations, kernel_error, simulate
 from fxpipe.schedules.validate import ScheduleError, check_structure
 
 F, B, I = ActionKind.F, ActionKind.B, ActionKind.I  # noqa: E741
@@ -187,7 +187,6 @@ def place_vocab_passes(schedule: Schedule, durations: StageDurations, *, p2p_lat
     (``add_vocab_passes(schedule, offset=...)``) is a candidate too, so the result is
     never slower under ``durations`` than the unit placement. Ties keep the first
     found, the smaller offset (less activation memory)."""
-    from fxpipe.schedules.simulate import simulate
 
     floored = _floored(durations)
 

@@ -10,7 +10,8 @@ from fxpipe.models.hf import _gpt2
 from fxpipe.models.losses import causal_lm_loss
 from fxpipe.passes import run_passes
 from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
-from fxpipe.passes.assign_stages import PartitionConfig, build_problem_graph, solve_partition, stage_inflight
+from fxpipe.passes.assign_stages import PartitionConfig, build_problem_graph, solve_partition
+from fxpipe.schedules.inflight import stage_inflight
 from fxpipe.passes.split_loss import split_loss_pass
 from fxpipe.passes.split_matmul import split_matmul_pass
 from fxpipe.schedules.registry import generate

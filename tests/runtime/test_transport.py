@@ -3,7 +3,8 @@ import torch
 
 from fxpipe.ir.stage_plan import StageValue
 from fxpipe.ir.program import TensorSpec
-from fxpipe.runtime.mesh import Mesh, resolve_dp
+from fxpipe.ir.parallel_config import resolve_dp
+from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.transport import TransferError, check_spec
 
 

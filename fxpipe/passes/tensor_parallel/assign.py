@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from fxpipe.passes.tensor_parallel.provenance import AttentionUse, Provenance
+from fxpipe.passes.tensor_parallel.channel_ids import AttentionUse, Provenance
 
 ALL = -1
 """Rank of a replicated class: every rank holds it."""

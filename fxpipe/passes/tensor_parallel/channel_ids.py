@@ -4,13 +4,8 @@ both the analysis (``provenance.py``) and its per-op rules (``provenance_ops.py`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import numpy as np
-import torch.fx as fx
-
-from fxpipe.passes.tensor_parallel import graph_ops as G
-from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,11 @@ vocabulary padding and replicated norms/biases).
 from __future__ import annotations
 
 import math
-import re
-from collections import Counter
-from dataclasses import dataclass
 
-from fxpipe.passes.tensor_parallel import graph_ops as G
-from fxpipe.ir.shard_spec import ShardKind, ShardSpec
 from fxpipe.ir.program import Program
-from fxpipe.ir.tp_result import TPCoverage, generic_reason, _count  # noqa: F401  (the record lives in the IR)
+from fxpipe.ir.shard_spec import ShardKind, ShardSpec
+from fxpipe.ir.tp_result import TPCoverage  # noqa: F401  (the record lives in the IR)
+from fxpipe.passes.tensor_parallel import graph_ops as G
 
 
 def measure_coverage(program: Program, specs: dict[str, ShardSpec], tp: int) -> TPCoverage:

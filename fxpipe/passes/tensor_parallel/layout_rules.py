@@ -4,23 +4,20 @@ operands' layouts and conversions a sharded node needs (``node_layouts._node_rul
 dispatches here)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 import torch.fx as fx
 
-from fxpipe.passes.tensor_parallel import graph_ops as G
-from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
-
 from fxpipe.ir.tp_result import CollectiveKind
-from fxpipe.passes.tensor_parallel import mixers, writes
+from fxpipe.passes.tensor_parallel import graph_ops as G
+from fxpipe.passes.tensor_parallel.attention_forms import strided_blocks
+from fxpipe.passes.tensor_parallel.graph_ops import arg, norm_dim, shape
+from fxpipe.passes.tensor_parallel.layout import Layout, local_range
 from fxpipe.passes.tensor_parallel.mixers import _FULL_SIZE, ALONG, CONV1D
-from fxpipe.passes.tensor_parallel.writes import _indexed_dims
-from fxpipe.passes.tensor_parallel.attention_forms import SharedChannels, constant_values, local_index, strided_blocks
-from fxpipe.passes.tensor_parallel.layout import Layout, LayoutFailure, layout_of, local_range, replicated
 from fxpipe.passes.tensor_parallel.param_shards import Narrowing
-from fxpipe.passes.tensor_parallel.tp_plan import Conversion, PartialSite, TPPlan, _Refuse, is_sharded
+from fxpipe.passes.tensor_parallel.tp_plan import Conversion, TPPlan, _Refuse, is_sharded
+from fxpipe.passes.tensor_parallel.writes import _indexed_dims
 
 
 def narrow(plan: Any, consumer: fx.Node, a: fx.Node, lay: Any, dim_of: Callable[[int], int | None],

@@ -10,22 +10,21 @@ added once, after the reduction.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 import torch.fx as fx
 
-from fxpipe.passes.tensor_parallel import graph_ops as G
-from fxpipe.passes.tensor_parallel import layout_rules, mixers, param_shards, writes
-from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
-from fxpipe.passes.tensor_parallel.attention_forms import SharedChannels, constant_values, local_index
-from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
-from fxpipe.passes.tensor_parallel.layout import Layout, LayoutFailure, layout_of, local_range, replicated
-from fxpipe.passes.tensor_parallel.provenance import Provenance, index_dim
 from fxpipe.ir.tp_result import CollectiveKind
-from fxpipe.passes.tensor_parallel.tp_plan import Conversion, PartialSite, TPPlan, is_sharded, _Refuse
-from fxpipe.passes.tensor_parallel.layout_rules import _operand, _attention, _einsum, _split, _slice
+from fxpipe.passes.tensor_parallel import graph_ops as G, layout_rules, mixers, param_shards, writes
+from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
+from fxpipe.passes.tensor_parallel.attention_forms import constant_values, local_index
+from fxpipe.passes.tensor_parallel.channel_ids import Provenance
+from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
+from fxpipe.passes.tensor_parallel.layout import LayoutFailure, layout_of, replicated
+from fxpipe.passes.tensor_parallel.layout_rules import _attention, _einsum, _operand, _slice, _split
+from fxpipe.passes.tensor_parallel.provenance_ops import index_dim
+from fxpipe.passes.tensor_parallel.tp_plan import Conversion, PartialSite, TPPlan, _Refuse, is_sharded
 
 
 def _ids(prov: Provenance, name: str) -> np.ndarray:

@@ -19,10 +19,10 @@ from typing import Callable
 import numpy as np
 import torch.fx as fx
 
+from fxpipe.ir.tp_result import CollectiveKind
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import norm_dim, shape
 from fxpipe.passes.tensor_parallel.layout import Layout
-from fxpipe.ir.tp_result import CollectiveKind
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,15 @@ from typing import Callable
 
 import numpy as np
 
+from fxpipe.ir.program import ParamKind, Program
+from fxpipe.ir.shard_spec import ShardKind, ShardSpec, ranges_of
+from fxpipe.ir.tp_result import BlockInfo, BlockKind
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
 from fxpipe.passes.tensor_parallel.attention_forms import split_shared
 from fxpipe.passes.tensor_parallel.layout import LayoutFailure
 from fxpipe.passes.tensor_parallel.node_layouts import TPPlan
 from fxpipe.passes.tensor_parallel.provenance import Provenance
-from fxpipe.ir.tp_result import BlockInfo, BlockKind
-from fxpipe.ir.shard_spec import ShardKind, ShardSpec, ranges_of
-from fxpipe.ir.program import ParamKind, Program
 
 
 @dataclass(frozen=True)

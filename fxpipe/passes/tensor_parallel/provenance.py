@@ -21,18 +21,14 @@ Any other consumer (a norm over channels, a graph output, an op without a rule)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch.fx as fx
 
-from fxpipe.passes.tensor_parallel import graph_ops as G
-from fxpipe.passes.tensor_parallel.attention_forms import constant_values
-from fxpipe.passes.tensor_parallel import mixers, writes
+from fxpipe.passes.tensor_parallel import graph_ops as G, mixers, writes
+from fxpipe.passes.tensor_parallel.channel_ids import Provenance, _align, _compact, _Unsupported, reshape_ids
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
-from fxpipe.passes.tensor_parallel.norms import private_norm
-from fxpipe.passes.tensor_parallel.channel_ids import AttentionUse, Provenance, _align, reshape_groups, reshape_ids, _compact, _Unsupported
-from fxpipe.passes.tensor_parallel.provenance_ops import _slice_scatter, index_dim, _index, _reduction, _expand, _matmul, _einsum, _cat, _heads, _attention
+from fxpipe.passes.tensor_parallel.provenance_ops import (_attention, _cat, _einsum, _expand, _index, _matmul,
+                                                          _reduction, _slice_scatter)
 
 
 def analyze(graph: fx.Graph, projections: dict[str, Projection],

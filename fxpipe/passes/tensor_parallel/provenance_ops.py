@@ -3,19 +3,14 @@ scatters, indexing, reductions, broadcasts, matmuls, einsum, cat/stack and the
 attention core (``provenance._rule`` dispatches here)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
-
 import numpy as np
 import torch.fx as fx
 
-from fxpipe.passes.tensor_parallel import graph_ops as G
-from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
-
-from fxpipe.passes.tensor_parallel import mixers
-from fxpipe.passes.tensor_parallel.norms import private_norm
+from fxpipe.passes.tensor_parallel import graph_ops as G, mixers
 from fxpipe.passes.tensor_parallel.attention_forms import constant_values
-from fxpipe.passes.tensor_parallel.channel_ids import AttentionUse, Provenance, _Unsupported, _align, _compact, reshape_ids
+from fxpipe.passes.tensor_parallel.channel_ids import AttentionUse, Provenance, _align, _compact, _Unsupported
+from fxpipe.passes.tensor_parallel.graph_ops import arg, norm_dim, shape
+from fxpipe.passes.tensor_parallel.norms import private_norm
 
 
 def _slice_scatter(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:

@@ -38,9 +38,9 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fxpipe.passes.canonicalize import _ASSERTS  # dropped from the bodies as from the graph
 from fxpipe.ir.program import Program
 from fxpipe.ir.subgraph import boundary
+from fxpipe.passes.canonicalize import _ASSERTS  # dropped from the bodies as from the graph
 
 aten = torch.ops.aten
 SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled

@@ -15,17 +15,17 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from fxpipe.ir.program import Program
+from fxpipe.ir.tp_result import CollectiveKind, CollectiveSite
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import arg
 from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan, is_sharded
 from fxpipe.passes.tensor_parallel.regions import MODE, close_regions, refresh as refresh_regions
-from fxpipe.ir.tp_result import CollectiveKind, CollectiveSite
-from fxpipe.ir.program import Program
 from fxpipe.tp.ops import OPS
 
 _OP = {

@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch.fx as fx
 
+from fxpipe.ir.program import ParamKind, Program
+from fxpipe.ir.shard_spec import ShardSpec
 from fxpipe.passes.tensor_parallel.assign import Assignment, assign
 from fxpipe.passes.tensor_parallel.coverage import measure_coverage
 from fxpipe.passes.tensor_parallel.gathered import gathered_projections
@@ -26,8 +28,6 @@ from fxpipe.passes.tensor_parallel.layout import LayoutFailure
 from fxpipe.passes.tensor_parallel.node_layouts import Conflict, TPPlan, build_plan
 from fxpipe.passes.tensor_parallel.placement import build_specs
 from fxpipe.passes.tensor_parallel.provenance import Provenance, analyze, shared_copies, split_statistics
-from fxpipe.ir.shard_spec import ShardSpec
-from fxpipe.ir.program import ParamKind, Program
 
 
 @dataclass(frozen=True)

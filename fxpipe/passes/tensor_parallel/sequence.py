@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from fxpipe.ir.program import Program
+from fxpipe.ir.tp_result import CollectiveKind
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan, is_sharded
-from fxpipe.ir.tp_result import CollectiveKind
-from fxpipe.ir.program import Program
 
 K = CollectiveKind
 

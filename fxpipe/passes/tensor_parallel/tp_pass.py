@@ -23,19 +23,18 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.ir.pass_configs import TPConfig, tp_config_of
-from fxpipe.passes.tensor_parallel.coverage import measure_coverage
-from fxpipe.passes.tensor_parallel.placement import blocks
-from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan
-from fxpipe.passes.tensor_parallel.regions import open_regions
+from fxpipe.ir.program import ParamKind, Program
+from fxpipe.ir.sizes import carry_hints
 from fxpipe.ir.tp_result import CollectiveKind, TPResult
+from fxpipe.passes.tensor_parallel import graph_ops as G
+from fxpipe.passes.tensor_parallel.coverage import measure_coverage
+from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan
+from fxpipe.passes.tensor_parallel.placement import blocks
+from fxpipe.passes.tensor_parallel.regions import open_regions
 from fxpipe.passes.tensor_parallel.rewrite import rewrite
 from fxpipe.passes.tensor_parallel.search import search
 from fxpipe.passes.tensor_parallel.sequence import plan_sequence_parallel
-from fxpipe.ir.program import ParamKind, Program
-from fxpipe.ir.sizes import carry_hints
-
 
 
 def tensor_parallel_pass(program: Program, config: object = None) -> Program:

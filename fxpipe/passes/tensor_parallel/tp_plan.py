@@ -3,18 +3,12 @@ need (``node_layouts.build_plan`` fills it; the rules in ``layout_rules.py`` rea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import numpy as np
-import torch.fx as fx
-
-from fxpipe.passes.tensor_parallel import graph_ops as G
-from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
+from typing import Any
 
 from fxpipe.ir.tp_result import CollectiveKind
 from fxpipe.passes.tensor_parallel.attention_forms import SharedChannels
-from fxpipe.passes.tensor_parallel.layout import Layout, LayoutFailure
-from fxpipe.passes.tensor_parallel.param_shards import Narrowing, ParamShard
+from fxpipe.passes.tensor_parallel.graph_ops import Projection
+from fxpipe.passes.tensor_parallel.layout import Layout
 
 
 @dataclass(frozen=True)

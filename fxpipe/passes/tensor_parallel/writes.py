@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from fxpipe.passes.tensor_parallel.channel_ids import _Unsupported, _align
+from fxpipe.passes.tensor_parallel.channel_ids import _align, _Unsupported
 from fxpipe.passes.tensor_parallel.graph_ops import shape
 
 aten = torch.ops.aten

@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 
 from fxpipe.schedules.actions import ActionKind
-from fxpipe.schedules.timeline import Timeline
 from fxpipe.schedules.render.ascii import summary_line
+from fxpipe.schedules.timeline import Timeline
 
 _CMAP = {ActionKind.F: "Blues", ActionKind.B: "Greens", ActionKind.I: "Greens", ActionKind.W: "Oranges",
          ActionKind.S: "Purples", ActionKind.T: "RdPu"}
