@@ -4,8 +4,8 @@ Every rank runs the same call (launched by torchrun or ``fxpipe run``): the comp
 pipeline (``fxpipe/compiler/pipeline.py``) with the mesh's two hooks, then the runtime built
 from what it returned (``runtime/build.py``)::
 
-    parallelize ─> compile_pipeline ─> CompiledPipeline ─> build_runtime ─> ParallelModel
-                    (hooks: MeshHooks)                                      .train_step -> actions
+    parallelize ─> RankMesh.join ─> compile_pipeline ─> CompiledPipeline ─> build_runtime ─> ParallelModel
+                                     (hooks: MeshHooks)                                      .train_step -> actions
 
 The hooks are what make the compile collective: with measured costs each rank times a
 share of the graph and all see every time; global rank 0 solves the partition and
@@ -14,12 +14,9 @@ which every rank splits the same plan.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch
@@ -28,7 +25,7 @@ import torch.nn as nn
 
 from fxpipe.compiler.pipeline import CompileHooks, compile_pipeline
 from fxpipe.costs import apply_profile, measured_profile
-from fxpipe.ep import expert_group_context
+from fxpipe.ir.artifact import CompiledPipeline
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.program import Program
 from fxpipe.ir.token_inputs import check_token_ids
@@ -36,10 +33,7 @@ from fxpipe.params.rank_state import ShardBuilder
 from fxpipe.passes.assign_stages import partition_pass
 from fxpipe.runtime.api import ParallelModel
 from fxpipe.runtime.build import build_runtime
-from fxpipe.runtime.experts import ExpertGroups, build_expert_groups
-from fxpipe.runtime.launch import init_distributed
-from fxpipe.runtime.mesh import Mesh, MeshGroups, build_groups
-from fxpipe.tp import DropoutRNG, ProcessGroupTP, tp_group_context
+from fxpipe.runtime.rank_mesh import RankMesh
 
 
 def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
@@ -61,36 +55,26 @@ def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
     ``loss_scaler``: ``LossScaler`` arguments under fp16 (``runtime/precision.py``).
     """
     config = ParallelConfig(**layout) if config is None else dataclasses.replace(config, **layout)
-    timeout = timedelta(seconds=config.timeout_s)
-    device = init_distributed(timeout, device)
-    config = config.with_world(dist.get_world_size())
-    example = tuple(example_inputs) if not isinstance(example_inputs, torch.Tensor) else (example_inputs,)
-    first_mb = first_microbatch(example, config)
-    groups = build_groups(Mesh(tp=config.tp, dp=config.dp, pp=config.pp), timeout)
-    tp_group, rng = ProcessGroupTP(groups.tp_group), DropoutRNG(config.seed, groups.tp_rank)
-    context = (lambda: tp_group_context(tp_group, rng)) if config.tp > 1 else contextlib.nullcontext
-    hooks = MeshHooks(config, groups, model, example, first_mb, device, context, weights, init_fn)
-    compiled = compile_pipeline(model, first_mb, config, loss_fn=loss_fn, device=device, hooks=hooks.compile_hooks())
-    experts = None
-    if config.ep > 1:  # after the pass found the experts; every rank creates the groups in one order
-        found = compiled.program.expert_parallel
-        experts = build_expert_groups(groups, config.ep, found.expert_params, timeout)
-        context = functools.partial(expert_context, experts, context)
-        if found.skipped and dist.get_rank() == 0:  # never silent: these experts stay on every replica
-            print(f"expert parallelism left {len(found.skipped)} MoE(s) data-parallel: " + "; ".join(found.skipped),
-                  flush=True)
-    coverage = compiled.coverage
-    if coverage is not None and not coverage.complete and dist.get_rank() == 0:
-        print(coverage.describe(), flush=True)  # never silent (strict_tp=True makes it an error)
-    return build_runtime(compiled, groups, hooks.shards(compiled.program), model=model, device=device,
-                         context=context, tp_group=tp_group, tp_rng=rng, loss_scaler=loss_scaler, experts=experts)
+    mesh = RankMesh.join(config, device)                                      # 1. the mesh, dp resolved
+    hooks = MeshHooks(mesh, model, example_inputs, weights, init_fn)          # 2. one microbatch to capture
+    compiled = compile_pipeline(model, hooks.first_mb, mesh.config, loss_fn=loss_fn,  # 3. compile, collectively
+                                device=mesh.device, hooks=hooks.compile_hooks())
+    mesh = report_and_place_experts(compiled, mesh)                           # 4. what stays whole; experts
+    return build_runtime(compiled, mesh, hooks.shards(compiled.program),      # 5. this rank's runtime
+                         model=model, loss_scaler=loss_scaler)
 
 
-@contextlib.contextmanager
-def expert_context(experts: ExpertGroups, inner: Callable[[], Any]):
-    """The expert group's context (``fxpipe/ep``) around the tensor-parallel one."""
-    with expert_group_context(experts.group, experts.context), inner():
-        yield
+def report_and_place_experts(compiled: CompiledPipeline, mesh: RankMesh) -> RankMesh:
+    """Never silent: what tensor parallelism left whole and which MoEs stay data-parallel
+    (printed once); under ep > 1 the expert groups for the experts the pass found."""
+    tp, ep = compiled.program.tensor_parallel, compiled.program.expert_parallel
+    if tp is not None and tp.coverage is not None and not tp.coverage.complete and dist.get_rank() == 0:
+        print(tp.coverage.describe(), flush=True)  # strict_tp=True makes it an error instead
+    if mesh.config.ep == 1:
+        return mesh
+    if ep.skipped and dist.get_rank() == 0:  # these experts stay on every replica
+        print(f"expert parallelism left {len(ep.skipped)} MoE(s) data-parallel: " + "; ".join(ep.skipped), flush=True)
+    return mesh.with_experts(ep.expert_params)
 
 
 def first_microbatch(example: tuple[torch.Tensor, ...], config: ParallelConfig) -> tuple[torch.Tensor, ...]:
@@ -105,16 +89,18 @@ def first_microbatch(example: tuple[torch.Tensor, ...], config: ParallelConfig) 
 @dataclass
 class MeshHooks:
     """The compile pipeline's hooks on a mesh of ranks (``CompileHooks``)."""
-    config: ParallelConfig
-    groups: MeshGroups
+    mesh: RankMesh
     model: nn.Module
-    example: tuple[torch.Tensor, ...]
-    first_mb: tuple[torch.Tensor, ...]
-    device: torch.device
-    context: Callable
+    example: Sequence[torch.Tensor] | torch.Tensor
+    """One global batch, as ``train_step`` will receive it."""
     weights: str | os.PathLike | None
     init_fn: Callable[[nn.Module], None] | None
     _shards: ShardBuilder | None = None
+
+    def __post_init__(self) -> None:
+        ex = self.example
+        self.example = tuple(ex) if not isinstance(ex, torch.Tensor) else (ex,)
+        self.first_mb = first_microbatch(self.example, self.mesh.config)
 
     def compile_hooks(self) -> CompileHooks:
         return CompileHooks(measure=self.measure, solve=self.solve, check=self.check, agree=self.agree)
@@ -125,16 +111,17 @@ class MeshHooks:
         if self._shards is None:
             tp = program.tensor_parallel
             self._shards = ShardBuilder(program, tp.specs if tp is not None else {}, self.model,
-                                        tp_rank=self.groups.tp_rank, device=self.device, seed=self.config.seed,
-                                        weights=self.weights, init_fn=self.init_fn)
+                                        tp_rank=self.mesh.groups.tp_rank, device=self.mesh.device,
+                                        seed=self.mesh.config.seed, weights=self.weights, init_fn=self.init_fn)
         return self._shards
 
     def measure(self, program, pconfig, ctx):
         # Balance measured times (fxpipe/costs): each rank times a share of the graph.
+        mesh = self.mesh
         profile, probe, fine = measured_profile(
-            program, pconfig, self.config.costs, device=self.device,
-            batch=tuple(t.to(self.device) for t in self.first_mb), mesh=self.groups.mesh,
-            mesh_groups=self.groups, context=self.context, state_for=self.shards(program).tensors)
+            program, pconfig, mesh.config.costs, device=mesh.device,
+            batch=tuple(t.to(mesh.device) for t in self.first_mb), mesh=mesh.groups.mesh,
+            mesh_groups=mesh.groups, context=mesh.context, state_for=self.shards(program).tensors)
         return apply_profile(pconfig, profile, probe, fine, ctx.schedule.splits_backward)
 
     def solve(self, program, pconfig):

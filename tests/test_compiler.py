@@ -81,9 +81,9 @@ def test_pipeline_runs_every_pass_through_the_driver(tiny):
     # Model FLOPs are the whole model's, counted before TP halves every matmul.
     whole = total_cost(cost_pass(canonicalize_pass(fxpipe.capture(tiny.model, tiny.example_inputs,
                                                                   tiny.loss_fn))))
-    assert result.stats.flops_per_step == (whole.fwd_flops + whole.bwd_flops) * 4
+    assert result.program.model_stats.flops_per_step == (whole.fwd_flops + whole.bwd_flops) * 4
     per_rank = sum(c.fwd_flops + c.bwd_flops for c in result.program.costs.values())
-    assert per_rank < result.stats.flops_per_step / 4
+    assert per_rank < result.program.model_stats.flops_per_step / 4
 
 
 def test_pipeline_stops_where_asked_and_skips_by_name(tiny):

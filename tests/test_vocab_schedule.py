@@ -45,11 +45,11 @@ def test_schedule_is_placed_on_the_stage_and_head_times(compiled):
     timing, config = compiled.vocab_timing, compiled.config
     assert timing is not None
     d = timing.durations
-    result = compiled.partition
+    result = compiled.program.partition
     assert d.forward == tuple(c.fwd_s for c in result.stages) and d.backward == tuple(c.bwd_s for c in result.stages)
     # Nothing lost or counted twice: the stages (the head off them) and the head's S/T
     # on every rank add up to the whole graph's modelled times.
-    whole = build_problem_graph(compiled.program, compiled.partition_config)
+    whole = build_problem_graph(compiled.program, compiled.program.partition_config)
     for key, stages, vocab in (("fwd", d.forward, d.vocab_forward), ("bwd", d.backward, d.vocab_backward)):
         total = sum(x for _, x in whole.nodes(data=key))
         assert sum(stages) + sum(vocab) == pytest.approx(total, rel=1e-9)

@@ -110,7 +110,7 @@ def _print_partition(result, hw_name: str, args: argparse.Namespace) -> None:
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.compiler.compile_report import stage_rows, stage_table
 
-    layout, program, partition = result.config, result.program, result.partition
+    layout, program, partition = result.config, result.program, result.program.partition
     assignment = dict(program.stages)
     print()
     print(f"pipeline     pp={layout.pp} chunks={layout.chunks} schedule={layout.schedule.value} "

@@ -47,7 +47,8 @@ import torch.nn as nn
 from fxpipe.base.recompute_mode import RecomputeMode
 from fxpipe.compiler.capture import capture
 from fxpipe.compiler.vocab_placement import placed_schedule, vocab_timing
-from fxpipe.ir.artifact import CompiledPipeline, ModelStats, PassTiming
+from fxpipe.ir.artifact import CompiledPipeline, PassTiming
+from fxpipe.ir.pass_results import ModelStats
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.program import Program
 from fxpipe.ir.stage_plan import PipelinePlan

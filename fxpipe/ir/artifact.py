@@ -9,17 +9,13 @@ module imports no pass, so the runtime can import it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
 
 from fxpipe.ir.parallel_config import ParallelConfig
-from fxpipe.ir.pass_configs import PartitionConfig
-from fxpipe.ir.pass_results import ModelStats, TokenInput, VocabTiming
+from fxpipe.ir.pass_results import VocabTiming
 from fxpipe.ir.program import Program
 from fxpipe.ir.shard_spec import ShardSpec, expert_rank_spec, rank_specs
 from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.ir.state_mismatch import full_shapes
-from fxpipe.ir.tp_result import TPCoverage
-from fxpipe.partition.result import PartitionResult
 from fxpipe.schedules.actions import Schedule
 
 
@@ -54,43 +50,14 @@ class CompiledPipeline:
     passes were placed on (global rank 0's); None: placed with unit times (the partition
     balanced no times, or no vocabulary passes)."""
 
-    @property
-    def specs(self) -> Mapping[str, ShardSpec]:
-        """Tensor-parallel ShardSpec per sharded parameter (empty without TP)."""
-        tp = self.program.tensor_parallel
-        return tp.specs if tp is not None else {}
-
     def rank_specs(self, pp_rank: int, ep_rank: int = 0) -> dict[str, ShardSpec]:
         """What pipeline rank ``pp_rank`` (expert-parallel rank ``ep_rank``) holds of every
         split parameter: the tensor-parallel specs with its pipeline rows folded in
         (``sharding.rank_specs``) and its experts of every expert-parallel stack."""
-        ep = self.program.expert_parallel
+        tp, ep = self.program.tensor_parallel, self.program.expert_parallel
+        specs = tp.specs if tp is not None else {}
         experts = {n: expert_rank_spec(s, ep_rank) for n, s in ep.specs.items()} if ep is not None else {}
         rows = self.plan.row_shards if self.plan is not None else {}
         if not rows:
-            return {**self.specs, **experts}
-        return {**rank_specs(self.specs, rows, pp_rank, full_shapes(self.program, self.specs)), **experts}
-
-    @property
-    def coverage(self) -> "TPCoverage | None":
-        """What tensor parallelism left whole, and this rank's share (None without TP)."""
-        tp = self.program.tensor_parallel
-        return tp.coverage if tp is not None else None
-
-    @property
-    def stats(self) -> ModelStats | None:
-        return self.program.model_stats
-
-    @property
-    def token_inputs(self) -> "tuple[TokenInput, ...]":
-        return self.program.token_inputs
-
-    @property
-    def partition(self) -> "PartitionResult | None":
-        """The partitioner's result: per-stage predicted times and memory (None before ``partition``)."""
-        return self.program.partition
-
-    @property
-    def partition_config(self) -> "PartitionConfig | None":
-        """What the partition balanced: modelled or measured node times, link, memory limit."""
-        return self.program.partition_config
+            return {**specs, **experts}
+        return {**rank_specs(specs, rows, pp_rank, full_shapes(self.program, specs)), **experts}

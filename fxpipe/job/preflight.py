@@ -212,7 +212,7 @@ def check_model(config: "TrainConfig", resume: Path | None = None, data: "DataFa
                                   until="partition" if heuristic else "cost")
     except PartitionError as exc:
         raise PreflightError(f"--partition {layout.partition.value}: {exc}") from None
-    for t in result.token_inputs:
+    for t in result.program.token_inputs:
         role = "embedding" if t.role is TokenRole.EMBEDDING else "loss (the logits' classes)"
         _check_vocab(config.model, t.vocab_size, f"the rows of its {role} at {t.module or t.node}", data)
     if config.resume:

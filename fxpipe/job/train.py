@@ -67,7 +67,6 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
     tokens_per_step = config.batch * config.seq
     metrics = MetricsWriter(config.metrics_file, config.tensorboard_dir) if rank == 0 else None
     if rank == 0:
-
         print("config: " + ", ".join(to_toml(config).splitlines()), flush=True)  # the resolved run, in its keys
         print(f"fxpipe run: {config.model}, {pm.model_stats.num_parameters / 1e6:.2f}M parameters, "
               f"tp={layout.tp}{' (sp)' if layout.sp else ''} pp={layout.pp} dp={layout.dp}, "

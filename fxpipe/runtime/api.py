@@ -13,11 +13,10 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from fxpipe.ir.artifact import ModelStats
-from fxpipe.ir.parallel_config import ParallelConfig
-from fxpipe.ir.shard_spec import unshard_state
-from fxpipe.ir.stage_plan import PipelinePlan
-from fxpipe.ir.token_inputs import TokenInput, check_token_ids
+from fxpipe.ir.artifact import CompiledPipeline
+from fxpipe.ir.pass_results import ModelStats, TokenInput
+from fxpipe.ir.shard_spec import ShardSpec, unshard_state
+from fxpipe.ir.token_inputs import check_token_ids
 from fxpipe.partition import PartitionResult
 from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.experts import ExpertGroups, gather_experts, tokens_per_expert
@@ -25,7 +24,6 @@ from fxpipe.runtime.grad_sync import GradSync
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.precision import MasterWeights
 from fxpipe.runtime.zero import ZeroPartition
-from fxpipe.schedules.actions import Schedule
 from fxpipe.tp import DropoutRNG
 
 
@@ -37,42 +35,52 @@ class StepStats:
     """(action, start, end) of every action this rank ran in the last step (perf_counter s)."""
 
 
+@dataclass
+class RankParts:
+    """What ``build_runtime`` made for this rank; everything else a ``ParallelModel``
+    knows it reads off the compiled artifact."""
+    groups: MeshGroups
+    state: dict[str, torch.Tensor]
+    """This rank's parameter shards, buffers and constants by canonical name."""
+    executor: PipelineExecutor
+    grad_sync: GradSync
+    device: torch.device
+    specs: dict[str, ShardSpec]
+    """What this rank holds of every split parameter (tensor-parallel shards, with its
+    pipeline rows and experts folded in; empty when nothing is split)."""
+    master: MasterWeights | None = None
+    """Mixed precision: fp32 masters (what the optimizer sees) for ``state``."""
+    compiled_stages: tuple = ()
+    """``compile=True``: one ``runtime.compiled.StageCompile`` per stage of this rank."""
+    tp_rng: DropoutRNG | None = None
+    """The tensor-parallel dropout streams (Megatron's RNG tracker), saved in checkpoints."""
+    experts: ExpertGroups | None = None
+    """Expert parallelism (``runtime/experts.py``): groups, expert parameters, token counts."""
+
+
 class ParallelModel:
     """What ``parallelize`` returns: one rank's share of the model and its schedule."""
 
-    def __init__(self, plan: PipelinePlan, schedule: Schedule, groups: MeshGroups,
-                 state: dict[str, torch.Tensor], executor: PipelineExecutor, grad_sync: GradSync,
-                 config: ParallelConfig, device: torch.device, *, master: MasterWeights | None = None,
-                 specs: dict | None = None, model_stats: ModelStats | None = None,
-                 partition: PartitionResult | None = None, compiled_stages: tuple = (),
-                 token_inputs: tuple[TokenInput, ...] = (), tp_rng: DropoutRNG | None = None,
-                 experts: ExpertGroups | None = None) -> None:
-        self.plan, self.schedule, self.groups = plan, schedule, groups
-        self.state, self.executor, self.grad_sync = state, executor, grad_sync
-        self.config = config
-        """The layout this model was compiled for (``dp`` resolved)."""
-        self.device = device
-        self.master = master
-        """Mixed precision: fp32 masters (what the optimizer sees) for ``state``."""
-        self.specs = specs or {}
-        """Tensor-parallel ShardSpec per sharded parameter (empty without TP)."""
-        self.model_stats = model_stats
-        self.partition = partition
+    def __init__(self, compiled: CompiledPipeline, parts: RankParts) -> None:
+        self.compiled = compiled
+        """The artifact this rank runs (its parameters as shapes only: the shards are ``state``)."""
+        self.plan, self.schedule, self.config = compiled.plan, compiled.actions, compiled.config
+        program = compiled.program
+        self.model_stats: ModelStats | None = program.model_stats
+        self.partition: PartitionResult | None = program.partition
         """The partitioner's result: per-stage predicted times and memory."""
-        self.compiled_stages = compiled_stages
-        """``compile=True``: one ``runtime.compiled.StageCompile`` per stage of this rank."""
-        self.token_inputs = token_inputs
+        self.token_inputs: tuple[TokenInput, ...] = program.token_inputs
         """Batch inputs that are token ids, with their vocabulary (``fxpipe/ir/token_inputs.py``)."""
-        self.tp_rng = tp_rng
-        """The tensor-parallel dropout streams (Megatron's RNG tracker), saved in checkpoints."""
-        self.experts = experts
-        """Expert parallelism (``runtime/experts.py``): groups, expert parameters, token counts."""
-        self.zero: ZeroPartition | None = grad_sync.zero
+        self.groups, self.state, self.executor = parts.groups, parts.state, parts.executor
+        self.grad_sync, self.device, self.specs = parts.grad_sync, parts.device, parts.specs
+        self.master, self.compiled_stages = parts.master, parts.compiled_stages
+        self.tp_rng, self.experts = parts.tp_rng, parts.experts
+        self.zero: ZeroPartition | None = parts.grad_sync.zero
         """ZeRO-1: which data-parallel replica owns (steps) each trainable tensor."""
         self.last_step_skipped = False
         """fp16: the last step was dropped for an overflow."""
         self.last_stats: StepStats | None = None
-        self._mb_shapes = [s.shape for s in plan.program.input_specs]
+        self._mb_shapes = [s.shape for s in self.plan.program.input_specs]
 
     @property
     def num_microbatches(self) -> int:

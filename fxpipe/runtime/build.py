@@ -15,47 +15,47 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from fxpipe.ir.artifact import CompiledPipeline
-from fxpipe.ir.program import ParamKind
+from fxpipe.ir.program import ParamKind, Program
 from fxpipe.ir.shard_spec import shard_state
 from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.params.rank_state import ShardBuilder
-from fxpipe.runtime.api import ParallelModel
+from fxpipe.runtime.api import ParallelModel, RankParts
 from fxpipe.runtime.compiled import compile_stages, example_args
 from fxpipe.runtime.executor import PipelineExecutor
-from fxpipe.runtime.experts import ExpertGroups
 from fxpipe.runtime.grad_sync import GradSync
 from fxpipe.runtime.lookup_exchange import VocabLookups, wire_name
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.precision import LossScaler, MasterWeights, Precision
+from fxpipe.runtime.rank_mesh import RankMesh
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport
 from fxpipe.runtime.vocab_head import VocabPasses
 from fxpipe.runtime.zero import ZeroPartition
 from fxpipe.schedules.actions import ActionKind, Schedule
-from fxpipe.tp import DropoutRNG, TPGroup
 
 
-def build_runtime(compiled: CompiledPipeline, groups: MeshGroups, shards: ShardBuilder, *, model: nn.Module,
-                  device: torch.device, context: Callable[[], ContextManager], tp_group: TPGroup,
-                  tp_rng: DropoutRNG, loss_scaler: dict | None = None,
-                  experts: ExpertGroups | None = None) -> ParallelModel:
-    """This rank's ``ParallelModel`` for ``compiled`` (see the module docstring). ``shards``
-    builds parameters at their local shapes (the one the cost measurement used, if any);
-    ``context`` enters the tensor-parallel group and dropout streams around stage code."""
+def build_runtime(compiled: CompiledPipeline, mesh: RankMesh, shards: ShardBuilder, *, model: nn.Module,
+                  loss_scaler: dict | None = None) -> ParallelModel:
+    """This rank's ``ParallelModel`` for ``compiled`` (see the module docstring) on ``mesh``
+    (its groups, device, tensor-parallel group and the context stage code runs in). ``shards``
+    builds parameters at their local shapes (the one the cost measurement used, if any)."""
+    groups, device, context, experts = mesh.groups, mesh.device, mesh.context, mesh.experts
+    tp_group, tp_rng = mesh.tp_group, mesh.tp_rng
     assert compiled.plan is not None and compiled.actions is not None, "compile the whole pipeline first"
     config, plan = compiled.config, compiled.plan
     # This rank's share of every split parameter: its TP shard, of which only the rows
     # its stages read where the vocabulary layers are split over stages (vocab_rows),
     # and of expert-parallel stacks its own experts (runtime/experts.py).
     specs = compiled.rank_specs(groups.pp_rank, experts.ep_rank if experts is not None else 0)
-    if specs != dict(compiled.specs):
+    tp = compiled.program.tensor_parallel
+    if specs != dict(tp.specs if tp is not None else {}):
         shards = shards.with_specs(specs)
     timeout = timedelta(seconds=config.timeout_s)
     my_stages = compiled.schedule.stages_of_rank(groups.pp_rank)
@@ -67,9 +67,8 @@ def build_runtime(compiled: CompiledPipeline, groups: MeshGroups, shards: ShardB
     shards.forget()  # tensors timed by the cost profile and not needed here are dropped
     # The shards are taken: the plan keeps parameter shapes only (meta), so no full copy
     # of the model stays alive in this process (buffers and constants are small).
-    kinds = {p.canonical: p.kind for p in plan.program.params}
-    plan = dataclasses.replace(plan, program=plan.program.replace(state={
-        n: t.to("meta") if kinds.get(n) is ParamKind.PARAMETER else t for n, t in plan.program.state.items()}))
+    plan = dataclasses.replace(plan, program=_meta_parameters(plan.program))
+    compiled = dataclasses.replace(compiled, plan=plan, program=_meta_parameters(compiled.program))
     # ZeRO-1 (runtime/zero.py): each data-parallel replica owns a balanced share of the
     # trainable tensors; only the owner keeps optimizer state and an fp32 master.
     zero = ZeroPartition.build(groups, {n: t for n, t in state.items() if t.requires_grad}) \
@@ -105,10 +104,16 @@ def build_runtime(compiled: CompiledPipeline, groups: MeshGroups, shards: ShardB
     holders = {**master.masters, **master.loose} if master else state
     grad_sync = GradSync.build(plan, compiled.schedule, groups, holders, timeout, like=state, zero=zero,
                                experts=experts)
-    return ParallelModel(plan, compiled.actions, groups, state, executor, grad_sync, config, device,
-                         master=master, specs=specs, model_stats=compiled.stats, partition=compiled.partition,
-                         compiled_stages=compiled_stages, token_inputs=compiled.token_inputs, tp_rng=tp_rng,
-                         experts=experts)
+    return ParallelModel(compiled, RankParts(groups, state, executor, grad_sync, device, specs, master=master,
+                                             compiled_stages=compiled_stages, tp_rng=tp_rng, experts=experts))
+
+
+def _meta_parameters(program: Program) -> Program:
+    """``program`` with its parameters as shapes only (meta): the runtime keeps this
+    rank's shards, never a full copy of the model (buffers and constants are small)."""
+    kinds = {p.canonical: p.kind for p in program.params}
+    return program.replace(state={n: t.to("meta") if kinds.get(n) is ParamKind.PARAMETER else t
+                                  for n, t in program.state.items()})
 
 
 def _compile_runners(runners: dict, plan: PipelinePlan, sched: Schedule, state: dict, groups: MeshGroups,
