@@ -95,7 +95,7 @@ class Run:
 
 def cpu_profile(recalibrate: bool = False):
     from fxpipe.base.hardware import Hardware
-    from fxpipe.planner.calibrate import calibrate
+    from fxpipe.planner.machine_speeds import calibrate
 
     if recalibrate or not os.path.exists(PROFILE):
         hw, meas = calibrate(name="cpu-measured", threads=1, distributed=True, log=print)

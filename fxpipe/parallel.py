@@ -52,7 +52,7 @@ def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
     safetensors directory to take the parameters from (each rank reads its shards only,
     ``fxpipe/params/hf_weights.py``); a model built on the meta device is otherwise initialised
     shard by shard by its own init scheme (``fxpipe/params/deferred_init.py``, ``init_fn`` to override).
-    ``loss_scaler``: ``LossScaler`` arguments under fp16 (``runtime/precision.py``).
+    ``loss_scaler``: ``LossScaler`` arguments under fp16 (``runtime/mixed_precision.py``).
     """
     config = ParallelConfig(**layout) if config is None else dataclasses.replace(config, **layout)
     mesh = RankMesh.join(config, device)                                      # 1. the mesh, dp resolved

@@ -11,7 +11,7 @@ from fxpipe.partition import Method
 from fxpipe.passes import canonicalize_pass, cost_pass, total_cost
 from fxpipe.passes.assign_stages import partition_pass
 from fxpipe.base.recompute_mode import RecomputeMode
-from fxpipe.runtime.precision import Precision
+from fxpipe.runtime.mixed_precision import Precision
 from fxpipe.schedules.registry import SCHEDULES, schedule_names
 
 

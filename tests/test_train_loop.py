@@ -66,7 +66,7 @@ def test_evaluation_leaves_the_loss_scale_and_written_buffers_as_it_found_them()
     from types import SimpleNamespace
 
     from fxpipe.ir.program import ParamKind
-    from fxpipe.runtime.precision import LossScaler
+    from fxpipe.runtime.mixed_precision import LossScaler
     from fxpipe.job.components import evaluate
 
     weight = torch.nn.Parameter(torch.ones(2))

@@ -1,5 +1,5 @@
 """Training precision, a name parsed once (the runtime keeps the masters and the loss
-scaler in ``runtime/precision.py``)."""
+scaler in ``runtime/mixed_precision.py``)."""
 from __future__ import annotations
 
 import enum

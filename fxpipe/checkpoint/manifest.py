@@ -71,7 +71,7 @@ def _is_finite(v: Any) -> bool:
 
 
 def _scaler_ok(v: Any) -> bool:
-    # fp16's loss scaler (runtime/precision.py), restored field by field on load.
+    # fp16's loss scaler (runtime/mixed_precision.py), restored field by field on load.
     return v is None or (isinstance(v, dict) and set(v) == set(SCALER_FIELDS) and _is_finite(v["scale"])
                          and v["scale"] > 0 and _is_count(v["good_steps"]) and _is_count(v["skipped"]))
 

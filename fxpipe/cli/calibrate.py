@@ -17,7 +17,7 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
-    from fxpipe.planner.calibrate import calibrate
+    from fxpipe.planner.machine_speeds import calibrate
 
     hw, measurements = calibrate(name=args.name, threads=args.threads,
                                  distributed=not args.no_distributed, log=print)

@@ -65,7 +65,7 @@ from fxpipe.passes.split_loss import split_loss_pass
 from fxpipe.passes.split_matmul import split_matmul_pass
 from fxpipe.passes.vocab_head import head_nodes, vocab_head_pass, vocab_row_params
 from fxpipe.passes.vocab_rows import vocab_rows_pass
-from fxpipe.runtime.precision import Precision
+from fxpipe.runtime.mixed_precision import Precision
 from fxpipe.schedules.actions import Schedule
 from fxpipe.schedules.lowering import lower
 

@@ -2,7 +2,7 @@
 
 Defined here, outside the passes, because both sides use them: ``passes/split_loss.py``
 and ``passes/vocab_head.py`` record the chain they matched (graph rewrites), and the
-runtime's vocabulary passes (``runtime/vocab_head.py``) replay it eagerly on each
+runtime's vocabulary passes (``runtime/head_blocks.py``) replay it eagerly on each
 rank's block of logits, which the runtime may do without importing a pass.
 """
 from __future__ import annotations

@@ -69,7 +69,7 @@ class ParallelConfig:
     trains slower than the whole cross-entropy after finer head blocks (docs/costs.md)."""
     vocab_passes: bool = False
     """Run the LM head and its cross-entropy as vocabulary passes (``schedules/vocab_actions.py``,
-    ``runtime/vocab_head.py``): each pipeline rank owns one block of the head's rows and
+    ``runtime/head_blocks.py``): each pipeline rank owns one block of the head's rows and
     computes its logits' softmax statistics (S) and gradients (T) for every microbatch. Under
     tp > 1 the blocks are of each TP rank's vocabulary shard (a V/(tp·pp) block per process)."""
     seed: int = 0

@@ -116,7 +116,7 @@ class VocabLookup:
 class VocabHead:
     """The LM head and its cross-entropy, cut off the last stage and run by every
     pipeline rank on its block of the vocabulary (``passes/vocab_head.py``,
-    ``runtime/vocab_head.py``): the schedule's BCAST_H / S / ALLREDUCE_S / T / REDUCE_G.
+    ``runtime/head_blocks.py``): the schedule's BCAST_H / S / ALLREDUCE_S / T / REDUCE_G.
     The last stage outputs ``hidden`` (the head's input) and ``target`` instead of the loss."""
     weight: str
     """Canonical name of the head's weight [V, h] (a key of ``PipelinePlan.row_shards``:

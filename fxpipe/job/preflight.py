@@ -38,7 +38,7 @@ from fxpipe.job.config import TrainConfig
 from fxpipe.job.preflight_data import DataFacts, check_data
 from fxpipe.job.preflight_files import (PreflightError, check_owner, check_resume, check_weights, check_writable_dir,
                                         check_writable_file, resume_path)
-from fxpipe.job.workload import weights_dir
+from fxpipe.job.prepare import weights_dir
 from fxpipe.models.hf_dir import is_model_dir
 from fxpipe.models.registry import GPT_CONFIGS, build_workload
 from fxpipe.params.hf_weights import WeightsDir

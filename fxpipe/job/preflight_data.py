@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from fxpipe.data import max_token, open_data
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.preflight_files import PreflightError
-from fxpipe.job.workload import tokenizer_path
+from fxpipe.job.prepare import tokenizer_path
 
 
 @dataclass(frozen=True)

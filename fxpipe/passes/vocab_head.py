@@ -19,7 +19,7 @@ the loss; ``PipelinePlan.vocab_head`` records the chain, the reduction and each 
 block of rows (V split evenly). ``vocab_rows`` then gives every rank exactly its
 block of ``W`` (and of a tied embedding, whose lookup its rows' owners do), so storage,
 optimizer, checkpoints and export work on the rows as for any row-split parameter.
-The runtime (``runtime/vocab_head.py``) computes each block's logits and online-softmax
+The runtime (``runtime/head_blocks.py``) computes each block's logits and online-softmax
 statistics, and their gradients, from there.
 """
 from __future__ import annotations

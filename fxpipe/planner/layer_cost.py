@@ -177,7 +177,7 @@ class CostModel:
     @lru_cache(maxsize=None)
     def vocab_collectives(self, tp: int, pp: int, dp: int, b: int) -> tuple[float, float, float]:
         """Seconds of the vocabulary passes' collectives per microbatch, as
-        ``runtime/vocab_head.py`` issues them over the pp group (ranks tp·dp apart):
+        ``runtime/head_blocks.py`` issues them over the pp group (ranks tp·dp apart):
         BCAST_H the head's input (b·s·h) and the int64 targets; ALLREDUCE_S the maxima
         (fp32 per token), then the rescaled sums and target logits (2 × fp32), over pp and
         then TP; REDUCE_G the input gradient (b·s·h) onto the last stage."""

@@ -75,7 +75,7 @@ def final_norm_activation_bytes(shape: TransformerShape, micro_batch: int, tp: i
 
 
 def vocab_block_activation_bytes(shape: TransformerShape, micro_batch: int, tp: int, pp: int) -> float:
-    """Every rank, per microbatch between its S and its T (``runtime/vocab_head.py``): its
+    """Every rank, per microbatch between its S and its T (``runtime/head_blocks.py``): its
     copy of the head's input (2sbh, whole: broadcast after the SP gather) and its block's
     fp32 logits, V/(t·p) columns (4sb·V/(tp))."""
     s, b = shape.seq, micro_batch

@@ -22,7 +22,7 @@ from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.experts import ExpertGroups, gather_experts, tokens_per_expert
 from fxpipe.runtime.grad_sync import GradSync
 from fxpipe.runtime.mesh import MeshGroups
-from fxpipe.runtime.precision import MasterWeights
+from fxpipe.runtime.mixed_precision import MasterWeights
 from fxpipe.runtime.zero import ZeroPartition
 from fxpipe.tp import DropoutRNG
 

@@ -32,11 +32,11 @@ from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.grad_sync import GradSync
 from fxpipe.runtime.lookup_exchange import VocabLookups, wire_name
 from fxpipe.runtime.mesh import MeshGroups
-from fxpipe.runtime.precision import LossScaler, MasterWeights, Precision
+from fxpipe.runtime.mixed_precision import LossScaler, MasterWeights, Precision
 from fxpipe.runtime.rank_mesh import RankMesh
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport
-from fxpipe.runtime.vocab_head import VocabPasses
+from fxpipe.runtime.head_blocks import VocabPasses
 from fxpipe.runtime.zero import ZeroPartition
 from fxpipe.schedules.actions import ActionKind, Schedule
 
@@ -94,7 +94,7 @@ def build_runtime(compiled: CompiledPipeline, mesh: RankMesh, shards: ShardBuild
                           scatter_gather=tp_group if config.scatter_gather else None)
     lookups = VocabLookups(plan, compiled.actions, groups, state, device, transport) if plan.lookups else None
     vocab = None
-    if plan.vocab_head is not None:  # this rank's block of the LM head (runtime/vocab_head.py)
+    if plan.vocab_head is not None:  # this rank's block of the LM head (runtime/head_blocks.py)
         last = runners.get(plan.num_stages - 1)
         any_runner = next(iter(runners.values()))
         vocab = VocabPasses(plan, compiled.schedule, groups, state, device, transport,

@@ -23,7 +23,7 @@ while a ``WeightQueue`` is deferring (the StageRunner's I half), returns no para
 gradients and queues W instead; otherwise (B) it runs W at once and returns everything,
 so B still costs one backward. W's gradients later go through the autograd node's own
 edges into the parameters (``accumulate``), so AccumulateGrad and the parameters'
-post-accumulate hooks (fp32 masters, ``runtime/precision.py``) run as in a fused backward.
+post-accumulate hooks (fp32 masters, ``runtime/mixed_precision.py``) run as in a fused backward.
 """
 from __future__ import annotations
 

@@ -159,7 +159,7 @@ def test_model_directory_tokenizer_and_pickled_weights(tmp_path):
     """A model directory's own tokenizer is used whatever form it takes (never bytes for a
     model that brought one); weights only as pickles are refused, not trained from scratch."""
     from fxpipe.job.config import TrainConfig
-    from fxpipe.job.workload import tokenizer_path, weights_dir
+    from fxpipe.job.prepare import tokenizer_path, weights_dir
 
     (tmp_path / "config.json").write_text("{}")
     config = TrainConfig(model=str(tmp_path))

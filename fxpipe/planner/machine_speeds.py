@@ -235,7 +235,7 @@ def measure_gloo(threads: int) -> dict[str, Any]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
-        code = "import sys; from fxpipe.planner.calibrate import _gloo_worker as w; " \
+        code = "import sys; from fxpipe.planner.machine_speeds import _gloo_worker as w; " \
                "w(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))"
         procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port), tmp, str(threads)])
                  for r in range(2)]
