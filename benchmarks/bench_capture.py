@@ -18,7 +18,8 @@ import torch
 
 import fxpipe
 from fxpipe.models import build_workload
-from fxpipe.passes import run_passes, total_cost
+from fxpipe.compiler.driver import run_passes
+from fxpipe.passes import total_cost
 from fxpipe.planner.shapes import model_flops_formula
 
 

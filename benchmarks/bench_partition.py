@@ -23,7 +23,7 @@ import time
 import fxpipe
 from fxpipe.base.hardware import A100
 from fxpipe.models import build_workload
-from fxpipe.passes import run_passes
+from fxpipe.compiler.driver import run_passes
 from fxpipe.passes.assign_stages import PartitionConfig, solve_partition
 from fxpipe.schedules.inflight import stage_inflight
 from fxpipe.schedules.registry import generate

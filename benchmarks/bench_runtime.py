@@ -131,7 +131,7 @@ def placement(pm, unit_model=None) -> dict:
     if unit_model is not None:  # the same actions in the unit order: only the placement differs
         unit_model.schedule = unit_model.executor.schedule = unit
         unit_model.executor.actions = unit.actions[unit_model.groups.pp_rank]
-    timing = vocab_timing(pm.plan, pm.config)
+    timing = vocab_timing(pm.plan, pm.config, pm.plan.program.partition_config)
     if timing is None:
         return dict(differ=pm.schedule.actions != unit.actions, placed_ms=None, unit_ms=None)
     span = lambda s: 1e3 * simulate(s, timing.durations, p2p_latency=timing.p2p_latency,  # noqa: E731

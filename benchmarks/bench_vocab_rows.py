@@ -41,7 +41,7 @@ def worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
     import fxpipe
-    import fxpipe.compiler.pipeline as compiler
+    import fxpipe.compiler.pass_list as compiler  # the pipeline reads its PIPELINE at each compile
     from bench_runtime import M, workload
 
     models = {}

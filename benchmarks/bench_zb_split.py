@@ -29,7 +29,7 @@ def main() -> None:
     torch.set_num_threads(1)
     import fxpipe
     from bench_runtime import LAYERS, SEQ, workload
-    from fxpipe.passes import run_passes
+    from fxpipe.compiler.driver import run_passes
     from fxpipe.passes.assign_stages import PartitionConfig, partition_pass
     from fxpipe.passes.split import split_pass
     from fxpipe.runtime.stage_runner import StageRunner

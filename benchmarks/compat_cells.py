@@ -121,7 +121,7 @@ def capture_cell(model_type: str) -> tuple[Cell, Cell | None]:
     the tp columns can show. Returns (capture cell, TP analysis cell or None)."""
     import time
 
-    from fxpipe.passes import run_passes
+    from fxpipe.compiler.driver import run_passes
     from fxpipe.passes.tensor_parallel import TPConfig
 
     start = time.perf_counter()

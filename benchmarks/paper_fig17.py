@@ -26,7 +26,7 @@ def activation_rows() -> list[list]:
     from fxpipe.compiler.capture import capture
     from fxpipe.costs.saved_activations import measure_saved
     from fxpipe.models.gpt import GPT, GPTConfig
-    from fxpipe.passes import run_passes
+    from fxpipe.compiler.driver import run_passes
     from fxpipe.passes.recompute import RecomputeMode, apply_recompute
     from fxpipe.planner.memory_model import layer_activation_bytes
 

@@ -77,7 +77,7 @@ def test_pipeline_runs_every_pass_through_the_driver(tiny):
     plan = result.plan
     assert plan.num_stages == 2 and plan.program is result.program
     assert set(plan.program.stages.values()) == {0, 1}
-    assert result.program.tensor_parallel is not None and result.partition is not None
+    assert result.program.tensor_parallel is not None and result.program.partition is not None
     # Model FLOPs are the whole model's, counted before TP halves every matmul.
     whole = total_cost(cost_pass(canonicalize_pass(fxpipe.capture(tiny.model, tiny.example_inputs,
                                                                   tiny.loss_fn))))
@@ -89,7 +89,7 @@ def test_pipeline_runs_every_pass_through_the_driver(tiny):
 def test_pipeline_stops_where_asked_and_skips_by_name(tiny):
     config = ParallelConfig(pp=2, microbatches=2, costs="model")
     early = compile_pipeline(tiny.model, tiny.example_inputs, config, loss_fn=tiny.loss_fn, until="cost")
-    assert early.plan is None and early.program.costs and early.partition is None
+    assert early.plan is None and early.program.costs and early.program.partition is None
     assert [t.name for t in early.timings] == pipeline_names()[:pipeline_names().index("cost") + 1]
     with pytest.raises(ValueError, match="unknown pass 'nope'"):
         compile_pipeline(tiny.model, tiny.example_inputs, config, loss_fn=tiny.loss_fn, until="nope")

@@ -13,7 +13,7 @@ from fxpipe.costs import CostProfile, ProfileError, apply_profile, measured_prof
 from fxpipe.costs.measure import chunks
 from fxpipe.costs.profile import cache_path, device_name, profile_key
 from fxpipe.models import build_workload
-from fxpipe.passes import run_passes
+from fxpipe.compiler.driver import run_passes
 from fxpipe.passes.assign_stages import PartitionConfig, solve_partition
 
 CPU = torch.device("cpu")

@@ -4,10 +4,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from fxpipe.ir.artifact import PassTiming
 from fxpipe.ir.op_tables import VIEW_OPS
 from fxpipe.ir.program import ParamKind, Program
 from fxpipe.ir.sizes import describe_hints, unbacked_symbols
-from fxpipe.passes.driver import PassTiming
 
 
 def human(n: float, unit: str = "") -> str:

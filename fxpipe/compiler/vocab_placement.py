@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 from fxpipe.ir.parallel_config import ParallelConfig
+from fxpipe.ir.pass_configs import PartitionConfig
 from fxpipe.ir.pass_results import VocabTiming
 from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.passes.vocab_head import head_nodes
@@ -37,14 +38,14 @@ STATS_PER_TOKEN = 3
 """fp32 softmax statistics all-reduced per token: max, sum-exp and target logit."""
 
 
-def vocab_timing(plan: PipelinePlan, config: ParallelConfig) -> VocabTiming | None:
-    """The stages' and the head's times (module docstring); None where the partition did
-    not balance times (uniform, params: nothing to place on) or there is no head."""
+def vocab_timing(plan: PipelinePlan, config: ParallelConfig, pconfig: PartitionConfig) -> VocabTiming | None:
+    """The stages' and the head's times (module docstring) under ``pconfig``, what the
+    partition balanced; None where the partition did not balance times (uniform, params:
+    nothing to place on) or there is no head."""
     program, head = plan.program, plan.vocab_head
     result = program.partition
     if head is None or result is None or not config.balances_time or not program.costs:
         return None
-    pconfig = program.partition_config or config.partition_config(config.schedule_ir())
     hw = pconfig.hardware
     node_times = pconfig.node_times or {}
     head_f = head_b = 0.0

@@ -23,9 +23,9 @@ from fxpipe.job.components import MetricsWriter, lr_scheduler, param_groups, pea
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.config_file import SAVED_NAME, to_toml
 from fxpipe.job.preflight_files import check_schedule
+from fxpipe.job.prepare import build_job, weights_dir
 from fxpipe.job.run_report import bubble_share, progress_bar, recomputed_flops, report_balance, write_timeline
 from fxpipe.job.stop_signal import StopSignal
-from fxpipe.job.prepare import build_job, weights_dir
 from fxpipe.parallel import parallelize
 from fxpipe.runtime.balance import BalanceMeter
 from fxpipe.runtime.grad_norm import clip_grad_norm, global_grad_norm

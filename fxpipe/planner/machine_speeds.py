@@ -36,8 +36,8 @@ import torch
 
 from fxpipe.base.hardware import CPU, Hardware, Link
 from fxpipe.compiler.capture import capture
+from fxpipe.compiler.driver import run_passes
 from fxpipe.models.gpt import GPT, GPTConfig
-from fxpipe.passes import run_passes
 from fxpipe.planner.options import CandidateLayout, PlannerOptions
 from fxpipe.planner.predict import predict
 from fxpipe.planner.shapes import TransformerShape

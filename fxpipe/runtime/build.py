@@ -30,13 +30,13 @@ from fxpipe.runtime.api import ParallelModel, RankParts
 from fxpipe.runtime.compiled import compile_stages, example_args
 from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.grad_sync import GradSync
+from fxpipe.runtime.head_blocks import VocabPasses
 from fxpipe.runtime.lookup_exchange import VocabLookups, wire_name
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.mixed_precision import LossScaler, MasterWeights, Precision
 from fxpipe.runtime.rank_mesh import RankMesh
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport
-from fxpipe.runtime.head_blocks import VocabPasses
 from fxpipe.runtime.zero import ZeroPartition
 from fxpipe.schedules.actions import ActionKind, Schedule
 

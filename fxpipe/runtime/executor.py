@@ -24,10 +24,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fxpipe.ir.stage_plan import PipelinePlan
+from fxpipe.runtime.head_blocks import VocabPasses
 from fxpipe.runtime.lookup_exchange import VocabLookups
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport, check_spec
-from fxpipe.runtime.head_blocks import VocabPasses
 from fxpipe.schedules.actions import Action, ActionKind, Schedule
 
 K = ActionKind

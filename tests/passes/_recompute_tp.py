@@ -17,7 +17,7 @@ import fxpipe
 from fxpipe.costs.saved_activations import measure_saved
 from fxpipe.models import build_workload
 from fxpipe.models.gpt import GPT, GPTConfig
-from fxpipe.passes import run_passes
+from fxpipe.compiler.driver import run_passes
 from fxpipe.passes.recompute import RecomputeMode, apply_recompute
 from fxpipe.passes.tensor_parallel import TPConfig, shard_state
 from fxpipe.ir.program import Program

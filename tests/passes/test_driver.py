@@ -2,7 +2,9 @@ import pytest
 
 import fxpipe
 from fxpipe.models import build_workload
-from fxpipe.passes import DEFAULT_PASSES, PassSpec, ProgramInvariantError, pass_names, run_passes
+from fxpipe.compiler.driver import run_passes
+from fxpipe.compiler.pass_list import DEFAULT_PASSES, PassSpec, pass_names
+from fxpipe.passes import ProgramInvariantError
 
 
 @pytest.fixture(scope="module")

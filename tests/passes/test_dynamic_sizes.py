@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fxpipe
-from fxpipe.passes import run_passes
+from fxpipe.compiler.driver import run_passes
 from fxpipe.passes.assign_stages import PartitionConfig, partition_pass
 from fxpipe.passes.split import split_pass
 from fxpipe.compiler.compile_report import compile_summary

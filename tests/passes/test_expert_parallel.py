@@ -64,14 +64,15 @@ def test_grouped_moe_equals_eager(grouped, ep):
 
 
 def test_other_moe_forms_left_alone_and_refusals(grouped):
-    from fxpipe.compiler.pipeline import CompileContext, expert_parallel_step
+    from fxpipe.compiler.context import CompileContext
+    from fxpipe.compiler.pass_list import expert_parallel_step
     from fxpipe.ir.parallel_config import ParallelConfig
 
     _, select, _ = _capture("select")  # one expert's matrix picked from the stack: no grouped matmul
     program = expert_parallel_pass(select, EPConfig(ep=2, dp=2))
     assert program.expert_parallel.layers == ()
     config = ParallelConfig(ep=2, dp=2)
-    ctx = CompileContext(config=config, schedule=config.schedule_ir(), device=torch.device("cpu"))
+    ctx = CompileContext.of(config)
     with pytest.raises(ValueError, match=r"ep=2 but no MoE in the model can be expert-parallel .* use ep=1"):
         expert_parallel_step(select, ctx)
     with pytest.raises(ValueError, match=r"4 experts do not split over ep=3 ranks \(down_w, gate_up\): "

@@ -222,7 +222,7 @@ def test_lint_and_split_refuse_an_in_place_op_by_name():
 
 
 def test_every_pass_keeps_the_graph_functional():
-    from fxpipe.passes import run_passes
+    from fxpipe.compiler.driver import run_passes
 
     torch.manual_seed(0)
     model, inputs = SlidingWindowGPT(), batch()

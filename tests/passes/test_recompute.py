@@ -21,7 +21,8 @@ from fxpipe.models.losses import causal_lm_loss
 from fxpipe.costs.saved_activations import SavedTensorCounter, measure_saved, saved_bytes_by_layer
 from fxpipe.models import build_workload
 from fxpipe.models.gpt import GPT
-from fxpipe.passes import lint_program, run_passes, total_cost
+from fxpipe.compiler.driver import run_passes
+from fxpipe.passes import lint_program, total_cost
 from fxpipe.passes.recompute import (RecomputeConfig, RecomputeMode, RecomputeWarning, apply_recompute,
                                      recompute_pass, regions_of)
 from fxpipe.passes.split import split_pass

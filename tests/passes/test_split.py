@@ -6,7 +6,7 @@ import torch
 
 import fxpipe
 from fxpipe.models import build_workload
-from fxpipe.passes import run_passes
+from fxpipe.compiler.driver import run_passes
 from fxpipe.passes.assign_stages import PartitionConfig, partition_pass
 from fxpipe.schedules.inflight import stage_inflight
 from fxpipe.passes.split import side_values, split_pass

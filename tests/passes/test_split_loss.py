@@ -6,7 +6,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpipe
-from fxpipe.passes import lint_program, run_passes
+from fxpipe.compiler.driver import run_passes
+from fxpipe.passes import lint_program
 from fxpipe.passes.split_loss import split_loss_pass
 from fxpipe.passes.split_matmul import split_matmul_pass
 

@@ -5,7 +5,8 @@ import torch
 import torch.nn as nn
 
 import fxpipe
-from fxpipe.passes import cost_pass, run_passes
+from fxpipe.compiler.driver import run_passes
+from fxpipe.passes import cost_pass
 from fxpipe.passes.assign_stages import PartitionConfig, solve_partition
 from fxpipe.passes.split_matmul import BLOCKS_PER_SHARE, MAX_BLOCKS, split_matmul_pass
 from tests.runtime._wide_vocab import workload

@@ -8,7 +8,7 @@ import torch
 import fxpipe
 from fxpipe.models.hf import _gpt2
 from fxpipe.models.losses import causal_lm_loss
-from fxpipe.passes import run_passes
+from fxpipe.compiler.driver import run_passes
 from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
 from fxpipe.passes.assign_stages import PartitionConfig, build_problem_graph, solve_partition
 from fxpipe.schedules.inflight import stage_inflight

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.models import build_workload
-from fxpipe.passes import run_passes
+from fxpipe.compiler.driver import run_passes
 from fxpipe.passes.assign_stages import PartitionConfig, partition_pass
 from fxpipe.passes.recompute import RecomputeMode, apply_recompute
 from fxpipe.passes.split import split_pass

@@ -1,7 +1,9 @@
 """The pass as the driver runs it: lint-clean, priced by the cost pass, input untouched."""
 import pytest
 
-from fxpipe.passes import DEFAULT_PASSES, run_passes
+from fxpipe.compiler.driver import run_passes
+
+from fxpipe.compiler.pass_list import DEFAULT_PASSES
 from fxpipe.passes.node_cost import total_cost
 from fxpipe.passes.tensor_parallel import TPConfig, TPResult, tensor_parallel_pass
 from fxpipe.tp.ops import OPS

@@ -31,9 +31,9 @@ from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.coverage import measure_coverage
 from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan
 from fxpipe.passes.tensor_parallel.placement import blocks
+from fxpipe.passes.tensor_parallel.reading_search import search
 from fxpipe.passes.tensor_parallel.regions import open_regions
 from fxpipe.passes.tensor_parallel.rewrite import rewrite
-from fxpipe.passes.tensor_parallel.reading_search import search
 from fxpipe.passes.tensor_parallel.sequence import plan_sequence_parallel
 
 

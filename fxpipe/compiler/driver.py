@@ -1,52 +1,23 @@
-"""The pass driver: one ordered list of passes, each with the reason it is there.
+"""The pass driver: runs an ordered list of passes.
 
 A pass is a plain function ``name_pass(program, config) -> program``. The driver
 runs them in order, can skip one by name, times each, and in debug mode lints
 every graph a pass returns and checks the Program's invariants after every pass —
 after the split, every stage graph and the regions outlined in it — naming the
-pass that broke them. ``DEFAULT_PASSES`` are the graph passes every layout needs; the
-whole compile pipeline (``fxpipe/compiler/pipeline.py``) runs them and then the pipeline's
-own steps through this same driver — the last of which turn the Program into a
-``PipelinePlan``.
+pass that broke them. The list is ``compiler/pass_list.py``'s: by default the graph
+passes every layout needs (``DEFAULT_PASSES``); the compile pipeline
+(``compiler/pipeline.py``) runs the whole ``PIPELINE`` through this same driver, the
+last steps of which turn the Program into a ``PipelinePlan``.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
+from fxpipe.compiler.pass_list import DEFAULT_PASSES, PassSpec, pass_names
 from fxpipe.ir.artifact import PassTiming
 from fxpipe.ir.program import Program
-from fxpipe.passes.canonicalize import canonicalize_pass
 from fxpipe.passes.lint import lint_plan, lint_program
-from fxpipe.passes.node_cost import cost_pass
-from fxpipe.passes.tensor_parallel import tensor_parallel_pass
-
-PassFn = Callable[[Any, object], Any]
-"""Program -> Program, except the pipeline's last steps (split: Program -> PipelinePlan)."""
-
-
-@dataclass(frozen=True)
-class PassSpec:
-    name: str
-    fn: PassFn
-    why: str
-
-
-# The order matters; each line says why the pass is where it is.
-DEFAULT_PASSES: tuple[PassSpec, ...] = (
-    PassSpec("canonicalize", canonicalize_pass,
-             "drop export's runtime asserts and dead values so later passes see computation only"),
-    PassSpec("tensor_parallel", tensor_parallel_pass,
-             "find Megatron column/row blocks and shard them (config.tp > 1); before cost, so "
-             "costs are per rank"),
-    PassSpec("cost", cost_pass,
-             "FLOPs and bytes per node from shapes; last, so it prices the graph as rewritten"),
-)
-
-
-def pass_names(passes: Sequence[PassSpec] = DEFAULT_PASSES) -> list[str]:
-    return [p.name for p in passes]
 
 
 def _lint(obj: Any, after: str) -> None:
