@@ -20,7 +20,7 @@ batch and threads:
 - **one process** with gradient accumulation over the same 8 microbatches;
 - with ``--vocab-passes --unit-placement``: **fxpipe with the vocabulary passes at unit
   times** as well (the same layout, its executor walking ``add_vocab_passes`` with unit
-  times, the schedule before ``vocab_schedule.py`` placed the passes on the stages'
+  times, the schedule before ``compiler/vocab_placement.py`` placed the passes on the stages'
   costs), so the two placements are timed in the same rounds.
 
 Rounds: each times every contender once, back to back (also P independent copies of
@@ -122,7 +122,7 @@ class Logits(nn.Module):
 def placement(pm, unit_model=None) -> dict:
     """The vocabulary passes' placement of ``pm`` against unit times: whether the two
     schedules differ and their simulated steps on the compiled stage and head times
-    (``vocab_schedule.py``). ``unit_model``: a second model whose executor is made to
+    (``compiler/vocab_placement.py``). ``unit_model``: a second model whose executor is made to
     walk the unit placement (the schedule before placement on costs), to time both."""
     from fxpipe.schedules import lower, simulate
     from fxpipe.compiler.vocab_placement import vocab_timing

@@ -2,7 +2,7 @@
 
 Every rank hands DCP a flat dict keyed by *original* parameter names, of tensors of
 the *full* shape: replicated tensors as they are, tensor-parallel shards as
-ShardedTensors holding only this rank's ranges (``checkpoint_shards.py``), so the
+ShardedTensors holding only this rank's ranges (``shard_chunks.py``), so the
 checkpoint does not depend on the layout that wrote it and no rank gathers a full
 tensor: a rank of another tp/pp/dp layout asks for the names it holds and its own
 ranges, and DCP reads the overlapping parts of the saved chunks (it reshards by key
@@ -19,7 +19,7 @@ A name held by several ranks (data-parallel replicas, tied copies on the first a
 last stage, the tp ranks' identical gathered tensors) is written once: DCP's default
 planner deduplicates equal keys (``_dedup_save_plans``). The step, ``extra``, the
 layout and the fp16 loss scaler go to ``fxpipe.json`` (JSON, never pickled). The
-directory protocol that makes saves atomic is in ``checkpoint_files.py``; the
+directory protocol that makes saves atomic is in ``files.py``; the
 user-facing story in docs/checkpoints.md.
 """
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The on-disk side of checkpoints: step directories, the ``latest`` pointer, atomic
 commits, and a DCP reader that never unpickles code.
 
-    DIR/.lock                  held (flock) by the job using the directory (checkpoint_lock.py)
+    DIR/.lock                  held (flock) by the job using the directory (lock.py)
     DIR/latest                 "step_0000006": replaced atomically (write beside + os.replace)
     DIR/step_0000006/          a complete checkpoint: renamed from step_0000006.<job>.tmp only
         .metadata              DCP's index, written by DCP's coordinator after every rank's data
         __<rank>_0.distcp      DCP's data, one file per rank
         fxpipe.json            manifest: every file with its size and SHA-256, step, extra,
-                               layout, state_dict names (checkpoint_manifest.py)
+                               layout, state_dict names (manifest.py)
     DIR/step_0000009.<job>.tmp/           a save in progress, or one killed: ignored
     DIR/step_0000003.<job>.deleting.tmp/  a pruned checkpoint being removed: ignored
 
@@ -22,7 +22,7 @@ Nothing outside the directory is read or written through a link: ``latest``, the
 manifest, DCP's index and data files are opened with ``O_NOFOLLOW`` and must be
 regular files (``fxpipe/base/safe_io.py``), a ``step_N`` that is a symbolic link is never
 a checkpoint (a resume names it as skipped), and ``.lock`` is refused if it is a link
-(``checkpoint_lock.py``). Pruning deletes only this run's own checkpoints (the
+(``lock.py``). Pruning deletes only this run's own checkpoints (the
 manifest's ``run``), so a directory shared by mistake loses nothing to another run.
 """
 from __future__ import annotations

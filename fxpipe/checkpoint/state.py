@@ -58,7 +58,7 @@ def _tp_ranks(pm: "ParallelModel") -> list[int]:
 
 def _chunked(pm: "ParallelModel", tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """This rank's shards (tensor-parallel, and rows split over pipeline ranks) as DCP
-    chunks of the full shape (no gather; ``checkpoint_shards.py``); everything else as
+    chunks of the full shape (no gather; ``shard_chunks.py``); everything else as
     it is. A row held by several pipeline ranks is written by the lowest of them."""
     specs = dict(pm.specs)
     if not any(is_sharded(s) for s in specs.values()):
@@ -167,7 +167,7 @@ def _set_rng(loaded: Mapping[str, torch.Tensor], device: torch.device, tp_rng: A
         torch.cuda.set_rng_state(loaded["cuda"], device)
 
 
-_SCALER_FIELDS = SCALER_FIELDS  # checked in the manifest (checkpoint_manifest.py)
+_SCALER_FIELDS = SCALER_FIELDS  # checked in the manifest (manifest.py)
 
 
 def _scaler_state(pm: "ParallelModel") -> dict | None:

@@ -12,7 +12,7 @@ from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.pass_configs import EPConfig, PartitionConfig, TPConfig
 from fxpipe.ir.program import Program
 from fxpipe.passes.assign_stages import partition_pass
-from fxpipe.schedules.actions import Schedule
+from fxpipe.schedules.schedule import Schedule
 
 MeasureFn = Callable[[Program, PartitionConfig, "CompileContext"], PartitionConfig]
 SolveFn = Callable[[Program, PartitionConfig], Program]

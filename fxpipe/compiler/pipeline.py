@@ -26,7 +26,7 @@ token ids against the vocabulary, before anything is measured).
     vocab_head              the LM head + loss cut off the last stage for the vocabulary passes (opt-in)
     vocab_rows              each pipeline rank holds only the rows of the LM head (tied embedding) it reads
     recompute               activation recomputation regions per stage
-    (place)                 vocab_passes: the S/T passes re-placed on the stages' costs (``vocab_schedule.py``)
+    (place)                 vocab_passes: the S/T passes re-placed on the stages' costs (``compiler/vocab_placement.py``)
     (lower)                 the schedule with SEND/RECV placed, per rank (``schedules/lowering.py``)
 
 Every pass takes the one ``CompileContext``; what a pass finds that is not per node
@@ -86,7 +86,7 @@ def compile_program(program: Program, config: ParallelConfig, *, device: torch.d
     timing = None
     if plan is not None and config.vocab_passes:
         # The partition and split are known: place the passes on the stages' own times,
-        # rank 0's on every rank (one collective order; vocab_schedule.py).
+        # rank 0's on every rank (one collective order; compiler/vocab_placement.py).
         start = time.perf_counter()
         timing = vocab_timing(plan, config, last_program.partition_config or ctx.partition)
         if hooks.agree is not None:

@@ -29,8 +29,8 @@ from fxpipe.ir.pass_configs import PartitionConfig
 from fxpipe.ir.pass_results import VocabTiming
 from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.passes.vocab_head import head_nodes
-from fxpipe.schedules.actions import Schedule
 from fxpipe.schedules.registry import generate
+from fxpipe.schedules.schedule import Schedule
 from fxpipe.schedules.simulate import StageDurations, simulate
 from fxpipe.schedules.vocab_actions import add_vocab_passes, place_vocab_passes
 

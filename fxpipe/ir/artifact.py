@@ -16,7 +16,7 @@ from fxpipe.ir.program import Program
 from fxpipe.ir.shard_spec import ShardSpec, expert_rank_spec, rank_specs
 from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.ir.state_mismatch import full_shapes
-from fxpipe.schedules.actions import Schedule
+from fxpipe.schedules.schedule import Schedule
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class CompiledPipeline:
     schedule: Schedule
     """The compute-only schedule (F, B, I, W per rank) the partition was solved for; under
     vocabulary passes, with their S/T blocks placed on ``vocab_timing`` (same F/B/I/W order
-    per rank: ``vocab_schedule.py``)."""
+    per rank: ``compiler/vocab_placement.py``)."""
     program: Program
     """The last Program: tensor-parallel and costed; with ``stages`` once partitioned."""
     plan: PipelinePlan | None
@@ -53,7 +53,7 @@ class CompiledPipeline:
     def rank_specs(self, pp_rank: int, ep_rank: int = 0) -> dict[str, ShardSpec]:
         """What pipeline rank ``pp_rank`` (expert-parallel rank ``ep_rank``) holds of every
         split parameter: the tensor-parallel specs with its pipeline rows folded in
-        (``sharding.rank_specs``) and its experts of every expert-parallel stack."""
+        (``ir/shard_spec.rank_specs``) and its experts of every expert-parallel stack."""
         tp, ep = self.program.tensor_parallel, self.program.expert_parallel
         specs = tp.specs if tp is not None else {}
         experts = {n: expert_rank_spec(s, ep_rank) for n, s in ep.specs.items()} if ep is not None else {}

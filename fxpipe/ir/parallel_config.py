@@ -15,6 +15,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 from fxpipe.base.hardware import get_hardware
 from fxpipe.base.precision import Precision
@@ -91,52 +92,14 @@ class ParallelConfig:
         fix("precision", Precision.parse(self.precision))
         fix("recompute", self.recompute if isinstance(self.recompute, RecomputeMode)
             else RecomputeMode.parse(self.recompute))
-        for name in ("tp", "pp", "num_microbatches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value!r}")
-        if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
-            raise ValueError(f"dp must be a positive integer or None (world / (tp·pp)), got {self.dp!r}")
-        if self.sp and self.tp == 1:
-            raise ValueError("sp=True needs tp > 1: sequence parallelism splits the sequence over "
-                             "the tensor-parallel group")
-        if self.zero not in (0, 1):
-            raise ValueError(f"zero must be 0 (off) or 1 (optimizer state and fp32 masters sharded over "
-                             f"data parallel), got {self.zero}")
-        if not isinstance(self.ep, int) or self.ep < 1:
-            raise ValueError(f"ep must be a positive integer (data-parallel ranks sharing the experts), got {self.ep!r}")
-        if self.ep > 1:
-            self.expert_parallel  # ep against dp, when dp is given  # noqa: B018
-            # compile: Inductor would trace the dispatch's all-to-all with fake tensors;
-            # recompute: a recomputed dispatch would count its tokens twice.
-            for name, value, ok in (("tp", self.tp, 1), ("zero", self.zero, 0),
-                                    ("compile", self.compile, False), ("recompute", self.recompute, RecomputeMode.NONE)):
-                if value != ok:
-                    shown = lambda v: v.value if isinstance(v, RecomputeMode) else v  # noqa: E731
-                    raise ValueError(f"ep={self.ep} with {name}={shown(value)} is not built yet: expert parallelism "
-                                     f"runs with {name}={shown(ok)}; use ep=1 to combine {name} with a MoE")
-        if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout_s}")
-        if self.memory_limit_gb is not None and not self.memory_limit_gb > 0:
-            raise ValueError(f"memory_limit_gb must be positive, got {self.memory_limit_gb}")
+        check_layout({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         fix("costs", parse_costs(self.costs))
         spec = get_spec(self.schedule)
-        chunks = spec.default_chunks if self.chunks is None else self.chunks
-        if not isinstance(chunks, int) or chunks < 1 or (spec.chunks is not None and chunks not in spec.chunks):
-            allowed = "any >= 1" if spec.chunks is None else ", ".join(map(str, spec.chunks))
-            raise ValueError(f"schedule {spec.name} takes chunks (stages per rank) {allowed}, got {chunks!r}")
-        fix("chunks", chunks)
-        if self.vocab_passes:
-            # One-line refusals where the passes cannot apply (the model's head is checked
-            # by the compiler, passes/vocab_head.py).
-            for bad, why in ((self.pp < 2, f"pp={self.pp}: they split the head over pipeline ranks, use pp >= 2"),
-                             (self.split_loss, "split_loss=True: both split the head; pick one"),
-                             (self.compile, "compile=True: the head's blocks run eagerly; use compile=False"),
-                             (self.ep > 1, f"ep={self.ep}: not built with expert parallelism, use ep=1")):
-                if bad:
-                    raise ValueError(f"vocab_passes=True with {why}")
+        fix("chunks", spec.default_chunks if self.chunks is None else self.chunks)
         fix("scatter_gather", self.tp > 1 and (not self.sp if self.scatter_gather is None
                                                 else bool(self.scatter_gather)))
+        if self.ep > 1:
+            self.expert_parallel  # ep against dp, when dp is given  # noqa: B018
 
     # ---- derived -------------------------------------------------------------------------
     def with_world(self, world_size: int) -> "ParallelConfig":
@@ -186,6 +149,80 @@ class ParallelConfig:
                                inflight=stage_inflight(schedule), method=self.partition,
                                memory_limit_bytes=self.memory_limit_bytes, hardware=get_hardware(self.hardware),
                                time_limit_s=self.time_limit_s, allow_over_limit=self.allow_over_limit)
+
+
+def flag_name(field: str) -> str:
+    """``fxpipe run``'s flag for a ``ParallelConfig`` field (``fxpipe/job/flags.py``)."""
+    return "--" + {"num_microbatches": "microbatches", "timeout_s": "timeout",
+                   "memory_limit_gb": "memory-limit"}.get(field, field.replace("_", "-"))
+
+
+def check_layout(values: Mapping[str, Any], *, flags: bool = False) -> None:
+    """The layout's own rules, in one place: ``ParallelConfig`` checks its fields with them,
+    ``fxpipe run``'s preflight its flags and config file before any config exists
+    (``flags``: every message names the flag to change, ``--tp``, rather than the field).
+    ``values`` by field name; a field that is absent is not checked."""
+    name = flag_name if flags else (lambda field: field)
+    on = (lambda field: name(field)) if flags else (lambda field: f"{field}=True")  # a switch, set
+    get = values.get
+    for field in ("tp", "pp", "num_microbatches"):
+        value = get(field, 1)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name(field)} must be >= 1, got {value!r}")
+    dp = get("dp")
+    if dp is not None and (not isinstance(dp, int) or dp < 1):
+        raise ValueError(f"{name('dp')} must be >= 1, got {dp!r}" if flags else
+                         f"dp must be a positive integer or None (world / (tp·pp)), got {dp!r}")
+    tp, pp, ep = get("tp", 1), get("pp", 1), get("ep", 1)
+    if flags and "partition" in values:  # ParallelConfig parses it first, by its field's name
+        try:
+            Method.parse(values["partition"])
+        except ValueError:
+            raise ValueError(f"unknown --partition {values['partition']!r}; valid: "
+                             f"{', '.join(m.value for m in Method)}") from None
+    if get("sp") and tp == 1:
+        raise ValueError(f"{on('sp')} needs {name('tp')} > 1: sequence parallelism splits the sequence over "
+                         "the tensor-parallel group")
+    if get("zero", 0) not in (0, 1):
+        raise ValueError(f"{name('zero')} must be 0 (off) or 1 (optimizer state and fp32 masters sharded over "
+                         f"data parallel), got {get('zero')}")
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"{name('ep')} must be a positive integer (data-parallel ranks sharing the experts), "
+                         f"got {ep!r}")
+    if ep > 1:
+        # compile: Inductor would trace the dispatch's all-to-all with fake tensors;
+        # recompute: a recomputed dispatch would count its tokens twice.
+        for field, ok in (("tp", 1), ("zero", 0), ("compile", False), ("recompute", RecomputeMode.NONE)):
+            value = get(field, ok)
+            if field == "recompute" and not isinstance(value, RecomputeMode):
+                value = RecomputeMode.parse(value)
+            if value != ok:
+                shown = lambda v: v.value if isinstance(v, RecomputeMode) else v  # noqa: E731
+                raise ValueError(f"ep={ep} with {field}={shown(value)} is not built yet: expert parallelism "
+                                 f"runs with {field}={shown(ok)}; use ep=1 to combine {field} with a MoE")
+    timeout = get("timeout_s", 60.0)
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"{flag_name('timeout_s') if flags else 'timeout'} must be a positive number of seconds, "
+                         f"got {timeout}; it bounds every transfer and collective (default 60)")
+    limit = get("memory_limit_gb")
+    if limit is not None and not limit > 0:
+        raise ValueError(f"{name('memory_limit_gb')} must be positive, got {limit}")
+    spec = get_spec(ScheduleKind.parse(get("schedule", ScheduleKind.ONE_F_ONE_B)))
+    chunks = spec.default_chunks if get("chunks") is None else get("chunks")
+    # Flags: the preflight generates the schedule itself, whose generator names the rule.
+    if not flags and (not isinstance(chunks, int) or chunks < 1
+                      or (spec.chunks is not None and chunks not in spec.chunks)):
+        allowed = "any >= 1" if spec.chunks is None else ", ".join(map(str, spec.chunks))
+        raise ValueError(f"schedule {spec.name} takes {name('chunks')} (stages per rank) {allowed}, got {chunks!r}")
+    if get("vocab_passes"):
+        # One-line refusals where the passes cannot apply (the model's head is checked
+        # by the compiler, passes/vocab_head.py).
+        for bad, why in ((pp < 2, f"pp={pp}: they split the head over pipeline ranks, use pp >= 2"),
+                         (get("split_loss"), "split_loss=True: both split the head; pick one"),
+                         (get("compile"), "compile=True: the head's blocks run eagerly; use compile=False"),
+                         (ep > 1, f"ep={ep}: not built with expert parallelism, use ep=1")):
+            if bad:
+                raise ValueError(f"{on('vocab_passes')} with {why}")
 
 
 _dataclass_init = ParallelConfig.__init__

@@ -33,8 +33,10 @@ from fxpipe.checkpoint.lock import CheckpointLockError, check_free
 from fxpipe.compiler.pipeline import compile_pipeline
 from fxpipe.costs import CostProfile, ProfileError
 from fxpipe.ir.artifact import CompiledPipeline
+from fxpipe.ir.parallel_config import check_layout
 from fxpipe.ir.token_inputs import TokenRole
 from fxpipe.job.config import TrainConfig
+from fxpipe.job.flags import LAYOUT_FLAGS
 from fxpipe.job.preflight_data import DataFacts, check_data
 from fxpipe.job.preflight_files import (PreflightError, check_owner, check_resume, check_weights, check_writable_dir,
                                         check_writable_file, resume_path)
@@ -62,33 +64,26 @@ def check_run(config: "TrainConfig", *, model: bool = True) -> "CompiledPipeline
 # ---- 1. flags --------------------------------------------------------------------------------
 def check_flags(args: Any) -> None:
     """``fxpipe run``'s flags (an argparse namespace) checked by name, so every message
-    says which flag to change; ``ParallelConfig`` would refuse the same values by field."""
+    says which flag to change: the layout by the rules ``ParallelConfig`` checks its fields
+    with (``check_layout``), then what only a run has."""
 
-    for name in ("tp", "pp", "dp", "microbatches"):
-        if getattr(args, name) < 1:
-            raise PreflightError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    layout = {f.field: getattr(args, f.key.replace("-", "_")) for f in LAYOUT_FLAGS.values()
+              if hasattr(args, f.key.replace("-", "_"))}
+    try:  # the layout's own rules (ir/parallel_config.py), messages naming the flags
+        check_layout(layout, flags=True)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
     if not 0 <= args.seed < 2**63:  # torch, numpy and the data order all take it
         raise PreflightError(f"--seed must be in [0, 2**63), got {args.seed}")
     check_world(args.tp * args.pp * args.dp)
-    if not math.isfinite(args.timeout) or args.timeout <= 0:
-        raise PreflightError(f"--timeout must be a positive number of seconds, got {args.timeout}; "
-                             f"it bounds every transfer and collective (default 60)")
     if not math.isfinite(args.lr) or args.lr <= 0:
         raise PreflightError(f"--lr must be a positive finite number, got {args.lr} (default 2e-3)")
-    try:
-        Method.parse(args.partition)
-    except ValueError:  # the same check, with the flag's name
-        raise PreflightError(f"unknown --partition {args.partition!r}; valid: "
-                             f"{', '.join(m.value for m in Method)}") from None
     if args.costs not in ("measure", "model"):
         try:
             CostProfile.load(args.costs)
         except ProfileError as e:
             raise PreflightError(f"--costs {args.costs}: {e}; use --costs measure (times the graph on "
                                  f"the workers and caches it) or --costs model") from None
-    if args.sp and args.tp == 1:
-        raise PreflightError("--sp needs --tp > 1: sequence parallelism splits the sequence over "
-                             "the tensor-parallel group")
     if args.sp and args.seq % args.tp:
         raise PreflightError(f"--sp splits the sequence over tp={args.tp} ranks: --seq {args.seq} "
                              f"is not a multiple of {args.tp}; use --seq "

@@ -53,7 +53,7 @@ class ShardBuilder:
 
     def with_specs(self, specs: dict) -> "ShardBuilder":
         """A builder of the same sources for other specs (a pipeline rank's rows folded
-        in, ``sharding.rank_specs``); what was built under an unchanged spec is kept."""
+        in, ``ir/shard_spec.rank_specs``); what was built under an unchanged spec is kept."""
         out = ShardBuilder(self.program, specs, self.model, tp_rank=self.tp_rank, device=self.device,
                            seed=self.seed, weights=self.weights, init_fn=self.init_fn)
         out.built = {n: v for n, v in self.built.items() if specs.get(n) == self.specs.get(n)}

@@ -23,9 +23,9 @@ from functools import lru_cache
 import numpy as np
 
 from fxpipe.planner.options import ScheduleKind
-from fxpipe.schedules.actions import Schedule
 from fxpipe.schedules.generators.interleaved import microbatch_groups
 from fxpipe.schedules.registry import generate
+from fxpipe.schedules.schedule import Schedule
 from fxpipe.schedules.simulate import StageDurations, simulate
 from fxpipe.schedules.vocab_actions import add_vocab_passes
 

@@ -38,7 +38,8 @@ from fxpipe.runtime.rank_mesh import RankMesh
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport
 from fxpipe.runtime.zero import ZeroPartition
-from fxpipe.schedules.actions import ActionKind, Schedule
+from fxpipe.schedules.actions import ActionKind
+from fxpipe.schedules.schedule import Schedule
 
 
 def build_runtime(compiled: CompiledPipeline, mesh: RankMesh, shards: ShardBuilder, *, model: nn.Module,

@@ -8,7 +8,7 @@ SEND_F, RECV_F, SEND_B, RECV_B); the executor maps each kind to a method:
   the compute that needs them waits just before it runs;
 - SEND_* post the sends of what a stage produced for other ranks;
 - BCAST_H / S / ALLREDUCE_S / T / REDUCE_G run this rank's block of the LM head
-  (``vocab_passes.py``); REDUCE_G's sum is the last stage's output gradient.
+  (``head_blocks.py``); REDUCE_G's sum is the last stage's output gradient.
 
 Values between stages on the *same* rank (interleaved chunks, the turn of a V)
 are handed over in memory, never sent. A value whose transfer the schedule does
@@ -28,7 +28,8 @@ from fxpipe.runtime.head_blocks import VocabPasses
 from fxpipe.runtime.lookup_exchange import VocabLookups
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport, check_spec
-from fxpipe.schedules.actions import Action, ActionKind, Schedule
+from fxpipe.schedules.actions import Action, ActionKind
+from fxpipe.schedules.schedule import Schedule
 
 K = ActionKind
 Key = tuple[int, int]  # (stage, microbatch)
@@ -41,9 +42,9 @@ class PipelineExecutor:
                  vocab: VocabPasses | None = None) -> None:
         self.plan, self.schedule, self.pp_rank = plan, schedule, pp_rank
         self.vocab = vocab
-        """This rank's block of the LM head (``vocab_passes.py``), with ``plan.vocab_head``."""
+        """This rank's block of the LM head (``head_blocks.py``), with ``plan.vocab_head``."""
         self.lookups = lookups
-        """The owners' embedding lookups of row-split tables (``vocab_lookup.py``): each
+        """The owners' embedding lookups of row-split tables (``lookup_exchange.py``): each
         owner's part of a microbatch sent before the action its simulation placed it at,
         summed by the consuming stage's rank, its gradient sent back after the backward."""
         self.runners, self.transport = runners, transport

@@ -28,7 +28,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.runtime.experts import sync_expert_grads
 from fxpipe.runtime.mesh import MeshGroups, subgroup
-from fxpipe.schedules.actions import Schedule
+from fxpipe.schedules.schedule import Schedule
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group: Any, scale: float = 1.0) -> None:

@@ -42,7 +42,7 @@ from fxpipe.ir.loss_chain import Reduction, replay
 from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.transport import Pending, Transport
-from fxpipe.schedules.actions import Schedule
+from fxpipe.schedules.schedule import Schedule
 
 
 @dataclass

@@ -45,7 +45,8 @@ import torch.distributed as dist
 from fxpipe.ir.stage_plan import PipelinePlan, StageValue, VocabLookup
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.transport import Pending, Transport
-from fxpipe.schedules.actions import ActionKind, Schedule
+from fxpipe.schedules.actions import ActionKind
+from fxpipe.schedules.schedule import Schedule
 from fxpipe.schedules.simulate import StageDurations
 from fxpipe.schedules.vocab_actions import start_times
 

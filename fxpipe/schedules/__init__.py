@@ -11,9 +11,10 @@ actions (``3F0``, ``1SEND_B2``) that the runtime interprets. Typical use::
 
 See docs/schedules.md for conventions and each generator's bubble and memory.
 """
-from fxpipe.schedules.actions import Action, ActionKind, Schedule, loop_stage_ranks, v_stage_ranks
+from fxpipe.schedules.actions import Action, ActionKind, loop_stage_ranks, v_stage_ranks
 from fxpipe.schedules.lowering import lower
 from fxpipe.schedules.registry import SCHEDULES, ScheduleKind, ScheduleSpec, generate, get_spec, schedule_names
+from fxpipe.schedules.schedule import Schedule
 from fxpipe.schedules.simulate import SimResult, StageDurations, simulate
 from fxpipe.schedules.timeline import Event, Timeline
 from fxpipe.schedules.validate import ScheduleError, validate

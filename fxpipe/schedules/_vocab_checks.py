@@ -1,4 +1,4 @@
-"""The validator's rules for vocabulary passes (``vocab_passes.py``).
+"""The validator's rules for vocabulary passes (``vocab_actions.py``).
 
 Completeness asks, per rank and microbatch, one S, one T and one of each
 collective, and every rank must post the collectives in one order (NCCL matches
@@ -12,7 +12,8 @@ the grid.
 """
 from __future__ import annotations
 
-from fxpipe.schedules.actions import Action, ActionKind, Schedule
+from fxpipe.schedules.actions import Action, ActionKind
+from fxpipe.schedules.schedule import Schedule
 
 F, S, T = ActionKind.F, ActionKind.S, ActionKind.T
 BCAST_H, ALLREDUCE_S, REDUCE_G = ActionKind.BCAST_H, ActionKind.ALLREDUCE_S, ActionKind.REDUCE_G

@@ -1,7 +1,8 @@
 """Microbatches in flight per stage: what a schedule makes each stage hold at once."""
 from __future__ import annotations
 
-from fxpipe.schedules.actions import ActionKind, Schedule
+from fxpipe.schedules.actions import ActionKind
+from fxpipe.schedules.schedule import Schedule
 
 
 def stage_inflight(schedule: Schedule) -> tuple[int, ...]:

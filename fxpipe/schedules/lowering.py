@@ -19,7 +19,7 @@ until its receive is posted. ``validate`` re-checks exactly that by executing
 the lowered lists. The runtime is looser still: it posts each SEND and RECV as
 one non-blocking ``isend``/``irecv`` (``runtime/transport.py``).
 
-Vocabulary passes (``vocab_passes.py``) take part in the dry run like any
+Vocabulary passes (``vocab_actions.py``) take part in the dry run like any
 compute (S and T one round each; a collective completes in the round its last
 rank posts it); a collective keeps its place between its rank's computes,
 after the batch of the round it is posted in.
@@ -33,7 +33,8 @@ from __future__ import annotations
 import numpy as np
 
 from fxpipe.schedules import _sim_core
-from fxpipe.schedules.actions import KIND_CODE, KIND_OF_CODE, Action, ActionKind, Schedule, ScheduleArrays, prime_arrays
+from fxpipe.schedules.actions import KIND_CODE, KIND_OF_CODE, Action, ActionKind
+from fxpipe.schedules.schedule import Schedule, ScheduleArrays, prime_arrays
 from fxpipe.schedules.simulate import kernel_error
 from fxpipe.schedules.validate import check_structure
 

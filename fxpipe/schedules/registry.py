@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from fxpipe.base.enums import parse_enum
-from fxpipe.schedules.actions import Schedule
 from fxpipe.schedules.generators import gpipe, interleaved, one_f_one_b, zb_h1, zb_v
+from fxpipe.schedules.schedule import Schedule
 
 
 class ScheduleKind(enum.Enum):

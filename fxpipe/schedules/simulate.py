@@ -7,7 +7,7 @@ input gradient of s+1; W(s) needs I(s). Inputs crossing ranks arrive
 compute stream (they overlap, as on a separate comm stream); they appear in
 the timeline spanning the transfer.
 
-Vocabulary passes (``vocab_passes.py``): S and T run on the compute stream for
+Vocabulary passes (``vocab_actions.py``): S and T run on the compute stream for
 ``vocab_forward[r]`` / ``vocab_backward[r]``; each collective is posted without
 blocking when its rank reaches it and completes ``collective_latency`` after the
 last rank posted it. S waits for its BCAST_H, T for its ALLREDUCE_S, the last
@@ -24,7 +24,8 @@ from typing import Sequence
 import numpy as np
 
 from fxpipe.schedules import _sim_core
-from fxpipe.schedules.actions import KIND_CODE, ActionKind, Schedule
+from fxpipe.schedules.actions import KIND_CODE, ActionKind
+from fxpipe.schedules.schedule import Schedule
 from fxpipe.schedules.timeline import Timeline
 from fxpipe.schedules.validate import ScheduleError, check_structure, locate
 

@@ -28,7 +28,8 @@ import numpy as np
 
 from fxpipe.schedules import _sim_core
 from fxpipe.schedules._vocab_checks import collective_order_mismatch, expected_vocab, vocab_needs
-from fxpipe.schedules.actions import Action, ActionKind, Schedule
+from fxpipe.schedules.actions import Action, ActionKind
+from fxpipe.schedules.schedule import Schedule
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
 SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B

@@ -39,7 +39,8 @@ from __future__ import annotations
 import numpy as np
 
 from fxpipe.schedules import _sim_core
-from fxpipe.schedules.actions import Action, ActionKind, Schedule
+from fxpipe.schedules.actions import Action, ActionKind
+from fxpipe.schedules.schedule import Schedule
 from fxpipe.schedules.simulate import StageDurations, kernel_error, simulate
 from fxpipe.schedules.validate import ScheduleError, check_structure
 

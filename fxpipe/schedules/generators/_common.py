@@ -1,7 +1,8 @@
 """Input checks and small helpers shared by the generators."""
 from __future__ import annotations
 
-from fxpipe.schedules.actions import Action, ActionKind, Schedule
+from fxpipe.schedules.actions import Action, ActionKind
+from fxpipe.schedules.schedule import Schedule
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
 

@@ -1,8 +1,9 @@
 """GPipe (Huang et al. 2019): all forwards, then all backwards."""
 from __future__ import annotations
 
-from fxpipe.schedules.actions import Schedule, loop_stage_ranks
+from fxpipe.schedules.actions import loop_stage_ranks
 from fxpipe.schedules.generators._common import B, F, act, check_sizes, schedule
+from fxpipe.schedules.schedule import Schedule
 
 
 def gpipe(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:

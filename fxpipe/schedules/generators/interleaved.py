@@ -1,8 +1,9 @@
 """Interleaved 1F1B (Narayanan et al. SC21 §2.2.2, Fig. 4), for any m."""
 from __future__ import annotations
 
-from fxpipe.schedules.actions import Schedule, loop_stage_ranks
+from fxpipe.schedules.actions import loop_stage_ranks
 from fxpipe.schedules.generators._common import B, F, act, check_sizes, schedule
+from fxpipe.schedules.schedule import Schedule
 
 
 def microbatch_groups(num_ranks: int, num_microbatches: int) -> list[range]:

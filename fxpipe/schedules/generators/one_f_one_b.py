@@ -1,8 +1,9 @@
 """1F1B, the PipeDream-Flush schedule (Narayanan et al. SC21 §2.2.1, Fig. 3)."""
 from __future__ import annotations
 
-from fxpipe.schedules.actions import Schedule, loop_stage_ranks
+from fxpipe.schedules.actions import loop_stage_ranks
 from fxpipe.schedules.generators._common import B, F, act, check_sizes, schedule
+from fxpipe.schedules.schedule import Schedule
 
 
 def one_f_one_b(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:

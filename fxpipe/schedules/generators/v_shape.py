@@ -1,8 +1,9 @@
 """ZB-V, the V-shaped zero-bubble schedule of Qi et al., ICLR 2024 §6."""
 from __future__ import annotations
 
-from fxpipe.schedules.actions import Schedule, v_stage_ranks
+from fxpipe.schedules.actions import v_stage_ranks
 from fxpipe.schedules.generators._common import F, I, W, act, check_sizes, schedule
+from fxpipe.schedules.schedule import Schedule
 
 
 def zb_v(num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:

@@ -1,8 +1,9 @@
 """ZB-H1, the handcrafted zero-bubble schedule of Qi et al., ICLR 2024 §3.1."""
 from __future__ import annotations
 
-from fxpipe.schedules.actions import Schedule, loop_stage_ranks
+from fxpipe.schedules.actions import loop_stage_ranks
 from fxpipe.schedules.generators._common import F, I, W, act, check_sizes, schedule
+from fxpipe.schedules.schedule import Schedule
 
 
 def zb_h1(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
