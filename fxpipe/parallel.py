@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,8 +32,10 @@ from fxpipe.ir.program import Program
 from fxpipe.ir.token_inputs import check_token_ids
 from fxpipe.params.rank_state import ShardBuilder
 from fxpipe.passes.assign_stages import partition_pass
+from fxpipe.planner.auto_layout import SEARCHED, search_layout
 from fxpipe.runtime.api import ParallelModel
 from fxpipe.runtime.build import build_runtime
+from fxpipe.runtime.launch import init_distributed
 from fxpipe.runtime.rank_mesh import RankMesh
 
 
@@ -54,14 +57,51 @@ def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
     shard by shard by its own init scheme (``fxpipe/params/deferred_init.py``, ``init_fn`` to override).
     ``loss_scaler``: ``LossScaler`` arguments under fp16 (``runtime/mixed_precision.py``).
     """
-    config = ParallelConfig(**layout) if config is None else dataclasses.replace(config, **layout)
-    mesh = RankMesh.join(config, device)                                      # 1. the mesh, dp resolved
-    hooks = MeshHooks(mesh, model, example_inputs, weights, init_fn)          # 2. one microbatch to capture
-    compiled = compile_pipeline(model, hooks.first_mb, mesh.config, loss_fn=loss_fn,  # 3. compile, collectively
-                                device=mesh.device, hooks=hooks.compile_hooks())
-    mesh = report_and_place_experts(compiled, mesh)                           # 4. what stays whole; experts
-    return build_runtime(compiled, mesh, hooks.shards(compiled.program),      # 5. this rank's runtime
+    config, search = choose_layout(model, config, layout, example_inputs, loss_fn, device)  # 1. given or searched
+    mesh = RankMesh.join(config, device)                                      # 2. the mesh, dp resolved
+    hooks = MeshHooks(mesh, model, example_inputs, weights, init_fn)          # 3. one microbatch to capture
+    compiled = compile_pipeline(model, hooks.first_mb, mesh.config, loss_fn=loss_fn,  # 4. compile, collectively
+                                device=mesh.device, hooks=hooks.compile_hooks(), layout_search=search)
+    mesh = report_and_place_experts(compiled, mesh)                           # 5. what stays whole; experts
+    return build_runtime(compiled, mesh, hooks.shards(compiled.program),      # 6. this rank's runtime
                          model=model, loss_scaler=loss_scaler)
+
+
+LAYOUT_KEYWORDS = {"tp": "tp", "pp": "pp", "dp": "dp", "microbatches": "num_microbatches",
+                   "num_microbatches": "num_microbatches", "schedule": "schedule", "chunks": "chunks",
+                   "vocab_passes": "vocab_passes"}
+"""``parallelize``'s keywords for the fields the layout search decides (``planner/auto_layout.py``)."""
+
+
+def choose_layout(model: nn.Module, config: ParallelConfig | None, layout: dict[str, Any],
+                  example_inputs: Sequence[torch.Tensor] | torch.Tensor, loss_fn: Callable | None,
+                  device: torch.device | None) -> tuple[ParallelConfig, str | None]:
+    """The layout given; or, when no layout field is given at all (``parallelize(model,
+    example_inputs=batch)``) or some are ``"auto"``, the fastest that fits as the search
+    prices it on global rank 0 (the others receive it: one layout on every rank), with
+    the search's table (printed by rank 0, kept on the compiled artifact)."""
+    auto = {k for k, v in layout.items() if isinstance(v, str) and v == "auto"}
+    if not auto and (config is not None or set(layout) & set(LAYOUT_KEYWORDS)):
+        return (ParallelConfig(**layout) if config is None else dataclasses.replace(config, **layout)), None
+    given = {k: v for k, v in layout.items() if k not in auto}
+    base = (ParallelConfig(**{k: v for k, v in given.items() if k not in LAYOUT_KEYWORDS}) if config is None
+            else dataclasses.replace(config, **{k: v for k, v in given.items() if k not in LAYOUT_KEYWORDS}))
+    pinned = {LAYOUT_KEYWORDS[k]: v for k, v in given.items() if k in LAYOUT_KEYWORDS}
+    if config is not None:  # a whole config with some fields "auto": the others are pinned
+        pinned = {f: getattr(base, f) for f in SEARCHED if f not in {LAYOUT_KEYWORDS[k] for k in auto}} | pinned
+    init_distributed(timedelta(seconds=base.timeout_s), device)
+    # The search may outlast the collectives' timeout: the others wait on a group of its own.
+    group = dist.new_group(backend="gloo", timeout=timedelta(hours=2))
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        found = search_layout(model, example_inputs, dist.get_world_size(), loss_fn=loss_fn, base=base,
+                              pinned=pinned)
+        box = [({f: getattr(found.chosen.config, f) for f in SEARCHED}, found.table())]
+        print(box[0][1], flush=True)
+    dist.broadcast_object_list(box, src=0, group=group)
+    dist.destroy_process_group(group)
+    fields, table = box[0]
+    return dataclasses.replace(base, **fields), table
 
 
 def report_and_place_experts(compiled: CompiledPipeline, mesh: RankMesh) -> RankMesh:

@@ -100,11 +100,14 @@ def compile_program(program: Program, config: ParallelConfig, *, device: torch.d
 
 
 def compile_pipeline(model: nn.Module, microbatch: Sequence[torch.Tensor], config: ParallelConfig, *,
-                     loss_fn: Callable[..., torch.Tensor] | None = None, **kwargs: Any) -> CompiledPipeline:
+                     loss_fn: Callable[..., torch.Tensor] | None = None, layout_search: str | None = None,
+                     **kwargs: Any) -> CompiledPipeline:
     """Capture ``model`` on one microbatch and compile it for ``config`` (module docstring).
-    Keyword arguments as ``compile_program``."""
+    ``layout_search``: the search's table when it chose ``config`` (kept on the artifact).
+    Other keyword arguments as ``compile_program``."""
     start = time.perf_counter()
     program = capture_for(model, microbatch, config, loss_fn)
     captured = time.perf_counter() - start
-    return dataclasses.replace(compile_program(program, config, **kwargs), capture_s=captured)
+    return dataclasses.replace(compile_program(program, config, **kwargs), capture_s=captured,
+                               layout_search=layout_search)
 

@@ -49,6 +49,9 @@ class CompiledPipeline:
     """Under vocabulary passes: the per-microbatch stage, S/T and transfer times the
     passes were placed on (global rank 0's); None: placed with unit times (the partition
     balanced no times, or no vocabulary passes)."""
+    layout_search: str | None = None
+    """When the compiler chose the layout (``planner/auto_layout.py``): the leading layouts it
+    priced and why the winner won; None when the layout was given."""
 
     def rank_specs(self, pp_rank: int, ep_rank: int = 0) -> dict[str, ShardSpec]:
         """What pipeline rank ``pp_rank`` (expert-parallel rank ``ep_rank``) holds of every

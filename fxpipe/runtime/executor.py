@@ -83,6 +83,8 @@ class PipelineExecutor:
             self.events.append((action, self._compute_start or start, time.perf_counter()))
         if self.lookups is not None:
             self.lookups.finish(len(self.actions))
+        if self.vocab is not None:
+            self.vocab.finish()
         self.transport.flush_sends()
         assert not self.to_send and not self.posted, "every transfer of the step completed"
         assert self.vocab is None or self.vocab.idle, "every vocabulary pass of the step ran"

@@ -33,7 +33,7 @@ Memory: a microbatch's block logits stay from its S to its T.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -84,10 +84,19 @@ class VocabPasses:
         """The last stage's runner's per-microbatch losses, on its rank (None elsewhere)."""
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.micro: dict[int, _Micro] = {}
+        self.contributed: list[tuple[Any, torch.Tensor, int]] = []
+        """REDUCE_G contributions in flight (work, the tensor it reads, microbatch): a rank
+        other than the root goes on without waiting for the sum (``reduce_g``)."""
 
     @property
     def idle(self) -> bool:
-        return not self.outputs and not self.micro
+        return not self.outputs and not self.micro and not self.contributed
+
+    def finish(self) -> None:
+        """The step's end: every contribution to a REDUCE_G has been taken by the root."""
+        for work, _partial, mb in self.contributed:
+            self._wait(work, "reducing the head's input gradient", mb)
+        self.contributed.clear()
 
     def put(self, mb: int, hidden: torch.Tensor, target: torch.Tensor) -> None:
         """The last stage's forward of ``mb`` produced the head's input and the targets."""
@@ -177,6 +186,15 @@ class VocabPasses:
         """The partial gradients of x summed onto the last stage's rank (its gradient there)."""
         m = self.micro.pop(mb)
         partial = m.partial.contiguous()
-        self._wait(dist.reduce(partial, dst=self.source, group=self.groups.pp_group, async_op=True),
-                   "reducing the head's input gradient", mb)
-        return partial if self.is_source else None
+        work = dist.reduce(partial, dst=self.source, group=self.groups.pp_group, async_op=True)
+        if self.is_source:
+            self._wait(work, "reducing the head's input gradient", mb)
+            return partial
+        # A contributor does not wait for the root to take its part, as the schedule's
+        # simulation has it (schedules/simulate.py), which is what the lookups' send and
+        # gradient points are ordered by (runtime/lookup_exchange.py): waiting here could
+        # block on a root that waits, in turn, for this rank's lookup gradient (GPipe,
+        # m=8). Gloo runs the pp group's collectives in issue order, so the later ones queue.
+        self.contributed.append((work, partial, mb))
+        self.contributed = [c for c in self.contributed if not c[0].is_completed()]
+        return None

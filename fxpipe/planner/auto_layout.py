@@ -1,0 +1,207 @@
+"""The compiler chooses the layout: every layout of a world size, priced on the user's own
+captured program, and the fastest that fits.
+
+``search_layout(model, batch, world_size)`` enumerates the layouts the world and the batch
+allow — tp·pp·dp = world, dp dividing the batch's rows, the number of microbatches m (so
+the micro-batch size b = rows / (dp·m)), and for a pipeline every schedule (GPipe, 1F1B,
+interleaved, ZB-H1, ZB-V) with the head run whole or as vocabulary passes — and prices
+each on this model's graph, through the compile pipeline itself (``compiler/pipeline.py``):
+the tensor-parallel pass at that tp, the cost model per node, the chain-DP partition (the
+fast, optimal-on-one-order split; the chosen layout is compiled with the user's method,
+the ILP by default), the vocabulary passes placed on the stages' times. The step is the
+schedule's simulated makespan on those stage times (``schedules/simulate.py``) plus the
+data-parallel gradient all-reduce; the memory is the partition's per-rank model (state
+plus the schedule's activations in flight). Fields the caller pins constrain the search;
+a pin nothing fits is refused naming the smallest change that does.
+
+What is not searched yet (kept as given): recomputation, sequence parallelism, ZeRO-1,
+expert parallelism and the blockwise loss.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from fxpipe.base.hardware import Collective
+from fxpipe.compiler.pipeline import capture_for, compile_program
+from fxpipe.ir.artifact import CompiledPipeline
+from fxpipe.ir.parallel_config import ParallelConfig
+from fxpipe.ir.program import Program
+from fxpipe.partition import Method, PartitionError
+from fxpipe.schedules.registry import ScheduleKind, get_spec
+from fxpipe.schedules.simulate import StageDurations, simulate
+
+SEARCHED = ("tp", "pp", "dp", "num_microbatches", "schedule", "chunks", "vocab_passes")
+"""The layout fields the search decides (the rest of ``ParallelConfig`` is taken as given)."""
+PIPELINE_SCHEDULES = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED,
+                      ScheduleKind.ZB_H1, ScheduleKind.ZB_V)
+
+
+@dataclass(frozen=True)
+class PricedLayout:
+    """One layout and what the search predicts for it."""
+    config: ParallelConfig
+    step_s: float
+    """Predicted seconds per training step: the simulated pipeline plus the dp all-reduce."""
+    memory_bytes: int
+    """The largest rank's predicted memory: training state plus activations in flight."""
+    bubble: float
+    """Simulated idle share of the step on the busiest pipeline rank (0 without a pipeline)."""
+    allreduce_s: float
+    """The data-parallel gradient all-reduce included in ``step_s``."""
+
+    def describe(self) -> str:
+        c = self.config
+        what = f"tp={c.tp} pp={c.pp} dp={c.dp} m={c.num_microbatches}"
+        if c.pp > 1:
+            what += f" {c.schedule.value}" + (f" v={c.chunks}" if c.chunks > 1 else "")
+            what += " vocab-passes" if c.vocab_passes else ""
+        return what
+
+
+@dataclass(frozen=True)
+class LayoutSearch:
+    """What ``search_layout`` found: the choice, every priced layout, and what was refused."""
+    world_size: int
+    chosen: PricedLayout
+    ranked: tuple[PricedLayout, ...]
+    """Every layout that compiled and fits, fastest first (``chosen`` is the first)."""
+    refused: tuple[tuple[str, str], ...]
+    """(layout, why): layouts that could not be compiled for this model, or do not fit."""
+    seconds: float
+
+    def table(self, top: int = 5) -> str:
+        """The leading layouts, one line each, and why the winner beats the runner-up."""
+        lines = [f"layout search over {len(self.ranked) + len(self.refused)} layouts of {self.world_size} "
+                 f"ranks ({self.seconds:.1f} s): predicted step, largest rank's memory, bubble"]
+        for i, p in enumerate(self.ranked[:top]):
+            mark = "->" if i == 0 else "  "
+            lines.append(f"{mark} {p.describe():<42} {1e3 * p.step_s:9.2f} ms  {p.memory_bytes / 2**20:9.1f} MiB  "
+                         f"bubble {100 * p.bubble:4.1f}%")
+        if len(self.ranked) > 1:
+            a, b = self.ranked[0], self.ranked[1]
+            lines.append(f"chosen: {a.describe()}, {b.step_s / a.step_s:.2f}x faster than {b.describe()} "
+                         f"(bubble {100 * a.bubble:.1f}% vs {100 * b.bubble:.1f}%, all-reduce "
+                         f"{1e3 * a.allreduce_s:.2f} vs {1e3 * b.allreduce_s:.2f} ms)")
+        return "\n".join(lines)
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidate_layouts(world_size: int, rows: int, base: ParallelConfig,
+                      pinned: Mapping[str, Any] = {}) -> Iterator[ParallelConfig]:
+    """Every layout of ``world_size`` ranks for a batch of ``rows`` rows that honours the
+    ``pinned`` fields (by ``ParallelConfig`` field name), the rest taken from ``base``."""
+    pinned = dict(pinned)
+    if "schedule" in pinned:
+        pinned["schedule"] = ScheduleKind.parse(pinned["schedule"])
+    for tp in divisors(world_size):
+        for pp in divisors(world_size // tp):
+            dp = world_size // (tp * pp)
+            if rows % dp:
+                continue
+            for m in divisors(rows // dp):
+                kinds = PIPELINE_SCHEDULES if pp > 1 else (ScheduleKind.ONE_F_ONE_B,)
+                for kind in kinds:
+                    spec = get_spec(kind)
+                    for vocab in ((False, True) if pp > 1 else (False,)):
+                        fields = dict(tp=tp, pp=pp, dp=dp, num_microbatches=m, schedule=kind,
+                                      chunks=spec.default_chunks, vocab_passes=vocab)
+                        if any(k in fields and fields[k] != v for k, v in pinned.items()):
+                            continue
+                        try:
+                            yield dataclasses.replace(base, **fields)
+                        except ValueError:  # a combination the layout's rules refuse
+                            continue
+
+
+def price(compiled: CompiledPipeline) -> PricedLayout:
+    """Predicted step time and memory of a compiled layout (module docstring)."""
+    config, program = compiled.config, compiled.program
+    result, pconfig = program.partition, program.partition_config
+    hw = pconfig.hardware
+    stages = result.stages
+    if compiled.vocab_timing is not None:
+        timing = compiled.vocab_timing
+        durations, p2p, collective = timing.durations, timing.p2p_latency, timing.collective_latency
+    else:
+        backward = tuple(c.bwd_s for c in stages)
+        durations = StageDurations(forward=tuple(c.fwd_s for c in stages), backward=backward,
+                                   weight=tuple(b / 2 for b in backward))
+        p2p = hw.p2p_s(max((c.send_bytes for c in stages), default=0), intra_node=True)
+        collective = None
+    sim = simulate(compiled.schedule, durations, p2p_latency=p2p, collective_latency=collective)
+    # Every data-parallel replica sums its gradients: the largest rank's, in fp32.
+    params = max(sum(c.params for c in stages if c.rank == r) for r in range(config.pp))
+    grads = 4 * params
+    allreduce = hw.collective_s(Collective.ALL_REDUCE, grads, config.replicas,
+                                hw.members_per_node(config.replicas, config.tp))
+    bubble = sim.max_bubble_fraction if config.pp > 1 else 0.0
+    return PricedLayout(config=config, step_s=sim.makespan + allreduce, memory_bytes=max(result.rank_memory_bytes),
+                        bubble=bubble, allreduce_s=allreduce)
+
+
+def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: int, *,
+                  loss_fn: Callable[..., torch.Tensor] | None = None, base: ParallelConfig | None = None,
+                  pinned: Mapping[str, Any] = {}, log: Callable[[str], None] | None = None) -> LayoutSearch:
+    """The fastest layout of ``world_size`` ranks for ``model`` on the global ``batch`` that
+    fits ``base.memory_limit_gb`` (module docstring). ``base``: every field the search does
+    not decide; ``pinned``: fields it must keep (by ``ParallelConfig`` field name)."""
+    start = time.perf_counter()
+    base = base or ParallelConfig()
+    batch = tuple(batch) if not isinstance(batch, torch.Tensor) else (batch,)
+    rows = batch[0].shape[0]
+    unknown = set(pinned) - set(SEARCHED)
+    if unknown:
+        raise ValueError(f"the layout search decides {', '.join(SEARCHED)}; {sorted(unknown)} are set on the "
+                         f"config itself")
+    programs: dict[int, Program] = {}
+    priced, refused = [], []
+    limit = base.memory_limit_bytes
+    for config in candidate_layouts(world_size, rows, base, pinned):
+        b = rows // (config.replicas * config.num_microbatches)
+        name = PricedLayout(config, 0.0, 0, 0.0, 0.0).describe()
+        if b not in programs:  # one capture per micro-batch size, shared by every layout of it
+            programs[b] = capture_for(model, tuple(t[:b] for t in batch), base, loss_fn)
+        try:
+            fast = dataclasses.replace(config, partition=Method.DP, costs="model", memory_limit_gb=None)
+            layout = price(compile_program(programs[b], fast))
+        except (ValueError, PartitionError) as exc:  # this model cannot take the layout
+            refused.append((name, " ".join(str(exc).split())[:200]))
+            continue
+        layout = dataclasses.replace(layout, config=config)
+        if limit is not None and layout.memory_bytes > limit:
+            refused.append((name, f"needs {layout.memory_bytes / 2**30:.2f} GiB per rank, over the limit "
+                                  f"{limit / 2**30:.2f} GiB"))
+            continue
+        priced.append(layout)
+        if log is not None:
+            log(f"  {name}: {1e3 * layout.step_s:.2f} ms, {layout.memory_bytes / 2**20:.1f} MiB")
+    if not priced:
+        raise ValueError(_nothing_fits(world_size, rows, pinned, refused, limit))
+    ranked = sorted(priced, key=lambda p: (p.step_s, p.memory_bytes, p.config.pp, p.config.num_microbatches))
+    return LayoutSearch(world_size=world_size, chosen=ranked[0], ranked=tuple(ranked), refused=tuple(refused),
+                        seconds=time.perf_counter() - start)
+
+
+def _nothing_fits(world_size: int, rows: int, pinned: Mapping[str, Any], refused: list, limit: int | None) -> str:
+    """The refusal: what was asked, the closest layout and the change that makes it fit."""
+    asked = ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in pinned.items()) or "no pinned field"
+    if not refused:
+        return (f"no layout of {world_size} ranks honours {asked} for a batch of {rows} rows; dp must divide "
+                f"the rows and tp·pp·dp equal the world: unpin a field or change the world size")
+    over = [why for _, why in refused if "over the limit" in why]
+    if over and limit is not None:
+        least = min(float(w.split()[1]) for w in over)
+        return (f"no layout of {world_size} ranks with {asked} fits {limit / 2**30:.2f} GiB per rank; the "
+                f"smallest needs {least:.2f} GiB: raise memory_limit_gb to {least:.2f}, unpin a field, or use "
+                f"more ranks")
+    name, why = refused[0]
+    return f"no layout of {world_size} ranks with {asked} compiles for this model; e.g. {name}: {why}"

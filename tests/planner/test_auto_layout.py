@@ -1,0 +1,114 @@
+"""The layout search on the captured program (fxpipe/planner/auto_layout.py): its
+enumeration against a count by hand, its pricing against the simulator, pins and
+memory limits respected, a refusal with the numbers, and ``parallelize`` with no layout
+arguments training exactly, the same layout on every rank."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxpipe.compiler.pipeline import capture_for, compile_program
+from fxpipe.ir.parallel_config import ParallelConfig
+from fxpipe.models.registry import build_workload
+from fxpipe.planner.auto_layout import PIPELINE_SCHEDULES, candidate_layouts, divisors, price, search_layout
+from fxpipe.schedules.registry import ScheduleKind
+from fxpipe.schedules.simulate import StageDurations, simulate
+from tests.runtime._cases import reference, train, workload
+from tests.runtime._dist import run_world
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_workload("gpt-tiny", batch=8, seq=16)
+
+
+def test_enumeration_counts_every_layout_by_hand():
+    rows, world = 8, 4
+    got = list(candidate_layouts(world, rows, ParallelConfig()))
+    expected = 0
+    for tp in divisors(world):
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            if rows % dp == 0:
+                ms = len(divisors(rows // dp))
+                expected += ms * (len(PIPELINE_SCHEDULES) * 2 if pp > 1 else 1)
+    # (tp, pp, dp): (1,1,4) 2 m's; (1,2,2) 3 m's × 5 schedules × head whole or vocab passes; (1,4,1)
+    # 4 × 10; (2,1,2) 3; (2,2,1) 4 × 10; (4,1,1) 4: 2 + 30 + 40 + 3 + 40 + 4.
+    assert len(got) == expected == 119
+    assert all(c.tp * c.pp * c.dp == world and rows % (c.dp * c.num_microbatches) == 0 for c in got)
+    assert not any(c.vocab_passes and c.pp < 2 for c in got)
+    assert len({(c.tp, c.pp, c.dp, c.num_microbatches, c.schedule, c.chunks, c.vocab_passes) for c in got}) == len(got)
+    pinned = list(candidate_layouts(world, rows, ParallelConfig(), {"pp": 2, "schedule": "zb-v"}))
+    assert pinned and all(c.pp == 2 and c.schedule is ScheduleKind.ZB_V and c.chunks == 2 for c in pinned)
+
+
+def test_price_is_the_simulated_step_of_the_partitions_stage_times(tiny):
+    config = ParallelConfig(pp=2, dp=1, microbatches=4, schedule="1f1b", partition="dp", costs="model")
+    program = capture_for(tiny.model, tuple(t[:2] for t in tiny.example_inputs), config, tiny.loss_fn)
+    compiled = compile_program(program, config)
+    priced = price(compiled)
+    stages = compiled.program.partition.stages
+    durations = StageDurations(forward=tuple(c.fwd_s for c in stages), backward=tuple(c.bwd_s for c in stages),
+                               weight=tuple(c.bwd_s / 2 for c in stages))
+    bare = simulate(compiled.schedule, durations).makespan
+    # A pipeline step lasts at least its busiest stage's m·(F+B) and at most the stages one
+    # after another; transfers come on top (dp = 1: no all-reduce).
+    busy = [4 * (f + b) for f, b in zip(durations.forward, durations.backward)]
+    assert max(busy) <= bare <= sum(busy) + 1e-12
+    assert priced.allreduce_s == 0 and bare <= priced.step_s <= bare + 16 * priced.step_s / 4
+    assert priced.memory_bytes == max(compiled.program.partition.rank_memory_bytes)
+
+
+def test_search_returns_the_fastest_fitting_layout_and_honours_pins(tiny):
+    found = search_layout(tiny.model, tiny.example_inputs, 2, loss_fn=tiny.loss_fn)
+    steps = [p.step_s for p in found.ranked]
+    assert found.chosen is found.ranked[0] and steps == sorted(steps) and len(found.ranked) > 20
+    assert "->" in found.table() and "faster than" in found.table()
+    pinned = search_layout(tiny.model, tiny.example_inputs, 2, loss_fn=tiny.loss_fn,
+                           pinned={"pp": 2, "schedule": "interleaved"})
+    assert all(p.config.pp == 2 and p.config.schedule is ScheduleKind.INTERLEAVED for p in pinned.ranked)
+    # A memory limit between the smallest and the largest rank's need: nothing over it is chosen.
+    needs = sorted(p.memory_bytes for p in found.ranked)
+    limit = needs[len(needs) // 2]
+    capped = search_layout(tiny.model, tiny.example_inputs, 2, loss_fn=tiny.loss_fn,
+                           base=ParallelConfig(memory_limit_gb=limit / 2**30))
+    assert all(p.memory_bytes <= limit for p in capped.ranked)
+    assert any("over the limit" in why for _, why in capped.refused)
+    assert capped.chosen.step_s == min(p.step_s for p in found.ranked if p.memory_bytes <= limit)
+
+
+def test_a_pin_nothing_fits_is_refused_with_the_numbers(tiny):
+    with pytest.raises(ValueError, match=r"no layout of 2 ranks with pp=2 fits 0\.00 GiB per rank; the smallest "
+                                         r"needs \d+\.\d+ GiB: raise memory_limit_gb"):
+        search_layout(tiny.model, tiny.example_inputs, 2, loss_fn=tiny.loss_fn, pinned={"pp": 2},
+                      base=ParallelConfig(memory_limit_gb=1e-6))
+    with pytest.raises(ValueError, match=r"no layout of 2 ranks honours dp=3"):
+        search_layout(tiny.model, tiny.example_inputs, 2, loss_fn=tiny.loss_fn, pinned={"dp": 3})
+    with pytest.raises(ValueError, match=r"the layout search decides .*\['recompute'\]"):
+        search_layout(tiny.model, tiny.example_inputs, 2, pinned={"recompute": "full"})
+
+
+def _auto(rank, world, name):
+    from fxpipe.parallel import parallelize
+
+    w = workload(name)
+    pm = parallelize(w.model, example_inputs=w.example_inputs, loss_fn=w.loss_fn, costs="model")
+    losses, grads, _ = train(pm, w)
+    layout = {f: getattr(pm.config, f) for f in ("tp", "pp", "dp", "num_microbatches", "schedule", "chunks",
+                                                  "vocab_passes")}
+    out = dict(losses=losses, grads=grads, layout=layout, table=pm.compiled.layout_search)
+    pm.close()
+    return out
+
+
+@pytest.mark.slow
+def test_parallelize_without_a_layout_trains_exactly_on_the_searched_one():
+    name = "gpt-tiny"
+    ranks = run_world(2, _auto, name)
+    assert ranks[0]["layout"] == ranks[1]["layout"]  # decided once, on every rank
+    assert ranks[0]["table"] and ranks[0]["table"] == ranks[1]["table"]
+    losses, _, grads = reference(name)
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    for n, g in grads.items():
+        torch.testing.assert_close(ranks[0]["grads"][n], g, rtol=1e-4, atol=1e-6, msg=n)
