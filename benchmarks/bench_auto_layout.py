@@ -53,7 +53,7 @@ def _worker(rank: int, world: int, port: int, args, layouts: list[dict], out: di
     for fields in layouts:
         model = build_workload(args.model, batch=args.batch, seq=args.seq, seed=0).model
         pm = fxpipe.parallelize(model, example_inputs=w.example_inputs, loss_fn=w.loss_fn, costs="model",
-                                partition="dp", **fields)
+                                partition="dp", hardware=args.hardware, **fields)
         pm.train_step(w.example_inputs)  # warm-up: first-step allocations
         models.append(pm)
     times: list[list[float]] = [[] for _ in layouts]
@@ -86,7 +86,7 @@ def _spearman(a: list[float], b: list[float]) -> float:
 def bench(args) -> list[str]:
     w = build_workload(args.model, batch=args.batch, seq=args.seq, seed=0)
     found = search_layout(w.model, w.example_inputs, args.world, loss_fn=w.loss_fn,
-                          base=ParallelConfig(costs="model"))
+                          base=ParallelConfig(costs="model", hardware=args.hardware))
     layouts = [{f: getattr(p.config, f) for f in SEARCHED} for p in found.ranked]
     layouts = [dict(f, microbatches=f.pop("num_microbatches")) for f in layouts]
     with mp.Manager() as manager:
@@ -96,7 +96,8 @@ def bench(args) -> list[str]:
         measured = list(out["times"])
     predicted = [p.step_s for p in found.ranked]
     best = min(range(len(measured)), key=measured.__getitem__)
-    lines = [f"## {args.model}, world {args.world}, batch {args.batch}x{args.seq}: {len(layouts)} layouts "
+    lines = [f"## {args.model}, world {args.world}, batch {args.batch}x{args.seq}, hardware {args.hardware}: "
+             f"{len(layouts)} layouts "
              f"(search {found.seconds:.1f} s; {len(found.refused)} refused)",
              f"{'layout':<44} {'predicted ms':>12} {'measured ms':>12}"]
     for i, p in enumerate(found.ranked):
@@ -116,6 +117,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--hardware", default="cpu",
+                   help="the cost model's preset or a `fxpipe calibrate` profile (default: %(default)s)")
     args = p.parse_args()
     head = (f"# bench_auto_layout — {time.strftime('%Y-%m-%d')}, {platform.machine()} {os.cpu_count()} cpus, "
             f"torch {torch.__version__}; command: benchmarks/bench_auto_layout.py {' '.join(sys.argv[1:])}")
