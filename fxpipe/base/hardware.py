@@ -88,6 +88,11 @@ class Hardware:
     op_overhead_s: float = 0.0
     """Seconds every kernel pays regardless of size: launch latency on a GPU; on a calibrated
     CPU, eager dispatch plus fxpipe's fx + autograd bookkeeping per op."""
+    action_overhead_s: float = 0.0
+    """Seconds the runtime pays per compute action regardless of its size (a forward or
+    backward of one microbatch on one stage, a vocabulary pass): the executor, the stage
+    runner and autograd's call. ``fxpipe calibrate`` measures it (``measure_action_overhead``);
+    the layout search adds it to every action it simulates."""
     source: str = ""
     """Where the numbers come from."""
 
@@ -255,7 +260,8 @@ CPU = Hardware(
     memory_bytes=24 * GiB, gpus_per_node=2,
     intra_node=Link(p2p_bw=1 * GB, p2p_latency=50e-6, collective_bw=1 * GB, collective_latency=50e-6),
     inter_node=Link(p2p_bw=1 * GB, p2p_latency=50e-6, collective_bw=1 * GB, collective_latency=50e-6),
-    op_overhead_s=10e-6, source="rough guess; run `fxpipe calibrate`")
+    op_overhead_s=10e-6, action_overhead_s=240e-6,  # calibrate's runtime line on the 2-core VM: 236-240 us
+    source="rough guess; run `fxpipe calibrate`")
 
 PRESETS = {h.name: h for h in (A100, V100, H100, CPU)}
 

@@ -122,6 +122,19 @@ def candidate_layouts(world_size: int, rows: int, base: ParallelConfig,
                             continue
 
 
+def with_action_overhead(d: StageDurations, overhead: float, split: bool) -> StageDurations:
+    """Every compute action ``overhead`` seconds longer: F, B (under a split backward I and W
+    each, so B = I + W carries two), S and T."""
+    if overhead <= 0:
+        return d
+    per_b = 2 * overhead if split else overhead
+    return dataclasses.replace(
+        d, forward=tuple(f + overhead for f in d.forward), backward=tuple(b + per_b for b in d.backward),
+        weight=tuple(w + overhead for w in d.weight) if split else d.weight,
+        vocab_forward=tuple(s + overhead for s in d.vocab_forward),
+        vocab_backward=tuple(t + overhead for t in d.vocab_backward))
+
+
 def price(compiled: CompiledPipeline) -> PricedLayout:
     """Predicted step time and memory of a compiled layout (module docstring)."""
     config, program = compiled.config, compiled.program
@@ -137,6 +150,7 @@ def price(compiled: CompiledPipeline) -> PricedLayout:
                                    weight=tuple(b / 2 for b in backward))
         p2p = hw.p2p_s(max((c.send_bytes for c in stages), default=0), intra_node=True)
         collective = None
+    durations = with_action_overhead(durations, hw.action_overhead_s, compiled.schedule.splits_backward)
     sim = simulate(compiled.schedule, durations, p2p_latency=p2p, collective_latency=collective)
     # Every data-parallel replica sums its gradients: the largest rank's, in fp32.
     params = max(sum(c.params for c in stages if c.rank == r) for r in range(config.pp))

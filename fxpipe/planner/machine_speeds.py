@@ -37,10 +37,16 @@ import torch
 from fxpipe.base.hardware import CPU, Hardware, Link
 from fxpipe.compiler.capture import capture
 from fxpipe.compiler.driver import run_passes
+from fxpipe.compiler.pipeline import compile_pipeline
+from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.models.gpt import GPT, GPTConfig
+from fxpipe.params.rank_state import ShardBuilder
+from fxpipe.planner.auto_layout import price
 from fxpipe.planner.options import CandidateLayout, PlannerOptions
 from fxpipe.planner.predict import predict
 from fxpipe.planner.shapes import TransformerShape
+from fxpipe.runtime.build import build_runtime
+from fxpipe.runtime.rank_mesh import RankMesh
 
 SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
 """Message sizes in bytes for the gloo measurements."""
@@ -166,6 +172,44 @@ def measure_framework_overhead(hw: Hardware) -> dict[str, float]:
 
     base, slope = model(0.0), (model(1e-6) - model(0.0)) / 1e-6
     return dict(tiny_step_s=measured, op_overhead_s=max(hw.op_overhead_s, (measured - base) / slope))
+
+
+def measure_action_overhead(hw: Hardware, steps: int = 15) -> dict[str, float]:
+    """The runtime's fixed cost per compute action (``Hardware.action_overhead_s``): a tiny
+    GPT (h=16, one layer, 8 rows of 8 tokens) trained by the real runtime in a world of one
+    with m = 1 and m = 8 microbatches; what the 8 microbatches cost beyond what the layout
+    search predicts for them (FLOPs, bytes and per-kernel overhead at ``hw``), over their
+    2·7 extra forward and backward actions."""
+    import torch.distributed as dist  # a process group of one, only while measuring
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    batch = (torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8)))
+    ours = not dist.is_initialized()
+    measured, predicted = {}, {}
+    try:
+        for m in (1, 8):
+            model = GPT(cfg)
+            config = ParallelConfig(microbatches=m, costs="model", partition="uniform", hardware="cpu")
+            mesh = RankMesh.join(config, torch.device("cpu"))
+            compiled = compile_pipeline(model, tuple(t[:8 // m] for t in batch), mesh.config, device="cpu")
+            predicted[m] = price(dataclasses.replace(compiled, program=compiled.program.replace(
+                partition_config=dataclasses.replace(compiled.program.partition_config, hardware=hw)))).step_s
+            shards = ShardBuilder(compiled.program, {}, model, tp_rank=0, device=torch.device("cpu"))
+            pm = build_runtime(compiled, mesh, shards, model=model)
+            pm.train_step(batch)
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                pm.train_step(batch)
+                times.append(time.perf_counter() - start)
+            measured[m] = statistics.median(times)
+            pm.close()
+    finally:
+        if ours and dist.is_initialized():
+            dist.destroy_process_group()
+    overhead = ((measured[8] - measured[1]) - (predicted[8] - predicted[1])) / (2 * 7)
+    return dict(step_m1_s=measured[1], step_m8_s=measured[8], action_overhead_s=max(0.0, overhead))
 
 
 def _fit(sizes: list[int], times: list[float]) -> tuple[float, float]:
@@ -302,5 +346,11 @@ def calibrate(*, name: str = "cpu-measured", threads: int = 1, distributed: bool
     log(f"fxpipe   a tiny GPT's step {framework['tiny_step_s'] * 1e3:.2f} ms: per-kernel overhead "
         f"{hw.op_overhead_s * 1e6:.1f} us (fx + autograd), kernel dispatch alone "
         f"{compute['op_overhead_s'] * 1e6:.1f} us")
+    action = measure_action_overhead(hw)
+    measurements["action"] = action
+    hw = dataclasses.replace(hw, action_overhead_s=action["action_overhead_s"])
+    log(f"runtime  a tiny GPT's step {action['step_m1_s'] * 1e3:.2f} ms with 1 microbatch, "
+        f"{action['step_m8_s'] * 1e3:.2f} ms with 8: {hw.action_overhead_s * 1e6:.0f} us per forward or backward "
+        f"action beyond the cost model")
     log(f"calibrated in {time.perf_counter() - start:.1f} s")
     return hw, measurements

@@ -112,3 +112,18 @@ def test_parallelize_without_a_layout_trains_exactly_on_the_searched_one():
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
     for n, g in grads.items():
         torch.testing.assert_close(ranks[0]["grads"][n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_action_overhead_lengthens_every_action_once():
+    from fxpipe.planner.auto_layout import with_action_overhead
+    from fxpipe.schedules.registry import generate
+
+    o, m = 0.25, 4
+    one = with_action_overhead(StageDurations.uniform(1), o, split=False)
+    # One stage: nothing overlaps, m forwards and m backwards each o longer.
+    assert simulate(generate("1f1b", 1, m), one).makespan == pytest.approx(m * (1 + 2 + 2 * o))
+    split = with_action_overhead(StageDurations.uniform(2), o, split=True)
+    # Split backward: I and W are separate actions, each o longer (B = I + W).
+    assert split.weight == (1 + o,) * 2 and split.backward == (2 + 2 * o,) * 2
+    base = simulate(generate("zb-h1", 2, m), StageDurations.uniform(2)).busy
+    assert simulate(generate("zb-h1", 2, m), split).busy == pytest.approx([b + 3 * m * o for b in base])
