@@ -5,7 +5,7 @@ import argparse
 from dataclasses import dataclass
 
 from fxpipe.ir.parallel_config import ParallelConfig
-from fxpipe.job.flags import LAYOUT_FLAGS, TARGET_FLAGS, TRAIN_FLAGS, add_flags, given, with_layout
+from fxpipe.job.flags import LAYOUT_FLAGS, TARGET_FLAGS, TRAIN_FLAGS, add_flags, given, positive_int, with_layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true",
                    help="lint the graph and check invariants after every pass; full tracebacks")
     p.add_argument("--json", metavar="FILE", help="write the stage table as JSON")
+    p.add_argument("--world", type=positive_int, metavar="N",
+                   help="let the compiler choose the layout of N ranks for --batch (docs/layout_search.md): "
+                        "prints the layouts it priced and compiles its choice; layout flags given pin the search")
     p.set_defaults(fn=run)
 
 
@@ -52,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
     device = target.device or capture_device(target.model)
     workload = build_workload(target.model, batch=target.batch, seq=target.seq, device=device,
                               layers=target.layers)
+    example = workload.example_inputs
+    if args.world is not None:
+        layout, example = _searched(layout, args, workload)
     pipelined = layout.pp > 1 or "chunks" in given(args, LAYOUT_FLAGS)
     measured: list[str] = []
 
@@ -61,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         return config
 
     # The same pipeline parallelize runs (fxpipe/compiler/pipeline.py); one stage needs no partition.
-    result = compile_pipeline(workload.model, workload.example_inputs, layout, loss_fn=workload.loss_fn,
+    result = compile_pipeline(workload.model, example, layout, loss_fn=workload.loss_fn,
                               hooks=CompileHooks(measure=measure), skip=args.skip_pass, debug=args.debug,
                               until=None if pipelined else "cost")
     print(compile_summary(result.program, list(result.timings)))
@@ -76,6 +82,24 @@ def run(args: argparse.Namespace) -> int:
             f.write(str(result.program.graph))
         print(f"graph text   written to {args.graph}")
     return 0
+
+
+def _searched(layout: ParallelConfig, args: argparse.Namespace, workload) -> tuple[ParallelConfig, tuple]:
+    """The layout the search chooses for ``--world`` ranks on the whole ``--batch`` (the layout
+    flags given pin it), and one microbatch of one replica of it to compile."""
+    import dataclasses
+
+    # loaded when the command runs, not on import: `fxpipe --help` stays quick
+    from fxpipe.planner.auto_layout import SEARCHED, search_layout
+
+    pinned = {f: getattr(layout, f) for f in given(args, LAYOUT_FLAGS) if f in SEARCHED}
+    found = search_layout(workload.model, workload.example_inputs, args.world, loss_fn=workload.loss_fn,
+                          base=layout, pinned=pinned)
+    print(found.table())
+    print()
+    chosen = dataclasses.replace(layout, **{f: getattr(found.chosen.config, f) for f in SEARCHED})
+    rows = workload.example_inputs[0].shape[0] // (chosen.replicas * chosen.num_microbatches)
+    return chosen, tuple(t[:rows] for t in workload.example_inputs)
 
 
 def _measured_config(program, config, ctx, workload, layout: ParallelConfig, target: CompileTarget):

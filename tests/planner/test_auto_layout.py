@@ -127,3 +127,15 @@ def test_action_overhead_lengthens_every_action_once():
     assert split.weight == (1 + o,) * 2 and split.backward == (2 + 2 * o,) * 2
     base = simulate(generate("zb-h1", 2, m), StageDurations.uniform(2)).busy
     assert simulate(generate("zb-h1", 2, m), split).busy == pytest.approx([b + 3 * m * o for b in base])
+
+
+def test_fxpipe_compile_prints_the_search_and_compiles_its_choice(capsys):
+    from fxpipe.cli import main
+
+    argv = ["compile", "--model", "gpt-tiny", "--batch", "8", "--seq", "16", "--costs", "model", "--world", "2"]
+    assert main(argv + ["--pp", "2", "--schedule", "zb-h1"]) == 0
+    out = capsys.readouterr().out
+    assert "layout search over 8 layouts of 2 ranks" in out  # pp=2 zb-h1: m in 1, 2, 4, 8 × head whole or not
+    chosen = [line for line in out.splitlines() if line.startswith("->")][0]
+    assert "pp=2" in chosen and "zb-h1" in chosen
+    assert "pipeline     pp=2 chunks=1 schedule=zb-h1" in out  # the choice is what was compiled
