@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flags(p, LAYOUT_FLAGS, vars(DEFAULT_LAYOUT), skip=SKIPPED)
     p.add_argument("--graph", metavar="FILE", help="write the compiled ATen graph as text")
     p.add_argument("--skip-pass", action="append", default=[], metavar="NAME",
-                   help="skip a pass of the compile pipeline by name (repeatable; names: fxpipe/compiler/pipeline.py)")
+                   help="skip a pass of the compile pipeline by name (repeatable; names: fxpipe/compiler/pass_list.py)")
     p.add_argument("--debug", action="store_true",
                    help="lint the graph and check invariants after every pass; full tracebacks")
     p.add_argument("--json", metavar="FILE", help="write the stage table as JSON")
