@@ -1,6 +1,6 @@
 """The layout search against measurement: every layout of a world, predicted and timed.
 
-    .venv/bin/python benchmarks/bench_auto_layout.py [--world 2] [--models gpt-tiny hf:llama ...]
+    .venv/bin/python benchmarks/bench_auto_layout.py [--world 2] [--models gpt-tiny hf:llama ...] [--hardware H]
 
 For each model the search (``fxpipe/planner/auto_layout.py``) prices every layout of
 ``--world`` ranks for one global batch; then every layout it priced is built with
@@ -33,6 +33,17 @@ from fxpipe.models.registry import build_workload  # noqa: E402
 from fxpipe.planner.auto_layout import SEARCHED, search_layout  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_auto_layout.txt")
+
+
+def wide_gpt():
+    """A model whose LM head dominates (V = 16384 over width 64, two layers), for
+    ``--models bench_auto_layout:wide_gpt``: a batch of 8 sequences of 64 tokens."""
+    from fxpipe.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=16384, block_size=64, n_layer=2, n_head=4, n_embd=64))
+    ids = torch.randint(0, 16384, (8, 65))
+    return model, (ids[:, :-1], ids[:, 1:])
 
 
 def _port() -> int:
@@ -112,7 +123,11 @@ def bench(args) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--models", nargs="+", default=["gpt-tiny", "hf:llama"])
+    p.add_argument("--models", nargs="+", default=["gpt-tiny", "hf:llama", "hf:gpt2", "zoo:moe", "zoo:llama3",
+                                                    "bench_auto_layout:wide_gpt"],
+                   help="registry names, or module:function (bench_auto_layout:wide_gpt: a large vocabulary; "
+                        "its batch is fixed at 8x64); default: a registry GPT, an untied and a tied HF model, "
+                        "an MoE, a zoo Llama and a large vocabulary")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)

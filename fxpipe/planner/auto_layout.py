@@ -122,6 +122,42 @@ def candidate_layouts(world_size: int, rows: int, base: ParallelConfig,
                             continue
 
 
+# The tensor-parallel ops (fxpipe/tp/ops.py) by the collective each runs forward and
+# backward, with the tensor size it moves as a multiple of the op's output (the full,
+# gathered size, as ``Hardware.collective_s`` takes it); the vocabulary-parallel loss
+# all-reduces three fp32 statistics per token (max, sum-exp, target logit).
+_TP_FORWARD = {"reduce_from_tp": (Collective.ALL_REDUCE, 1), "all_reduce_max": (Collective.ALL_REDUCE, 1),
+               "vocab_parallel_embedding": (Collective.ALL_REDUCE, 1), "gather_seq": (Collective.ALL_GATHER, 1),
+               "reduce_scatter_seq": (Collective.REDUCE_SCATTER, "tp"), "gather": (Collective.ALL_GATHER, 1)}
+_TP_BACKWARD = {"copy_to_tp": (Collective.ALL_REDUCE, 1), "gather_seq": (Collective.REDUCE_SCATTER, 1),
+                "reduce_scatter_seq": (Collective.ALL_GATHER, "tp"), "scatter": (Collective.ALL_GATHER, "tp")}
+_LOSS_STATISTICS = 3
+
+
+def tp_collective_times(program: Program, tp: int, hw: Any, num_stages: int) -> tuple[list[float], list[float]]:
+    """Per stage, the seconds one microbatch's tensor-parallel collectives take forward and
+    backward on the hardware's links (the cost pass prices compute, not these)."""
+    fwd, bwd = [0.0] * num_stages, [0.0] * num_stages
+    if tp == 1:
+        return fwd, bwd
+    per_node = hw.members_per_node(tp, 1)
+    for node in program.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "namespace", None) != "fxpipe_tp":
+            continue
+        name, stage = node.target._schema.name.split("::")[1], program.stages.get(node.name, 0)
+        out = program.costs[node.name].out_bytes if node.name in program.costs else 0
+        if name == "vocab_parallel_cross_entropy":
+            logits = node.args[0].meta["val"]
+            tokens = logits.numel() // logits.shape[-1]
+            fwd[stage] += _LOSS_STATISTICS * hw.collective_s(Collective.ALL_REDUCE, 4 * tokens, tp, per_node)
+            continue
+        for table, times in ((_TP_FORWARD, fwd), (_TP_BACKWARD, bwd)):
+            if name in table:
+                kind, scale = table[name]
+                times[stage] += hw.collective_s(kind, out * (tp if scale == "tp" else scale), tp, per_node)
+    return fwd, bwd
+
+
 def with_action_overhead(d: StageDurations, overhead: float, split: bool) -> StageDurations:
     """Every compute action ``overhead`` seconds longer: F, B (under a split backward I and W
     each, so B = I + W carries two), S and T."""
@@ -150,6 +186,9 @@ def price(compiled: CompiledPipeline) -> PricedLayout:
                                    weight=tuple(b / 2 for b in backward))
         p2p = hw.p2p_s(max((c.send_bytes for c in stages), default=0), intra_node=True)
         collective = None
+    comm_f, comm_b = tp_collective_times(program, config.tp, hw, len(durations.forward))
+    durations = dataclasses.replace(durations, forward=tuple(f + c for f, c in zip(durations.forward, comm_f)),
+                                    backward=tuple(b + c for b, c in zip(durations.backward, comm_b)))
     durations = with_action_overhead(durations, hw.action_overhead_s, compiled.schedule.splits_backward)
     sim = simulate(compiled.schedule, durations, p2p_latency=p2p, collective_latency=collective)
     # Every data-parallel replica sums its gradients: the largest rank's, in fp32.

@@ -139,3 +139,29 @@ def test_fxpipe_compile_prints_the_search_and_compiles_its_choice(capsys):
     chosen = [line for line in out.splitlines() if line.startswith("->")][0]
     assert "pp=2" in chosen and "zb-h1" in chosen
     assert "pipeline     pp=2 chunks=1 schedule=zb-h1" in out  # the choice is what was compiled
+
+
+def test_tensor_parallel_collectives_are_priced_as_rings_on_the_link():
+    from fxpipe.base.hardware import CPU
+    from fxpipe.planner.auto_layout import tp_collective_times
+
+    w = build_workload("hf:llama", batch=2, seq=16)
+    config = ParallelConfig(tp=2, costs="model", partition="dp")
+    program = compile_program(capture_for(w.model, w.example_inputs, config, w.loss_fn), config).program
+    names = [n.target._schema.name.split("::")[1] for n in program.graph.nodes
+             if n.op == "call_function" and getattr(n.target, "namespace", None) == "fxpipe_tp"]
+    hidden = 2 * 16 * w.model.config.hidden_size * 4  # one [b, s, h] fp32 activation
+    ring = 2 * (1 / 2) * hidden / CPU.intra_node.collective_bw + 2 * CPU.intra_node.collective_latency
+    fwd, bwd = tp_collective_times(program, 2, CPU, 1)
+    # Megatron's f and g: g (reduce_from_tp) all-reduces forward, f (copy_to_tp) backward; the
+    # vocabulary-parallel embedding's partial rows all-reduce forward like a g.
+    assert names.count("copy_to_tp") >= 2 * w.model.config.num_hidden_layers
+    assert bwd[0] == pytest.approx(names.count("copy_to_tp") * ring)
+    losses = [n for n in program.graph.nodes if getattr(n.target, "namespace", None) == "fxpipe_tp"
+              and n.target._schema.name.endswith("vocab_parallel_cross_entropy")]
+    tokens = 2 * 15  # the causal LM loss predicts tokens 1..15 of each of the 2 rows
+    assert [tuple(n.args[0].meta["val"].shape[:-1]) for n in losses] in ([(tokens,)], [(2, 15)])
+    tokens_ring = 2 * (1 / 2) * tokens * 4 / CPU.intra_node.collective_bw + 2 * CPU.intra_node.collective_latency
+    g = names.count("reduce_from_tp") + names.count("vocab_parallel_embedding")
+    assert fwd[0] == pytest.approx(g * ring + 3 * names.count("vocab_parallel_cross_entropy") * tokens_ring)
+    assert tp_collective_times(program, 1, CPU, 1) == ([0.0], [0.0])
