@@ -132,6 +132,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--output", default=RESULTS, help="results file (default: %(default)s)")
     p.add_argument("--hardware", default="cpu",
                    help="the cost model's preset or a `fxpipe calibrate` profile (default: %(default)s)")
     args = p.parse_args()
@@ -143,8 +144,8 @@ def main() -> None:
         for line in bench(argparse.Namespace(**{**vars(args), "model": model})):
             print(line, flush=True)
             lines.append(line)
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
