@@ -149,8 +149,7 @@ class MeshHooks:
         """This rank's parameter builder, made once the tensor-parallel pass has set the
         shard specs, shared by the cost measurement and the runtime."""
         if self._shards is None:
-            tp = program.tensor_parallel
-            self._shards = ShardBuilder(program, tp.specs if tp is not None else {}, self.model,
+            self._shards = ShardBuilder(program, program.tp_specs, self.model,
                                         tp_rank=self.mesh.groups.tp_rank, device=self.mesh.device,
                                         seed=self.mesh.config.seed, weights=self.weights, init_fn=self.init_fn)
         return self._shards

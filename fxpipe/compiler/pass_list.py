@@ -114,8 +114,7 @@ def vocab_head_step(plan: PipelinePlan, ctx: CompileContext) -> PipelinePlan:
 
 
 def vocab_rows_step(plan: PipelinePlan, ctx: CompileContext) -> PipelinePlan:
-    tp = plan.program.tensor_parallel
-    out = vocab_rows_pass(plan, ctx.schedule.stage_ranks, tp.specs if tp is not None else {},
+    out = vocab_rows_pass(plan, ctx.schedule.stage_ranks, plan.program.tp_specs,
                           tp=ctx.config.tp)
     head = out.vocab_head
     if head is not None:  # every rank must hold exactly its block: nothing else may read the head's rows

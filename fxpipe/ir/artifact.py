@@ -57,8 +57,7 @@ class CompiledPipeline:
         """What pipeline rank ``pp_rank`` (expert-parallel rank ``ep_rank``) holds of every
         split parameter: the tensor-parallel specs with its pipeline rows folded in
         (``ir/shard_spec.rank_specs``) and its experts of every expert-parallel stack."""
-        tp, ep = self.program.tensor_parallel, self.program.expert_parallel
-        specs = tp.specs if tp is not None else {}
+        ep, specs = self.program.expert_parallel, self.program.tp_specs
         experts = {n: expert_rank_spec(s, ep_rank) for n, s in ep.specs.items()} if ep is not None else {}
         rows = self.plan.row_shards if self.plan is not None else {}
         if not rows:

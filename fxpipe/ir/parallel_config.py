@@ -15,7 +15,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from fxpipe.base.hardware import get_hardware
 from fxpipe.base.precision import Precision
@@ -151,19 +151,14 @@ class ParallelConfig:
                                time_limit_s=self.time_limit_s, allow_over_limit=self.allow_over_limit)
 
 
-def flag_name(field: str) -> str:
-    """``fxpipe run``'s flag for a ``ParallelConfig`` field (``fxpipe/job/flags.py``)."""
-    return "--" + {"num_microbatches": "microbatches", "timeout_s": "timeout",
-                   "memory_limit_gb": "memory-limit"}.get(field, field.replace("_", "-"))
-
-
-def check_layout(values: Mapping[str, Any], *, flags: bool = False) -> None:
+def check_layout(values: Mapping[str, Any], *, flag: Callable[[str], str] | None = None) -> None:
     """The layout's own rules, in one place: ``ParallelConfig`` checks its fields with them,
-    ``fxpipe run``'s preflight its flags and config file before any config exists
-    (``flags``: every message names the flag to change, ``--tp``, rather than the field).
+    ``fxpipe run``'s preflight its flags and config file before any config exists (``flag``:
+    a field's flag, ``--tp``, which every message then names instead of the field).
     ``values`` by field name; a field that is absent is not checked."""
-    name = flag_name if flags else (lambda field: field)
-    on = (lambda field: name(field)) if flags else (lambda field: f"{field}=True")  # a switch, set
+    flags = flag is not None
+    name = flag or (lambda field: field)
+    on = flag or (lambda field: f"{field}=True")  # a switch, set
     get = values.get
     for field in ("tp", "pp", "num_microbatches"):
         value = get(field, 1)
@@ -202,7 +197,7 @@ def check_layout(values: Mapping[str, Any], *, flags: bool = False) -> None:
                                  f"runs with {field}={shown(ok)}; use ep=1 to combine {field} with a MoE")
     timeout = get("timeout_s", 60.0)
     if not math.isfinite(timeout) or timeout <= 0:
-        raise ValueError(f"{flag_name('timeout_s') if flags else 'timeout'} must be a positive number of seconds, "
+        raise ValueError(f"{name('timeout_s') if flags else 'timeout'} must be a positive number of seconds, "
                          f"got {timeout}; it bounds every transfer and collective (default 60)")
     limit = get("memory_limit_gb")
     if limit is not None and not limit > 0:
@@ -243,8 +238,6 @@ ParallelConfig.__init__ = _init  # type: ignore[method-assign]
 def parse_costs(costs) -> str:
     """'measure', 'model' or the path of an existing profile; anything else is an error
     naming the choices."""
-
-
     if isinstance(costs, os.PathLike):
         costs = os.fspath(costs)
     if isinstance(costs, str) and (costs in ("measure", "model") or os.path.isfile(costs)):

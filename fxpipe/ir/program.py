@@ -25,6 +25,7 @@ from fxpipe.base.dtypes import _itemsize
 from fxpipe.base.op_cost import NodeCost
 from fxpipe.ir.pass_configs import PartitionConfig
 from fxpipe.ir.pass_results import BlockwiseLoss, EPResult, MatmulSplit, ModelStats, RecomputeRegion, TokenInput
+from fxpipe.ir.shard_spec import ShardSpec
 from fxpipe.ir.tp_result import TPResult
 from fxpipe.partition.result import PartitionResult
 
@@ -165,6 +166,11 @@ class Program:
                 seen.add(p.canonical)
                 out.append(p)
         return out
+
+    @property
+    def tp_specs(self) -> Mapping[str, ShardSpec]:
+        """Tensor-parallel ShardSpec per sharded parameter (empty before or without TP)."""
+        return self.tensor_parallel.specs if self.tensor_parallel is not None else {}
 
     def num_parameters(self) -> int:
         return sum(p.numel for p in self.trainable())

@@ -70,7 +70,7 @@ def check_flags(args: Any) -> None:
     layout = {f.field: getattr(args, f.key.replace("-", "_")) for f in LAYOUT_FLAGS.values()
               if hasattr(args, f.key.replace("-", "_"))}
     try:  # the layout's own rules (ir/parallel_config.py), messages naming the flags
-        check_layout(layout, flags=True)
+        check_layout(layout, flag=lambda field: LAYOUT_FLAGS[field].option)
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
     if not 0 <= args.seed < 2**63:  # torch, numpy and the data order all take it

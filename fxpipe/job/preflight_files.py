@@ -182,8 +182,7 @@ def check_schedule(extra: dict, step: int, lr: float, groups: int | None = None)
 def check_weights(program: "Program", directory: str) -> None:
     """--init-from: names, shapes and dtypes against the model, from the headers alone."""
 
-    tp = program.tensor_parallel
     try:
-        check(WeightsDir(directory), program, tp.specs if tp is not None else {})
+        check(WeightsDir(directory), program, program.tp_specs)
     except (OSError, ValueError) as exc:
         raise PreflightError(f"--init-from: {exc}") from None

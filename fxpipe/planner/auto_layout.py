@@ -27,12 +27,13 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from fxpipe.base.hardware import Collective
+from fxpipe.base.hardware import Collective, Hardware
 from fxpipe.compiler.pipeline import capture_for, compile_program
 from fxpipe.ir.artifact import CompiledPipeline
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.program import Program
 from fxpipe.partition import Method, PartitionError
+from fxpipe.planner.search import divisors
 from fxpipe.schedules.registry import ScheduleKind, get_spec
 from fxpipe.schedules.simulate import StageDurations, simulate
 
@@ -56,12 +57,16 @@ class PricedLayout:
     """The data-parallel gradient all-reduce included in ``step_s``."""
 
     def describe(self) -> str:
-        c = self.config
-        what = f"tp={c.tp} pp={c.pp} dp={c.dp} m={c.num_microbatches}"
-        if c.pp > 1:
-            what += f" {c.schedule.value}" + (f" v={c.chunks}" if c.chunks > 1 else "")
-            what += " vocab-passes" if c.vocab_passes else ""
-        return what
+        return describe(self.config)
+
+
+def describe(c: ParallelConfig) -> str:
+    """A layout in one line: ``tp=1 pp=2 dp=1 m=4 zb-v v=2 vocab-passes``."""
+    what = f"tp={c.tp} pp={c.pp} dp={c.dp} m={c.num_microbatches}"
+    if c.pp > 1:
+        what += f" {c.schedule.value}" + (f" v={c.chunks}" if c.chunks > 1 else "")
+        what += " vocab-passes" if c.vocab_passes else ""
+    return what
 
 
 @dataclass(frozen=True)
@@ -89,10 +94,6 @@ class LayoutSearch:
                          f"(bubble {100 * a.bubble:.1f}% vs {100 * b.bubble:.1f}%, all-reduce "
                          f"{1e3 * a.allreduce_s:.2f} vs {1e3 * b.allreduce_s:.2f} ms)")
         return "\n".join(lines)
-
-
-def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def candidate_layouts(world_size: int, rows: int, base: ParallelConfig,
@@ -126,15 +127,18 @@ def candidate_layouts(world_size: int, rows: int, base: ParallelConfig,
 # backward, with the tensor size it moves as a multiple of the op's output (the full,
 # gathered size, as ``Hardware.collective_s`` takes it); the vocabulary-parallel loss
 # all-reduces three fp32 statistics per token (max, sum-exp, target logit).
-_TP_FORWARD = {"reduce_from_tp": (Collective.ALL_REDUCE, 1), "all_reduce_max": (Collective.ALL_REDUCE, 1),
-               "vocab_parallel_embedding": (Collective.ALL_REDUCE, 1), "gather_seq": (Collective.ALL_GATHER, 1),
-               "reduce_scatter_seq": (Collective.REDUCE_SCATTER, "tp"), "gather": (Collective.ALL_GATHER, 1)}
-_TP_BACKWARD = {"copy_to_tp": (Collective.ALL_REDUCE, 1), "gather_seq": (Collective.REDUCE_SCATTER, 1),
-                "reduce_scatter_seq": (Collective.ALL_GATHER, "tp"), "scatter": (Collective.ALL_GATHER, "tp")}
+# ``True``: the moved tensor is the op's input, tp times its output (a reduce-scatter's
+# input, a scatter's gradient).
+_TP_FORWARD = {"reduce_from_tp": (Collective.ALL_REDUCE, False), "all_reduce_max": (Collective.ALL_REDUCE, False),
+               "vocab_parallel_embedding": (Collective.ALL_REDUCE, False),
+               "gather_seq": (Collective.ALL_GATHER, False), "reduce_scatter_seq": (Collective.REDUCE_SCATTER, True),
+               "gather": (Collective.ALL_GATHER, False)}
+_TP_BACKWARD = {"copy_to_tp": (Collective.ALL_REDUCE, False), "gather_seq": (Collective.REDUCE_SCATTER, False),
+                "reduce_scatter_seq": (Collective.ALL_GATHER, True), "scatter": (Collective.ALL_GATHER, True)}
 _LOSS_STATISTICS = 3
 
 
-def tp_collective_times(program: Program, tp: int, hw: Any, num_stages: int) -> tuple[list[float], list[float]]:
+def tp_collective_times(program: Program, tp: int, hw: Hardware, num_stages: int) -> tuple[list[float], list[float]]:
     """Per stage, the seconds one microbatch's tensor-parallel collectives take forward and
     backward on the hardware's links (the cost pass prices compute, not these)."""
     fwd, bwd = [0.0] * num_stages, [0.0] * num_stages
@@ -153,8 +157,8 @@ def tp_collective_times(program: Program, tp: int, hw: Any, num_stages: int) -> 
             continue
         for table, times in ((_TP_FORWARD, fwd), (_TP_BACKWARD, bwd)):
             if name in table:
-                kind, scale = table[name]
-                times[stage] += hw.collective_s(kind, out * (tp if scale == "tp" else scale), tp, per_node)
+                kind, of_input = table[name]
+                times[stage] += hw.collective_s(kind, out * (tp if of_input else 1), tp, per_node)
     return fwd, bwd
 
 
@@ -171,11 +175,12 @@ def with_action_overhead(d: StageDurations, overhead: float, split: bool) -> Sta
         vocab_backward=tuple(t + overhead for t in d.vocab_backward))
 
 
-def price(compiled: CompiledPipeline) -> PricedLayout:
-    """Predicted step time and memory of a compiled layout (module docstring)."""
+def price(compiled: CompiledPipeline, hardware: Hardware | None = None) -> PricedLayout:
+    """Predicted step time and memory of a compiled layout (module docstring), on
+    ``hardware`` (default: the one its partition was priced on)."""
     config, program = compiled.config, compiled.program
-    result, pconfig = program.partition, program.partition_config
-    hw = pconfig.hardware
+    result = program.partition
+    hw = hardware or program.partition_config.hardware
     stages = result.stages
     if compiled.vocab_timing is not None:
         timing = compiled.vocab_timing
@@ -203,7 +208,7 @@ def price(compiled: CompiledPipeline) -> PricedLayout:
 
 def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: int, *,
                   loss_fn: Callable[..., torch.Tensor] | None = None, base: ParallelConfig | None = None,
-                  pinned: Mapping[str, Any] = {}, log: Callable[[str], None] | None = None) -> LayoutSearch:
+                  pinned: Mapping[str, Any] = {}) -> LayoutSearch:
     """The fastest layout of ``world_size`` ranks for ``model`` on the global ``batch`` that
     fits ``base.memory_limit_gb`` (module docstring). ``base``: every field the search does
     not decide; ``pinned``: fields it must keep (by ``ParallelConfig`` field name)."""
@@ -216,11 +221,11 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
         raise ValueError(f"the layout search decides {', '.join(SEARCHED)}; {sorted(unknown)} are set on the "
                          f"config itself")
     programs: dict[int, Program] = {}
-    priced, refused = [], []
+    priced, refused, needs_over_limit = [], [], []
     limit = base.memory_limit_bytes
     for config in candidate_layouts(world_size, rows, base, pinned):
         b = rows // (config.replicas * config.num_microbatches)
-        name = PricedLayout(config, 0.0, 0, 0.0, 0.0).describe()
+        name = describe(config)
         if b not in programs:  # one capture per micro-batch size, shared by every layout of it
             programs[b] = capture_for(model, tuple(t[:b] for t in batch), base, loss_fn)
         try:
@@ -231,28 +236,27 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
             continue
         layout = dataclasses.replace(layout, config=config)
         if limit is not None and layout.memory_bytes > limit:
+            needs_over_limit.append(layout.memory_bytes)
             refused.append((name, f"needs {layout.memory_bytes / 2**30:.2f} GiB per rank, over the limit "
                                   f"{limit / 2**30:.2f} GiB"))
             continue
         priced.append(layout)
-        if log is not None:
-            log(f"  {name}: {1e3 * layout.step_s:.2f} ms, {layout.memory_bytes / 2**20:.1f} MiB")
     if not priced:
-        raise ValueError(_nothing_fits(world_size, rows, pinned, refused, limit))
+        raise ValueError(_nothing_fits(world_size, rows, pinned, refused, needs_over_limit, limit))
     ranked = sorted(priced, key=lambda p: (p.step_s, p.memory_bytes, p.config.pp, p.config.num_microbatches))
     return LayoutSearch(world_size=world_size, chosen=ranked[0], ranked=tuple(ranked), refused=tuple(refused),
                         seconds=time.perf_counter() - start)
 
 
-def _nothing_fits(world_size: int, rows: int, pinned: Mapping[str, Any], refused: list, limit: int | None) -> str:
+def _nothing_fits(world_size: int, rows: int, pinned: Mapping[str, Any], refused: list, needs: list[int],
+                  limit: int | None) -> str:
     """The refusal: what was asked, the closest layout and the change that makes it fit."""
     asked = ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in pinned.items()) or "no pinned field"
     if not refused:
         return (f"no layout of {world_size} ranks honours {asked} for a batch of {rows} rows; dp must divide "
                 f"the rows and tp·pp·dp equal the world: unpin a field or change the world size")
-    over = [why for _, why in refused if "over the limit" in why]
-    if over and limit is not None:
-        least = min(float(w.split()[1]) for w in over)
+    if needs and limit is not None:
+        least = min(needs) / 2**30
         return (f"no layout of {world_size} ranks with {asked} fits {limit / 2**30:.2f} GiB per rank; the "
                 f"smallest needs {least:.2f} GiB: raise memory_limit_gb to {least:.2f}, unpin a field, or use "
                 f"more ranks")

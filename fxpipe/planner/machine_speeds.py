@@ -14,6 +14,9 @@
 - per-kernel overhead: a 1-element add (eager dispatch), then raised to what fxpipe's own
   path costs (fx GraphModule + autograd): the value that makes the cost model reproduce
   a tiny, overhead-bound GPT's measured step (``measure_framework_overhead``);
+- per-action overhead: what the runtime pays per forward or backward of one microbatch
+  on one stage beyond the cost model, from a tiny GPT trained with 1 and with 8
+  microbatches in a world of one (``measure_action_overhead``; the layout search adds it);
 - gloo, two fresh processes: ping-pong send/recv and all-reduce over 4 KB…8 MB (wall
   time, median of repeats); a least-squares line t = latency + bytes/bandwidth per
   collective (all-reduce on 2 ranks: t = S/busbw + 2·latency, the ring formula of
@@ -193,8 +196,7 @@ def measure_action_overhead(hw: Hardware, steps: int = 15) -> dict[str, float]:
             config = ParallelConfig(microbatches=m, costs="model", partition="uniform", hardware="cpu")
             mesh = RankMesh.join(config, torch.device("cpu"))
             compiled = compile_pipeline(model, tuple(t[:8 // m] for t in batch), mesh.config, device="cpu")
-            predicted[m] = price(dataclasses.replace(compiled, program=compiled.program.replace(
-                partition_config=dataclasses.replace(compiled.program.partition_config, hardware=hw)))).step_s
+            predicted[m] = price(compiled, hw).step_s
             shards = ShardBuilder(compiled.program, {}, model, tp_rank=0, device=torch.device("cpu"))
             pm = build_runtime(compiled, mesh, shards, model=model)
             pm.train_step(batch)

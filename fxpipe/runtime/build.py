@@ -55,8 +55,7 @@ def build_runtime(compiled: CompiledPipeline, mesh: RankMesh, shards: ShardBuild
     # its stages read where the vocabulary layers are split over stages (vocab_rows),
     # and of expert-parallel stacks its own experts (runtime/experts.py).
     specs = compiled.rank_specs(groups.pp_rank, experts.ep_rank if experts is not None else 0)
-    tp = compiled.program.tensor_parallel
-    if specs != dict(tp.specs if tp is not None else {}):
+    if specs != dict(compiled.program.tp_specs):
         shards = shards.with_specs(specs)
     timeout = timedelta(seconds=config.timeout_s)
     my_stages = compiled.schedule.stages_of_rank(groups.pp_rank)

@@ -10,7 +10,8 @@ import torch
 from fxpipe.compiler.pipeline import capture_for, compile_program
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.models.registry import build_workload
-from fxpipe.planner.auto_layout import PIPELINE_SCHEDULES, candidate_layouts, divisors, price, search_layout
+from fxpipe.planner.auto_layout import PIPELINE_SCHEDULES, candidate_layouts, price, search_layout
+from fxpipe.planner.search import divisors
 from fxpipe.schedules.registry import ScheduleKind
 from fxpipe.schedules.simulate import StageDurations, simulate
 from tests.runtime._cases import reference, train, workload

@@ -13,7 +13,7 @@ import math
 
 from fxpipe.ir.program import Program
 from fxpipe.ir.shard_spec import ShardKind, ShardSpec
-from fxpipe.ir.tp_result import TPCoverage  # noqa: F401  (the record lives in the IR)
+from fxpipe.ir.tp_result import TPCoverage
 from fxpipe.passes.tensor_parallel import graph_ops as G
 
 
