@@ -103,6 +103,10 @@ class Hardware:
                 raise ValueError(f"Hardware.{f} must be in (0, 1], got {v}")
         if self.gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        # A profile is a file from disk: an overhead that is negative, NaN or absurd would
+        # silently reorder every layout the search prices.
+        if not 0 <= self.action_overhead_s < 1:
+            raise ValueError(f"Hardware.action_overhead_s must be in [0, 1) seconds, got {self.action_overhead_s}")
 
     # ---- rates -------------------------------------------------------------------------
     @property

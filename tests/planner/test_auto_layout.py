@@ -166,3 +166,13 @@ def test_tensor_parallel_collectives_are_priced_as_rings_on_the_link():
     g = names.count("reduce_from_tp") + names.count("vocab_parallel_embedding")
     assert fwd[0] == pytest.approx(g * ring + 3 * names.count("vocab_parallel_cross_entropy") * tokens_ring)
     assert tp_collective_times(program, 1, CPU, 1) == ([0.0], [0.0])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1e-3, 1e300])
+def test_a_profile_with_a_bad_action_overhead_is_refused(bad):
+    from fxpipe.base.hardware import CPU, Hardware
+
+    data = CPU.to_dict() | {"action_overhead_s": bad}
+    with pytest.raises(ValueError, match=r"action_overhead_s must be in \[0, 1\) seconds"):
+        Hardware.from_dict(data)
+    assert Hardware.from_dict(CPU.to_dict() | {"action_overhead_s": 2.4e-4}).action_overhead_s == 2.4e-4
