@@ -4,7 +4,7 @@
 
 For each model the search (``fxpipe/planner/auto_layout.py``) prices every layout of
 ``--world`` ranks for one global batch; then every layout it priced is built with
-``fxpipe.parallelize`` in one gloo world (the same config the search priced: cost model,
+``fxpipe.parallelize`` in one gloo world (the same config the search priced: measured or modelled costs,
 chain-DP partition) and trained for ``--steps`` steps per round, in ``--rounds``
 interleaved rounds (every layout once per round, so drift hits all alike). The table
 shows each layout's measured median step beside the prediction, the search's choice
@@ -63,7 +63,7 @@ def _worker(rank: int, world: int, port: int, args, layouts: list[dict], out: di
     models = []
     for fields in layouts:
         model = build_workload(args.model, batch=args.batch, seq=args.seq, seed=0).model
-        pm = fxpipe.parallelize(model, example_inputs=w.example_inputs, loss_fn=w.loss_fn, costs="model",
+        pm = fxpipe.parallelize(model, example_inputs=w.example_inputs, loss_fn=w.loss_fn, costs=args.costs,
                                 partition="dp", hardware=args.hardware, **fields)
         pm.train_step(w.example_inputs)  # warm-up: first-step allocations
         models.append(pm)
@@ -96,8 +96,12 @@ def _spearman(a: list[float], b: list[float]) -> float:
 
 def bench(args) -> list[str]:
     w = build_workload(args.model, batch=args.batch, seq=args.seq, seed=0)
+    # The ranks run one thread each (_worker): the search times compute as they will run it,
+    # and with more ranks than cores it prices the cores they share.
+    cores = os.cpu_count() or 1
     found = search_layout(w.model, w.example_inputs, args.world, loss_fn=w.loss_fn,
-                          base=ParallelConfig(costs="model", hardware=args.hardware))
+                          base=ParallelConfig(costs=args.costs, hardware=args.hardware), threads=1,
+                          concurrent=cores if args.world > cores else None)
     layouts = [{f: getattr(p.config, f) for f in SEARCHED} for p in found.ranked]
     layouts = [dict(f, microbatches=f.pop("num_microbatches")) for f in layouts]
     with mp.Manager() as manager:
@@ -108,7 +112,7 @@ def bench(args) -> list[str]:
     predicted = [p.step_s for p in found.ranked]
     best = min(range(len(measured)), key=measured.__getitem__)
     lines = [f"## {args.model}, world {args.world}, batch {args.batch}x{args.seq}, hardware {args.hardware}: "
-             f"{len(layouts)} layouts "
+             f"{len(layouts)} layouts, costs {args.costs} "
              f"(search {found.seconds:.1f} s; {len(found.refused)} refused)",
              f"{'layout':<44} {'predicted ms':>12} {'measured ms':>12}"]
     for i, p in enumerate(found.ranked):
@@ -133,6 +137,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--output", default=RESULTS, help="results file (default: %(default)s)")
+    p.add_argument("--costs", default="measure", choices=("measure", "model"),
+                   help="what the search prices compute by, and the layouts are partitioned on: timed at each "
+                        "layout's shard shapes, or the cost model with --hardware (default: %(default)s)")
     p.add_argument("--hardware", default="cpu",
                    help="the cost model's preset or a `fxpipe calibrate` profile (default: %(default)s)")
     args = p.parse_args()

@@ -3,7 +3,9 @@ the search is ``fxpipe/planner``)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import time
 
 from fxpipe.base.hardware import PRESETS, get_hardware
 from fxpipe.base.recompute_mode import RecomputeMode
@@ -17,13 +19,19 @@ def _csv(parse):
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="registry name, e.g. gpt-1.7b ... gpt-1t, gpt3-175b")
+    p.add_argument("--model", required=True,
+                   help="any model fxpipe run takes: a registry name (gpt-1.7b ... gpt-1t, gpt3-175b), hf:FAMILY, "
+                        "zoo:NAME, package.module:function or a Hugging Face model directory; built on the meta "
+                        "device and captured, the planner's shape read off its graph (fxpipe/planner/captured.py)")
     p.add_argument("--gpus", type=int, required=True, help="GPUs N = t·p·d")
     p.add_argument("--global-batch", type=int, required=True, help="sequences per iteration B")
     p.add_argument("--hardware", default="a100",
                    help=f"preset ({', '.join(PRESETS)}) or a profile JSON from `fxpipe calibrate` "
                         f"(default: %(default)s)")
     p.add_argument("--seq", type=int, default=None, help="sequence length s (default: the model's)")
+    p.add_argument("--dropout", choices=("model", "on", "off"), default="model",
+                   help="price dropout's masks: as the captured model has it (model), or as if it had "
+                        "dropout (on: the SC21 paper's setting) or none (off) (default: %(default)s)")
     p.add_argument("--top", type=int, default=5, help="layouts to print (default: %(default)s)")
     p.add_argument("--explain", action="store_true", help="why the top layout beats the runner-up")
     p.add_argument("--schedules", type=_csv(planned_schedule), default=PLANNED,
@@ -69,23 +77,29 @@ counts grow with the microbatch count, and at 10^7 one search took 49 s and 0.9 
 def run_plan(args: argparse.Namespace) -> int:
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.planner.explain import explain, plan_table, search_summary
+    from fxpipe.planner.captured import captured_shape
     from fxpipe.planner.search import plan
-    from fxpipe.planner.shapes import shape_from_registry
 
     for flag, value, limit in (("--gpus", args.gpus, MAX_GPUS), ("--global-batch", args.global_batch,
                                                                  MAX_GLOBAL_BATCH)):
         if not 1 <= value <= limit:
             raise ValueError(f"{flag} must be in [1, {limit}], got {value}")
-    shape = shape_from_registry(args.model, seq=args.seq)
+    captured = captured_shape(args.model, seq=args.seq)
+    print(f"fxpipe plan: {captured.describe()}")
+    shape = captured.shape
+    if args.dropout != "model":
+        shape = dataclasses.replace(shape, dropout=args.dropout == "on")
     options = options_from_args(args)
     hw = options.hardware
+    start = time.perf_counter()
     result = plan(shape, args.gpus, args.global_batch, options, top=args.top)
+    searched = time.perf_counter() - start
     print(f"fxpipe plan: {shape.name} ({shape.num_params / 1e9:.1f}B parameters: l={shape.layers} "
           f"h={shape.hidden} a={shape.heads} s={shape.seq} V={shape.vocab}) on {args.gpus} × {hw.name} "
           f"({hw.peak_flops / 1e12:.0f} TFLOP/s peak, {hw.memory_bytes / 2**30:.0f} GiB), "
           f"global batch {args.global_batch}")
     print(plan_table(result))
-    print(search_summary(result))
+    print(search_summary(result) + f" (search {searched:.1f} s, capture {captured.seconds:.1f} s)")
     print("TFLOP/s per GPU: SC21 model FLOPs counting recomputation (96·B·s·l·h²(1 + s/6h + V/16lh) "
           "with full recompute, 72·B·s·l·h²(…) without); bubble: idle/compute of the busiest "
           "pipeline rank; GB/GPU: the rank with the most memory.")

@@ -11,7 +11,8 @@ from fxpipe.job.config import TrainConfig
 from fxpipe.job.flags import LAYOUT_FLAGS, TRAIN_FLAGS, add_flags, given, with_layout
 
 DEFAULT = TrainConfig()
-"""The embedded default: gpt-small on the standard library's source, tp=2 × pp=2."""
+"""The embedded default: gpt-small on the standard library's source, on the layout the
+search chooses for 4 ranks (the GPUs here on a GPU machine): ``fxpipe/job/layout_choice.py``."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,14 +26,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(fn=run)
 
 
-def resolve(args: argparse.Namespace) -> TrainConfig:
-    """Defaults, then the config file, then the flags given."""
+def _given(args: argparse.Namespace) -> dict:
+    """The fields the config file and the flags give (the flags win)."""
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.job.config_file import read_config
 
     fields = read_config(args.config, {**TRAIN_FLAGS, **LAYOUT_FLAGS}) if args.config else {}
     fields.update(given(args, TRAIN_FLAGS))
     fields.update(given(args, LAYOUT_FLAGS))
+    return fields
+
+
+def searched_layout(args: argparse.Namespace) -> tuple[int, dict] | None:
+    """(ranks, pinned fields) when the run's layout is to be searched: ``--world`` given,
+    or no layout field given at all (then the default world); None: the layout as given."""
+    # loaded when the command runs, not on import: `fxpipe --help` stays quick
+    from fxpipe.job.layout_choice import default_world
+    from fxpipe.planner.auto_layout import SEARCHED
+
+    fields = _given(args)
+    pinned = {k: v for k, v in fields.items() if k in SEARCHED}
+    if fields.get("world") is not None:
+        return fields["world"], pinned
+    return (default_world(), {}) if not pinned else None
+
+
+def resolve(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then the config file, then the flags given."""
+    fields = _given(args)
     layout = {k: fields.pop(k) for k in list(fields) if k in LAYOUT_FLAGS}
     check_flags_by_name({**vars(DEFAULT.parallel), "chunks": None, **vars(DEFAULT), **layout, **fields})
     # val_fraction is derived from eval_interval when not given: resolved again, as chunks is.
@@ -59,5 +80,12 @@ def run(args: argparse.Namespace) -> int:
     # Everything checkable is checked here, before a worker starts (fxpipe/job/preflight.py).
     # Under torchrun every rank is a worker already: the model is captured by each anyway.
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    search = searched_layout(args)
+    if search is not None:  # files and data first: a bad path before minutes of search
+        # loaded when the command runs, not on import: `fxpipe --help` stays quick
+        from fxpipe.job.layout_choice import choose_run_layout
+
+        check_run(config, model=False)
+        config = choose_run_layout(config, *search)
     check_run(config, model=not under_torchrun)
     return launch(config, debug=args.debug)

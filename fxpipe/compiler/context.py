@@ -24,6 +24,10 @@ class CompileHooks:
     measure: MeasureFn | None = None
     """Returns the partition config with measured node times and link (``fxpipe/costs``);
     None: the cost model's estimate is all there is."""
+    node_times: Callable[[Program, PartitionConfig, "CompileContext"], dict] | None = None
+    """(forward, backward) seconds of every node, already known (the layout search's timing
+    at this layout's shapes, ``fxpipe/costs/local.py``): applied whatever the partition
+    method, so a one-stage layout is priced on them too; ``measure`` is not called."""
     solve: SolveFn = partition_pass
     """Assigns stages (``passes/assign_stages.py``); the runtime's solves on rank 0 and broadcasts."""
     check: Callable[[Program], None] | None = None

@@ -87,6 +87,9 @@ def coalesce_blocks_step(program: Program, ctx: CompileContext) -> Program:
 
 def measure_costs_pass(program: Program, ctx: CompileContext) -> Program:
     config = ctx.partition
+    if ctx.hooks.node_times is not None:
+        return program.replace(partition_config=dataclasses.replace(
+            config, node_times=ctx.hooks.node_times(program, config, ctx)))
     # Not under expert parallelism: each rank times its own share of the graph, and a
     # dispatch timed on one rank would wait for peers timing something else.
     if ctx.config.costs != "model" and ctx.config.balances_time and ctx.hooks.measure is not None \

@@ -38,6 +38,10 @@ class TrainConfig:
     """A registry name, ``package.module:function``, or a Hugging Face model directory
     (config.json, with or without safetensors: built on the meta device, each rank loading its shards)."""
     parallel: "ParallelConfig" = field(default_factory=_default_layout)
+    world: int | None = None
+    """Ranks to search the layout for (``fxpipe/job/layout_choice.py``): the layout fields
+    given pin the search, the others are chosen. None: searched for the GPUs here (else
+    4) when no layout field is given, else the layout as given (tp·pp·dp workers)."""
     micro_batch_size: int = 4
     """Sequences per microbatch b."""
     global_batch: int | None = None

@@ -140,6 +140,9 @@ TRAIN_FLAGS = _flags(
     Flag("model", "registry name (gpt-tiny, gpt-small, gpt2-small, gpt2-medium, gpt3-175b, hf:gpt2, hf:llama, "
          "hf:gpt_neox, hf:opt), package.module:function returning (model, batch[, loss_fn]), or a Hugging "
          "Face model directory (config.json, with or without safetensors)", metavar="NAME|DIR"),
+    Flag("world", "ranks to choose the layout for: tp, pp, dp, microbatches, schedule, chunks and vocabulary "
+         "passes are searched (docs/layout_search.md), the layout flags given pin the search (default: searched "
+         "for the GPUs here, else 4 ranks, when no layout flag is given)", positive_int),
     Flag("micro_batch_size", "sequences per microbatch b", positive_int),
     Flag("global_batch", "sequences per step; must equal b·m·dp (default: b·m·dp)", positive_int),
     Flag("seq", "sequence length s", positive_int),

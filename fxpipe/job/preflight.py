@@ -75,7 +75,8 @@ def check_flags(args: Any) -> None:
         raise PreflightError(str(exc)) from None
     if not 0 <= args.seed < 2**63:  # torch, numpy and the data order all take it
         raise PreflightError(f"--seed must be in [0, 2**63), got {args.seed}")
-    check_world(args.tp * args.pp * args.dp)
+    world = getattr(args, "world", None)
+    check_world(world if world is not None else args.tp * args.pp * args.dp)
     if not math.isfinite(args.lr) or args.lr <= 0:
         raise PreflightError(f"--lr must be a positive finite number, got {args.lr} (default 2e-3)")
     if args.costs not in ("measure", "model"):

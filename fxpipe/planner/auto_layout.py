@@ -20,6 +20,8 @@ expert parallelism and the blockwise loss.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -28,10 +30,13 @@ import torch
 import torch.nn as nn
 
 from fxpipe.base.hardware import Collective, Hardware
+from fxpipe.compiler.context import CompileContext, CompileHooks
 from fxpipe.compiler.pipeline import capture_for, compile_program
+from fxpipe.costs.local import LocalTimes, measure_locally, node_times_for, time_vocab_passes
 from fxpipe.ir.artifact import CompiledPipeline
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.program import Program
+from fxpipe.params.rank_state import ShardBuilder
 from fxpipe.partition import Method, PartitionError
 from fxpipe.planner.search import divisors
 from fxpipe.schedules.registry import ScheduleKind, get_spec
@@ -79,11 +84,16 @@ class LayoutSearch:
     refused: tuple[tuple[str, str], ...]
     """(layout, why): layouts that could not be compiled for this model, or do not fit."""
     seconds: float
+    costs: str = ""
+    """How compute was priced: timed here at the layouts' shapes, or the cost model."""
+    notes: tuple[str, ...] = ()
+    """Shapes whose timing failed (priced by the cost model instead)."""
 
     def table(self, top: int = 5) -> str:
         """The leading layouts, one line each, and why the winner beats the runner-up."""
         lines = [f"layout search over {len(self.ranked) + len(self.refused)} layouts of {self.world_size} "
-                 f"ranks ({self.seconds:.1f} s): predicted step, largest rank's memory, bubble"]
+                 f"ranks ({self.seconds:.1f} s; {self.costs or 'cost model'}): predicted step, largest rank's "
+                 f"memory, bubble"] + [f"note: {n}" for n in self.notes]
         for i, p in enumerate(self.ranked[:top]):
             mark = "->" if i == 0 else "  "
             lines.append(f"{mark} {p.describe():<42} {1e3 * p.step_s:9.2f} ms  {p.memory_bytes / 2**20:9.1f} MiB  "
@@ -175,9 +185,14 @@ def with_action_overhead(d: StageDurations, overhead: float, split: bool) -> Sta
         vocab_backward=tuple(t + overhead for t in d.vocab_backward))
 
 
-def price(compiled: CompiledPipeline, hardware: Hardware | None = None) -> PricedLayout:
+def price(compiled: CompiledPipeline, hardware: Hardware | None = None, *,
+          concurrent: int | None = None, vocab_passes_s: tuple[float, float] | None = None) -> PricedLayout:
     """Predicted step time and memory of a compiled layout (module docstring), on
-    ``hardware`` (default: the one its partition was priced on)."""
+    ``hardware`` (default: the one its partition was priced on). ``concurrent``: how many
+    ranks can compute at once on the machine (None: each has a device of its own); fewer
+    than the world and the ranks' summed compute time-shares what there is.
+    ``vocab_passes_s``: one vocabulary pass S and T as timed (``time_vocab_passes``),
+    instead of the head's share of the partition's times."""
     config, program = compiled.config, compiled.program
     result = program.partition
     hw = hardware or program.partition_config.hardware
@@ -185,6 +200,10 @@ def price(compiled: CompiledPipeline, hardware: Hardware | None = None) -> Price
     if compiled.vocab_timing is not None:
         timing = compiled.vocab_timing
         durations, p2p, collective = timing.durations, timing.p2p_latency, timing.collective_latency
+        if vocab_passes_s is not None:
+            pp = len(durations.vocab_forward)
+            durations = dataclasses.replace(durations, vocab_forward=(vocab_passes_s[0],) * pp,
+                                            vocab_backward=(vocab_passes_s[1],) * pp)
     else:
         backward = tuple(c.bwd_s for c in stages)
         durations = StageDurations(forward=tuple(c.fwd_s for c in stages), backward=backward,
@@ -196,22 +215,106 @@ def price(compiled: CompiledPipeline, hardware: Hardware | None = None) -> Price
                                     backward=tuple(b + c for b, c in zip(durations.backward, comm_b)))
     durations = with_action_overhead(durations, hw.action_overhead_s, compiled.schedule.splits_backward)
     sim = simulate(compiled.schedule, durations, p2p_latency=p2p, collective_latency=collective)
+    makespan = sim.makespan
+    world = config.tp * config.pp * config.replicas
+    if concurrent is not None and concurrent < world:
+        # Every tp rank and replica runs the pipeline's compute: the machine does all of it.
+        makespan = max(makespan, sum(sim.busy) * config.tp * config.replicas / concurrent)
     # Every data-parallel replica sums its gradients: the largest rank's, in fp32.
     params = max(sum(c.params for c in stages if c.rank == r) for r in range(config.pp))
     grads = 4 * params
     allreduce = hw.collective_s(Collective.ALL_REDUCE, grads, config.replicas,
                                 hw.members_per_node(config.replicas, config.tp))
     bubble = sim.max_bubble_fraction if config.pp > 1 else 0.0
-    return PricedLayout(config=config, step_s=sim.makespan + allreduce, memory_bytes=max(result.rank_memory_bytes),
+    return PricedLayout(config=config, step_s=makespan + allreduce, memory_bytes=max(result.rank_memory_bytes),
                         bubble=bubble, allreduce_s=allreduce)
+
+
+def ranks_at_once(world_size: int, device: torch.device | str = "cpu") -> int | None:
+    """How many of ``world_size`` ranks can compute at once here: on CPUs, the cores over
+    each rank's threads per node (None when every rank has cores of its own, or on GPUs)."""
+    if torch.device(device).type != "cpu":
+        return None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    at_once = max(1, (os.cpu_count() or 1) // torch.get_num_threads())
+    return at_once * max(1, world_size // per_node) if per_node > at_once else None
+
+
+class _Costs:
+    """Per (tp, micro-batch size): the capture, and its compute timed at those shard
+    shapes (``fxpipe/costs/local.py``) — once, shared by every layout that needs them."""
+
+    def __init__(self, model: nn.Module, batch: tuple[torch.Tensor, ...], base: ParallelConfig,
+                 loss_fn: Callable | None, measure: bool, threads: int | None) -> None:
+        self.model, self.batch, self.base, self.loss_fn = model, batch, base, loss_fn
+        self.measure, self.threads = measure, threads
+        self.programs: dict[int, Program] = {}
+        self.timed: dict[tuple[int, int], LocalTimes | None] = {}
+        self.passes: dict[tuple, tuple[float, float]] = {}
+        self.notes: list[str] = []
+
+    def program(self, rows: int) -> Program:
+        if rows not in self.programs:
+            self.programs[rows] = capture_for(self.model, tuple(t[:rows] for t in self.batch), self.base,
+                                              self.loss_fn)
+        return self.programs[rows]
+
+    def hooks(self, config: ParallelConfig, rows: int) -> CompileHooks:
+        if not self.measure:
+            return CompileHooks()
+        key = (config.tp, rows)
+        if key not in self.timed:
+            self.timed[key] = self._time(config, rows)
+        timed = self.timed[key]
+        if timed is None:
+            return CompileHooks()
+        return CompileHooks(node_times=lambda program, pconfig, ctx: node_times_for(
+            program, pconfig, timed, ctx.schedule.splits_backward))
+
+    def vocab_passes(self, compiled: CompiledPipeline) -> tuple[float, float] | None:
+        """S and T of this layout's vocabulary block, timed here (None: not measuring, or
+        no vocabulary passes)."""
+        head = compiled.plan.vocab_head if compiled.plan is not None else None
+        if not self.measure or head is None or compiled.vocab_timing is None:
+            return None
+        spec = compiled.plan.values[head.hidden].spec
+        key = (math.prod(spec.shape[:-1]), spec.shape[-1], max(b - a for a, b in head.blocks), spec.dtype)
+        if key not in self.passes:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(self.threads or threads)
+            try:
+                self.passes[key] = time_vocab_passes(*key)
+            finally:
+                torch.set_num_threads(threads)
+        return self.passes[key]
+
+    def _time(self, config: ParallelConfig, rows: int) -> LocalTimes | None:
+        program = compile_program(self.program(rows), dataclasses.replace(config, costs="model"), until="cost").program
+        shards = ShardBuilder(program, program.tp_specs, self.model, tp_rank=0, device=torch.device("cpu"),
+                              seed=self.base.seed)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads or threads)
+        try:
+            return measure_locally(program, program.partition_config or CompileContext.of(config).partition,
+                                   tuple(t[:rows] for t in self.batch), shards.tensors, tp=config.tp)
+        except Exception as exc:  # noqa: BLE001 - a graph that cannot run alone keeps the cost model
+            self.notes.append(f"tp={config.tp} b={rows}: timing failed ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:120] if str(exc) else ''}), cost model used")
+            return None
+        finally:
+            torch.set_num_threads(threads)
 
 
 def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: int, *,
                   loss_fn: Callable[..., torch.Tensor] | None = None, base: ParallelConfig | None = None,
-                  pinned: Mapping[str, Any] = {}) -> LayoutSearch:
+                  pinned: Mapping[str, Any] = {}, threads: int | None = None,
+                  concurrent: int | None = None) -> LayoutSearch:
     """The fastest layout of ``world_size`` ranks for ``model`` on the global ``batch`` that
     fits ``base.memory_limit_gb`` (module docstring). ``base``: every field the search does
-    not decide; ``pinned``: fields it must keep (by ``ParallelConfig`` field name)."""
+    not decide; ``pinned``: fields it must keep (by ``ParallelConfig`` field name).
+    Under ``base.costs == "measure"`` (the default) and a model with weights, each layout's
+    compute is timed here at its shard shapes with ``threads`` threads (default: this
+    process's), as each rank will run; ``concurrent``: as ``price``."""
     start = time.perf_counter()
     base = base or ParallelConfig()
     batch = tuple(batch) if not isinstance(batch, torch.Tensor) else (batch,)
@@ -220,17 +323,18 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
     if unknown:
         raise ValueError(f"the layout search decides {', '.join(SEARCHED)}; {sorted(unknown)} are set on the "
                          f"config itself")
-    programs: dict[int, Program] = {}
+    measure = base.costs == "measure" and not any(p.is_meta for p in model.parameters())
+    costs = _Costs(model, batch, base, loss_fn, measure, threads)
     priced, refused, needs_over_limit = [], [], []
     limit = base.memory_limit_bytes
     for config in candidate_layouts(world_size, rows, base, pinned):
         b = rows // (config.replicas * config.num_microbatches)
         name = describe(config)
-        if b not in programs:  # one capture per micro-batch size, shared by every layout of it
-            programs[b] = capture_for(model, tuple(t[:b] for t in batch), base, loss_fn)
         try:
-            fast = dataclasses.replace(config, partition=Method.DP, costs="model", memory_limit_gb=None)
-            layout = price(compile_program(programs[b], fast))
+            fast = dataclasses.replace(config, partition=Method.DP, memory_limit_gb=None,
+                                       costs="measure" if measure else "model")
+            compiled = compile_program(costs.program(b), fast, hooks=costs.hooks(config, b))
+            layout = price(compiled, concurrent=concurrent, vocab_passes_s=costs.vocab_passes(compiled))
         except (ValueError, PartitionError) as exc:  # this model cannot take the layout
             refused.append((name, " ".join(str(exc).split())[:200]))
             continue
@@ -244,8 +348,14 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
     if not priced:
         raise ValueError(_nothing_fits(world_size, rows, pinned, refused, needs_over_limit, limit))
     ranked = sorted(priced, key=lambda p: (p.step_s, p.memory_bytes, p.config.pp, p.config.num_microbatches))
+    timed = [t for t in costs.timed.values() if t is not None]
+    threads = threads or torch.get_num_threads()
+    how = (f"compute timed here at each layout's shard shapes ({len(timed)} shapes, {threads} thread(s))" if timed
+           else f"cost model ({base.hardware})")
+    if concurrent is not None and concurrent < world_size:
+        how += f", {concurrent} rank(s) computing at once"
     return LayoutSearch(world_size=world_size, chosen=ranked[0], ranked=tuple(ranked), refused=tuple(refused),
-                        seconds=time.perf_counter() - start)
+                        seconds=time.perf_counter() - start, costs=how, notes=tuple(costs.notes))
 
 
 def _nothing_fits(world_size: int, rows: int, pinned: Mapping[str, Any], refused: list, needs: list[int],

@@ -125,24 +125,8 @@ class VocabPasses:
         width = self.stop - self.start
         with torch.enable_grad():
             # the captured ops between the head and the loss, on the block
-            cur = replay(self.head.chain, torch.nn.functional.linear(m.hidden, self.weight), width)
-        m.logits = cur
-        with torch.no_grad():
-            logits = self._masked(cur.detach().float())
-            top = logits.max(-1).values
-            # a block of padding only: no class, sum-exp 0 (its max, -inf, loses the max)
-            sumexp = torch.exp(logits - torch.where(top == float("-inf"), 0.0, top).unsqueeze(-1)).sum(-1)
-            local = m.target - self.first
-            inside = (local >= 0) & (local < width)
-            picked = logits.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
-            m.stats = torch.stack([top, sumexp, torch.where(inside, picked, 0.0)])
-
-    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` with the TP padding rows' columns at -inf (they never win)."""
-        if self.padding:
-            logits = logits.clone()  # not the autograd graph's tensor
-            logits[..., logits.shape[-1] - self.padding:] = float("-inf")
-        return logits
+            m.logits = replay(self.head.chain, torch.nn.functional.linear(m.hidden, self.weight), width)
+        m.stats = block_statistics(m.logits, m.target, self.first, self.padding)
 
     def allreduce_s(self, mb: int) -> None:
         """Online softmax over the ranks' blocks; the loss on every rank."""
@@ -164,20 +148,11 @@ class VocabPasses:
     def t(self, mb: int) -> None:
         """The block's backward: its rows' gradient and a partial gradient of x."""
         m = self.micro[mb]
-        top, total, _pick = m.stats
         valid = m.target != self.head.ignore_index
         scale = self.loss_scale()
         if self.head.reduction == Reduction.MEAN:
             scale = scale / valid.sum().clamp(min=1)
-        weight = valid.to(torch.float32) * scale
-        with torch.no_grad():
-            logits = self._masked(m.logits.detach().float())
-            grad = torch.exp(logits - top.unsqueeze(-1)) / total.unsqueeze(-1)
-            width = self.stop - self.start
-            local = m.target - self.first
-            inside = ((local >= 0) & (local < width)).to(grad.dtype)
-            grad.scatter_add_(-1, local.clamp(0, width - 1).unsqueeze(-1), -inside.unsqueeze(-1))
-            grad = (grad * weight.unsqueeze(-1)).to(m.logits.dtype)
+        grad = block_gradient(m.logits, m.stats, m.target, self.first, self.padding, valid.to(torch.float32) * scale)
         torch.autograd.backward([m.logits], [grad])
         m.partial = m.hidden.grad if m.hidden.grad is not None else torch.zeros_like(m.hidden)
         m.logits = None
@@ -198,3 +173,44 @@ class VocabPasses:
         self.contributed.append((work, partial, mb))
         self.contributed = [c for c in self.contributed if not c[0].is_completed()]
         return None
+
+
+# ---- the block's math, apart from the collectives (what the layout search times: costs/local.py) ----
+def masked(logits: torch.Tensor, padding: int) -> torch.Tensor:
+    """``logits`` (detached, fp32) with the last ``padding`` columns — TP padding rows,
+    never a class — at -inf."""
+    logits = logits.detach().float()
+    if padding:
+        logits = logits.clone()  # not the autograd graph's tensor
+        logits[..., logits.shape[-1] - padding:] = float("-inf")
+    return logits
+
+
+@torch.no_grad()
+def block_statistics(logits: torch.Tensor, target: torch.Tensor, first: int, padding: int) -> torch.Tensor:
+    """Per token of a block of logits whose first column is class ``first``: its max, its
+    sum-exp relative to that max, and the target's logit (0 outside the block), stacked."""
+    width = logits.shape[-1]
+    logits = masked(logits, padding)
+    top = logits.max(-1).values
+    # a block of padding only: no class, sum-exp 0 (its max, -inf, loses the max)
+    sumexp = torch.exp(logits - torch.where(top == float("-inf"), 0.0, top).unsqueeze(-1)).sum(-1)
+    local = target - first
+    inside = (local >= 0) & (local < width)
+    picked = logits.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
+    return torch.stack([top, sumexp, torch.where(inside, picked, 0.0)])
+
+
+@torch.no_grad()
+def block_gradient(logits: torch.Tensor, stats: torch.Tensor, target: torch.Tensor, first: int, padding: int,
+                   weight: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy's gradient on a block of logits, given the all-reduced
+    statistics (global max, sum-exp): softmax minus the target's one-hot, times each
+    token's ``weight`` (its share of the reduction and the loss scale), in the logits' dtype."""
+    top, total, _pick = stats
+    width = logits.shape[-1]
+    grad = torch.exp(masked(logits, padding) - top.unsqueeze(-1)) / total.unsqueeze(-1)
+    local = target - first
+    inside = ((local >= 0) & (local < width)).to(grad.dtype)
+    grad.scatter_add_(-1, local.clamp(0, width - 1).unsqueeze(-1), -inside.unsqueeze(-1))
+    return (grad * weight.unsqueeze(-1)).to(logits.dtype)

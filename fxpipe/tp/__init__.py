@@ -13,9 +13,9 @@ The compiler pass that inserts these ops is :mod:`fxpipe.passes.tensor_parallel`
 """
 from fxpipe.tp import ops  # noqa: F401  (registers torch.ops.fxpipe_tp.*)
 from fxpipe.tp.context import DropoutRNG, TPContext, current_tp, tp_group_context
-from fxpipe.tp.group import EmulatedGroup, ProcessGroupTP, ReduceOp, TPGroup, run_emulated
+from fxpipe.tp.group import EmulatedGroup, ProcessGroupTP, ReduceOp, ShapesOnlyGroup, TPGroup, run_emulated
 from fxpipe.tp.scatter_gather import gather_chunks, inter_stage_bytes, scatter_chunk
 
-__all__ = ["DropoutRNG", "EmulatedGroup", "ProcessGroupTP", "ReduceOp", "TPContext", "TPGroup",
+__all__ = ["DropoutRNG", "EmulatedGroup", "ProcessGroupTP", "ReduceOp", "ShapesOnlyGroup", "TPContext", "TPGroup",
            "current_tp", "gather_chunks", "inter_stage_bytes", "run_emulated", "scatter_chunk",
            "tp_group_context"]

@@ -1,10 +1,12 @@
 """Tensor-parallel groups: the three collectives TP needs, behind one small protocol
 (plus ``all_to_all`` with uneven splits, for expert parallelism's groups: ``fxpipe/ep``).
 
-Two implementations:
+Three implementations:
 
 - :class:`ProcessGroupTP` wraps a real ``torch.distributed`` process group (NCCL on
   GPUs, gloo on CPUs): what the runtime uses.
+- :class:`ShapesOnlyGroup` is one rank with no peers, returning the real collectives'
+  shapes: what times a shard's compute in one process.
 - :class:`EmulatedGroup` runs every TP rank in a thread of one process and makes
   the collectives rendezvous at a barrier. Tests use it: all ranks' graphs run in
   about the time of one, with no process spawn (docs/tensor_parallel.md:
@@ -107,6 +109,47 @@ class ProcessGroupTP:
 
     def __repr__(self) -> str:
         return f"ProcessGroupTP(rank={self._rank}, size={self._size})"
+
+
+class ShapesOnlyGroup:
+    """Rank 0 of a group of ``size`` that no peer joins: each collective returns a tensor
+    of the shape the real one returns, from this rank's data alone (an all-reduce copies,
+    an all-gather repeats, a reduce-scatter keeps this rank's chunk).
+
+    What it is for: timing one tp rank's compute at its shard shapes in a single process
+    (the layout search, ``fxpipe/costs/local.py``), the communication priced apart on the
+    links. The values are not any rank's real values; timing depends on shapes only."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"a group needs size >= 1, got {size}")
+        self._size = size
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        return t.detach().clone(memory_format=torch.contiguous_format)
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.cat([t.detach()] * self._size, dim=dim)
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        assert t.shape[dim] % self._size == 0, (tuple(t.shape), dim, self._size)
+        return t.detach().narrow(dim, 0, t.shape[dim] // self._size).contiguous()
+
+    def all_to_all(self, t: torch.Tensor, send: Sequence[int], recv: Sequence[int]) -> torch.Tensor:
+        src = t.detach().contiguous()
+        rows = sum(recv)
+        return src.new_zeros((rows, *src.shape[1:])) if rows != src.shape[0] else src.clone()
+
+    def __repr__(self) -> str:
+        return f"ShapesOnlyGroup(size={self._size})"
 
 
 class _Rendezvous:

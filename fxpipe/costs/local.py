@@ -1,0 +1,131 @@
+"""One tp rank's compute, timed in this process alone, at the shard shapes of a layout.
+
+The layout search (``fxpipe/planner/auto_layout.py``) prices candidates that need
+shapes no mesh exists for yet — tp=2 and tp=4 shards of the same graph, micro-batches
+of 1 to B rows — from one process, before any layout is built. ``measure_locally`` runs
+the tensor-parallel graph's probe groups (``fxpipe/costs/measure.py``, the same runner
+and the same groups ``costs="measure"`` times on a mesh) with a ``ShapesOnlyGroup`` as
+the tp group: every collective returns its real shape from this rank's data alone, so
+the compute is timed at shard shapes and the communication is left to be priced on the
+links. ``node_times_for`` then gives any later compile of the same capture (another
+pipeline split, another schedule) its per-node times: nodes of the timed graph keep
+theirs; the blocks a split matmul cut share their op's time in proportion to the cost
+model; a node the timed graph did not have takes the cost model's time scaled by what
+measurement found for the rest (measured / modelled).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from fxpipe.costs import probe_groups
+from fxpipe.costs.measure import time_groups
+from fxpipe.costs.profile import CostProfile, device_name
+from fxpipe.ir.pass_configs import PartitionConfig
+from fxpipe.ir.program import Program
+from fxpipe.passes.assign_stages import build_problem_graph
+from fxpipe.passes.split import split_pass
+from fxpipe.runtime.head_blocks import block_gradient, block_statistics
+from fxpipe.tp import DropoutRNG, ShapesOnlyGroup, tp_group_context
+
+_MATMULS = {torch.ops.aten.linear.default: 1, torch.ops.aten.mm.default: 1, torch.ops.aten.addmm.default: 2}
+"""Matmul ops by the argument that holds the weight (what ``split_matmul`` cuts)."""
+
+
+@dataclass(frozen=True)
+class LocalTimes:
+    """Measured seconds per node of one tp rank's graph at one micro-batch size."""
+    fused: Mapping[str, tuple[float, float]]
+    """(forward, backward) per node, the backward run whole."""
+    split: Mapping[str, tuple[float, float]]
+    """(forward, input + weight gradient) per node, as the zero-bubble schedules run it."""
+    scale: tuple[float, float]
+    """Measured / modelled seconds over the timed nodes, forward and backward: for nodes
+    the timed graph does not have."""
+    matmuls: Mapping[str, str]
+    """The weight value a matmul reads -> that matmul node (whose time its split blocks share)."""
+    device: str
+
+
+def measure_locally(program: Program, config: PartitionConfig, batch: Sequence[torch.Tensor],
+                    state_for: Callable[[Sequence[str]], Mapping[str, torch.Tensor]], *, tp: int,
+                    device: torch.device = torch.device("cpu"), repeats: int = 3) -> LocalTimes:
+    """Time ``program`` (after the tensor-parallel and cost passes, before any pipeline
+    split) group by group in this process; ``state_for(names)`` gives tp rank 0's shards."""
+    fine, probe = probe_groups(program, config)
+    n = len(probe.members)
+    timed = program.replace(stages=probe.expand({g: g for g in range(n)}))
+    plan = split_pass(timed, dict(timed.stages), num_stages=n)
+    names = list(dict.fromkeys(p for g in range(n) for p in plan.stage_params(g)))
+    group, rng = ShapesOnlyGroup(tp), DropoutRNG(seed=0, tp_rank=0)
+    context = (lambda: tp_group_context(group, rng)) if tp > 1 else contextlib.nullcontext
+    rows = time_groups(plan, range(n), state_for(names), batch, device, repeats=repeats, context=context)
+    profile = CostProfile(key="", device=device_name(device), groups=tuple(rows[g] for g in range(n)),
+                          latency_s=0.0, bandwidth_bytes_per_s=float("inf"))
+    fused, split = profile.node_times(fine, probe, False), profile.node_times(fine, probe, True)
+    modelled = [sum(fine.nodes[v][k] for v in fine.nodes) for k in ("fwd", "bwd")]
+    measured = [sum(t[i] for t in fused.values()) for i in (0, 1)]
+    scale = tuple(m / d if d > 0 else 1.0 for m, d in zip(measured, modelled))
+    matmuls = {}
+    for node in program.graph.nodes:
+        at = _MATMULS.get(node.target)
+        if at is not None and len(node.args) > at and hasattr(node.args[at], "name"):
+            matmuls.setdefault(node.args[at].name, node.name)
+    return LocalTimes(fused=fused, split=split, scale=scale, matmuls=matmuls, device=profile.device)
+
+
+def node_times_for(program: Program, config: PartitionConfig, measured: LocalTimes,
+                   split_backward: bool) -> dict[str, tuple[float, float]]:
+    """(forward, backward) seconds of every node the partition sees in ``program`` — a
+    compile of the capture ``measured`` was timed on (module docstring)."""
+    fine = build_problem_graph(program, dataclasses.replace(config, node_times=None))
+    known = measured.split if split_backward else measured.fused
+    out: dict[str, tuple[float, float]] = {}
+    for split in program.matmul_splits:
+        whole = known.get(measured.matmuls.get(split.weight, ""))
+        members = [n for b in split.blocks for n in b.nodes if n in fine]
+        if whole is None or not members:
+            continue
+        for i, key in enumerate(("fwd", "bwd")):
+            total = sum(fine.nodes[n][key] for n in members)
+            for n in members:
+                share = fine.nodes[n][key] / total if total > 0 else 1 / len(members)
+                prev = out.get(n, (0.0, 0.0))
+                out[n] = (whole[0] * share, prev[1]) if i == 0 else (prev[0], whole[1] * share)
+    for n in fine.nodes:
+        if n not in out:
+            modelled = (fine.nodes[n]["fwd"] * measured.scale[0], fine.nodes[n]["bwd"] * measured.scale[1])
+            out[n] = known.get(n) or modelled
+    return out
+
+
+def time_vocab_passes(tokens: int, hidden: int, width: int, dtype: torch.dtype = torch.float32, *,
+                      repeats: int = 3) -> tuple[float, float]:
+    """Median seconds of one vocabulary pass S and one T (``runtime/head_blocks.py``'s
+    math: the block's logits and statistics; their gradient back through the block) on
+    a block of ``width`` vocabulary rows for ``tokens`` tokens of width ``hidden``. The
+    captured cross-entropy is not what the passes run: they make several passes over
+    the block's logits of their own, which the head's timed nodes do not show."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).requires_grad_(True)
+    w = (0.02 * torch.randn(width, hidden, generator=gen)).to(dtype).requires_grad_(True)
+    target = torch.randint(0, width, (tokens,), generator=gen)
+    weight = torch.full((tokens,), 1.0 / tokens)
+    s_times, t_times = [], []
+    for _ in range(repeats + 1):  # the first: warm-up
+        start = time.perf_counter()
+        with torch.enable_grad():
+            logits = torch.nn.functional.linear(x, w)
+        stats = block_statistics(logits, target, 0, 0)
+        mid = time.perf_counter()
+        torch.autograd.backward([logits], [block_gradient(logits, stats, target, 0, 0, weight)])
+        s_times.append(mid - start)
+        t_times.append(time.perf_counter() - mid)
+    x.grad = w.grad = None
+    return statistics.median(s_times[1:]), statistics.median(t_times[1:])
