@@ -32,7 +32,7 @@ from fxpipe.ir.program import Program
 from fxpipe.ir.token_inputs import check_token_ids
 from fxpipe.params.rank_state import ShardBuilder
 from fxpipe.passes.assign_stages import partition_pass
-from fxpipe.planner.auto_layout import SEARCHED, search_layout
+from fxpipe.planner.auto_layout import SEARCHED, ranks_at_once, search_layout
 from fxpipe.runtime.api import ParallelModel
 from fxpipe.runtime.build import build_runtime
 from fxpipe.runtime.launch import init_distributed
@@ -89,13 +89,14 @@ def choose_layout(model: nn.Module, config: ParallelConfig | None, layout: dict[
     pinned = {LAYOUT_KEYWORDS[k]: v for k, v in given.items() if k in LAYOUT_KEYWORDS}
     if config is not None:  # a whole config with some fields "auto": the others are pinned
         pinned = {f: getattr(base, f) for f in SEARCHED if f not in {LAYOUT_KEYWORDS[k] for k in auto}} | pinned
-    init_distributed(timedelta(seconds=base.timeout_s), device)
+    device = init_distributed(timedelta(seconds=base.timeout_s), device)
     # The search may outlast the collectives' timeout: the others wait on a group of its own.
     group = dist.new_group(backend="gloo", timeout=timedelta(hours=2))
     box: list[Any] = [None]
     if dist.get_rank() == 0:
-        found = search_layout(model, example_inputs, dist.get_world_size(), loss_fn=loss_fn, base=base,
-                              pinned=pinned)
+        world = dist.get_world_size()
+        found = search_layout(model, example_inputs, world, loss_fn=loss_fn, base=base, pinned=pinned,
+                              concurrent=ranks_at_once(world, device))
         box = [({f: getattr(found.chosen.config, f) for f in SEARCHED}, found.table())]
         print(box[0][1], flush=True)
     dist.broadcast_object_list(box, src=0, group=group)

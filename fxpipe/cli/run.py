@@ -55,6 +55,12 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
     """Defaults, then the config file, then the flags given."""
     fields = _given(args)
     layout = {k: fields.pop(k) for k in list(fields) if k in LAYOUT_FLAGS}
+    if fields.get("global_batch") and "micro_batch_size" not in fields and searched_layout(args) is not None:
+        # The search splits the global batch into dp·m·b: until it has, one microbatch of all
+        # the rows per replica (dp and m as pinned, else 1) stands in for its choice.
+        dp, m = layout.setdefault("dp", 1), layout.setdefault("num_microbatches", 1)
+        if fields["global_batch"] % (dp * m) == 0:
+            fields["micro_batch_size"] = fields["global_batch"] // (dp * m)
     check_flags_by_name({**vars(DEFAULT.parallel), "chunks": None, **vars(DEFAULT), **layout, **fields})
     # val_fraction is derived from eval_interval when not given: resolved again, as chunks is.
     return dataclasses.replace(DEFAULT, parallel=with_layout(DEFAULT.parallel, layout),

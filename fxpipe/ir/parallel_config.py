@@ -148,7 +148,16 @@ class ParallelConfig:
         return PartitionConfig(num_stages=schedule.num_stages, stage_to_rank=schedule.stage_ranks,
                                inflight=stage_inflight(schedule), method=self.partition,
                                memory_limit_bytes=self.memory_limit_bytes, hardware=get_hardware(self.hardware),
-                               time_limit_s=self.time_limit_s, allow_over_limit=self.allow_over_limit)
+                               time_limit_s=self.time_limit_s, allow_over_limit=self.allow_over_limit,
+                               state_bytes_per_param_byte=self.state_bytes_per_param_byte)
+
+    @property
+    def state_bytes_per_param_byte(self) -> float:
+        """Training state per byte of parameter, as the partition's memory model counts it:
+        the parameter, its gradient and Adam's two moments — under ZeRO-1 the moments
+        split over the dp replicas (``runtime/zero.py``: whole parameters per owner,
+        balanced by size, so about 1/dp each)."""
+        return 2.0 + (2.0 / self.replicas if self.zero else 2.0)
 
 
 def check_layout(values: Mapping[str, Any], *, flag: Callable[[str], str] | None = None) -> None:

@@ -14,8 +14,9 @@ data-parallel gradient all-reduce; the memory is the partition's per-rank model 
 plus the schedule's activations in flight). Fields the caller pins constrain the search;
 a pin nothing fits is refused naming the smallest change that does.
 
-What is not searched yet (kept as given): recomputation, sequence parallelism, ZeRO-1,
-expert parallelism and the blockwise loss.
+ZeRO-1 is tried where a layout with data parallelism does not fit the memory limit
+without it. What is not searched yet (kept as given): recomputation, sequence
+parallelism, expert parallelism and the blockwise loss.
 """
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ from fxpipe.planner.search import divisors
 from fxpipe.schedules.registry import ScheduleKind, get_spec
 from fxpipe.schedules.simulate import StageDurations, simulate
 
-SEARCHED = ("tp", "pp", "dp", "num_microbatches", "schedule", "chunks", "vocab_passes")
-"""The layout fields the search decides (the rest of ``ParallelConfig`` is taken as given)."""
+SEARCHED = ("tp", "pp", "dp", "num_microbatches", "schedule", "chunks", "vocab_passes", "zero")
+"""The layout fields the search decides (the rest of ``ParallelConfig`` is taken as given;
+``zero`` only where a layout does not fit the memory limit without it)."""
 PIPELINE_SCHEDULES = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED,
                       ScheduleKind.ZB_H1, ScheduleKind.ZB_V)
 
@@ -71,7 +73,7 @@ def describe(c: ParallelConfig) -> str:
     if c.pp > 1:
         what += f" {c.schedule.value}" + (f" v={c.chunks}" if c.chunks > 1 else "")
         what += " vocab-passes" if c.vocab_passes else ""
-    return what
+    return what + (" zero-1" if c.zero else "")
 
 
 @dataclass(frozen=True)
@@ -231,13 +233,22 @@ def price(compiled: CompiledPipeline, hardware: Hardware | None = None, *,
 
 
 def ranks_at_once(world_size: int, device: torch.device | str = "cpu") -> int | None:
-    """How many of ``world_size`` ranks can compute at once here: on CPUs, the cores over
-    each rank's threads per node (None when every rank has cores of its own, or on GPUs)."""
+    """How many of ``world_size`` running ranks (this one among them) can compute at once:
+    on CPUs, the cores over each rank's threads, per node (None when every rank has cores
+    of its own, or on GPUs)."""
     if torch.device(device).type != "cpu":
         return None
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     at_once = max(1, (os.cpu_count() or 1) // torch.get_num_threads())
     return at_once * max(1, world_size // per_node) if per_node > at_once else None
+
+
+def local_world(world_size: int) -> tuple[int, int | None]:
+    """(threads per rank, ``concurrent``) for ``world_size`` CPU ranks to be started on this
+    machine, as ``fxpipe run`` starts them (each with cores / ranks threads, at least one)."""
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // world_size)
+    return threads, (cores // threads if world_size * threads > cores else None)
 
 
 class _Costs:
@@ -329,22 +340,27 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
     limit = base.memory_limit_bytes
     for config in candidate_layouts(world_size, rows, base, pinned):
         b = rows // (config.replicas * config.num_microbatches)
-        name = describe(config)
-        try:
-            fast = dataclasses.replace(config, partition=Method.DP, memory_limit_gb=None,
-                                       costs="measure" if measure else "model")
-            compiled = compile_program(costs.program(b), fast, hooks=costs.hooks(config, b))
-            layout = price(compiled, concurrent=concurrent, vocab_passes_s=costs.vocab_passes(compiled))
-        except (ValueError, PartitionError) as exc:  # this model cannot take the layout
-            refused.append((name, " ".join(str(exc).split())[:200]))
-            continue
-        layout = dataclasses.replace(layout, config=config)
-        if limit is not None and layout.memory_bytes > limit:
+        # ZeRO-1 moves the same bytes as the all-reduce it replaces (runtime/zero.py) and
+        # holds Adam's moments 1/dp: tried where the layout does not fit without it.
+        tries = [config] + ([dataclasses.replace(config, zero=1)] if config.replicas > 1 and not config.zero
+                            and "zero" not in pinned and limit is not None else [])
+        for attempt in tries:
+            name = describe(attempt)
+            try:
+                fast = dataclasses.replace(attempt, partition=Method.DP, memory_limit_gb=None,
+                                           costs="measure" if measure else "model")
+                compiled = compile_program(costs.program(b), fast, hooks=costs.hooks(attempt, b))
+                layout = price(compiled, concurrent=concurrent, vocab_passes_s=costs.vocab_passes(compiled))
+            except (ValueError, PartitionError) as exc:  # this model cannot take the layout
+                refused.append((name, " ".join(str(exc).split())[:200]))
+                break
+            layout = dataclasses.replace(layout, config=attempt)
+            if limit is None or layout.memory_bytes <= limit:
+                priced.append(layout)
+                break
             needs_over_limit.append(layout.memory_bytes)
             refused.append((name, f"needs {layout.memory_bytes / 2**30:.2f} GiB per rank, over the limit "
                                   f"{limit / 2**30:.2f} GiB"))
-            continue
-        priced.append(layout)
     if not priced:
         raise ValueError(_nothing_fits(world_size, rows, pinned, refused, needs_over_limit, limit))
     ranked = sorted(priced, key=lambda p: (p.step_s, p.memory_bytes, p.config.pp, p.config.num_microbatches))
