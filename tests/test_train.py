@@ -14,7 +14,8 @@ def test_builtin_batches_are_a_function_of_seed_and_position():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--global-batch", "10"], "global batch 10"),
+    # A layout flag without --world: the layout as given (4·4·1 rows), which 10 is not.
+    (["--global-batch", "10", "--pp", "2"], "global batch 10"),
     (["--schedule", "nope"], "valid names are: gpipe, 1f1b"),
     (["--model", "nope"], "unknown model"),
     (["--eval-interval", "5", "--val-fraction", "0"], "--eval-interval needs validation data"),

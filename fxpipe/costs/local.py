@@ -24,6 +24,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from fxpipe.base.cpu_memory import keep_freed_blocks
 from fxpipe.costs import probe_groups
 from fxpipe.costs.measure import time_groups
 from fxpipe.costs.profile import CostProfile, device_name
@@ -58,6 +59,7 @@ def measure_locally(program: Program, config: PartitionConfig, batch: Sequence[t
                     device: torch.device = torch.device("cpu"), repeats: int = 3) -> LocalTimes:
     """Time ``program`` (after the tensor-parallel and cost passes, before any pipeline
     split) group by group in this process; ``state_for(names)`` gives tp rank 0's shards."""
+    keep_freed_blocks()  # as every CPU rank runs (base/cpu_memory.py)
     fine, probe = probe_groups(program, config)
     n = len(probe.members)
     timed = program.replace(stages=probe.expand({g: g for g in range(n)}))
@@ -112,6 +114,7 @@ def time_vocab_passes(tokens: int, hidden: int, width: int, dtype: torch.dtype =
     a block of ``width`` vocabulary rows for ``tokens`` tokens of width ``hidden``. The
     captured cross-entropy is not what the passes run: they make several passes over
     the block's logits of their own, which the head's timed nodes do not show."""
+    keep_freed_blocks()  # as every CPU rank runs (base/cpu_memory.py)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype).requires_grad_(True)
     w = (0.02 * torch.randn(width, hidden, generator=gen)).to(dtype).requires_grad_(True)

@@ -7,6 +7,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from fxpipe.base.cpu_memory import keep_freed_blocks
+
 
 def default_device() -> torch.device:
     """cuda:LOCAL_RANK when GPUs are present, else CPU."""
@@ -29,6 +31,8 @@ def init_distributed(timeout: timedelta, device: torch.device | None = None) -> 
     device = device or default_device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu":
+        keep_freed_blocks()  # a step's large temporaries reused, not re-faulted (base/cpu_memory.py)
     if dist.is_initialized():
         return device
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

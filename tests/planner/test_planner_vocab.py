@@ -172,10 +172,12 @@ def test_a_small_head_keeps_it_on_the_last_stage(capsys, tmp_path):
     p = argparse.ArgumentParser()
     add_plan_arguments(p)
     args = p.parse_args(["--model", "gpt-18b", "--gpus", "256", "--global-batch", "1024", "--top", "8",
-                         "--vocab-passes", "search", "--schedules", "1f1b,zb-h1", "--json", str(out)])
+                         "--vocab-passes", "search", "--schedules", "1f1b,zb-h1", "--json", str(out),
+                         "--dropout", "on"])  # as the registry's shape (the paper's setting) below
     assert run_plan(args) == 0
     text = capsys.readouterr().out
-    assert " vocab " in text.splitlines()[1]
+    assert text.startswith("fxpipe plan: captured gpt-18b on meta")  # the shape read off its graph
+    assert " vocab " in text.splitlines()[2]
     rows = json.loads(out.read_text())
     assert rows[0]["vocab_passes"] is False and any(r["vocab_passes"] for r in rows)
     shape = shape_from_registry("gpt-18b")
