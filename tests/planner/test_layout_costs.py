@@ -157,7 +157,7 @@ def test_fxpipe_plan_takes_a_model_directory(tmp_path, capsys):
 @pytest.mark.slow
 def test_fxpipe_run_without_a_layout_searches_it():
     res = subprocess.run([sys.executable, "-m", "fxpipe", "run", "--model", "gpt-tiny", "--world", "2", "--steps",
-                          "2", "--seq", "16", "--timeline", "none", "--costs", "model", "--global-batch", "8"],
+                          "1", "--seq", "16", "--timeline", "none", "--costs", "model", "--global-batch", "8"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
@@ -195,3 +195,24 @@ def test_cpu_processes_keep_freed_blocks_as_the_search_times_them():
     # Set once per process, by every CPU rank (runtime/launch.py) and by the search's timing.
     assert cpu_memory.keep_freed_blocks() is True and cpu_memory._done == [True]
     assert cpu_memory.keep_freed_blocks() is True and cpu_memory._done == [True]
+
+
+def _run_layout(rank, world):
+    from fxpipe.job.config import TrainConfig
+    from fxpipe.job.layout_choice import choose_run_layout
+
+    config = TrainConfig(model="gpt-tiny", seq=16, steps=1, global_batch=16, micro_batch_size=4,
+                         parallel=ParallelConfig(tp=2, pp=2, dp=1, microbatches=4, costs="model"))
+    chosen = choose_run_layout(config, world, {"pp": 2})
+    return chosen.parallel, chosen.micro_batch_size, chosen.batch
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank_0_chooses_the_runs_layout_for_every_rank():
+    from tests.runtime._dist import run_world
+
+    ranks = run_world(2, _run_layout)
+    assert ranks[0] == ranks[1]  # one choice, every rank
+    parallel, rows, batch = ranks[0]
+    assert parallel.pp == 2 and parallel.tp * parallel.pp * parallel.dp == 2 and batch == 16
+    assert rows * parallel.num_microbatches * parallel.dp == 16
