@@ -6,11 +6,15 @@ allow — tp·pp·dp = world, dp dividing the batch's rows, the number of microb
 the micro-batch size b = rows / (dp·m)), and for a pipeline every schedule (GPipe, 1F1B,
 interleaved, ZB-H1, ZB-V) with the head run whole or as vocabulary passes — and prices
 each on this model's graph, through the compile pipeline itself (``compiler/pipeline.py``):
-the tensor-parallel pass at that tp, the cost model per node, the chain-DP partition (the
+the tensor-parallel pass at that tp, per-node times — one tp rank's compute timed here
+once per (tp, micro-batch size) at those shard shapes (``fxpipe/costs/local.py``; the cost
+model for a meta-device model or ``costs="model"``) — the chain-DP partition (the
 fast, optimal-on-one-order split; the chosen layout is compiled with the user's method,
 the ILP by default), the vocabulary passes placed on the stages' times. The step is the
-schedule's simulated makespan on those stage times (``schedules/simulate.py``) plus the
-data-parallel gradient all-reduce; the memory is the partition's per-rank model (state
+schedule's simulated makespan on those stage times (``schedules/simulate.py``), with the
+tensor-parallel collectives as rings on the links, the runtime's fixed cost per action,
+the vocabulary passes' S and T as timed at their block, and the cores the ranks share
+(``concurrent``), plus the data-parallel gradient all-reduce; the memory is the partition's per-rank model (state
 plus the schedule's activations in flight). Fields the caller pins constrain the search;
 a pin nothing fits is refused naming the smallest change that does.
 
