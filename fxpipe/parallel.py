@@ -32,7 +32,7 @@ from fxpipe.ir.program import Program
 from fxpipe.ir.token_inputs import check_token_ids
 from fxpipe.params.rank_state import ShardBuilder
 from fxpipe.passes.assign_stages import partition_pass
-from fxpipe.planner.auto_layout import SEARCHED, ranks_at_once, search_layout
+from fxpipe.planner.auto_layout import SEARCHED, ranks_at_once, report_progress, search_layout
 from fxpipe.runtime.api import ParallelModel
 from fxpipe.runtime.build import build_runtime
 from fxpipe.runtime.launch import init_distributed
@@ -96,7 +96,7 @@ def choose_layout(model: nn.Module, config: ParallelConfig | None, layout: dict[
     if dist.get_rank() == 0:
         world = dist.get_world_size()
         found = search_layout(model, example_inputs, world, loss_fn=loss_fn, base=base, pinned=pinned,
-                              concurrent=ranks_at_once(world, device))
+                              concurrent=ranks_at_once(world, device), progress=report_progress)
         box = [({f: getattr(found.chosen.config, f) for f in SEARCHED}, found.table())]
         print(box[0][1], flush=True)
     dist.broadcast_object_list(box, src=0, group=group)

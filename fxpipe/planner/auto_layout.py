@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -323,13 +324,15 @@ class _Costs:
 def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: int, *,
                   loss_fn: Callable[..., torch.Tensor] | None = None, base: ParallelConfig | None = None,
                   pinned: Mapping[str, Any] = {}, threads: int | None = None,
-                  concurrent: int | None = None) -> LayoutSearch:
+                  concurrent: int | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> LayoutSearch:
     """The fastest layout of ``world_size`` ranks for ``model`` on the global ``batch`` that
     fits ``base.memory_limit_gb`` (module docstring). ``base``: every field the search does
     not decide; ``pinned``: fields it must keep (by ``ParallelConfig`` field name).
     Under ``base.costs == "measure"`` (the default) and a model with weights, each layout's
     compute is timed here at its shard shapes with ``threads`` threads (default: this
-    process's), as each rank will run; ``concurrent``: as ``price``."""
+    process's), as each rank will run; ``concurrent``: as ``price``; ``progress(done,
+    total)``: called as layouts are priced (``report_progress`` prints it)."""
     start = time.perf_counter()
     base = base or ParallelConfig()
     batch = tuple(batch) if not isinstance(batch, torch.Tensor) else (batch,)
@@ -342,7 +345,10 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
     costs = _Costs(model, batch, base, loss_fn, measure, threads)
     priced, refused, needs_over_limit = [], [], []
     limit = base.memory_limit_bytes
-    for config in candidate_layouts(world_size, rows, base, pinned):
+    candidates = list(candidate_layouts(world_size, rows, base, pinned))
+    for index, config in enumerate(candidates):
+        if progress is not None:
+            progress(index, len(candidates))
         b = rows // (config.replicas * config.num_microbatches)
         # ZeRO-1 moves the same bytes as the all-reduce it replaces (runtime/zero.py) and
         # holds Adam's moments 1/dp: tried where the layout does not fit without it.
@@ -365,6 +371,8 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
             needs_over_limit.append(layout.memory_bytes)
             refused.append((name, f"needs {layout.memory_bytes / 2**30:.2f} GiB per rank, over the limit "
                                   f"{limit / 2**30:.2f} GiB"))
+    if progress is not None:
+        progress(len(candidates), len(candidates))
     if not priced:
         raise ValueError(_nothing_fits(world_size, rows, pinned, refused, needs_over_limit, limit))
     ranked = sorted(priced, key=lambda p: (p.step_s, p.memory_bytes, p.config.pp, p.config.num_microbatches))
@@ -376,6 +384,12 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
         how += f", {concurrent} rank(s) computing at once"
     return LayoutSearch(world_size=world_size, chosen=ranked[0], ranked=tuple(ranked), refused=tuple(refused),
                         seconds=time.perf_counter() - start, costs=how, notes=tuple(costs.notes))
+
+
+def report_progress(done: int, total: int) -> None:
+    """Progress on a long search, on stderr: a line at each quarter of the layouts."""
+    if total and (done == total or done * 4 // total != (done - 1) * 4 // total) and done > 0:
+        print(f"fxpipe: layout search: {done}/{total} layouts priced", file=sys.stderr, flush=True)
 
 
 def _nothing_fits(world_size: int, rows: int, pinned: Mapping[str, Any], refused: list, needs: list[int],
