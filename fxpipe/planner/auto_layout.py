@@ -4,7 +4,8 @@ captured program, and the fastest that fits.
 ``search_layout(model, batch, world_size)`` enumerates the layouts the world and the batch
 allow — tp·pp·dp = world, dp dividing the batch's rows, the number of microbatches m (so
 the micro-batch size b = rows / (dp·m)), and for a pipeline every schedule (GPipe, 1F1B,
-interleaved, ZB-H1, ZB-V) with the head run whole or as vocabulary passes — and prices
+interleaved, ZB-H1, ZB-V) with the head run whole, with its loss block by block or as
+vocabulary passes (``HeadMode``) — and prices
 each on this model's graph, through the compile pipeline itself (``compiler/pipeline.py``):
 the tensor-parallel pass at that tp, per-node times — one tp rank's compute timed here
 once per (tp, micro-batch size) at those shard shapes (``fxpipe/costs/local.py``; the cost
@@ -20,11 +21,12 @@ a pin nothing fits is refused naming the smallest change that does.
 
 ZeRO-1 is tried where a layout with data parallelism does not fit the memory limit
 without it. What is not searched yet (kept as given): recomputation, sequence
-parallelism, expert parallelism and the blockwise loss.
+parallelism and expert parallelism.
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import os
 import sys
@@ -48,9 +50,19 @@ from fxpipe.planner.search import divisors
 from fxpipe.schedules.registry import ScheduleKind, get_spec
 from fxpipe.schedules.simulate import StageDurations, simulate
 
-SEARCHED = ("tp", "pp", "dp", "num_microbatches", "schedule", "chunks", "vocab_passes", "zero")
+SEARCHED = ("tp", "pp", "dp", "num_microbatches", "schedule", "chunks", "vocab_passes", "split_loss", "zero")
 """The layout fields the search decides (the rest of ``ParallelConfig`` is taken as given;
 ``zero`` only where a layout does not fit the memory limit without it)."""
+class HeadMode(enum.Enum):
+    """How a pipeline runs the LM head and its loss (each searched with pp >= 2)."""
+    WHOLE = "whole"
+    """On the last stage, as captured (``split_matmul`` may still cut a heavy head over stages)."""
+    BLOCKWISE = "blockwise"
+    """The cross-entropy block by block over a head cut over stages (``split_loss``)."""
+    VOCAB_PASSES = "vocab-passes"
+    """Every pipeline rank runs its block of the vocabulary (``vocab_passes``)."""
+
+
 PIPELINE_SCHEDULES = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED,
                       ScheduleKind.ZB_H1, ScheduleKind.ZB_V)
 
@@ -77,7 +89,7 @@ def describe(c: ParallelConfig) -> str:
     what = f"tp={c.tp} pp={c.pp} dp={c.dp} m={c.num_microbatches}"
     if c.pp > 1:
         what += f" {c.schedule.value}" + (f" v={c.chunks}" if c.chunks > 1 else "")
-        what += " vocab-passes" if c.vocab_passes else ""
+        what += " vocab-passes" if c.vocab_passes else (" blockwise-loss" if c.split_loss else "")
     return what + (" zero-1" if c.zero else "")
 
 
@@ -129,9 +141,10 @@ def candidate_layouts(world_size: int, rows: int, base: ParallelConfig,
                 kinds = PIPELINE_SCHEDULES if pp > 1 else (ScheduleKind.ONE_F_ONE_B,)
                 for kind in kinds:
                     spec = get_spec(kind)
-                    for vocab in ((False, True) if pp > 1 else (False,)):
+                    for head in (HeadMode if pp > 1 else (HeadMode.WHOLE,)):
                         fields = dict(tp=tp, pp=pp, dp=dp, num_microbatches=m, schedule=kind,
-                                      chunks=spec.default_chunks, vocab_passes=vocab)
+                                      chunks=spec.default_chunks, vocab_passes=head is HeadMode.VOCAB_PASSES,
+                                      split_loss=head is HeadMode.BLOCKWISE)
                         if any(k in fields and fields[k] != v for k, v in pinned.items()):
                             continue
                         try:
@@ -341,6 +354,10 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
     if unknown:
         raise ValueError(f"the layout search decides {', '.join(SEARCHED)}; {sorted(unknown)} are set on the "
                          f"config itself")
+    pinned = dict(pinned)
+    for field in ("split_loss", "vocab_passes"):  # a head mode the caller set is kept
+        if getattr(base, field) and field not in pinned:
+            pinned[field] = True
     measure = base.costs == "measure" and not any(p.is_meta for p in model.parameters())
     costs = _Costs(model, batch, base, loss_fn, measure, threads)
     priced, refused, needs_over_limit = [], [], []
@@ -360,6 +377,10 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
                 fast = dataclasses.replace(attempt, partition=Method.DP, memory_limit_gb=None,
                                            costs="measure" if measure else "model")
                 compiled = compile_program(costs.program(b), fast, hooks=costs.hooks(attempt, b))
+                if attempt.split_loss and not compiled.program.loss_splits:
+                    refused.append((name, "the head is not cut into blocks at this layout: its blockwise loss "
+                                          "is the whole head's"))
+                    break
                 layout = price(compiled, concurrent=concurrent, vocab_passes_s=costs.vocab_passes(compiled))
             except (ValueError, PartitionError) as exc:  # this model cannot take the layout
                 refused.append((name, " ".join(str(exc).split())[:200]))

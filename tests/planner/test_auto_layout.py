@@ -32,13 +32,15 @@ def test_enumeration_counts_every_layout_by_hand():
             dp = world // (tp * pp)
             if rows % dp == 0:
                 ms = len(divisors(rows // dp))
-                expected += ms * (len(PIPELINE_SCHEDULES) * 2 if pp > 1 else 1)
-    # (tp, pp, dp): (1,1,4) 2 m's; (1,2,2) 3 m's × 5 schedules × head whole or vocab passes; (1,4,1)
-    # 4 × 10; (2,1,2) 3; (2,2,1) 4 × 10; (4,1,1) 4: 2 + 30 + 40 + 3 + 40 + 4.
-    assert len(got) == expected == 119
+                expected += ms * (len(PIPELINE_SCHEDULES) * 3 if pp > 1 else 1)
+    # (tp, pp, dp): (1,1,4) 2 m's; (1,2,2) 3 m's × 5 schedules × head whole, blockwise loss or
+    # vocab passes; (1,4,1) 4 × 15; (2,1,2) 3; (2,2,1) 4 × 15; (4,1,1) 4: 2 + 45 + 60 + 3 + 60 + 4.
+    assert len(got) == expected == 174
     assert all(c.tp * c.pp * c.dp == world and rows % (c.dp * c.num_microbatches) == 0 for c in got)
-    assert not any(c.vocab_passes and c.pp < 2 for c in got)
-    assert len({(c.tp, c.pp, c.dp, c.num_microbatches, c.schedule, c.chunks, c.vocab_passes) for c in got}) == len(got)
+    assert not any((c.vocab_passes or c.split_loss) and c.pp < 2 for c in got)
+    assert not any(c.vocab_passes and c.split_loss for c in got)
+    assert len({(c.tp, c.pp, c.dp, c.num_microbatches, c.schedule, c.chunks, c.vocab_passes, c.split_loss)
+                for c in got}) == len(got)
     pinned = list(candidate_layouts(world, rows, ParallelConfig(), {"pp": 2, "schedule": "zb-v"}))
     assert pinned and all(c.pp == 2 and c.schedule is ScheduleKind.ZB_V and c.chunks == 2 for c in pinned)
 
@@ -141,7 +143,8 @@ def test_fxpipe_compile_prints_the_search_and_compiles_its_choice(capsys):
     argv = ["compile", "--model", "gpt-tiny", "--batch", "8", "--seq", "16", "--costs", "model", "--world", "2"]
     assert main(argv + ["--pp", "2", "--schedule", "zb-h1"]) == 0
     out = capsys.readouterr().out
-    assert "layout search over 8 layouts of 2 ranks" in out  # pp=2 zb-h1: m in 1, 2, 4, 8 × head whole or not
+    # pp=2 zb-h1: m in 1, 2, 4, 8 × head whole, blockwise loss or vocabulary passes
+    assert "layout search over 12 layouts of 2 ranks" in out
     chosen = [line for line in out.splitlines() if line.startswith("->")][0]
     assert "pp=2" in chosen and "zb-h1" in chosen
     assert "pipeline     pp=2 chunks=1 schedule=zb-h1" in out  # the choice is what was compiled

@@ -98,23 +98,28 @@ def test_oversubscribed_cores_price_every_ranks_compute(tiny):
 def test_the_search_is_the_fastest_of_every_layout_priced_one_by_one(tiny):
     base = ParallelConfig(costs="model", hardware="cpu")
     found = search_layout(tiny.model, tiny.example_inputs, 2, loss_fn=tiny.loss_fn, base=base)
-    brute, programs = {}, {}
+    brute, programs, skipped = {}, {}, 0
     rows = tiny.example_inputs[0].shape[0]
     for tp, pp, dp in ((1, 1, 2), (1, 2, 1), (2, 1, 1)):
         for m in (d for d in range(1, rows + 1) if (rows // dp) % d == 0):
             kinds = PIPELINE_SCHEDULES if pp > 1 else (ScheduleKind.ONE_F_ONE_B,)
             for kind in kinds:
-                for vocab in ((False, True) if pp > 1 else (False,)):
+                for vocab, blockwise in (((False, False), (True, False), (False, True)) if pp > 1
+                                         else ((False, False),)):
                     config = dataclasses.replace(base, tp=tp, pp=pp, dp=dp, num_microbatches=m, schedule=kind,
                                                  chunks=get_spec(kind).default_chunks, vocab_passes=vocab,
-                                                 partition="dp")
+                                                 split_loss=blockwise, partition="dp")
                     b = rows // (dp * m)
                     if b not in programs:
                         programs[b] = capture_for(tiny.model, tuple(t[:b] for t in tiny.example_inputs), config,
                                                   tiny.loss_fn)
-                    brute[(tp, pp, dp, m, kind, vocab)] = price(compile_program(programs[b], config)).step_s
-    assert len(brute) == len(found.ranked) + len(found.refused)
-    key = lambda c: (c.tp, c.pp, c.dp, c.num_microbatches, c.schedule, c.vocab_passes)  # noqa: E731
+                    compiled = compile_program(programs[b], config)
+                    if blockwise and not compiled.program.loss_splits:
+                        skipped += 1  # the head was not cut: the same layout as the whole head
+                        continue
+                    brute[(tp, pp, dp, m, kind, vocab, blockwise)] = price(compiled).step_s
+    assert len(brute) + skipped == len(found.ranked) + len(found.refused)
+    key = lambda c: (c.tp, c.pp, c.dp, c.num_microbatches, c.schedule, c.vocab_passes, c.split_loss)  # noqa: E731
     assert key(found.chosen.config) == min(brute, key=brute.get)
     for p in found.ranked:
         assert p.step_s == pytest.approx(brute[key(p.config)], rel=1e-9)
@@ -126,7 +131,7 @@ def test_the_search_on_measured_costs_times_each_shape_once(tiny):
     # (tp, micro-batch rows): tp=1 with 8, 4, 2, 1 rows (dp=1) and 4, 2, 1 (dp=2); tp=2 with 8, 4, 2, 1.
     assert "timed here at each layout's shard shapes (8 shapes, 1 thread(s))" in found.table()
     steps = [p.step_s for p in found.ranked]
-    assert steps == sorted(steps) and len(found.ranked) + len(found.refused) == 47
+    assert steps == sorted(steps) and len(found.ranked) + len(found.refused) == 67
 
 
 def test_captured_shape_is_the_registry_shape_and_reads_other_models():
