@@ -363,6 +363,7 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
     priced, refused, needs_over_limit = [], [], []
     limit = base.memory_limit_bytes
     candidates = list(candidate_layouts(world_size, rows, base, pinned))
+    heads_cut: dict[tuple, bool] = {}
     for index, config in enumerate(candidates):
         if progress is not None:
             progress(index, len(candidates))
@@ -371,15 +372,22 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
         # holds Adam's moments 1/dp: tried where the layout does not fit without it.
         tries = [config] + ([dataclasses.replace(config, zero=1)] if config.replicas > 1 and not config.zero
                             and "zero" not in pinned and limit is not None else [])
+        # The blockwise loss needs a head the compile cut into blocks: known from the whole
+        # head's layout, compiled just before it (candidate_layouts' order).
+        shape = (config.tp, config.pp, config.dp, config.num_microbatches, config.schedule, config.chunks)
+        if config.split_loss and heads_cut.get(shape) is False:
+            refused.append((describe(config), _NOT_CUT))
+            continue
         for attempt in tries:
             name = describe(attempt)
             try:
                 fast = dataclasses.replace(attempt, partition=Method.DP, memory_limit_gb=None,
                                            costs="measure" if measure else "model")
                 compiled = compile_program(costs.program(b), fast, hooks=costs.hooks(attempt, b))
+                if not attempt.split_loss and not attempt.vocab_passes:
+                    heads_cut[shape] = bool(compiled.program.matmul_splits)
                 if attempt.split_loss and not compiled.program.loss_splits:
-                    refused.append((name, "the head is not cut into blocks at this layout: its blockwise loss "
-                                          "is the whole head's"))
+                    refused.append((name, _NOT_CUT))
                     break
                 layout = price(compiled, concurrent=concurrent, vocab_passes_s=costs.vocab_passes(compiled))
             except (ValueError, PartitionError) as exc:  # this model cannot take the layout
@@ -405,6 +413,9 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
         how += f", {concurrent} rank(s) computing at once"
     return LayoutSearch(world_size=world_size, chosen=ranked[0], ranked=tuple(ranked), refused=tuple(refused),
                         seconds=time.perf_counter() - start, costs=how, notes=tuple(costs.notes))
+
+
+_NOT_CUT = "the head is not cut into blocks at this layout: its blockwise loss is the whole head's"
 
 
 def report_progress(done: int, total: int) -> None:
