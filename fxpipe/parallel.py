@@ -32,7 +32,8 @@ from fxpipe.ir.program import Program
 from fxpipe.ir.token_inputs import check_token_ids
 from fxpipe.params.rank_state import ShardBuilder
 from fxpipe.passes.assign_stages import partition_pass
-from fxpipe.planner.auto_layout import SEARCHED, ranks_at_once, report_progress, search_layout
+from fxpipe.planner.auto_layout import SEARCHED, report_progress, search_layout
+from fxpipe.planner.layout_price import ranks_at_once
 from fxpipe.runtime.api import ParallelModel
 from fxpipe.runtime.build import build_runtime
 from fxpipe.runtime.launch import init_distributed
@@ -67,10 +68,11 @@ def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
                          model=model, loss_scaler=loss_scaler)
 
 
-LAYOUT_KEYWORDS = {"tp": "tp", "pp": "pp", "dp": "dp", "microbatches": "num_microbatches",
-                   "num_microbatches": "num_microbatches", "schedule": "schedule", "chunks": "chunks",
-                   "vocab_passes": "vocab_passes"}
+LAYOUT_KEYWORDS = {"microbatches": "num_microbatches", **{f: f for f in SEARCHED}}
 """``parallelize``'s keywords for the fields the layout search decides (``planner/auto_layout.py``)."""
+GIVES_A_LAYOUT = frozenset({"tp", "pp", "dp", "num_microbatches", "schedule", "chunks", "vocab_passes"})
+"""One of these given is a layout given: no search (the head's blockwise loss, ep and the
+memory savers given alone are kept by the search)."""
 
 
 def choose_layout(model: nn.Module, config: ParallelConfig | None, layout: dict[str, Any],
@@ -81,7 +83,7 @@ def choose_layout(model: nn.Module, config: ParallelConfig | None, layout: dict[
     prices it on global rank 0 (the others receive it: one layout on every rank), with
     the search's table (printed by rank 0, kept on the compiled artifact)."""
     auto = {k for k, v in layout.items() if isinstance(v, str) and v == "auto"}
-    if not auto and (config is not None or set(layout) & set(LAYOUT_KEYWORDS)):
+    if not auto and (config is not None or {LAYOUT_KEYWORDS.get(k) for k in layout} & GIVES_A_LAYOUT):
         return (ParallelConfig(**layout) if config is None else dataclasses.replace(config, **layout)), None
     given = {k: v for k, v in layout.items() if k not in auto}
     base = (ParallelConfig(**{k: v for k, v in given.items() if k not in LAYOUT_KEYWORDS}) if config is None

@@ -36,6 +36,9 @@ class Collective(enum.Enum):
     """One rank's tensor to all: a pipelined ring moves the whole tensor over each link once."""
     REDUCE = "reduce"
     """All ranks' tensors summed onto one: the broadcast's ring, reversed."""
+    ALL_TO_ALL = "all_to_all"
+    """Each rank's tensor cut in ``size`` parts, part r to rank r: (size-1)/size of it leaves
+    every rank, in size-1 exchanges (the all-gather's bytes and steps)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -90,7 +90,8 @@ def _searched(layout: ParallelConfig, args: argparse.Namespace, workload) -> tup
     import dataclasses
 
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
-    from fxpipe.planner.auto_layout import SEARCHED, local_world, report_progress, search_layout
+    from fxpipe.planner.auto_layout import SEARCHED, report_progress, search_layout
+    from fxpipe.planner.layout_price import local_world
 
     pinned = {f: getattr(layout, f) for f in given(args, LAYOUT_FLAGS) if f in SEARCHED}
     threads, concurrent = local_world(args.world)  # as fxpipe run would start the ranks here

@@ -39,16 +39,17 @@ def _given(args: argparse.Namespace) -> dict:
 
 def searched_layout(args: argparse.Namespace) -> tuple[int, dict] | None:
     """(ranks, pinned fields) when the run's layout is to be searched: ``--world`` given,
-    or no layout field given at all (then the default world); None: the layout as given."""
+    or no layout field given at all (then the default world; a memory saver given, such
+    as ``--recompute full``, is kept); None: the layout as given."""
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.job.layout_choice import default_world
-    from fxpipe.planner.auto_layout import SEARCHED
+    from fxpipe.planner.auto_layout import LAYOUT_FIELDS, SEARCHED
 
     fields = _given(args)
     pinned = {k: v for k, v in fields.items() if k in SEARCHED}
     if fields.get("world") is not None:
         return fields["world"], pinned
-    return (default_world(), {}) if not pinned else None
+    return (default_world(), pinned) if not set(pinned) & set(LAYOUT_FIELDS) else None
 
 
 def resolve(args: argparse.Namespace) -> TrainConfig:

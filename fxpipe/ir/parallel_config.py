@@ -149,7 +149,8 @@ class ParallelConfig:
                                inflight=stage_inflight(schedule), method=self.partition,
                                memory_limit_bytes=self.memory_limit_bytes, hardware=get_hardware(self.hardware),
                                time_limit_s=self.time_limit_s, allow_over_limit=self.allow_over_limit,
-                               state_bytes_per_param_byte=self.state_bytes_per_param_byte)
+                               state_bytes_per_param_byte=self.state_bytes_per_param_byte,
+                               recompute=self.recompute)
 
     @property
     def state_bytes_per_param_byte(self) -> float:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from fxpipe.base.hardware import CPU, Hardware
+from fxpipe.base.recompute_mode import RecomputeMode
 from fxpipe.partition.result import Method
 
 
@@ -98,6 +99,9 @@ class PartitionConfig:
     rank rather than whole to the stage whose op reads them."""
     link: tuple[float, float] | None = None
     """Measured (latency s, bandwidth B/s) between pipeline ranks; None: the hardware's."""
+    recompute: RecomputeMode = RecomputeMode.NONE
+    """The recompute pass's mode, priced here: a recomputed region keeps only its inputs
+    for backward and runs its forward again in backward (``passes/recompute.py``)."""
     max_groups: int = 256
     time_limit_s: float = 10.0
     seed: int = 0

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from fxpipe.data import DataStream
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.prepare import build_job
-from fxpipe.planner.auto_layout import SEARCHED, local_world, report_progress, search_layout
+from fxpipe.planner.auto_layout import SEARCHED, report_progress, search_layout
+from fxpipe.planner.layout_price import local_world
 from fxpipe.runtime.launch import init_distributed
 
 
@@ -65,9 +66,7 @@ def _search(config: TrainConfig, world: int, pinned: Mapping[str, Any]) -> Train
     batch = w.batch_from_tokens(DataStream(source.train, config.batch, seed=seed).next_batch())
     # Each worker runs cores / local workers threads (job/train.py): timed as it will run.
     threads, concurrent = (None, None) if torch.cuda.is_available() else local_world(
-        int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    if concurrent is not None and "LOCAL_WORLD_SIZE" in os.environ:  # torchrun: every node shares its cores
-        concurrent *= max(1, world // int(os.environ["LOCAL_WORLD_SIZE"]))
+        world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     print(f"fxpipe run: searching the layouts of {world} ranks for {config.model} (global batch {config.batch} "
           f"× {config.seq} tokens" + (f"; pinned: {', '.join(f'{k}={v}' for k, v in pinned.items())}" if pinned
                                        else "") + ")", flush=True)

@@ -17,6 +17,7 @@ from fxpipe.ir.program import ParamKind, Program
 from fxpipe.ir.sizes import is_dynamic
 from fxpipe.partition import Method, PartitionError, PartitionProblem, PartitionResult, coarsen, partition
 from fxpipe.partition.memory_floor import MemoryLimitError, gib
+from fxpipe.passes.recompute import recompute_pricing
 from fxpipe.passes.split import side_values
 
 
@@ -30,25 +31,34 @@ def build_problem_graph(program: Program, config: PartitionConfig) -> nx.DiGraph
     hw = config.hardware
     side = side_values(program)
     params = {p.node: p for p in program.params if p.kind is ParamKind.PARAMETER}
+    # An expert-parallel rank holds E/ep of each stacked expert weight (passes/expert_parallel.py).
+    ep = program.expert_parallel
+    owners = {name: ep.ep for name in ep.specs} if ep is not None else {}
     g = nx.DiGraph()
     counted: set[str] = set()
+    recompute = recompute_pricing(program.graph_module, program.layers, config.recompute,
+                                  {k: c.out_bytes for k, c in program.costs.items()})
     for node in program.graph.nodes:
         if node.op != "call_function" or node.name in side:
             continue
         cost = program.costs[node.name]
         read = [params[a.name] for a in node.all_input_nodes if a.name in params]
-        static = sum(p.nbytes for p in read if p.canonical not in config.spread) * config.state_bytes_per_param_byte
+        static = sum(p.nbytes // owners.get(p.canonical, 1) for p in read
+                     if p.canonical not in config.spread) * config.state_bytes_per_param_byte
         # Parameter *count* once per tensor (the DeepSpeed baseline balances counts).
-        count = sum(p.numel for p in read if p.canonical not in counted)
+        count = sum(p.numel // owners.get(p.canonical, 1) for p in read if p.canonical not in counted)
         counted.update(p.canonical for p in read)
         fwd, bwd = (config.node_times[node.name] if config.node_times is not None
                     else (hw.forward_s(cost), hw.backward_s(cost)))
         away = node.name in config.elsewhere
         if away:
             fwd, bwd, static = 0.0, 0.0, 0.0
+        act = 0 if away or node.target in VIEW_OPS else cost.out_bytes
+        if node.name in recompute.recomputed:  # backward runs its forward again and keeps nothing
+            bwd, act = bwd + fwd, recompute.kept_inputs.get(node.name, 0)
         g.add_node(node.name, fwd=fwd, bwd=bwd,
                    static_bytes=static,
-                   act_bytes=0 if away or node.target in VIEW_OPS else cost.out_bytes * config.activation_scale,
+                   act_bytes=act * config.activation_scale,
                    out_bytes=cost.out_bytes, params=count,
                    layer=program.layers.get(node.name), key=program.module_paths.get(node.name),
                    # A data-dependent shape never crosses stages (coarsen keeps it with its readers).

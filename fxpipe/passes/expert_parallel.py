@@ -114,6 +114,18 @@ def _rows_alike(region: list[fx.Node], x: fx.Node, offs: fx.Node, params: dict[s
     return out
 
 
+def grouped_experts(program: Program) -> tuple[int, ...]:
+    """Experts of each grouped matmul over stacked (E, ., .) weights, in graph order: the
+    MoEs ``expert_parallel_pass`` may own over ep ranks (empty: none; whether each can be
+    is its own check)."""
+    params = {p.node: p.canonical for p in program.params if p.kind is ParamKind.PARAMETER}
+    seen: dict[fx.Node, int] = {}
+    for n in program.graph.nodes:
+        if n.op == "call_function" and is_grouped_mm(n) and _stacked_param(n.args[1], params) is not None:
+            seen.setdefault(n.args[2], shape(n.args[2])[0])
+    return tuple(seen.values())
+
+
 def expert_parallel_pass(program: Program, config: EPConfig) -> Program:
     """Wrap every grouped MoE's experts in dispatch / combine over ``config.ep`` ranks
     (see the module docstring); the result is ``program.expert_parallel``."""

@@ -231,6 +231,31 @@ def find_regions(gm: fx.GraphModule, layers: Mapping[str, int],
     return [(k, core) for k, run in runs for core in _attention_cores(run, weights)]
 
 
+@dataclass(frozen=True)
+class RecomputePricing:
+    """What ``mode`` changes in the partition's per-node costs (``passes/assign_stages.py``)."""
+    recomputed: frozenset[str]
+    """Nodes inside a region: nothing kept for backward, their forward run again in backward."""
+    kept_inputs: Mapping[str, int]
+    """Per region's first node: bytes of the region's inputs that are themselves recomputed
+    elsewhere (the checkpoint keeps them; an input outside every region is counted where
+    it is made)."""
+
+
+def recompute_pricing(gm: fx.GraphModule, layers: Mapping[str, int], mode: RecomputeMode,
+                      out_bytes: Mapping[str, int]) -> RecomputePricing:
+    """Price ``mode`` on a whole graph before the split: the regions ``apply_recompute``
+    would outline there (a layer the split cuts is recomputed piecewise, which keeps one
+    more boundary tensor; not counted)."""
+    regions = find_regions(gm, layers, mode)
+    recomputed = frozenset(n.name for _, nodes in regions for n in nodes)
+    kept: dict[str, int] = {}
+    for _, nodes in regions:
+        inputs, _ = boundary(nodes)
+        kept[nodes[0].name] = sum(out_bytes.get(a.name, 0) for a in inputs if a.name in recomputed)
+    return RecomputePricing(recomputed=recomputed, kept_inputs=kept)
+
+
 def apply_recompute(gm: fx.GraphModule, layers: Mapping[str, int],
                     mode: RecomputeMode) -> fx.GraphModule:
     """A copy of ``gm`` whose layers (FULL) or attention cores (SELECTIVE) are

@@ -44,7 +44,7 @@ from fxpipe.compiler.pipeline import compile_pipeline
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.models.gpt import GPT, GPTConfig
 from fxpipe.params.rank_state import ShardBuilder
-from fxpipe.planner.auto_layout import price
+from fxpipe.planner.layout_price import price
 from fxpipe.planner.options import CandidateLayout, PlannerOptions
 from fxpipe.planner.predict import predict
 from fxpipe.planner.shapes import TransformerShape

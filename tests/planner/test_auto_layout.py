@@ -10,7 +10,8 @@ import torch
 from fxpipe.compiler.pipeline import capture_for, compile_program
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.models.registry import build_workload
-from fxpipe.planner.auto_layout import PIPELINE_SCHEDULES, candidate_layouts, price, search_layout
+from fxpipe.planner.auto_layout import PIPELINE_SCHEDULES, candidate_layouts, search_layout
+from fxpipe.planner.layout_price import price
 from fxpipe.planner.search import divisors
 from fxpipe.schedules.registry import ScheduleKind
 from fxpipe.schedules.simulate import StageDurations, simulate
@@ -93,8 +94,8 @@ def test_a_pin_nothing_fits_is_refused_with_the_numbers(tiny):
                       base=ParallelConfig(memory_limit_gb=1e-6))
     with pytest.raises(ValueError, match=r"no layout of 2 ranks honours dp=3"):
         search_layout(tiny.model, tiny.example_inputs, 2, loss_fn=tiny.loss_fn, pinned={"dp": 3})
-    with pytest.raises(ValueError, match=r"the layout search decides .*\['recompute'\]"):
-        search_layout(tiny.model, tiny.example_inputs, 2, pinned={"recompute": "full"})
+    with pytest.raises(ValueError, match=r"the layout search decides .*\['seed'\]"):
+        search_layout(tiny.model, tiny.example_inputs, 2, pinned={"seed": 1})
 
 
 def _auto(rank, world, name):
@@ -124,7 +125,7 @@ def test_parallelize_without_a_layout_trains_exactly_on_the_searched_one():
 
 
 def test_action_overhead_lengthens_every_action_once():
-    from fxpipe.planner.auto_layout import with_action_overhead
+    from fxpipe.planner.layout_price import with_action_overhead
     from fxpipe.schedules.registry import generate
 
     o, m = 0.25, 4
@@ -153,7 +154,7 @@ def test_fxpipe_compile_prints_the_search_and_compiles_its_choice(capsys):
 
 def test_tensor_parallel_collectives_are_priced_as_rings_on_the_link():
     from fxpipe.base.hardware import CPU
-    from fxpipe.planner.auto_layout import tp_collective_times
+    from fxpipe.planner.layout_price import tp_collective_times
 
     w = build_workload("hf:llama", batch=2, seq=16)
     config = ParallelConfig(tp=2, costs="model", partition="dp")

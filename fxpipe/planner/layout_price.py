@@ -1,0 +1,217 @@
+"""What one layout costs: its predicted step and memory from a compiled pipeline.
+
+``price(compiled)`` runs the schedule simulator (``schedules/simulate.py``) on the
+partition's stage times, with the tensor-parallel collectives and the expert-parallel
+all-to-alls as rings on the links, the runtime's fixed cost per action, the vocabulary
+passes' S and T as timed, the cores the ranks share (``concurrent``), plus the
+data-parallel gradient all-reduce; the memory is the partition's per-rank model. The
+layout search (``planner/auto_layout.py``) ranks layouts by it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+from fxpipe.base.hardware import Collective, Hardware
+from fxpipe.base.recompute_mode import RecomputeMode
+from fxpipe.ep.dispatch import ep_combine, ep_dispatch
+from fxpipe.ir.artifact import CompiledPipeline
+from fxpipe.ir.parallel_config import ParallelConfig
+from fxpipe.ir.program import Program
+from fxpipe.schedules.simulate import StageDurations, simulate
+
+
+@dataclass(frozen=True)
+class PricedLayout:
+    """One layout and what the search predicts for it."""
+    config: ParallelConfig
+    step_s: float
+    """Predicted seconds per training step: the simulated pipeline plus the dp all-reduce."""
+    memory_bytes: int
+    """The largest rank's predicted memory: training state plus activations in flight."""
+    bubble: float
+    """Simulated idle share of the step on the busiest pipeline rank (0 without a pipeline)."""
+    allreduce_s: float
+    """The data-parallel gradient all-reduce included in ``step_s``."""
+
+    def describe(self) -> str:
+        return describe(self.config)
+
+
+def describe(c: ParallelConfig) -> str:
+    """A layout in one line: ``tp=1 pp=2 dp=1 m=4 zb-v v=2 vocab-passes``."""
+    what = f"tp={c.tp} pp={c.pp} dp={c.dp} m={c.num_microbatches}"
+    if c.pp > 1:
+        what += f" {c.schedule.value}" + (f" v={c.chunks}" if c.chunks > 1 else "")
+        what += " vocab-passes" if c.vocab_passes else (" blockwise-loss" if c.split_loss else "")
+    what += f" ep={c.ep}" if c.ep > 1 else ""
+    what += " zero-1" if c.zero else ""
+    what += " sp" if c.sp else ""
+    return what + (f" recompute-{c.recompute.value}" if c.recompute is not RecomputeMode.NONE else "")
+
+
+# The tensor-parallel ops (fxpipe/tp/ops.py) by the collective each runs forward and
+# backward, with the tensor size it moves as a multiple of the op's output (the full,
+# gathered size, as ``Hardware.collective_s`` takes it); the vocabulary-parallel loss
+# all-reduces three fp32 statistics per token (max, sum-exp, target logit).
+# ``True``: the moved tensor is the op's input, tp times its output (a reduce-scatter's
+# input, a scatter's gradient).
+_TP_FORWARD = {"reduce_from_tp": (Collective.ALL_REDUCE, False), "all_reduce_max": (Collective.ALL_REDUCE, False),
+               "vocab_parallel_embedding": (Collective.ALL_REDUCE, False),
+               "gather_seq": (Collective.ALL_GATHER, False), "reduce_scatter_seq": (Collective.REDUCE_SCATTER, True),
+               "gather": (Collective.ALL_GATHER, False)}
+_TP_BACKWARD = {"copy_to_tp": (Collective.ALL_REDUCE, False), "gather_seq": (Collective.REDUCE_SCATTER, False),
+                "reduce_scatter_seq": (Collective.ALL_GATHER, True), "scatter": (Collective.ALL_GATHER, True)}
+_LOSS_STATISTICS = 3
+
+
+def tp_collective_times(program: Program, tp: int, hw: Hardware, num_stages: int) -> tuple[list[float], list[float]]:
+    """Per stage, the seconds one microbatch's tensor-parallel collectives take forward and
+    backward on the hardware's links (the cost pass prices compute, not these)."""
+    fwd, bwd = [0.0] * num_stages, [0.0] * num_stages
+    if tp == 1:
+        return fwd, bwd
+    per_node = hw.members_per_node(tp, 1)
+    for node in program.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "namespace", None) != "fxpipe_tp":
+            continue
+        name, stage = node.target._schema.name.split("::")[1], program.stages.get(node.name, 0)
+        out = program.costs[node.name].out_bytes if node.name in program.costs else 0
+        if name == "vocab_parallel_cross_entropy":
+            logits = node.args[0].meta["val"]
+            tokens = logits.numel() // logits.shape[-1]
+            fwd[stage] += _LOSS_STATISTICS * hw.collective_s(Collective.ALL_REDUCE, 4 * tokens, tp, per_node)
+            continue
+        for table, times in ((_TP_FORWARD, fwd), (_TP_BACKWARD, bwd)):
+            if name in table:
+                kind, of_input = table[name]
+                times[stage] += hw.collective_s(kind, out * (tp if of_input else 1), tp, per_node)
+    return fwd, bwd
+
+
+def ep_collective_times(program: Program, hw: Hardware, num_stages: int, stride: int) -> tuple[list[float], list[float]]:
+    """Per stage, the seconds one microbatch's expert-parallel all-to-alls take forward and
+    backward: a dispatch moves its token rows (and the rows that travel with them) to the
+    experts' owners, a combine moves the experts' output rows back; backward moves their
+    gradients the other way (``ep/comm.py``). ``stride``: ranks between expert-group members."""
+    fwd, bwd = [0.0] * num_stages, [0.0] * num_stages
+    ep = program.expert_parallel.ep if program.expert_parallel is not None else 1
+    if ep == 1:
+        return fwd, bwd
+    per_node = hw.members_per_node(ep, stride)
+    size = lambda n: program.costs[n.name].out_bytes if n.name in program.costs else 0  # noqa: E731
+    for node in program.graph.nodes:
+        if node.op != "call_function" or node.target not in (ep_dispatch, ep_combine):
+            continue
+        moved = [node.args[0], *node.args[3:]] if node.target is ep_dispatch else [node.args[0]]
+        t = hw.collective_s(Collective.ALL_TO_ALL, sum(size(a) for a in moved if hasattr(a, "name")), ep, per_node)
+        stage = program.stages.get(node.name, 0)
+        fwd[stage] += t
+        bwd[stage] += t
+    return fwd, bwd
+
+
+def gradient_allreduce_s(compiled: CompiledPipeline, hw: Hardware) -> float:
+    """The data-parallel gradient all-reduce of the largest pipeline rank, in fp32: every
+    replica sums the gradients of what it holds; under expert parallelism an expert's
+    gradient only over the dp/ep replicas that hold that expert."""
+    config, program = compiled.config, compiled.program
+    stages = program.partition.stages
+    params = [sum(c.params for c in stages if c.rank == r) for r in range(config.pp)]
+    experts = [0] * config.pp
+    ep = program.expert_parallel
+    if ep is not None and ep.ep > 1:
+        ranks, nodes, seen = compiled.schedule.stage_ranks, {n.name: n for n in program.graph.nodes}, set()
+        for p in program.params:
+            if p.canonical in ep.specs and p.canonical not in seen and p.node in nodes:
+                seen.add(p.canonical)
+                stage = next((program.stages[u.name] for u in nodes[p.node].users if u.name in program.stages), 0)
+                experts[ranks[stage]] += p.numel // ep.ep
+    members = config.replicas
+    return max(hw.collective_s(Collective.ALL_REDUCE, 4 * (p - e), members, hw.members_per_node(members, config.tp))
+               + hw.collective_s(Collective.ALL_REDUCE, 4 * e, members // config.ep,
+                                 hw.members_per_node(members // config.ep, config.tp * config.ep))
+               for p, e in zip(params, experts))
+
+
+def with_action_overhead(d: StageDurations, overhead: float, split: bool) -> StageDurations:
+    """Every compute action ``overhead`` seconds longer: F, B (under a split backward I and W
+    each, so B = I + W carries two), S and T."""
+    if overhead <= 0:
+        return d
+    per_b = 2 * overhead if split else overhead
+    return dataclasses.replace(
+        d, forward=tuple(f + overhead for f in d.forward), backward=tuple(b + per_b for b in d.backward),
+        weight=tuple(w + overhead for w in d.weight) if split else d.weight,
+        vocab_forward=tuple(s + overhead for s in d.vocab_forward),
+        vocab_backward=tuple(t + overhead for t in d.vocab_backward))
+
+
+def price(compiled: CompiledPipeline, hardware: Hardware | None = None, *,
+          concurrent: int | None = None, vocab_passes_s: tuple[float, float] | None = None) -> PricedLayout:
+    """Predicted step time and memory of a compiled layout (module docstring), on
+    ``hardware`` (default: the one its partition was priced on). ``concurrent``: how many
+    ranks can compute at once on the machine (None: each has a device of its own); fewer
+    than the world and the ranks' summed compute time-shares what there is.
+    ``vocab_passes_s``: one vocabulary pass S and T as timed (``time_vocab_passes``),
+    instead of the head's share of the partition's times."""
+    config, program = compiled.config, compiled.program
+    result = program.partition
+    hw = hardware or program.partition_config.hardware
+    stages = result.stages
+    if compiled.vocab_timing is not None:
+        timing = compiled.vocab_timing
+        durations, p2p, collective = timing.durations, timing.p2p_latency, timing.collective_latency
+        if vocab_passes_s is not None:
+            pp = len(durations.vocab_forward)
+            durations = dataclasses.replace(durations, vocab_forward=(vocab_passes_s[0],) * pp,
+                                            vocab_backward=(vocab_passes_s[1],) * pp)
+    else:
+        backward = tuple(c.bwd_s for c in stages)
+        durations = StageDurations(forward=tuple(c.fwd_s for c in stages), backward=backward,
+                                   weight=tuple(b / 2 for b in backward))
+        p2p = hw.p2p_s(max((c.send_bytes for c in stages), default=0), intra_node=True)
+        collective = None
+    for comm_f, comm_b in (tp_collective_times(program, config.tp, hw, len(durations.forward)),
+                           ep_collective_times(program, hw, len(durations.forward), config.tp)):
+        durations = dataclasses.replace(durations, forward=tuple(f + c for f, c in zip(durations.forward, comm_f)),
+                                        backward=tuple(b + c for b, c in zip(durations.backward, comm_b)))
+    durations = with_action_overhead(durations, hw.action_overhead_s, compiled.schedule.splits_backward)
+    sim = simulate(compiled.schedule, durations, p2p_latency=p2p, collective_latency=collective)
+    makespan = sim.makespan
+    world = config.tp * config.pp * config.replicas
+    if concurrent is not None and concurrent < world:
+        # Every tp rank and replica runs the pipeline's compute: the machine does all of it.
+        makespan = max(makespan, sum(sim.busy) * config.tp * config.replicas / concurrent)
+    allreduce = gradient_allreduce_s(compiled, hw)
+    bubble = sim.max_bubble_fraction if config.pp > 1 else 0.0
+    return PricedLayout(config=config, step_s=makespan + allreduce, memory_bytes=max(result.rank_memory_bytes),
+                        bubble=bubble, allreduce_s=allreduce)
+
+
+def ranks_at_once(world_size: int, device: torch.device | str = "cpu") -> int | None:
+    """How many of ``world_size`` running ranks (this one among them) can compute at once:
+    on CPUs, the cores over each rank's threads, per node (None when every rank has cores
+    of its own, or on GPUs)."""
+    if torch.device(device).type != "cpu":
+        return None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    at_once = max(1, (os.cpu_count() or 1) // torch.get_num_threads())
+    return at_once * max(1, world_size // per_node) if per_node > at_once else None
+
+
+def local_world(world_size: int, per_node: int | None = None) -> tuple[int, int | None]:
+    """(threads per rank, ``concurrent``) for ``world_size`` CPU ranks, ``per_node`` of them
+    (default: all) started on each machine like this one, as ``fxpipe run`` and torchrun
+    start them (each with cores / local ranks threads, at least one)."""
+    per_node = per_node or world_size
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // per_node)
+    if per_node * threads <= cores:
+        return threads, None
+    return threads, cores // threads * max(1, world_size // per_node)
+
+
