@@ -83,3 +83,57 @@ def check_regular(path: str | os.PathLike, *, follow: bool = True) -> os.stat_re
 def inside(path: str | os.PathLike, root: str | os.PathLike) -> bool:
     """True if ``path``, with every link resolved, lies inside ``root`` (resolved too)."""
     return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root))
+
+
+def code_references(doc: object) -> list[str]:
+    """The Python files a Hugging Face config or tokenizer config asks transformers to run:
+    its ``auto_map`` (``"AutoConfig": "configuration_x.XConfig"`` → ``configuration_x.py``;
+    a ``"repo--module.Class"`` form names the module in another repository)."""
+    if not isinstance(doc, dict) or "auto_map" not in doc:
+        return []
+    entries = doc["auto_map"]
+    values = entries.values() if isinstance(entries, dict) else [entries]
+    names: list[str] = []
+    for value in values:
+        for ref in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(ref, str) and ref:
+                module = ref.split("--")[-1].rsplit(".", 1)[0]
+                names.append(module + ".py")
+    return sorted(set(names)) or ["(an auto_map entry)"]
+
+
+def refuse_remote_code(doc: object, path: str | os.PathLike) -> None:
+    """fxpipe never runs code from a model or tokenizer directory (``trust_remote_code``
+    is always False): a config whose ``auto_map`` asks for some is refused, naming it."""
+    files = code_references(doc)
+    if files:
+        raise UnsafeFileError(f"{path} asks to run custom code ({', '.join(files)}, via 'auto_map'); fxpipe never "
+                              f"runs code from a model or tokenizer directory: use a model type transformers "
+                              f"builds itself, or remove 'auto_map'")
+
+
+def open_output(path: str | os.PathLike, *, append: bool = False, line_buffered: bool = True):
+    """A text file opened for writing at ``path`` without following a link there (an
+    output never lands on a link's target) and refused unless it is, or becomes, a
+    regular file (a FIFO would block the writer, a device swallow or corrupt the output)."""
+    import fcntl
+
+    flags = (os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+             | (os.O_APPEND if append else 0))
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeFileError(f"{path} is a symbolic link; fxpipe writes no output through a link "
+                                  f"(give the path itself)") from None
+        if exc.errno == errno.ENXIO:  # a FIFO with no reader
+            raise UnsafeFileError(f"{path} is a FIFO, not a regular file") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise UnsafeFileError(f"{path} is {_kind(mode)}, not a regular file")
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    if not append:
+        os.ftruncate(fd, 0)
+    return os.fdopen(fd, "a" if append else "w", buffering=1 if line_buffered else -1)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from fxpipe.base.safe_io import read_bounded
+from fxpipe.base.safe_io import read_bounded, refuse_remote_code
 
 MAX_TOKENIZER_BYTES = 256 << 20
 """A tokenizer file larger than this is refused unread (Llama 3's tokenizer.json is 9 MB)."""
@@ -105,8 +105,11 @@ def load_tokenizer(path: str | os.PathLike) -> HFTokenizer:
         return HFTokenizer(impl, impl.get_vocab_size(with_added_tokens=True), eos, digest, str(file))
     from transformers import AutoTokenizer
 
+    for name in ("tokenizer_config.json", "config.json"):  # AutoTokenizer reads both for an auto_map
+        if (path / name).is_file():
+            refuse_remote_code(_json_file(path / name), path / name)
     try:
-        impl = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        impl = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--tokenizer {path}: neither a tokenizer.json nor a Hugging Face tokenizer "
                          f"directory ({' '.join(str(exc).split())[:200]})") from None

@@ -150,7 +150,7 @@ class ParallelConfig:
                                memory_limit_bytes=self.memory_limit_bytes, hardware=get_hardware(self.hardware),
                                time_limit_s=self.time_limit_s, allow_over_limit=self.allow_over_limit,
                                state_bytes_per_param_byte=self.state_bytes_per_param_byte,
-                               recompute=self.recompute)
+                               recompute=self.recompute, recompute_runs=2 if schedule.splits_backward else 1)
 
     @property
     def state_bytes_per_param_byte(self) -> float:

@@ -102,6 +102,9 @@ class PartitionConfig:
     recompute: RecomputeMode = RecomputeMode.NONE
     """The recompute pass's mode, priced here: a recomputed region keeps only its inputs
     for backward and runs its forward again in backward (``passes/recompute.py``)."""
+    recompute_runs: int = 1
+    """How many times backward runs a region's forward again: 2 under a split backward
+    (the input-gradient and the weight-gradient pass each recompute it)."""
     max_groups: int = 256
     time_limit_s: float = 10.0
     seed: int = 0

@@ -13,6 +13,7 @@ from typing import Any, Iterable
 
 import torch
 
+from fxpipe.base.safe_io import open_output
 from fxpipe.data import DataStream
 from fxpipe.ir.program import ParamKind
 from fxpipe.job.config import LRSchedule, TrainConfig
@@ -81,7 +82,7 @@ class MetricsWriter:
     installed and a directory given, the same scalars as TensorBoard events."""
 
     def __init__(self, path: str | None, tensorboard_dir: str | None) -> None:
-        self.file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 (closed in close())
+        self.file = open_output(path, append=True) if path else None  # closed in close()
         self.tb = None
         if tensorboard_dir:
             try:

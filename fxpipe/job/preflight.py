@@ -37,6 +37,7 @@ from fxpipe.ir.parallel_config import check_layout
 from fxpipe.ir.token_inputs import TokenRole
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.flags import LAYOUT_FLAGS
+from fxpipe.job.output_paths import check_outputs
 from fxpipe.job.preflight_data import DataFacts, check_data
 from fxpipe.job.preflight_files import (PreflightError, check_owner, check_resume, check_weights, check_writable_dir,
                                         check_writable_file, resume_path)
@@ -137,6 +138,7 @@ def check_world(world: int) -> None:
 # ---- 2. the file system (fxpipe/job/preflight_files.py) -----------------------------------------
 def check_paths(config: "TrainConfig") -> Path | None:
     """Returns the checkpoint a resume will start from (digests verified), else None."""
+    check_outputs(config)  # no output on an input or through a link (fxpipe/job/output_paths.py)
     resume = None
     if config.init_from is not None:
         try:  # the files alone (names, shapes and dtypes against the model: ``check_model``)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from fxpipe.base.safe_io import read_bounded
+from fxpipe.base.safe_io import read_bounded, refuse_remote_code
 from fxpipe.models.losses import next_token_loss
 from fxpipe.models.workload import Workload, _token_batch
 from fxpipe.params.hf_weights import INDEX, SINGLE
@@ -64,8 +64,9 @@ def load_config(directory: str):
         raise ValueError(f"{path} is not readable JSON ({type(exc).__name__})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("model_type"), str):
         raise ValueError(f"{path} has no 'model_type'; it must be a Hugging Face config.json (save_pretrained)")
+    refuse_remote_code(doc, path)
     try:
-        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        config = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as exc:
         raise ValueError(f"--model {directory}: transformers cannot read its config.json "
                          f"({' '.join(str(exc).split())[:200]})") from None
@@ -86,7 +87,7 @@ def build_model(directory: str, device: torch.device | str = "meta") -> torch.nn
     config = load_config(directory)
     config.use_cache = False  # no KV cache in training (and none to capture)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     # fp32 parameters whatever the files store (a bf16 checkpoint widens on load):
     # --precision chooses the compute dtype, the masters stay fp32.
     return model.to(torch.float32)

@@ -55,7 +55,7 @@ def build_problem_graph(program: Program, config: PartitionConfig) -> nx.DiGraph
             fwd, bwd, static = 0.0, 0.0, 0.0
         act = 0 if away or node.target in VIEW_OPS else cost.out_bytes
         if node.name in recompute.recomputed:  # backward runs its forward again and keeps nothing
-            bwd, act = bwd + fwd, recompute.kept_inputs.get(node.name, 0)
+            bwd, act = bwd + config.recompute_runs * fwd, recompute.kept_inputs.get(node.name, 0)
         g.add_node(node.name, fwd=fwd, bwd=bwd,
                    static_bytes=static,
                    act_bytes=act * config.activation_scale,

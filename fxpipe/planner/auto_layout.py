@@ -107,7 +107,8 @@ def candidate_layouts(world_size: int, rows: int, base: ParallelConfig,
     """Every layout of ``world_size`` ranks for a batch of ``rows`` rows that honours the
     ``pinned`` fields (by ``ParallelConfig`` field name), the rest taken from ``base``.
     ``experts``: the expert count of each MoE the graph has (``grouped_experts``): with
-    tp = 1 every ep dividing dp and every count is a layout too."""
+    tp = 1 every ep dividing dp and every count is a layout too (under 1F1B with the head
+    whole: what expert parallelism has run with)."""
     pinned = dict(pinned)
     if "schedule" in pinned:
         pinned["schedule"] = ScheduleKind.parse(pinned["schedule"])
@@ -123,6 +124,8 @@ def candidate_layouts(world_size: int, rows: int, base: ParallelConfig,
                     for kind in kinds:
                         spec = get_spec(kind)
                         for head in (HeadMode if pp > 1 else (HeadMode.WHOLE,)):
+                            if ep > 1 and (kind is not ScheduleKind.ONE_F_ONE_B or head is not HeadMode.WHOLE):
+                                continue  # expert parallelism has run with 1F1B and a whole head only
                             fields = dict(tp=tp, pp=pp, dp=dp, num_microbatches=m, schedule=kind,
                                           chunks=spec.default_chunks, vocab_passes=head is HeadMode.VOCAB_PASSES,
                                           split_loss=head is HeadMode.BLOCKWISE, ep=ep)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 
+from fxpipe.base.safe_io import open_output
 from fxpipe.schedules.actions import Action, ActionKind
 from fxpipe.schedules.timeline import Timeline
 
@@ -86,6 +87,6 @@ def trace_events(timeline: Timeline) -> list[dict]:
 
 def render_trace(timeline: Timeline, path: str | os.PathLike) -> None:
     """Write the trace JSON (``{"traceEvents": [...]}``) to ``path``."""
-    with open(path, "w") as f:
+    with open_output(path, line_buffered=False) as f:
         json.dump({"traceEvents": trace_events(timeline), "displayTimeUnit": "ms",
                    "otherData": {"title": timeline.title, "unit": timeline.unit}}, f)

@@ -1,0 +1,140 @@
+"""Trust, round three: no code from a model or tokenizer directory, no output over a file
+the run reads or through a link, nothing believed blindly. Each case goes through
+``fxpipe.cli.main`` in this process with the launcher replaced by a function that fails
+the test (``tests/test_preflight_trust.py``'s ``_refused``), or calls the API directly,
+and asserts the message, the exit code and what stayed on disk."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fxpipe.base.safe_io import UnsafeFileError, code_references
+from tests.test_preflight_trust import RUN, _refused
+
+EVIL = "import pathlib; pathlib.Path(__file__).with_name('RAN').write_text('code ran')\n"
+
+
+def _llama_config(path: Path, **extra) -> Path:
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+                             intermediate_size=64, vocab_size=300, max_position_embeddings=64).save_pretrained(path)
+    doc = json.loads((path / "config.json").read_text())
+    doc.update(extra)
+    (path / "config.json").write_text(json.dumps(doc))
+    return path
+
+
+# ---- 1. no remote code ---------------------------------------------------------------------------
+def test_auto_map_names_the_files_it_would_run():
+    assert code_references({"auto_map": {"AutoConfig": "configuration_evil.EvilConfig",
+                                         "AutoModelForCausalLM": "other/repo--modeling_evil.EvilLM"}}) == [
+        "configuration_evil.py", "modeling_evil.py"]
+    assert code_references({"auto_map": {"AutoTokenizer": ["tokenization_evil.EvilTok", None]}}) == [
+        "tokenization_evil.py"]
+    assert code_references({"model_type": "llama"}) == []
+
+
+@pytest.mark.parametrize("model_type", ["llama", "evil"])
+def test_a_model_directory_that_wants_its_code_run_is_refused_before_anything_runs(
+        tmp_path, monkeypatch, capsys, model_type):
+    d = _llama_config(tmp_path / "m", model_type=model_type,
+                      auto_map={"AutoConfig": "configuration_evil.EvilConfig",
+                                "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+    for name in ("configuration_evil.py", "modeling_evil.py"):
+        (d / name).write_text(EVIL)
+    argv = [a for a in RUN if a != "gpt-tiny"]
+    argv.insert(argv.index("--model") + 1, str(d))
+    _refused(argv, monkeypatch, capsys, "asks to run custom code (configuration_evil.py, modeling_evil.py",
+             "fxpipe never runs code")
+    assert not (d / "RAN").exists()
+    from fxpipe.models.hf_dir import load_config
+
+    with pytest.raises(UnsafeFileError, match="configuration_evil.py"):
+        load_config(str(d))
+    assert not (d / "RAN").exists()
+
+
+def test_a_tokenizer_directory_that_wants_its_code_run_is_refused(tmp_path):
+    from fxpipe.data.tokenizer import load_tokenizer
+
+    d = tmp_path / "tok"
+    d.mkdir()
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "EvilTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}}))
+    (d / "tokenization_evil.py").write_text(EVIL)
+    with pytest.raises(UnsafeFileError, match=r"tokenizer_config.json asks to run custom code \(tokenization_evil.py"):
+        load_tokenizer(d)
+    assert not (d / "RAN").exists()
+
+
+# ---- 2. outputs never land on inputs or through links --------------------------------------------
+def _corpus(tmp_path: Path) -> Path:
+    from tests.data._corpus import write_corpus
+
+    write_corpus(tmp_path / "texts", docs=20, words=200)
+    return tmp_path / "texts"
+
+
+@pytest.mark.parametrize("output", ["--metrics-file", "--export"])
+def test_an_output_on_the_data_file_is_refused_and_the_data_kept(tmp_path, monkeypatch, capsys, output):
+    data = _corpus(tmp_path) / "a.txt"
+    before = data.read_bytes()
+    _refused(RUN + ["--data", data, output, data], monkeypatch, capsys,
+             f"{output} {data} is what --data reads", "choose another path")
+    assert data.read_bytes() == before
+
+
+def test_an_output_inside_the_data_directory_is_refused(tmp_path, monkeypatch, capsys):
+    texts = _corpus(tmp_path)
+    _refused(RUN + ["--data", texts, "--metrics-file", texts / "m.jsonl"], monkeypatch, capsys,
+             f"--metrics-file {texts}/m.jsonl lies inside {texts}, the directory --data reads")
+    assert not (texts / "m.jsonl").exists()
+
+
+def test_export_into_the_init_from_directory_is_refused_and_the_weights_kept(tmp_path, monkeypatch, capsys):
+    from tests.test_preflight_trust import _weights
+
+    d = _weights(tmp_path)
+    before = (d / "model.safetensors").read_bytes()
+    _refused(RUN + ["--init-from", d, "--export", d], monkeypatch, capsys, f"--export {d} is what --init-from reads")
+    assert (d / "model.safetensors").read_bytes() == before
+
+
+@pytest.mark.parametrize("flag, suffix", [("--metrics-file", ""), ("--timeline", ".json")])
+def test_an_output_that_is_a_link_is_refused_and_its_target_kept(tmp_path, monkeypatch, capsys, flag, suffix):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / f"out{suffix}").symlink_to(victim)
+    _refused(RUN + [flag, tmp_path / "out"], monkeypatch, capsys, f"{tmp_path}/out{suffix} is a symbolic link",
+             "writes no output through a link")
+    assert victim.read_text() == "precious\n"
+
+
+def test_two_outputs_on_one_path_are_refused(tmp_path, monkeypatch, capsys):
+    _refused(RUN + ["--metrics-file", tmp_path / "x.json", "--timeline", tmp_path / "x"], monkeypatch, capsys,
+             "is also where --metrics-file writes")
+
+
+def test_the_writers_do_not_follow_a_link_made_after_the_check(tmp_path):
+    from fxpipe.base.safe_io import open_output
+    from fxpipe.job.components import MetricsWriter
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "m.jsonl").symlink_to(victim)
+    with pytest.raises(UnsafeFileError, match="m.jsonl is a symbolic link"):
+        MetricsWriter(str(tmp_path / "m.jsonl"), None)
+    with pytest.raises(UnsafeFileError, match="is a FIFO"):
+        import os
+        os.mkfifo(tmp_path / "fifo")
+        open_output(tmp_path / "fifo")
+    assert victim.read_text() == "precious\n"
+    with open_output(tmp_path / "new.txt") as f:  # a plain file is written, and truncated when rewritten
+        f.write("a long first line\n")
+    with open_output(tmp_path / "new.txt") as f:
+        f.write("b\n")
+    assert (tmp_path / "new.txt").read_text() == "b\n"
