@@ -138,3 +138,33 @@ def test_the_writers_do_not_follow_a_link_made_after_the_check(tmp_path):
     with open_output(tmp_path / "new.txt") as f:
         f.write("b\n")
     assert (tmp_path / "new.txt").read_text() == "b\n"
+
+
+# ---- 3. files the user names: regular, bounded, never blocking ------------------------------------
+def _fifo(path: Path) -> Path:
+    import os
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("make, kind", [(lambda p: p.symlink_to("/dev/zero"), "a character device"),
+                                        (_fifo, "a FIFO")], ids=["dev-zero", "fifo"])
+def test_a_hardware_profile_that_is_not_a_file_is_refused_at_once(tmp_path, capsys, make, kind):
+    from fxpipe import cli
+
+    make(tmp_path / "hw.json")
+    code = cli.main(["plan", "--model", "gpt-1.7b", "--gpus", "8", "--global-batch", "8",
+                     "--hardware", str(tmp_path / "hw.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"hw.json is {kind}, not a regular file" in err and "Traceback" not in err, err
+
+
+def test_a_weights_file_that_is_a_fifo_is_refused_without_waiting(tmp_path, monkeypatch, capsys):
+    (tmp_path / "hf").mkdir()
+    _fifo(tmp_path / "hf" / "model.safetensors")
+    _refused(RUN + ["--init-from", tmp_path / "hf"], monkeypatch, capsys, "model.safetensors is a FIFO")
+
+
+def test_a_metrics_file_that_is_a_fifo_is_refused_before_workers(tmp_path, monkeypatch, capsys):
+    _refused(RUN + ["--metrics-file", _fifo(tmp_path / "m.jsonl")], monkeypatch, capsys,
+             "--metrics-file", "m.jsonl is a FIFO, not a regular file")

@@ -211,12 +211,23 @@ class Hardware:
 
     @staticmethod
     def load(path: str) -> "Hardware":
-        with open(path) as f:
-            return Hardware.from_dict(json.load(f))
+        """A profile file: a regular file of at most ``MAX_PROFILE_BYTES`` (``/dev/zero`` or a
+        FIFO named by mistake is refused at once, not read until memory runs out)."""
+        from fxpipe.base.safe_io import read_bounded
+
+        try:
+            doc = json.loads(read_bounded(path, MAX_PROFILE_BYTES))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise ValueError(f"hardware profile {path} is not readable JSON ({type(exc).__name__})") from None
+        if not isinstance(doc, dict):
+            raise ValueError(f"hardware profile {path} must hold a JSON object (fxpipe calibrate --output writes one)")
+        return Hardware.from_dict(doc)
 
 
 GB = 1e9
 GiB = 2**30
+MAX_PROFILE_BYTES = 1 << 20
+"""A hardware profile larger than this is refused unread (one is a few hundred bytes)."""
 
 # A100-80GB SXM in a DGX A100, the SC21 paper's machine (Selene).
 # - 312 TFLOP/s dense bf16/fp16. matmul_efficiency 0.75: large fp16 GEMMs of the

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fxpipe.base.safe_io import UnsafeFileError, check_regular
 from fxpipe.job.preflight_files import PreflightError
 
 if TYPE_CHECKING:
@@ -57,6 +58,11 @@ def check_outputs(config: "TrainConfig") -> None:
         if is_file and os.path.islink(path):
             raise PreflightError(f"{flag} {path} is a symbolic link (to {os.readlink(path)}); fxpipe writes no output "
                                  f"through a link: give the path of the file itself")
+        if is_file and os.path.lexists(path):
+            try:  # a FIFO would block the writer, a device swallow the output
+                check_regular(path, follow=False)
+            except UnsafeFileError as exc:
+                raise PreflightError(f"{flag} {exc}; give the path of a regular file (or a new one)") from None
         real = os.path.realpath(path)
         for in_flag, in_path, in_real in reads:
             if real == in_real:

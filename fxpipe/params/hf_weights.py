@@ -73,6 +73,7 @@ def _check_inside(path: Path, directory: Path) -> None:
 
 
 def _keys(path: Path) -> list[str]:
+    check_regular(path)  # safe_open of a FIFO would wait for a writer forever
     with safe_open(path, "pt") as f:
         return list(f.keys())
 
