@@ -58,6 +58,7 @@ def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
     shard by shard by its own init scheme (``fxpipe/params/deferred_init.py``, ``init_fn`` to override).
     ``loss_scaler``: ``LossScaler`` arguments under fp16 (``runtime/mixed_precision.py``).
     """
+    check_arguments(model, config, example_inputs, loss_fn)
     config, search = choose_layout(model, config, layout, example_inputs, loss_fn, device)  # 1. given or searched
     mesh = RankMesh.join(config, device)                                      # 2. the mesh, dp resolved
     hooks = MeshHooks(mesh, model, example_inputs, weights, init_fn)          # 3. one microbatch to capture
@@ -66,6 +67,29 @@ def parallelize(model: nn.Module, config: ParallelConfig | None = None, *,
     mesh = report_and_place_experts(compiled, mesh)                           # 5. what stays whole; experts
     return build_runtime(compiled, mesh, hooks.shards(compiled.program),      # 6. this rank's runtime
                          model=model, loss_scaler=loss_scaler)
+
+
+def check_arguments(model: Any, config: Any, example_inputs: Any, loss_fn: Any) -> None:
+    """``parallelize``'s arguments by type, before anything is captured or joined: a
+    TypeError naming the argument and what it accepts."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"parallelize takes the model as a torch.nn.Module, got {type(model).__name__} "
+                        f"{getattr(model, '__name__', '')!s}".rstrip() + "; wrap a function in a Module whose "
+                        "forward calls it")
+    if config is not None and not isinstance(config, ParallelConfig):
+        raise TypeError(f"config must be a fxpipe.ParallelConfig or None, got {type(config).__name__} (give the "
+                        f"layout's fields as keywords instead: tp=2, pp=2, ...)")
+    batch = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
+    if not isinstance(batch, (tuple, list)) or not batch or not all(isinstance(t, torch.Tensor) for t in batch):
+        raise TypeError(f"example_inputs must be a tensor or a non-empty tuple of tensors (the model's positional "
+                        f"inputs, one global batch), got {type(example_inputs).__name__}")
+    meta = [i for i, t in enumerate(batch) if t.device.type == "meta"]
+    if meta:
+        raise TypeError(f"example_inputs[{meta[0]}] is on the meta device: the example batch needs values (the "
+                        f"model may be on meta, its batch not)")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (outputs, *batch) -> loss, or None, got "
+                        f"{type(loss_fn).__name__}")
 
 
 LAYOUT_KEYWORDS = {"microbatches": "num_microbatches", **{f: f for f in SEARCHED}}

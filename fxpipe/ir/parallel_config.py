@@ -170,12 +170,17 @@ def check_layout(values: Mapping[str, Any], *, flag: Callable[[str], str] | None
     name = flag or (lambda field: field)
     on = flag or (lambda field: f"{field}=True")  # a switch, set
     get = values.get
-    for field in ("tp", "pp", "num_microbatches"):
+    for field in ("tp", "pp", "num_microbatches", "ep"):
         value = get(field, 1)
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name('microbatches' if field == 'num_microbatches' and not flags else field)} must be "
+                            f"an integer, got {value!r} ({type(value).__name__})")
+        if value < 1:
             raise ValueError(f"{name(field)} must be >= 1, got {value!r}")
     dp = get("dp")
-    if dp is not None and (not isinstance(dp, int) or dp < 1):
+    if dp is not None and (not isinstance(dp, int) or isinstance(dp, bool)):
+        raise TypeError(f"{name('dp')} must be an integer or None (world / (tp·pp)), got {dp!r} ({type(dp).__name__})")
+    if dp is not None and dp < 1:
         raise ValueError(f"{name('dp')} must be >= 1, got {dp!r}" if flags else
                          f"dp must be a positive integer or None (world / (tp·pp)), got {dp!r}")
     tp, pp, ep = get("tp", 1), get("pp", 1), get("ep", 1)

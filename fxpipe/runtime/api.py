@@ -78,6 +78,7 @@ class ParallelModel:
         self.zero: ZeroPartition | None = parts.grad_sync.zero
         """ZeRO-1: which data-parallel replica owns (steps) each trainable tensor."""
         self.last_step_skipped = False
+        self.closed = False
         """fp16: the last step was dropped for an overflow."""
         self.last_stats: StepStats | None = None
         self._mb_shapes = [s.shape for s in self.plan.program.input_specs]
@@ -90,7 +91,10 @@ class ParallelModel:
         """Release the process groups this model created (tp, dp, pp and tied-weight
         groups). Each gloo group keeps its own polling threads until destroyed, so a
         process that parallelizes many models in turn (a test world, the compatibility
-        run) calls this between them. The model cannot train afterwards."""
+        run) calls this between them. The model cannot train afterwards; a second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
         mine = [self.groups.tp_group, self.groups.dp_group, self.groups.pp_group]
         mine += [group for _, group in self.grad_sync.tied]
         mine += [group for _, _, group in self.grad_sync.rows]
@@ -137,6 +141,7 @@ class ParallelModel:
     def unshard_tp(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full tensors from this rank's tensor-parallel shards (parameters or their
         gradients), gathered over the tp group; identity without TP. Collective."""
+        self._check_open("unshard_tp")
         if self.groups.mesh.tp == 1:
             return local
         shards: list[Any] = [None] * self.groups.mesh.tp
@@ -149,6 +154,7 @@ class ParallelModel:
         tp group, then pipeline ranks' tensors and row ranges (``plan.row_shards``)
         over the pp group. Every rank gets everything: for tests and small exports
         (checkpoints and ``export_consolidated`` never gather). Collective."""
+        self._check_open("gather_full")
         local = self.unshard_tp(local)
         if self.experts is not None:
             local = gather_experts(local, self.experts)
@@ -178,6 +184,7 @@ class ParallelModel:
     def tokens_per_expert(self) -> dict[int, list[int]]:
         """Expert parallelism: MoE layer -> tokens routed to each of its experts over every
         step so far, on the global batch (collective); empty without expert parallelism."""
+        self._check_open("tokens_per_expert")
         return tokens_per_expert(self.experts, self.groups.dp_group) if self.experts is not None else {}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -206,6 +213,9 @@ class ParallelModel:
         """One schedule over all microbatches: gradients are left in ``.grad`` (zeroed
         first), averaged over data parallel and summed over tied copies. Returns the
         mean loss over the global batch, on every rank."""
+        self._check_open("train_step")
+        batch = self._check_batch(batch)
+        self._check_same_batch(batch)
         # One max per token input: an id past the vocabulary is an IndexError at tp=1
         # and silently wrong embeddings under vocabulary-parallel TP.
         check_token_ids((batch,) if isinstance(batch, torch.Tensor) else batch, self.token_inputs)
@@ -223,6 +233,50 @@ class ParallelModel:
         self.last_stats = StepStats(self.executor.peak_in_flight, tuple(self.executor.events))
         return self._mean_loss()
 
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"{what} after close(): close() released this model's process groups; "
+                               f"parallelize the model again to go on training")
+
+    def _check_batch(self, batch: Any) -> tuple[torch.Tensor, ...]:
+        """The batch as a tuple of tensors like the example batch's (types, dtypes, real
+        values), or a TypeError naming what differs."""
+        if isinstance(batch, torch.Tensor):
+            batch = (batch,)
+        if not isinstance(batch, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in batch):
+            raise TypeError(f"train_step takes the batch as a tensor or a tuple of tensors, like the example "
+                            f"batch; got {type(batch).__name__}"
+                            + (f" of {', '.join(type(t).__name__ for t in batch)}" if isinstance(batch, (tuple, list))
+                               else ""))
+        specs = self.plan.program.input_specs
+        if len(batch) != len(specs):
+            raise TypeError(f"train_step got {len(batch)} batch tensors, the example batch had {len(specs)}")
+        for i, (t, spec) in enumerate(zip(batch, specs)):
+            if t.device.type == "meta":
+                raise TypeError(f"batch tensor {i} is on the meta device: it has no values to train on")
+            if t.dtype != spec.dtype:
+                raise TypeError(f"batch tensor {i} has dtype {t.dtype}, the example batch's has {spec.dtype}")
+        return tuple(batch)
+
+    def _check_same_batch(self, batch: tuple[torch.Tensor, ...]) -> None:
+        """Every rank must pass the same global batch (each takes its own rows and
+        microbatches from it): a digest per rank — each tensor's sum and its sum weighted
+        by position, so a reordering shows too — compared over the world once per step."""
+        world = dist.get_world_size()
+        if world == 1:
+            return
+        digest = torch.stack([part for t in batch for part in _digest(t)]).to(self.device)
+        every = [torch.empty_like(digest) for _ in range(world)]
+        dist.all_gather(every, digest)
+        groups: dict[tuple, list[int]] = {}
+        for rank, d in enumerate(every):
+            groups.setdefault(tuple(d.tolist()), []).append(rank)
+        if len(groups) > 1:
+            parts = "; ".join(f"ranks {', '.join(map(str, ranks))} one batch" for ranks in groups.values())
+            raise ValueError(f"train_step: the ranks passed {len(groups)} different batches ({parts}); every "
+                             f"rank must pass the same global batch (each takes its data-parallel rows and "
+                             f"microbatches from it)")
+
     def _mean_loss(self) -> float:
         last = self.plan.num_stages - 1
         runner = self.executor.runners.get(last)
@@ -235,3 +289,11 @@ class ParallelModel:
         if self.groups.mesh.dp > 1:
             dist.all_reduce(total, group=self.groups.dp_group)
         return float(total) / (self.num_microbatches * self.groups.mesh.dp)
+
+
+def _digest(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, position-weighted sum) of ``t`` in float64 on the CPU: equal batches give equal
+    digests on every rank; different ones almost never do."""
+    flat = t.detach().reshape(-1).to("cpu", torch.float64)
+    weights = torch.arange(flat.numel(), dtype=torch.float64).remainder_(1009).add_(1)
+    return flat.sum(), (flat * weights).sum()
