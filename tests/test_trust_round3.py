@@ -241,3 +241,11 @@ def test_misuse_of_a_parallel_model_is_refused_on_every_rank_and_training_goes_o
         # No optimizer step between: a step after the refusals gives the first step's loss again.
         assert r["again"] == pytest.approx(r["first"], rel=1e-6)
     assert ranks[0]["again"] == ranks[1]["again"]
+
+
+# ---- 4. model directories: what the config says is checked -------------------------------------
+def test_seq_beyond_the_models_positions_is_refused_before_workers(tmp_path, monkeypatch, capsys):
+    d = _llama_config(tmp_path / "m", max_position_embeddings=8)
+    argv = [a for a in RUN if a != "gpt-tiny"]
+    argv.insert(argv.index("--model") + 1, str(d))
+    _refused(argv, monkeypatch, capsys, f"--seq 16 exceeds the 8 positions of {d}", "use --seq <= 8")

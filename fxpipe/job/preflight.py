@@ -42,7 +42,7 @@ from fxpipe.job.preflight_data import DataFacts, check_data
 from fxpipe.job.preflight_files import (PreflightError, check_owner, check_resume, check_weights, check_writable_dir,
                                         check_writable_file, resume_path)
 from fxpipe.job.prepare import weights_dir
-from fxpipe.models.hf_dir import is_model_dir
+from fxpipe.models.hf_dir import is_model_dir, load_config
 from fxpipe.models.registry import GPT_CONFIGS, build_workload
 from fxpipe.params.hf_weights import WeightsDir
 from fxpipe.partition import Method, PartitionError
@@ -93,6 +93,11 @@ def check_flags(args: Any) -> None:
     cfg = GPT_CONFIGS.get(args.model)
     if cfg is not None and args.seq > cfg.block_size:
         raise PreflightError(f"--seq {args.seq} exceeds {args.model}'s block size {cfg.block_size}")
+    if is_model_dir(args.model):
+        positions = getattr(load_config(args.model).get_text_config(), "max_position_embeddings", None)
+        if isinstance(positions, int) and args.seq > positions:
+            raise PreflightError(f"--seq {args.seq} exceeds the {positions} positions of {args.model} "
+                                 f"(max_position_embeddings in its config.json); use --seq <= {positions}")
     try:
         spec = get_spec(args.schedule)
         chunks = args.chunks if args.chunks is not None else spec.default_chunks
