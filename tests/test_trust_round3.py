@@ -236,7 +236,8 @@ def test_misuse_of_a_parallel_model_is_refused_on_every_rank_and_training_goes_o
     for r in ranks:
         assert "batch tensor 0 has dtype torch.float32, the example batch's has torch.int64" in r["float"]
         assert "takes the batch as a tensor or a tuple of tensors" in r["dict"]
-        assert "the ranks passed 2 different batches (ranks 0 one batch; ranks 1 one batch)" in r["differ"]
+        assert ("the ranks of data-parallel replica 0 passed 2 different batches (ranks 0 one batch; ranks 1 one "
+                "batch)") in r["differ"]
         assert "train_step after close()" in r["closed"]
         # No optimizer step between: a step after the refusals gives the first step's loss again.
         assert r["again"] == pytest.approx(r["first"], rel=1e-6)

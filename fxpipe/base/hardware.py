@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxpipe.base.op_cost import NodeCost
+from fxpipe.base.safe_io import read_bounded
 
 
 class Collective(enum.Enum):
@@ -213,8 +214,6 @@ class Hardware:
     def load(path: str) -> "Hardware":
         """A profile file: a regular file of at most ``MAX_PROFILE_BYTES`` (``/dev/zero`` or a
         FIFO named by mistake is refused at once, not read until memory runs out)."""
-        from fxpipe.base.safe_io import read_bounded
-
         try:
             doc = json.loads(read_bounded(path, MAX_PROFILE_BYTES))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:

@@ -170,7 +170,7 @@ def check_layout(values: Mapping[str, Any], *, flag: Callable[[str], str] | None
     name = flag or (lambda field: field)
     on = flag or (lambda field: f"{field}=True")  # a switch, set
     get = values.get
-    for field in ("tp", "pp", "num_microbatches", "ep"):
+    for field in ("tp", "pp", "num_microbatches"):
         value = get(field, 1)
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{name('microbatches' if field == 'num_microbatches' and not flags else field)} must be "

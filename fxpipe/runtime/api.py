@@ -215,7 +215,6 @@ class ParallelModel:
         mean loss over the global batch, on every rank."""
         self._check_open("train_step")
         batch = self._check_batch(batch)
-        self._check_same_batch(batch)
         # One max per token input: an id past the vocabulary is an IndexError at tp=1
         # and silently wrong embeddings under vocabulary-parallel TP.
         check_token_ids((batch,) if isinstance(batch, torch.Tensor) else batch, self.token_inputs)
@@ -226,6 +225,9 @@ class ParallelModel:
             for runner in self.executor.runners.values():
                 runner.loss_scale = self.master.loss_scale / self.num_microbatches
         self.executor.run(self._microbatches(batch))
+        # After the schedule, whose transfers name a peer that does not answer; before the
+        # gradients are synchronised, so a refused step changes nothing but .grad.
+        self._check_same_batch(batch)
         self.grad_sync.sync()
         if self.master is not None:
             # fp16: gradients unscaled, or dropped when any rank overflowed.
@@ -259,23 +261,32 @@ class ParallelModel:
         return tuple(batch)
 
     def _check_same_batch(self, batch: tuple[torch.Tensor, ...]) -> None:
-        """Every rank must pass the same global batch (each takes its own rows and
-        microbatches from it): a digest per rank — each tensor's sum and its sum weighted
-        by position, so a reordering shows too — compared over the world once per step."""
+        """The ranks of one data-parallel replica (its tp and pp ranks) must pass the same
+        rows for it: each reads its microbatches from them, and a pipeline whose stages
+        saw different rows would train on neither. A digest of this replica's rows per
+        rank — each tensor's sum and its sum weighted by position, so a reordering shows
+        too — is compared over the world once per step (other replicas' rows may differ:
+        a replica never reads them, ``DataStream.global_rows``)."""
         world = dist.get_world_size()
         if world == 1:
             return
-        digest = torch.stack([part for t in batch for part in _digest(t)]).to(self.device)
+        dp, mine = self.groups.mesh.dp, self.groups.dp_rank
+        rows = [t.chunk(dp)[mine] if t.dim() else t for t in batch]
+        digest = torch.stack([torch.tensor(float(mine), dtype=torch.float64),
+                              *(part for t in rows for part in _digest(t))]).to(self.device)
         every = [torch.empty_like(digest) for _ in range(world)]
         dist.all_gather(every, digest)
-        groups: dict[tuple, list[int]] = {}
+        by_replica: dict[int, dict[tuple, list[int]]] = {}
         for rank, d in enumerate(every):
-            groups.setdefault(tuple(d.tolist()), []).append(rank)
-        if len(groups) > 1:
-            parts = "; ".join(f"ranks {', '.join(map(str, ranks))} one batch" for ranks in groups.values())
-            raise ValueError(f"train_step: the ranks passed {len(groups)} different batches ({parts}); every "
-                             f"rank must pass the same global batch (each takes its data-parallel rows and "
-                             f"microbatches from it)")
+            values = d.tolist()
+            by_replica.setdefault(int(values[0]), {}).setdefault(tuple(values[1:]), []).append(rank)
+        for replica, groups in sorted(by_replica.items()):
+            if len(groups) > 1:
+                parts = "; ".join(f"ranks {', '.join(map(str, ranks))} one batch" for ranks in groups.values())
+                raise ValueError(f"train_step: the ranks of data-parallel replica {replica} passed {len(groups)} "
+                                 f"different batches ({parts}); every rank must pass the same global batch (or at "
+                                 f"least the same rows for its replica: each takes its rows and microbatches from "
+                                 f"them)")
 
     def _mean_loss(self) -> float:
         last = self.plan.num_stages - 1
