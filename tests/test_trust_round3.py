@@ -229,6 +229,7 @@ def _misuse(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_misuse_of_a_parallel_model_is_refused_on_every_rank_and_training_goes_on():
     from tests.runtime._dist import run_world
 
