@@ -6,6 +6,13 @@ device type). A graph captured on the CPU (or on the meta device, for deferred
 initialisation) and run on ``cuda:3`` would mix devices, so every such argument —
 in the graph and in higher-order ops' subgraphs — is rewritten to the device the
 stage runs on.
+
+Code that branches on the device while it is traced keeps the branch of the device it
+was traced on: a model captured on meta (deferred initialisation) takes its GPU branch,
+e.g. ``torch.histc`` of integer expert ids counting tokens per expert, which the CPU
+kernel does not implement. For a CPU stage such a histc counts the ids as float32
+(exact below 2^24 per bin) and casts the counts back: the values the other branch
+computes.
 """
 from __future__ import annotations
 
@@ -13,13 +20,48 @@ import copy
 
 import torch
 
+from fxpipe.base.op_cost import NodeCost
 from fxpipe.ir.program import Program
+
+aten = torch.ops.aten
+_FLOAT_HISTC_ONLY = ("cpu", "mps")
+"""Devices whose histc kernel takes floating-point input only."""
+
+
+def _float_histc(graph: torch.fx.Graph, costs: dict[str, NodeCost]) -> int:
+    """Every histc of an integer tensor counts it as float32 and casts back (module docstring)."""
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.histc.default:
+            continue
+        x, out = node.args[0], node.meta.get("val")
+        val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if val is None or val.dtype.is_floating_point:
+            continue
+        with graph.inserting_before(node):
+            as_float = graph.call_function(aten._to_copy.default, (x,), {"dtype": torch.float32})
+        node.args = (as_float, *node.args[1:])
+        with graph.inserting_after(node):
+            back = graph.call_function(aten._to_copy.default, (node,), {"dtype": val.dtype})
+        node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+        as_float.meta["val"] = val.to(torch.float32)
+        if out is not None:
+            back.meta["val"], node.meta["val"] = out, out.to(torch.float32)
+        for new, like in ((as_float, val), (back, out)):
+            size = like.numel() * 4 if like is not None else 0
+            costs[new.name] = NodeCost(fwd_flops=0, bwd_flops=0, other_flops=0, out_bytes=size, mem_bytes=2 * size,
+                                       param_bytes=0)
+        count += 1
+    return count
 
 
 def retarget_device_pass(program: Program, device: torch.device) -> Program:
     device = torch.device(device)
     gm = copy.deepcopy(program.graph_module)
-    changed = 0
+    costs = dict(program.costs)
+    changed = _float_histc(gm.graph, costs) if device.type in _FLOAT_HISTC_ONLY else 0
+    if changed:
+        gm.recompile()
     # Subgraphs too: higher-order ops (autocast / grad-mode regions, e.g. a rotary
     # embedding computed with autocast off) keep their bodies as child GraphModules.
     for module in gm.modules():
@@ -48,4 +90,4 @@ def retarget_device_pass(program: Program, device: torch.device) -> Program:
             changed += count
     if not changed:
         return program
-    return program.replace(graph_module=gm)
+    return program.replace(graph_module=gm, costs=costs)
