@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -177,4 +178,35 @@ def check_usable(profile: CostProfile, key: str, device: str, num_groups: int, s
         raise ProfileError(f"{source} was measured for another graph, batch shape or layout (key "
                            f"{profile.key[:12]}…, this run's is {key[:12]}…); measure it with "
                            f"costs='measure'")
+
+
+MAX_GROUP_S = 3600.0
+"""No probe group takes an hour for one microbatch: a profile saying so is not a measurement."""
+MAX_RATIO = 1000.0
+"""How far one group's measured / modelled time may stray from the profile's median ratio."""
+FLOOR_S = 1e-4
+"""Modelled times are compared from this floor up: a group the model prices at nanoseconds
+still pays the runner's fixed cost of tens of microseconds when measured."""
+
+
+def check_plausible(profile: CostProfile, modelled: Sequence[tuple[float, float]], source: str) -> None:
+    """Raise ProfileError for a profile whose times no measurement gives: a group over
+    ``MAX_GROUP_S``, or one whose measured / modelled ratio is ``MAX_RATIO`` times the
+    profile's median ratio either way (the cost model's scale differs between devices;
+    its shape over the graph does not). ``modelled``: (fwd, bwd) per group."""
+    for g, times in enumerate(profile.groups):
+        for phase, t in zip(PHASES, times):
+            if t > MAX_GROUP_S:
+                raise ProfileError(f"{source}: group {g}'s {phase} time is {t:.3g} s for one microbatch, over "
+                                   f"{MAX_GROUP_S:.0f} s: not a measurement; measure with costs='measure'")
+    ratios = [(g, phase, t / max(m, FLOOR_S)) for g, (times, model) in enumerate(zip(profile.groups, modelled))
+              for phase, t, m in (("fwd", times[0], model[0]), ("bwd", times[1], model[1])) if t > 0]
+    if not ratios:
+        return
+    median = statistics.median(r for _, _, r in ratios)
+    for g, phase, r in ratios:
+        if not median / MAX_RATIO <= r <= median * MAX_RATIO:
+            raise ProfileError(f"{source}: group {g}'s {phase} time is {r / median:.3g}x what the rest of the profile "
+                               f"implies for it (measured / modelled against the median), beyond {MAX_RATIO:.0f}x "
+                               f"either way: not a measurement of this graph; measure with costs='measure'")
 
