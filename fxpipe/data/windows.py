@@ -108,13 +108,20 @@ class DataStream:
         return dict(position=self.position, windows=self.windows.count, seq=self.windows.seq,
                     seed=self.seed, source=self.windows.stream.source)
 
-    def load_state(self, state: dict) -> None:
+    def load_state(self, state: dict, steps: int | None = None) -> None:
         """Continue from a checkpoint's ``state()``; refused when the data it counted in
         is not this run's (another window count or length: the position would point at
-        other tokens)."""
+        other tokens), or when ``steps`` steps could not have read that far (each reads one
+        global batch, and no batch is larger than the data: a position past that is not a
+        count this run wrote)."""
         position = state.get("position")
         if type(position) is not int or position < 0:
             raise ValueError(f"the checkpoint's data position must be an integer >= 0, got {str(position)[:40]}")
+        most = None if steps is None else steps * max(self.windows.count, self.global_batch)
+        if most is not None and position > most:
+            raise ValueError(f"the checkpoint's data position {position} is past what its {steps} steps can have read "
+                             f"(at most {most}: {steps} × {max(self.windows.count, self.global_batch)} windows); the "
+                             f"checkpoint's data state is damaged: resume from another step (--resume-from)")
         ours = (self.windows.count, self.windows.seq)
         theirs = (state.get("windows"), state.get("seq"))
         if theirs != ours:

@@ -55,7 +55,7 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
         check_schedule(extra, start_step, config.lr, len(opt.param_groups))  # digest-covered, and in range
         sched.load_state_dict(extra["lr_scheduler"])
         if "data" in extra:  # the token position, whatever the layout that saved it
-            stream.load_state(extra["data"])
+            stream.load_state(extra["data"], steps=start_step)
         else:  # saved before the data position was kept: one global batch per step
             stream.position = start_step * config.batch
     last_saved = start_step if config.resume else None

@@ -125,11 +125,15 @@ def test_position_resumes_exactly_in_another_layout():
     state = json.loads(json.dumps(first.state()))  # as a checkpoint's extra keeps it
     resumed = [DataStream(w, global_batch=6, dp=2, dp_rank=r, seed=1) for r in range(2)]
     for r in resumed:
-        r.load_state(state)
+        r.load_state(state, steps=5)
     for step in range(5, 12):
         assert torch.equal(torch.cat([r.next_batch() for r in resumed]), batches[step])
     with pytest.raises(ValueError, match="trained on 50 windows of 8 tokens.*this run has 25 of 16"):
         DataStream(PackedWindows(_stream(50 * 8 + 1), seq=16), global_batch=6, seed=1).load_state(state)
+    # A position no 5 steps can reach (a manifest's 10^18): refused with the numbers, not read.
+    with pytest.raises(ValueError, match=r"data position 1000000000000000000 is past what its 5 steps can have read "
+                                         r"\(at most 250: 5 × 50 windows\)"):
+        DataStream(w, global_batch=6, seed=1).load_state({**state, "position": 10**18}, steps=5)
 
 
 def test_builtin_default_goes_through_the_same_path():
