@@ -306,3 +306,45 @@ def test_a_resigned_cost_profile_of_impossible_times_is_refused_naming_the_group
     odd = dataclasses.replace(base, groups=((1e-3, 2e-3, 1e-3, 1e-3),) * (n - 1) + ((1e3, 2e-3, 1e-3, 1e-3),))
     with pytest.raises(ProfileError, match=rf"group {n - 1}'s fwd time is .*x what the rest of the profile implies"):
         load(odd, "odd.json")
+
+
+# ---- 3 (text). bounded pieces, UTF-8 or a refusal, links named ---------------------------------
+def test_text_that_is_not_utf8_is_refused_naming_the_file_and_byte(tmp_path):
+    from fxpipe.data.text import cached_tokens
+    from fxpipe.data.tokenizer import ByteTokenizer, load_tokenizer
+    from tests.data._corpus import train_bpe, write_corpus
+
+    tok = load_tokenizer(train_bpe(tmp_path / "tok", write_corpus(tmp_path / "texts"), vocab_size=300))
+    (tmp_path / "latin1.txt").write_bytes("un café crème".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.txt: byte 6 \(b'\\xe9 cr'...\) is not UTF-8"):
+        cached_tokens(tmp_path / "latin1.txt", tok)
+    ids, _ = cached_tokens(tmp_path / "latin1.txt", ByteTokenizer())  # bytes as they are
+    assert bytes(ids[:-1].astype("uint8")) == "un café crème".encode("latin-1")
+
+
+def test_a_long_line_is_tokenized_in_bounded_pieces_cut_at_whitespace():
+    import numpy as np
+
+    from fxpipe.data.text import pieces, tokenize
+    from fxpipe.data.tokenizer import ByteTokenizer
+    from fxpipe.data.tokens import TokenDtype
+
+    line = " ".join(f"w{i}" for i in range(400_000))  # one 2.6 MB line
+    cut = pieces(line, limit=1 << 20)
+    assert "".join(cut) == line and len(cut) == 3 and all(len(p) <= 1 << 20 for p in cut)
+    assert all(p.endswith(" ") for p in cut[:-1])
+    assert pieces("x" * 10, limit=4) == ["xxxx", "xxxx", "xx"]  # no whitespace: a hard cut
+    ids = tokenize(iter([line.encode(), b"end"]), ByteTokenizer(), TokenDtype.fitting(256))
+    assert np.array_equal(ids, np.frombuffer(line.encode() + b"\0end\0", dtype=np.uint8))  # one EOS per document
+
+
+def test_linked_files_in_a_data_directory_are_reported(tmp_path, monkeypatch, capsys):
+    from tests.test_preflight_trust import _launched
+
+    texts = _corpus(tmp_path)
+    outside = tmp_path / "elsewhere.txt"
+    outside.write_text("not part of the data " * 50)
+    (texts / "linked.txt").symlink_to(outside)
+    _launched(RUN + ["--data", texts], monkeypatch, capsys)
+    err = capsys.readouterr().err
+    assert f"--data {texts}: 1 linked file(s) not read" in err and "linked.txt" in err, err

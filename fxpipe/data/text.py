@@ -27,8 +27,25 @@ MAX_TEXT_FILE = 4 << 30
 """One text file larger than this is refused (tokenize it into a .bin with your own tool)."""
 TEXT_FIELD = "text"
 """The field of a .jsonl line holding the document (Hugging Face datasets' convention)."""
-CACHE_VERSION = b"fxpipe-tokens-v1"
+CACHE_VERSION = b"fxpipe-tokens-v2"
 _BATCH_DOCS = 1024
+PIECE = 1 << 20
+"""A document is encoded in pieces of at most this many characters (bytes for the byte
+tokenizer), cut at whitespace: one 100 MB line handed to a tokenizer whole needs many
+times its size in memory at once."""
+
+
+def skipped_links(path: Path) -> list[Path]:
+    """The .txt/.jsonl files under directory ``path`` that ``text_files`` leaves out because
+    they are symbolic links (reported, never read)."""
+    if not path.is_dir():
+        return []
+    found = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        found += [Path(dirpath) / n for n in sorted(filenames)
+                  if Path(n).suffix in TEXT_SUFFIXES and not n.startswith(".") and (Path(dirpath) / n).is_symlink()]
+    return found
 
 
 def text_files(path: Path) -> list[Path]:
@@ -69,12 +86,23 @@ def content_digest(files: list[Path], root: Path, tokenizer_digest: str) -> str:
     return h.hexdigest()
 
 
-def documents(files: list[Path]) -> Iterator[str | bytes]:
-    """Each .txt file is one document; each line of a .jsonl file is one (its ``text``)."""
+def documents(files: list[Path], text: bool = False) -> Iterator[str | bytes]:
+    """Each .txt file is one document; each line of a .jsonl file is one (its ``text``).
+    ``text``: .txt documents as strings, for a tokenizer of text; a file that is not UTF-8
+    is refused naming the file and the byte (it is never guessed at or replaced: a Latin-1
+    file read as UTF-8 would train on U+FFFD). The byte tokenizer takes bytes as they are."""
     for f in files:
         data = read_bounded(f, MAX_TEXT_FILE)
         if f.suffix != ".jsonl":
-            yield data
+            if not text:
+                yield data
+                continue
+            try:
+                yield data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{f}: byte {exc.start} ({data[exc.start:exc.start + 4]!r}...) is not UTF-8; save "
+                                 f"the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or train on its bytes with the "
+                                 f"byte tokenizer (no --tokenizer)") from None
             continue
         for lineno, line in enumerate(data.splitlines(), 1):
             if not line.strip():
@@ -90,23 +118,41 @@ def documents(files: list[Path]) -> Iterator[str | bytes]:
             yield text
 
 
+def pieces(doc: str | bytes, limit: int = PIECE) -> list[str | bytes]:
+    """``doc`` cut into pieces of at most ``limit``, each cut after the last whitespace
+    before the limit (a hard cut where a piece has none)."""
+    if len(doc) <= limit:
+        return [doc]
+    space = (" ", "\n") if isinstance(doc, str) else (b" ", b"\n")
+    out, start = [], 0
+    while len(doc) - start > limit:
+        end = max(doc.rfind(space[0], start, start + limit), doc.rfind(space[1], start, start + limit)) + 1
+        end = end if end > start else start + limit
+        out.append(doc[start:end])
+        start = end
+    return out + [doc[start:]]
+
+
 def tokenize(docs: Iterator[str | bytes], tokenizer: "ByteTokenizer | HFTokenizer",
              dtype: TokenDtype) -> np.ndarray:
-    """Every document's ids followed by the tokenizer's EOS, as one flat array."""
+    """Every document's ids followed by the tokenizer's EOS, as one flat array (a long
+    document encoded piece by piece: ``pieces``)."""
     parts: list[np.ndarray] = []
-    batch: list[str | bytes] = []
+    batch: list[tuple[str | bytes, bool]] = []
     eos = np.array([tokenizer.eos_id], dtype=dtype.value)
 
     def flush() -> None:
-        for ids in tokenizer.encode_batch(batch):
+        for ids, (_, last) in zip(tokenizer.encode_batch([p for p, _ in batch]), batch):
             arr = np.frombuffer(ids, dtype=np.uint8) if isinstance(ids, bytes) else np.asarray(ids)
-            parts.extend((arr.astype(dtype.value), eos))
+            parts.extend((arr.astype(dtype.value), eos) if last else (arr.astype(dtype.value),))
         batch.clear()
 
     for doc in docs:
-        batch.append(doc)
-        if len(batch) == _BATCH_DOCS:
-            flush()
+        cut = pieces(doc)
+        for i, piece in enumerate(cut):
+            batch.append((piece, i == len(cut) - 1))
+            if len(batch) == _BATCH_DOCS:
+                flush()
     flush()
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype.value)
 
@@ -125,7 +171,7 @@ def cached_tokens(path: str | os.PathLike, tokenizer: "ByteTokenizer | HFTokeniz
     cache = cache_path(path, content_digest(files, path if path.is_dir() else path, tokenizer.digest), dtype)
     if _cache_intact(cache):
         return open_token_file(cache, dtype), cache
-    tokens = tokenize(documents(files), tokenizer, dtype)
+    tokens = tokenize(documents(files, text=isinstance(tokenizer, HFTokenizer)), tokenizer, dtype)
     if tokens.size == 0:
         raise ValueError(f"{path} holds no text")
     tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")

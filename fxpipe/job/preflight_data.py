@@ -6,9 +6,12 @@ are returned for the model check, which names both against the model's vocabular
 (ids are never clamped)."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from fxpipe.data import max_token, open_data
+from fxpipe.data.text import skipped_links
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.preflight_files import PreflightError
 from fxpipe.job.prepare import tokenizer_path
@@ -46,6 +49,12 @@ def check_data(config: "TrainConfig") -> DataFacts:
     if source.val is not None and source.val.count == 0:
         raise PreflightError(f"--val-data {config.val_data} holds {len(source.val.stream.tokens)} tokens, fewer than "
                              f"one window of --seq {config.seq} + 1; give more validation data")
+    for flag_, path in (("--data", config.data), ("--val-data", config.val_data)):
+        links = skipped_links(Path(path)) if path is not None else []
+        if links:  # never read (a link could lead outside the data), and never silently
+            print(f"fxpipe run: note: {flag_} {path}: {len(links)} linked file(s) not read (links are not followed: "
+                  f"copy the files in instead): {', '.join(str(p) for p in links[:3])}"
+                  f"{' ...' if len(links) > 3 else ''}", file=sys.stderr, flush=True)
     largest = max_token(train.stream.tokens)  # the whole stream: validation windows included
     if source.val is not None and source.val.stream is not train.stream:
         largest = max(largest, max_token(source.val.stream.tokens))
