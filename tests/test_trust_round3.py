@@ -348,3 +348,18 @@ def test_linked_files_in_a_data_directory_are_reported(tmp_path, monkeypatch, ca
     _launched(RUN + ["--data", texts], monkeypatch, capsys)
     err = capsys.readouterr().err
     assert f"--data {texts}: 1 linked file(s) not read" in err and "linked.txt" in err, err
+
+
+def test_a_tied_model_over_a_file_with_two_different_matrices_is_refused_naming_both(tmp_path, monkeypatch, capsys):
+    """gpt-tiny ties its head to its embedding; a file holding a different lm_head.weight
+    beside the embedding would lose one of them without a word."""
+    import torch
+
+    from fxpipe.models import build_workload
+    from tests.test_preflight_trust import _launched, _weights
+
+    table = build_workload("gpt-tiny", batch=1, seq=8).model.state_dict()["transformer.wte.weight"]
+    _launched(RUN + ["--init-from", _weights(tmp_path, **{"lm_head.weight": table.clone()})], monkeypatch, capsys)
+    d = _weights(tmp_path, **{"lm_head.weight": torch.randn_like(table)})  # the same matrix twice above: fine
+    _refused(RUN + ["--init-from", d], monkeypatch, capsys, "transformer.wte.weight and lm_head.weight are one tied "
+             "parameter in the model", "different tensors in the file")

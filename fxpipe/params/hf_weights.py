@@ -133,6 +133,18 @@ class WeightsDir:
                 source.setdefault(canonical, name)
         problems = [f"{c}: file {self.shapes[s]} vs model {tuple(full_shapes[c])}" for c, s in sorted(source.items())
                     if tuple(self.shapes[s]) != tuple(full_shapes[c])]
+        tied: dict[str, list[str]] = {}
+        for name, canonical in names.items():
+            if name in self.shapes:
+                tied.setdefault(canonical, []).append(name)
+        for c, stored_names in sorted(tied.items()):
+            # One parameter stored under two of its tied names: the model keeps one, so the
+            # file must hold one matrix twice, not two (a tied config over untied weights).
+            for other in stored_names[1:]:
+                if not self._same(stored_names[0], other):
+                    problems.append(f"{stored_names[0]} and {other} are one tied parameter in the model "
+                                    f"(tie_word_embeddings), but different tensors in the file: set "
+                                    f"\"tie_word_embeddings\": false in config.json, or save the weights again")
         for c, s in sorted(source.items()):
             stored = _DTYPES.get(self.dtypes[s])
             if dtypes is not None and c in dtypes and (stored is None or not _allowed(stored, dtypes[c])):
@@ -143,6 +155,20 @@ class WeightsDir:
             sorted(c for c in required if c not in source), sorted(k for k in self.shapes if k not in names),
             problems)
         return source
+
+    def _same(self, a: str, b: str, rows: int = 4096) -> bool:
+        """Whether stored tensors ``a`` and ``b`` hold the same values, read ``rows`` rows at
+        a time (an embedding table need not fit in memory twice)."""
+        if self.shapes[a] != self.shapes[b]:
+            return False
+        with safe_open(self.files[a], "pt") as fa, safe_open(self.files[b], "pt") as fb:
+            sa, sb = fa.get_slice(a), fb.get_slice(b)
+            if not self.shapes[a]:
+                return torch.equal(sa[:], sb[:])
+            for start in range(0, self.shapes[a][0], rows):
+                if not torch.equal(sa[start:start + rows], sb[start:start + rows]):
+                    return False
+        return True
 
     def read(self, stored: str, spec: ShardSpec | None, tp_rank: int, dtype: torch.dtype) -> torch.Tensor:
         """This rank's shard of ``stored`` (zero padding rows appended), in ``dtype``."""
