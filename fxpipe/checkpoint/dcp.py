@@ -24,8 +24,10 @@ user-facing story in docs/checkpoints.md.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fxpipe.checkpoint.files import (POINTER_FILE, SafeReader, adopt_run, commit, committed, latest_checkpoint,
                                      list_checkpoints, prune, read_pointer, remove_debris, remove_other_runs, resolve,
@@ -105,7 +108,10 @@ def write_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: 
         raise status[0]
     tmp = Path(status[1])
     # DCP returns on every rank only after rank 0 wrote .metadata (its "finish" step).
-    dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
+    try:
+        dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
+    except CheckpointException as exc:  # a BaseException holding every rank's traceback
+        raise save_error(exc, final, tmp, state) from None
     # Each rank hashes the data file it wrote (DCP names rank r's files __r_*.distcp): the
     # digests cost one read of the checkpoint in all, spread over the ranks.
     files: list[Any] = [None] * dist.get_world_size()
@@ -128,6 +134,38 @@ def write_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: 
             prune(root, keep_last, keep=final, run=run)
     dist.barrier()
     return final
+
+
+def save_error(exc: CheckpointException, final: Path, tmp: Path, state: dict[str, Any]) -> Exception:
+    """DCP's failure of a save as one error a user can act on: a full disk named as
+    ENOSPC with the bytes this rank writes and the bytes free, anything else as the
+    first failing rank's error in one line. The checkpoints before it are untouched."""
+    failures = {rank: (f[0] if isinstance(f, tuple) else f) for rank, f in exc.failures.items()}
+    for rank, error in sorted(failures.items()):
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            need = sum(t.numel() * t.element_size() for t in _tensors(state))
+            try:
+                free = shutil.disk_usage(tmp).free
+            except OSError:
+                free = 0
+            return OSError(errno.ENOSPC, f"checkpoint {final}: no space left on device (ENOSPC) writing in {tmp.parent}: "
+                                         f"this rank writes about {need} bytes ({need / 2**30:.2f} GiB), {free} are free; "
+                                         f"free space or choose another --checkpoint-dir (the checkpoints before it are "
+                                         f"intact)")
+    rank, error = sorted(failures.items())[0]
+    text = " ".join(str(error).split())[:300]
+    return RuntimeError(f"checkpoint {final}: the save failed on rank(s) {sorted(failures)}; rank {rank}: "
+                        f"{type(error).__name__}: {text} (the checkpoints before it are intact)")
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def local_problems(path: Path, share: tuple[int, int] = (0, 1)) -> list[str]:
