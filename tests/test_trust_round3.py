@@ -383,3 +383,13 @@ def test_a_full_disk_during_a_save_is_named_enospc_with_the_bytes(tmp_path):
     other = save_error(CheckpointException("x", {1: (RuntimeError("boom\nmore"), None)}), tmp_path / "s", tmp_path, {})
     assert isinstance(other, RuntimeError) and "rank 1: RuntimeError: boom more" in str(other)
     assert "\n" not in str(other)
+
+
+def test_a_model_whose_state_cannot_fit_is_refused_before_workers(tmp_path, monkeypatch, capsys):
+    d = _llama_config(tmp_path / "huge", num_hidden_layers=2, hidden_size=1 << 16, intermediate_size=1 << 16,
+                      num_attention_heads=32, num_key_value_heads=32)
+    argv = [a for a in RUN if a != "gpt-tiny"]
+    argv.insert(argv.index("--model") + 1, str(d))
+    err = _refused(argv, monkeypatch, capsys, "parameters need", "GiB of training state (16 bytes each",
+                   "GiB free on this machine (2 rank(s) here)")
+    assert "use a smaller model, more ranks" in err

@@ -26,6 +26,7 @@ without a traceback and exits 2, as argparse does for a bad flag).
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,8 @@ from fxpipe.checkpoint.lock import CheckpointLockError, check_free
 from fxpipe.compiler.pipeline import compile_pipeline
 from fxpipe.costs import CostProfile, ProfileError
 from fxpipe.ir.artifact import CompiledPipeline
-from fxpipe.ir.parallel_config import check_layout
+from fxpipe.ir.parallel_config import ParallelConfig, check_layout
+from fxpipe.ir.program import Program
 from fxpipe.ir.token_inputs import TokenRole
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.flags import LAYOUT_FLAGS
@@ -215,6 +217,7 @@ def check_model(config: "TrainConfig", resume: Path | None = None, data: "DataFa
                                   until="partition" if heuristic else "cost")
     except PartitionError as exc:
         raise PreflightError(f"--partition {layout.partition.value}: {exc}") from None
+    check_state_fits(result.program, layout)
     for t in result.program.token_inputs:
         role = "embedding" if t.role is TokenRole.EMBEDDING else "loss (the logits' classes)"
         _check_vocab(config.model, t.vocab_size, f"the rows of its {role} at {t.module or t.node}", data)
@@ -228,6 +231,36 @@ def check_model(config: "TrainConfig", resume: Path | None = None, data: "DataFa
     if weights is not None:  # --init-from, or the --model directory's own safetensors
         check_weights(result.program, weights)
     return result
+
+
+def check_state_fits(program: Program, layout: ParallelConfig) -> None:
+    """The model's training state — parameters, gradients and Adam's moments, at least;
+    activations come on top — against the memory it will have, before any worker
+    allocates it: on GPUs each rank's share (1/(tp·pp) of the model) against one
+    device's memory; on this machine's CPUs every local rank's (the model once per
+    data-parallel replica) against the memory free now. Under torchrun every node runs
+    its own preflight on its own ranks' share."""
+    import torch
+
+    stats = program.model_stats
+    params = stats.num_parameters if stats is not None else program.num_parameters()
+    per_param = 4 * layout.state_bytes_per_param_byte  # fp32 masters and their state
+    if torch.cuda.is_available():
+        need = params * per_param / (layout.tp * layout.pp)
+        have = torch.cuda.get_device_properties(0).total_memory
+        where = f"one GPU's {have / 2**30:.1f} GiB"
+    else:
+        world = layout.tp * layout.pp * layout.replicas
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        need = params * per_param * layout.replicas * local / world
+        have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        where = f"the {have / 2**30:.1f} GiB free on this machine ({local} rank(s) here)"
+    if need > have:
+        raise PreflightError(f"the model's {params:,} parameters need {need / 2**30:.1f} GiB of training state "
+                             f"({per_param:g} bytes each: fp32 weights, gradients and Adam's moments"
+                             f"{', ZeRO-1' if layout.zero else ''}; activations on top), more than {where}: use a "
+                             f"smaller model, more ranks (tp·pp shard the state), --zero 1 with data parallelism, or "
+                             f"more machines")
 
 
 def _check_vocab(model: str, vocab: int, where: str, data: "DataFacts") -> None:
