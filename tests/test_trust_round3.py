@@ -393,3 +393,66 @@ def test_a_model_whose_state_cannot_fit_is_refused_before_workers(tmp_path, monk
     err = _refused(argv, monkeypatch, capsys, "parameters need", "GiB of training state (16 bytes each",
                    "GiB free on this machine (2 rank(s) here)")
     assert "use a smaller model, more ranks" in err
+
+
+def _mixtral_dir(path: Path) -> Path:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=96, vocab_size=256, max_position_embeddings=64,
+                                     num_local_experts=4, num_experts_per_tok=2)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def test_per_expert_tensors_on_disk_are_read_as_the_models_stacked_ones(tmp_path):
+    """transformers' own save_pretrained writes Mixtral one tensor per expert
+    (block_sparse_moe.experts.3.w1.weight); the model holds them stacked (mlp.experts.
+    gate_up_proj). Every tensor, and every region a rank may read of it, equals what
+    from_pretrained builds."""
+    import torch
+    import transformers
+
+    from fxpipe.params.hf_weights import WeightsDir
+
+    d = _mixtral_dir(tmp_path / "mixtral")
+    w = WeightsDir(d)
+    assert any(".block_sparse_moe.experts.0.w1.weight" in n for n in w.files)  # the layout on disk
+    reference = transformers.MixtralForCausalLM.from_pretrained(d).state_dict()
+    assert set(w.shapes) == set(reference)
+    for name, t in reference.items():
+        assert torch.equal(w.region(name, 0, 0, t.shape[0]), t), name
+    gate_up = reference["model.layers.1.mlp.experts.gate_up_proj"]  # (E, 2I, H): gate rows, then up rows
+    for dim, a, b in ((0, 1, 3), (1, 50, 150), (1, 96, 192), (2, 8, 40)):
+        assert torch.equal(w.region("model.layers.1.mlp.experts.gate_up_proj", dim, a, b), gate_up.narrow(dim, a, b - a))
+
+
+def _mixtral_world(rank, world, directory):
+    import torch
+    import transformers
+
+    from fxpipe.models.hf_dir import build_model
+    from fxpipe.models.losses import next_token_loss
+    from fxpipe.parallel import parallelize
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (4, 17))
+    batch = (ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+    pm = parallelize(build_model(directory), example_inputs=batch, loss_fn=next_token_loss, weights=directory,
+                     pp=2, microbatches=2, costs="model", partition="uniform")
+    loss = pm.train_step(batch)
+    eager = transformers.MixtralForCausalLM.from_pretrained(directory)
+    expected = next_token_loss(eager(batch[0], use_cache=False), batch[1]).item()
+    pm.close()
+    return loss, expected
+
+
+@pytest.mark.slow
+def test_a_mixtral_saved_by_transformers_trains_from_its_weights(tmp_path):
+    from tests.runtime._dist import run_world
+
+    d = _mixtral_dir(tmp_path / "mixtral")
+    for loss, expected in run_world(2, _mixtral_world, str(d)):
+        assert loss == pytest.approx(expected, rel=1e-5)

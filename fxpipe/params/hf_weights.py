@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from fxpipe.base.safe_io import UnsafeFileError, check_regular, inside, read_bounded
 from fxpipe.ir.shard_spec import ShardKind, ShardSpec
 from fxpipe.ir.state_mismatch import raise_if_mismatched
+from fxpipe.params.hf_conversion import conversions
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -58,6 +59,20 @@ def _weight_map(directory: Path) -> dict[str, str]:
         raise ValueError(f"{directory / INDEX}: must be a JSON object whose 'weight_map' maps tensor names "
                          f"to file names in the same directory")
     return weight_map
+
+
+def _model_type(directory: Path) -> str | None:
+    """``model_type`` of the directory's config.json (None without one): which of
+    transformers' conversion mappings its checkpoint was written for."""
+    path = directory / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(read_bounded(path, 4 << 20))
+    except (OSError, ValueError, RecursionError):
+        return None
+    kind = doc.get("model_type") if isinstance(doc, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 def _check_inside(path: Path, directory: Path) -> None:
@@ -120,6 +135,29 @@ class WeightsDir:
                         self.shapes[k], self.dtypes[k] = tuple(sl.get_shape()), sl.get_dtype()
         except SafetensorError as exc:  # a malformed header: not a ValueError of its own
             raise ValueError(f"{self.directory}: a safetensors file is malformed ({exc})") from None
+        # Per-expert tensors on disk as transformers converts them on load (hf_conversion.py):
+        # the model's names from here on; ``alias`` and ``stacked`` say where each is stored.
+        self.alias, self.stacked = conversions(_model_type(self.directory),
+                                               {k: (self.shapes[k], self.dtypes[k]) for k in self.shapes})
+        for model, stored in self.alias.items():
+            self.shapes[model], self.dtypes[model] = self.shapes.pop(stored), self.dtypes.pop(stored)
+        for model, st in self.stacked.items():
+            for n in st.names():
+                self.shapes.pop(n), self.dtypes.pop(n)
+            self.shapes[model], self.dtypes[model] = st.shape, st.dtype
+
+    def _stored_region(self, stored: str, index: tuple[slice, ...]) -> torch.Tensor:
+        with safe_open(self.files[stored], "pt") as f:
+            sl = f.get_slice(stored)
+            return sl[index] if index else sl[:]
+
+    def region(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of dimension ``dim`` of model tensor ``name``, every other
+        dimension whole: read from its file, or stacked from its per-expert parts."""
+        if name in self.stacked:
+            return self.stacked[name].region(self._stored_region, dim, start, stop)
+        stored = self.alias.get(name, name)
+        return self._stored_region(stored, (slice(None),) * dim + (slice(start, stop),))
 
     def check(self, names: Mapping[str, str], full_shapes: Mapping[str, tuple[int, ...]],
               required: set[str], dtypes: Mapping[str, torch.dtype] | None = None) -> dict[str, str]:
@@ -161,23 +199,22 @@ class WeightsDir:
         a time (an embedding table need not fit in memory twice)."""
         if self.shapes[a] != self.shapes[b]:
             return False
-        with safe_open(self.files[a], "pt") as fa, safe_open(self.files[b], "pt") as fb:
-            sa, sb = fa.get_slice(a), fb.get_slice(b)
-            if not self.shapes[a]:
-                return torch.equal(sa[:], sb[:])
-            for start in range(0, self.shapes[a][0], rows):
-                if not torch.equal(sa[start:start + rows], sb[start:start + rows]):
-                    return False
+        if not self.shapes[a]:
+            return torch.equal(self._stored_region(self.alias.get(a, a), ()),
+                               self._stored_region(self.alias.get(b, b), ()))
+        for start in range(0, self.shapes[a][0], rows):
+            stop = min(start + rows, self.shapes[a][0])
+            if not torch.equal(self.region(a, 0, start, stop), self.region(b, 0, start, stop)):
+                return False
         return True
 
     def read(self, stored: str, spec: ShardSpec | None, tp_rank: int, dtype: torch.dtype) -> torch.Tensor:
         """This rank's shard of ``stored`` (zero padding rows appended), in ``dtype``."""
-        with safe_open(self.files[stored], "pt") as f:
-            sl = f.get_slice(stored)
-            if spec is None or spec.kind is ShardKind.REPLICATED:
-                return sl[:].to(dtype)
-            lead = (slice(None),) * spec.dim
-            parts = [sl[(*lead, slice(a, b))].to(dtype) for a, b in spec.ranges[tp_rank]]
+        shape = self.shapes[stored]
+        if spec is None or spec.kind is ShardKind.REPLICATED:
+            return (self.region(stored, 0, 0, shape[0]) if shape else
+                    self._stored_region(self.alias.get(stored, stored), ())).to(dtype)
+        parts = [self.region(stored, spec.dim, a, b).to(dtype) for a, b in spec.ranges[tp_rank]]
         pad = spec.padding(tp_rank)
         if pad:
             shape = list(parts[0].shape)
