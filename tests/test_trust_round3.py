@@ -471,3 +471,22 @@ def test_a_mixtral_saved_by_transformers_trains_from_its_weights(tmp_path):
     d = _mixtral_dir(tmp_path / "mixtral")
     for loss, expected in run_world(2, _mixtral_world, str(d)):
         assert loss == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("decoder", [False, True])
+def test_a_bidirectional_encoder_is_refused_as_a_causal_lm(tmp_path, monkeypatch, capsys, decoder):
+    """BERT through AutoModelForCausalLM without is_decoder attends both ways: its targets
+    would be in its inputs. The attention mask is read off the captured graph."""
+    import transformers
+
+    from tests.test_preflight_trust import _launched
+
+    d = tmp_path / "bert"
+    transformers.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                            vocab_size=300, max_position_embeddings=64, is_decoder=decoder).save_pretrained(d)
+    argv = [a for a in RUN if a != "gpt-tiny"]
+    argv.insert(argv.index("--model") + 1, str(d))
+    if decoder:
+        _launched(argv, monkeypatch, capsys)
+    else:
+        _refused(argv, monkeypatch, capsys, "its attention lets a position see later ones", "is_decoder")

@@ -45,6 +45,7 @@ from fxpipe.job.preflight_files import (PreflightError, check_owner, check_resum
                                         check_writable_file, resume_path)
 from fxpipe.job.prepare import weights_dir
 from fxpipe.models.hf_dir import is_model_dir, load_config
+from fxpipe.passes.causality import attention_is_causal
 from fxpipe.models.registry import GPT_CONFIGS, build_workload
 from fxpipe.params.hf_weights import WeightsDir
 from fxpipe.partition import Method, PartitionError
@@ -218,6 +219,11 @@ def check_model(config: "TrainConfig", resume: Path | None = None, data: "DataFa
     except PartitionError as exc:
         raise PreflightError(f"--partition {layout.partition.value}: {exc}") from None
     check_state_fits(result.program, layout)
+    if attention_is_causal(result.program) is False:  # next-token targets would be in the inputs
+        raise PreflightError(f"--model {config.model}: its attention lets a position see later ones (a bidirectional "
+                             f"encoder, such as BERT without \"is_decoder\": true); fxpipe run trains next-token "
+                             f"prediction, whose targets such a model reads in its inputs: use a causal (decoder) "
+                             f"model, or set \"is_decoder\": true in config.json where the family has it")
     for t in result.program.token_inputs:
         role = "embedding" if t.role is TokenRole.EMBEDDING else "loss (the logits' classes)"
         _check_vocab(config.model, t.vocab_size, f"the rows of its {role} at {t.module or t.node}", data)

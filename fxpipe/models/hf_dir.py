@@ -84,10 +84,19 @@ def vocab_size(config) -> int:
 def build_model(directory: str, device: torch.device | str = "meta") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
+    from transformers.utils import logging as hf_logging
+
     config = load_config(directory)
     config.use_cache = False  # no KV cache in training (and none to capture)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    # transformers' advice while building (BERT's "add is_decoder=True") would break the
+    # one line a refusal is: what matters is checked on the graph (passes/causality.py).
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    finally:
+        hf_logging.set_verbosity(level)
     # fp32 parameters whatever the files store (a bf16 checkpoint widens on load):
     # --precision chooses the compute dtype, the masters stay fp32.
     return model.to(torch.float32)

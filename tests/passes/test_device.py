@@ -49,3 +49,4 @@ def test_a_histc_traced_on_meta_runs_on_the_cpu_as_its_cpu_branch():
     # A device whose histc takes integers keeps the graph as traced.
     assert retarget_device_pass(prog, torch.device("meta")).graph_module.code.count("_to_copy") == \
         prog.graph_module.code.count("_to_copy")
+
