@@ -490,3 +490,26 @@ def test_a_bidirectional_encoder_is_refused_as_a_causal_lm(tmp_path, monkeypatch
         _launched(argv, monkeypatch, capsys)
     else:
         _refused(argv, monkeypatch, capsys, "its attention lets a position see later ones", "is_decoder")
+
+
+def test_a_profile_of_impossible_times_is_refused_before_workers(tmp_path):
+    """The launcher's preflight holds the graph the workers will compile: a profile's
+    numbers are judged there (which graph it was measured for, the workers check)."""
+    import dataclasses
+
+    from fxpipe.compiler.pipeline import capture_for, compile_program
+    from fxpipe.costs import probe_groups
+    from fxpipe.costs.profile import CostProfile
+    from fxpipe.ir.parallel_config import ParallelConfig
+    from fxpipe.job.preflight import check_profile_numbers
+    from fxpipe.job.preflight_files import PreflightError
+    from fxpipe.models.registry import build_workload
+
+    w = build_workload("gpt-tiny", batch=2, seq=16)
+    layout = ParallelConfig(tp=1, pp=2, microbatches=2, costs="model")
+    program = compile_program(capture_for(w.model, w.example_inputs, layout, w.loss_fn), layout, until="cost").program
+    n = len(probe_groups(program, layout.partition_config(layout.schedule_ir()))[1].members)
+    path = CostProfile(key="k", device="cpu", groups=((1e300,) * 4,) * n, latency_s=0.0,
+                       bandwidth_bytes_per_s=1e9).save(tmp_path / "p.json")
+    with pytest.raises(PreflightError, match=r"--costs .*p.json: group 0's fwd time is 1e\+300 s"):
+        check_profile_numbers(program, dataclasses.replace(layout, costs=str(path)))

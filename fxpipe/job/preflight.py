@@ -32,7 +32,8 @@ from typing import Any
 
 from fxpipe.checkpoint.lock import CheckpointLockError, check_free
 from fxpipe.compiler.pipeline import compile_pipeline
-from fxpipe.costs import CostProfile, ProfileError
+from fxpipe.costs import CostProfile, ProfileError, probe_groups
+from fxpipe.costs.profile import check_plausible
 from fxpipe.ir.artifact import CompiledPipeline
 from fxpipe.ir.parallel_config import ParallelConfig, check_layout
 from fxpipe.ir.program import Program
@@ -219,6 +220,8 @@ def check_model(config: "TrainConfig", resume: Path | None = None, data: "DataFa
     except PartitionError as exc:
         raise PreflightError(f"--partition {layout.partition.value}: {exc}") from None
     check_state_fits(result.program, layout)
+    if layout.costs not in ("measure", "model"):  # a profile's numbers, before any worker applies them
+        check_profile_numbers(result.program, layout)
     if attention_is_causal(result.program) is False:  # next-token targets would be in the inputs
         raise PreflightError(f"--model {config.model}: its attention lets a position see later ones (a bidirectional "
                              f"encoder, such as BERT without \"is_decoder\": true); fxpipe run trains next-token "
@@ -237,6 +240,20 @@ def check_model(config: "TrainConfig", resume: Path | None = None, data: "DataFa
     if weights is not None:  # --init-from, or the --model directory's own safetensors
         check_weights(result.program, weights)
     return result
+
+
+def check_profile_numbers(program: Program, layout: ParallelConfig) -> None:
+    """A cost profile's times against this graph's own cost model (``costs/profile.py``'s
+    ``check_plausible``), where the profile has this graph's groups (which graph it was
+    measured for is checked by the workers, who know their place in the mesh)."""
+    _, probe = probe_groups(program, layout.partition_config(layout.schedule_ir()))
+    profile = CostProfile.load(layout.costs)
+    if len(profile.groups) == len(probe.members):
+        modelled = [(probe.graph.nodes[g]["fwd"], probe.graph.nodes[g]["bwd"]) for g in range(len(probe.members))]
+        try:
+            check_plausible(profile, modelled, f"--costs {layout.costs}")
+        except ProfileError as exc:
+            raise PreflightError(str(exc)) from None
 
 
 def check_state_fits(program: Program, layout: ParallelConfig) -> None:
