@@ -273,7 +273,8 @@ def _config_only_world(rank, world, directory):
 
 
 @pytest.mark.slow
-def test_a_mixtral_config_directory_trains(tmp_path):
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_an_moe_config_directory_trains(tmp_path, family):
     """Built on meta and initialised shard by shard, its grouped experts' token counts
     traced on the GPU branch (histc of integers), which the device pass turns into the
     CPU's (passes/device.py)."""
@@ -281,10 +282,14 @@ def test_a_mixtral_config_directory_trains(tmp_path):
 
     from tests.runtime._dist import run_world
 
-    d = tmp_path / "mixtral"
-    transformers.MixtralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                               intermediate_size=128, vocab_size=256, max_position_embeddings=64, num_local_experts=4,
-                               num_experts_per_tok=2).save_pretrained(d)
+    d = tmp_path / family
+    shape = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                 max_position_embeddings=64, num_experts_per_tok=2)
+    if family == "mixtral":
+        transformers.MixtralConfig(intermediate_size=128, num_local_experts=4, **shape).save_pretrained(d)
+    else:
+        transformers.Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=48, num_experts=4,
+                                    **shape).save_pretrained(d)
     assert run_world(2, _config_only_world, str(d)) == [True, True]
 
 
@@ -513,3 +518,12 @@ def test_a_profile_of_impossible_times_is_refused_before_workers(tmp_path):
                        bandwidth_bytes_per_s=1e9).save(tmp_path / "p.json")
     with pytest.raises(PreflightError, match=r"--costs .*p.json: group 0's fwd time is 1e\+300 s"):
         check_profile_numbers(program, dataclasses.replace(layout, costs=str(path)))
+
+
+@pytest.mark.parametrize("command", ["run", "compile"])
+def test_a_hardware_profile_that_is_a_device_is_refused_by_run_and_compile(tmp_path, monkeypatch, capsys, command):
+    (tmp_path / "hw.json").symlink_to("/dev/zero")
+    argv = (RUN if command == "run" else ["compile", "--model", "gpt-tiny", "--seq", "16", "--batch", "4",
+                                          "--pp", "2", "--costs", "model"]) + ["--hardware", tmp_path / "hw.json"]
+    _refused(argv, monkeypatch, capsys, "hw.json is a character device, not a regular file")
+
