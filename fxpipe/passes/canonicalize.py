@@ -2,7 +2,10 @@
 
 torch.export keeps runtime shape/dtype assertions (``_assert_tensor_metadata``,
 ``_assert_scalar``) and the dead values they read; later passes would have to
-step around them. Nothing here changes what the graph computes.
+step around them. ``a.type_as(b)`` becomes ``a.to(b's dtype)``: export knows the dtype,
+and ``b`` is no input of the value (a weight cast to an activation's dtype would
+otherwise read that activation, to every data-flow pass). Nothing here changes what the
+graph computes.
 """
 from __future__ import annotations
 
@@ -28,6 +31,14 @@ def canonicalize_pass(program: Program, config: object = None) -> Program:
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _ASSERTS and not node.users:
             graph.erase_node(node)
+        elif node.op == "call_function" and node.target is aten.type_as.default:
+            other = node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None
+            own = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+            if other is not None and own is not None and own.dtype == other.dtype:  # type_as returns self
+                node.replace_all_uses_with(node.args[0])
+                graph.erase_node(node)
+            elif other is not None:
+                node.target, node.args, node.kwargs = aten._to_copy.default, (node.args[0],), {"dtype": other.dtype}
     # Random ops (dropout) whose result is unused are dead too: fx only keeps
     # nodes it considers impure (in-place / side-effecting ones).
     graph.eliminate_dead_code()

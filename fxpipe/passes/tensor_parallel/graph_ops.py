@@ -64,6 +64,10 @@ INDEX_ADD = aten.index_add.default
 UNBIND = aten.unbind.int
 STACK = aten.stack.default
 SELECT = aten.select.int
+CASTS = frozenset({aten.to.dtype, aten.type_as.default, aten._to_copy.default, aten.to.dtype_layout})
+"""A parameter read through a dtype cast (``w.to(x.dtype)``, ``w.type_as(x)``, ``w.float()``)
+is the parameter to every rule: the cast keeps its shape, so the shard it reads is cast
+alike."""
 INDEX = aten.index.Tensor
 NEW_EMPTY = aten.new_empty.default
 PADS = frozenset({aten.pad.default, aten.constant_pad_nd.default})
@@ -151,10 +155,19 @@ class Projection:
         return 1 - self.out_dim if self.contract_dim is None else self.contract_dim
 
 
+def uncast(node: Any) -> Any:
+    """``node`` with the dtype casts it is read through taken off (``CASTS``)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in CASTS and \
+            isinstance(node.args[0], fx.Node) and shape(node) == shape(node.args[0]):
+        node = node.args[0]
+    return node
+
+
 def _weight_of(node: Any, params: set[str], ndim: int = 2) -> tuple[str, tuple[int, ...]] | None:
     """(placeholder, axes) when ``node`` is an ``ndim``-D view of a parameter made by
-    transposes or by selecting one expert of a stacked (E, ., .) parameter: ``axes[i]``
-    is the parameter dim that the view's dim i indexes."""
+    transposes, dtype casts or by selecting one expert of a stacked (E, ., .) parameter:
+    ``axes[i]`` is the parameter dim that the view's dim i indexes."""
+    node = uncast(node)
     if not isinstance(node, fx.Node):
         return None
     if node.op == "placeholder":
@@ -212,7 +225,7 @@ def find_projections(graph: fx.Graph, params: set[str]) -> dict[str, Projection]
                 continue
             # linear computes x @ W.T: the view of W is (out, in).
             found[node.name] = Projection(node.name, w[0], w[1][0], 0,
-                                          b.name if b is not None else None, w[1][1])
+                                          uncast(b).name if b is not None else None, w[1][1])
         elif node.target is MATMUL:
             # x @ W (Falcon's ``input @ self.weight.T``): like mm, with any leading dims.
             w = _weight_of(node.args[1], params)
@@ -233,7 +246,7 @@ def find_projections(graph: fx.Graph, params: set[str]) -> dict[str, Projection]
                 continue
             # mm computes x @ W: the view of W is (in, out) (GPT-2's Conv1D).
             found[node.name] = Projection(node.name, w[0], w[1][1], x_index,
-                                          b.name if b is not None else None, w[1][0])
+                                          uncast(b).name if b is not None else None, w[1][0])
         elif is_grouped_mm(node) or node.target is aten.bmm.default:
             # Stacked expert weights (E, in, out): every expert's FFN is split alike, its
             # output channels (or contracted channels) over the ranks, as a dense MLP's.
@@ -249,6 +262,7 @@ def find_projections(graph: fx.Graph, params: set[str]) -> dict[str, Projection]
 
 
 def _is_param(node: Any, params: set[str]) -> bool:
+    node = uncast(node)
     return isinstance(node, fx.Node) and node.op == "placeholder" and node.name in params
 
 

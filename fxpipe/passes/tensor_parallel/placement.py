@@ -120,10 +120,10 @@ class _Specs:
             if node.op != "placeholder" or node.name not in self.by_node:
                 continue
             for user in node.users:
-                # A weight read through transposes (Falcon's ``x @ w.T``) is the projection's.
+                # A weight read through transposes (Falcon's ``x @ w.T``) or a cast is the projection's.
                 reader = user
-                while reader.op == "call_function" and (reader.target in G.TRANSPOSES or reader.target is G.SELECT) \
-                        and len(reader.users) == 1:
+                while reader.op == "call_function" and (reader.target in G.TRANSPOSES or reader.target is G.SELECT
+                                                        or reader.target in G.CASTS) and len(reader.users) == 1:
                     reader = next(iter(reader.users))
                 if (user.name, node.name) not in claimed and (reader.name, node.name) not in claimed:
                     self.propose(node.name, _Proposal(ShardKind.REPLICATED, None, (), 0,

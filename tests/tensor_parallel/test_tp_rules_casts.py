@@ -1,0 +1,77 @@
+"""Weights read through a dtype cast — ``F.linear(x, self.weight.to(x.dtype))``, the
+mixed-precision linear of hand-written training code — keep their sharding: the cast is
+a view of the parameter to every rule, and every rank's loss and gradients equal one
+process at tp=2 and 4 (fp32, emulated collectives)."""
+import pytest
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fxpipe.passes.tensor_parallel import ShardKind, TPConfig, tensor_parallel_pass
+from tests.tensor_parallel._tp_helpers import capture_models
+from tests.tensor_parallel.test_tp_equivalence import _check
+
+V, T, H, HEADS = 64, 8, 32, 4
+D = H // HEADS
+
+
+class CastLinear(nn.Linear):
+    """The weight (and bias) cast to the input's dtype at every call."""
+
+    def forward(self, x):
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+class TypeAsLinear(nn.Linear):
+    def forward(self, x):
+        return x @ self.weight.type_as(x).t() + self.bias.float()
+
+
+class CastLM(nn.Module):
+    def __init__(self, linear):
+        super().__init__()
+        self.emb, self.ln1, self.ln2 = nn.Embedding(V, H), nn.LayerNorm(H), nn.LayerNorm(H)
+        self.qkv, self.o = linear(H, 3 * H), linear(H, H)
+        self.up, self.down = linear(H, 4 * H), linear(4 * H, H)
+        self.head = nn.Linear(H, V, bias=False)
+
+    def forward(self, ids, targets):
+        x = self.emb(ids)
+        B = x.shape[0]
+        q, k, v = (t.view(B, T, HEADS, D).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(H, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(B, T, H))
+        x = x + self.down(F.gelu(self.up(self.ln2(x))))
+        return F.cross_entropy(F.linear(x, self.head.weight.float()).flatten(0, 1), targets.flatten())
+
+
+def _double_weights(model: CastLM) -> CastLM:
+    """Projections stored in float64, run in float32: every cast really converts."""
+    for layer in (model.qkv, model.o, model.up, model.down):
+        layer.double()
+    return model
+
+
+MODELS = {"cast-linear": lambda: CastLM(CastLinear), "type-as-linear": lambda: CastLM(TypeAsLinear),
+          "float64-weights": lambda: _double_weights(CastLM(CastLinear)),
+          "float64-type-as": lambda: _double_weights(CastLM(TypeAsLinear))}
+CASES = [(m, tp) for m in MODELS for tp in (2, 4)]
+
+
+@pytest.fixture(scope="module")
+def programs():
+    return capture_models(MODELS, V, T)
+
+
+@pytest.mark.parametrize("name,tp", CASES, ids=[f"{m}-tp{t}" for m, t in CASES])
+def test_a_weight_read_through_a_cast_is_split(programs, name, tp):
+    base, batch = programs[name]
+    program = tensor_parallel_pass(base, TPConfig(tp=tp))
+    result = program.tensor_parallel
+    assert not result.coverage.whole, result.coverage.describe()
+    for column in ("qkv.weight", "up.weight"):
+        assert result.kind_of(column) is ShardKind.COLUMN, column
+    for row in ("o.weight", "down.weight"):
+        assert result.kind_of(row) is ShardKind.ROW, row
+    assert result.coverage.share == pytest.approx(1 / tp, abs=0.03)
+    _check(base, program, batch, tp)
