@@ -5,7 +5,7 @@ torch.export keeps runtime shape/dtype assertions (``_assert_tensor_metadata``,
 step around them. ``a.type_as(b)`` becomes ``a.to(b's dtype)``: export knows the dtype,
 and ``b`` is no input of the value (a weight cast to an activation's dtype would
 otherwise read that activation, to every data-flow pass). Nothing here changes what the
-graph computes.
+graph computes. ``x.view_as(x)`` (an identity autograd function, as exported) is x.
 """
 from __future__ import annotations
 
@@ -30,6 +30,11 @@ def canonicalize_pass(program: Program, config: object = None) -> Program:
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _ASSERTS and not node.users:
+            graph.erase_node(node)
+        elif node.op == "call_function" and node.target is aten.view_as.default and node.args[0] is node.args[1]:
+            # x.view_as(x): what an identity autograd function (a model-parallel helper at
+            # size 1) exports as; the value is x, and every pass should see x.
+            node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
         elif node.op == "call_function" and node.target is aten.type_as.default:
             other = node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None

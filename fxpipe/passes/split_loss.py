@@ -65,7 +65,7 @@ from fxpipe.passes.split_matmul import MatmulSplit, call
 from fxpipe.tp.ops import OPS
 
 aten = torch.ops.aten
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints)
 _IDENTITY = (aten.alias.default, aten.clone.default)
 _CASTS = (aten._to_copy.default, aten.to.dtype)
 _NLL = (aten.nll_loss_forward.default, aten.nll_loss_nd.default, aten.nll_loss.default)
