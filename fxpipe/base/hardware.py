@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxpipe.base.op_cost import NodeCost
-from fxpipe.base.safe_io import read_bounded
+from fxpipe.base.safe_io import read_json_object
 
 
 class Collective(enum.Enum):
@@ -214,13 +214,7 @@ class Hardware:
     def load(path: str) -> "Hardware":
         """A profile file: a regular file of at most ``MAX_PROFILE_BYTES`` (``/dev/zero`` or a
         FIFO named by mistake is refused at once, not read until memory runs out)."""
-        try:
-            doc = json.loads(read_bounded(path, MAX_PROFILE_BYTES))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            raise ValueError(f"hardware profile {path} is not readable JSON ({type(exc).__name__})") from None
-        if not isinstance(doc, dict):
-            raise ValueError(f"hardware profile {path} must hold a JSON object (fxpipe calibrate --output writes one)")
-        return Hardware.from_dict(doc)
+        return Hardware.from_dict(read_json_object(path, MAX_PROFILE_BYTES))
 
 
 GB = 1e9

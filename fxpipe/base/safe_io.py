@@ -16,6 +16,7 @@ one line by the CLI) naming the path and what it is.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from pathlib import Path
@@ -70,6 +71,18 @@ def read_bounded(path: str | os.PathLike, limit: int, *, follow: bool = True) ->
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def read_json_object(path: str | os.PathLike, limit: int) -> dict:
+    """The JSON object in regular file ``path`` (read under ``limit`` bytes); a ValueError
+    naming the file when it is not readable JSON or not an object."""
+    try:
+        doc = json.loads(read_bounded(path, limit))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"{path} is not readable JSON ({type(exc).__name__})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return doc
 
 
 def check_regular(path: str | os.PathLike, *, follow: bool = True) -> os.stat_result:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.utils._pytree import tree_leaves
 
 from fxpipe.checkpoint.files import (POINTER_FILE, SafeReader, adopt_run, commit, committed, latest_checkpoint,
                                      list_checkpoints, prune, read_pointer, remove_debris, remove_other_runs, resolve,
@@ -143,7 +144,7 @@ def save_error(exc: CheckpointException, final: Path, tmp: Path, state: dict[str
     failures = {rank: (f[0] if isinstance(f, tuple) else f) for rank, f in exc.failures.items()}
     for rank, error in sorted(failures.items()):
         if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-            need = sum(t.numel() * t.element_size() for t in _tensors(state))
+            need = sum(t.numel() * t.element_size() for t in tree_leaves(state) if isinstance(t, torch.Tensor))
             try:
                 free = shutil.disk_usage(tmp).free
             except OSError:
@@ -156,16 +157,6 @@ def save_error(exc: CheckpointException, final: Path, tmp: Path, state: dict[str
     text = " ".join(str(error).split())[:300]
     return RuntimeError(f"checkpoint {final}: the save failed on rank(s) {sorted(failures)}; rank {rank}: "
                         f"{type(error).__name__}: {text} (the checkpoints before it are intact)")
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 def local_problems(path: Path, share: tuple[int, int] = (0, 1)) -> list[str]:

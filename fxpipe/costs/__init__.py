@@ -68,7 +68,7 @@ def measured_profile(program, config, source: str, *, device: torch.device,
     if source != "measure":
         profile = CostProfile.load(source)
         check_usable(profile, key, dev, n, f"cost profile {source}")
-        check_plausible(profile, _modelled(probe), f"cost profile {source}")
+        check_plausible(profile, probe, f"cost profile {source}")
         _log(f"costs: using {source} ({n} groups measured on {profile.device})")
         return profile, probe, fine
     distributed = dist.is_initialized()
@@ -78,7 +78,7 @@ def measured_profile(program, config, source: str, *, device: torch.device,
         try:
             cached = CostProfile.load(path)
             check_usable(cached, key, dev, n, f"cached profile {path}")
-            check_plausible(cached, _modelled(probe), f"cached profile {path}")
+            check_plausible(cached, probe, f"cached profile {path}")
             box = [cached]
         except ProfileError as e:  # stale, foreign or damaged: measure again
             _log(f"costs: ignoring {e}")
@@ -166,9 +166,3 @@ def apply_profile(config, profile: CostProfile, probe: Coarsening, fine, split_b
     """The partition config with measured node times and link parameters."""
     times = profile.node_times(fine, probe, split_backward)
     return dataclasses.replace(config, node_times=times, link=(profile.latency_s, profile.bandwidth_bytes_per_s))
-
-
-def _modelled(probe) -> list[tuple[float, float]]:
-    """The cost model's (fwd, bwd) seconds per probe group."""
-    return [(probe.graph.nodes[g]["fwd"], probe.graph.nodes[g]["bwd"]) for g in range(len(probe.members))]
-

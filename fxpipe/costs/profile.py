@@ -189,11 +189,12 @@ FLOOR_S = 1e-4
 still pays the runner's fixed cost of tens of microseconds when measured."""
 
 
-def check_plausible(profile: CostProfile, modelled: Sequence[tuple[float, float]], source: str) -> None:
+def check_plausible(profile: CostProfile, probe: Coarsening, source: str) -> None:
     """Raise ProfileError for a profile whose times no measurement gives: a group over
-    ``MAX_GROUP_S``, or one whose measured / modelled ratio is ``MAX_RATIO`` times the
-    profile's median ratio either way (the cost model's scale differs between devices;
-    its shape over the graph does not). ``modelled``: (fwd, bwd) per group."""
+    ``MAX_GROUP_S``, or one whose measured / modelled ratio (the cost model's time of
+    each of ``probe``'s groups) is ``MAX_RATIO`` times the profile's median ratio either
+    way (the cost model's scale differs between devices; its shape over the graph does not)."""
+    modelled = [(probe.graph.nodes[g]["fwd"], probe.graph.nodes[g]["bwd"]) for g in range(len(probe.members))]
     for g, times in enumerate(profile.groups):
         for phase, t in zip(PHASES, times):
             if t > MAX_GROUP_S:
@@ -209,4 +210,3 @@ def check_plausible(profile: CostProfile, modelled: Sequence[tuple[float, float]
             raise ProfileError(f"{source}: group {g}'s {phase} time is {r / median:.3g}x what the rest of the profile "
                                f"implies for it (measured / modelled against the median), beyond {MAX_RATIO:.0f}x "
                                f"either way: not a measurement of this graph; measure with costs='measure'")
-

@@ -35,17 +35,20 @@ tokenizer), cut at whitespace: one 100 MB line handed to a tokenizer whole needs
 times its size in memory at once."""
 
 
+def _walk(path: Path) -> Iterator[Path]:
+    """The .txt/.jsonl files under directory ``path`` (hidden ones and hidden directories
+    left out), sorted, links included."""
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if Path(name).suffix in TEXT_SUFFIXES and not name.startswith("."):
+                yield Path(dirpath) / name
+
+
 def skipped_links(path: Path) -> list[Path]:
     """The .txt/.jsonl files under directory ``path`` that ``text_files`` leaves out because
     they are symbolic links (reported, never read)."""
-    if not path.is_dir():
-        return []
-    found = []
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        found += [Path(dirpath) / n for n in sorted(filenames)
-                  if Path(n).suffix in TEXT_SUFFIXES and not n.startswith(".") and (Path(dirpath) / n).is_symlink()]
-    return found
+    return [f for f in _walk(path) if f.is_symlink()] if path.is_dir() else []
 
 
 def text_files(path: Path) -> list[Path]:
@@ -58,14 +61,9 @@ def text_files(path: Path) -> list[Path]:
                              f"or .npy files, not {path.suffix or 'a file without a suffix'}; convert it, "
                              f"or give a directory of .txt/.jsonl files")
         return [path]
-    files = []
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(filenames):
-            f = Path(dirpath) / name
-            if f.suffix in TEXT_SUFFIXES and not name.startswith(".") and not f.is_symlink():
-                check_regular(f)
-                files.append(f)
+    files = [f for f in _walk(path) if not f.is_symlink()]
+    for f in files:
+        check_regular(f)
     if not files:
         raise ValueError(f"{path} holds no .txt or .jsonl files; give a directory of text, or a "
                          f"token file (.bin, .npy)")

@@ -9,13 +9,12 @@ tokenizer is other ids).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from fxpipe.base.safe_io import read_bounded, refuse_remote_code
+from fxpipe.base.safe_io import read_bounded, read_json_object, refuse_remote_code
 
 MAX_TOKENIZER_BYTES = 256 << 20
 """A tokenizer file larger than this is refused unread (Llama 3's tokenizer.json is 9 MB)."""
@@ -54,13 +53,7 @@ class HFTokenizer:
 
 
 def _json_file(path: Path) -> dict:
-    try:
-        doc = json.loads(read_bounded(path, MAX_TOKENIZER_BYTES))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ValueError(f"{path} is not readable JSON ({type(exc).__name__})") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return doc
+    return read_json_object(path, MAX_TOKENIZER_BYTES)
 
 
 def _eos_name(directory: Path) -> str | None:

@@ -117,11 +117,11 @@ class DataStream:
         position = state.get("position")
         if type(position) is not int or position < 0:
             raise ValueError(f"the checkpoint's data position must be an integer >= 0, got {str(position)[:40]}")
-        most = None if steps is None else steps * max(self.windows.count, self.global_batch)
-        if most is not None and position > most:
+        per_step = max(self.windows.count, self.global_batch)
+        if steps is not None and position > steps * per_step:
             raise ValueError(f"the checkpoint's data position {position} is past what its {steps} steps can have read "
-                             f"(at most {most}: {steps} × {max(self.windows.count, self.global_batch)} windows); the "
-                             f"checkpoint's data state is damaged: resume from another step (--resume-from)")
+                             f"(at most {steps * per_step}: {steps} × {per_step} windows); the checkpoint's data "
+                             f"state is damaged: resume from another step (--resume-from)")
         ours = (self.windows.count, self.windows.seq)
         theirs = (state.get("windows"), state.get("seq"))
         if theirs != ours:

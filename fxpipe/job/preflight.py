@@ -46,10 +46,10 @@ from fxpipe.job.preflight_files import (PreflightError, check_owner, check_resum
                                         check_writable_file, resume_path)
 from fxpipe.job.prepare import weights_dir
 from fxpipe.models.hf_dir import is_model_dir, load_config
-from fxpipe.passes.causality import attention_is_causal
 from fxpipe.models.registry import GPT_CONFIGS, build_workload
 from fxpipe.params.hf_weights import WeightsDir
 from fxpipe.partition import Method, PartitionError
+from fxpipe.passes.causality import attention_is_causal
 from fxpipe.schedules.registry import check_size, generate, get_spec
 
 META_ABOVE_PARAMS = 3e8
@@ -249,9 +249,8 @@ def check_profile_numbers(program: Program, layout: ParallelConfig) -> None:
     _, probe = probe_groups(program, layout.partition_config(layout.schedule_ir()))
     profile = CostProfile.load(layout.costs)
     if len(profile.groups) == len(probe.members):
-        modelled = [(probe.graph.nodes[g]["fwd"], probe.graph.nodes[g]["bwd"]) for g in range(len(probe.members))]
         try:
-            check_plausible(profile, modelled, f"--costs {layout.costs}")
+            check_plausible(profile, probe, f"--costs {layout.costs}")
         except ProfileError as exc:
             raise PreflightError(str(exc)) from None
 

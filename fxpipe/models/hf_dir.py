@@ -15,13 +15,10 @@ from pathlib import Path
 
 import torch
 
-from fxpipe.base.safe_io import read_bounded, refuse_remote_code
+from fxpipe.base.safe_io import read_json_object, refuse_remote_code
 from fxpipe.models.losses import next_token_loss
 from fxpipe.models.workload import Workload, _token_batch
-from fxpipe.params.hf_weights import INDEX, SINGLE
-
-MAX_CONFIG_BYTES = 4 << 20
-"""config.json larger than this is refused unread (a real one is a few KB)."""
+from fxpipe.params.hf_weights import INDEX, MAX_CONFIG_BYTES, SINGLE
 
 
 def is_model_dir(name: str) -> bool:
@@ -53,16 +50,11 @@ def check_weights_readable(directory: str) -> None:
 def load_config(directory: str):
     """The directory's ``PretrainedConfig``, refused unless a causal LM transformers knows
     (no remote code is run: ``trust_remote_code`` stays off)."""
-    import json
-
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(directory) / "config.json"
-    try:
-        doc = json.loads(read_bounded(path, MAX_CONFIG_BYTES))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ValueError(f"{path} is not readable JSON ({type(exc).__name__})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("model_type"), str):
+    doc = read_json_object(path, MAX_CONFIG_BYTES)
+    if not isinstance(doc.get("model_type"), str):
         raise ValueError(f"{path} has no 'model_type'; it must be a Hugging Face config.json (save_pretrained)")
     refuse_remote_code(doc, path)
     try:
@@ -83,7 +75,6 @@ def vocab_size(config) -> int:
 
 def build_model(directory: str, device: torch.device | str = "meta") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
-
     from transformers.utils import logging as hf_logging
 
     config = load_config(directory)

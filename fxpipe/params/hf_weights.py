@@ -29,13 +29,15 @@ from typing import Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from fxpipe.base.safe_io import UnsafeFileError, check_regular, inside, read_bounded
+from fxpipe.base.safe_io import UnsafeFileError, check_regular, inside, read_bounded, read_json_object
 from fxpipe.ir.shard_spec import ShardKind, ShardSpec
 from fxpipe.ir.state_mismatch import raise_if_mismatched
 from fxpipe.params.hf_conversion import conversions
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+MAX_CONFIG_BYTES = 4 << 20
+"""config.json larger than this is refused unread (a real one is a few KB)."""
 MAX_INDEX_BYTES = 64 << 20
 """An index larger than this is refused unread (a 405B model's is ~100 KB)."""
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -68,10 +70,9 @@ def _model_type(directory: Path) -> str | None:
     if not path.is_file():
         return None
     try:
-        doc = json.loads(read_bounded(path, 4 << 20))
-    except (OSError, ValueError, RecursionError):
+        kind = read_json_object(path, MAX_CONFIG_BYTES).get("model_type")
+    except (OSError, ValueError):  # a damaged config.json is the model loader's to refuse
         return None
-    kind = doc.get("model_type") if isinstance(doc, dict) else None
     return kind if isinstance(kind, str) else None
 
 
@@ -159,6 +160,11 @@ class WeightsDir:
         stored = self.alias.get(name, name)
         return self._stored_region(stored, (slice(None),) * dim + (slice(start, stop),))
 
+    def whole(self, name: str) -> torch.Tensor:
+        """Model tensor ``name`` whole (a scalar too)."""
+        shape = self.shapes[name]
+        return self.region(name, 0, 0, shape[0]) if shape else self._stored_region(self.alias.get(name, name), ())
+
     def check(self, names: Mapping[str, str], full_shapes: Mapping[str, tuple[int, ...]],
               required: set[str], dtypes: Mapping[str, torch.dtype] | None = None) -> dict[str, str]:
         """Canonical name -> the stored name to read it from. ``names``: every state_dict
@@ -200,8 +206,7 @@ class WeightsDir:
         if self.shapes[a] != self.shapes[b]:
             return False
         if not self.shapes[a]:
-            return torch.equal(self._stored_region(self.alias.get(a, a), ()),
-                               self._stored_region(self.alias.get(b, b), ()))
+            return torch.equal(self.whole(a), self.whole(b))
         for start in range(0, self.shapes[a][0], rows):
             stop = min(start + rows, self.shapes[a][0])
             if not torch.equal(self.region(a, 0, start, stop), self.region(b, 0, start, stop)):
@@ -210,10 +215,8 @@ class WeightsDir:
 
     def read(self, stored: str, spec: ShardSpec | None, tp_rank: int, dtype: torch.dtype) -> torch.Tensor:
         """This rank's shard of ``stored`` (zero padding rows appended), in ``dtype``."""
-        shape = self.shapes[stored]
         if spec is None or spec.kind is ShardKind.REPLICATED:
-            return (self.region(stored, 0, 0, shape[0]) if shape else
-                    self._stored_region(self.alias.get(stored, stored), ())).to(dtype)
+            return self.whole(stored).to(dtype)
         parts = [self.region(stored, spec.dim, a, b).to(dtype) for a, b in spec.ranges[tp_rank]]
         pad = spec.padding(tp_rank)
         if pad:

@@ -114,16 +114,20 @@ def _rows_alike(region: list[fx.Node], x: fx.Node, offs: fx.Node, params: dict[s
     return out
 
 
-def grouped_experts(program: Program) -> tuple[int, ...]:
-    """Experts of each grouped matmul over stacked (E, ., .) weights, in graph order: the
-    MoEs ``expert_parallel_pass`` may own over ep ranks (empty: none; whether each can be
-    is its own check)."""
-    params = {p.node: p.canonical for p in program.params if p.kind is ParamKind.PARAMETER}
-    seen: dict[fx.Node, int] = {}
-    for n in program.graph.nodes:
+def _grouped_mms(graph: fx.Graph, params: dict[str, str]) -> dict[fx.Node, list[fx.Node]]:
+    """Each MoE's grouped matmuls over stacked (E, ., .) weights, by the offsets they share."""
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for n in graph.nodes:
         if n.op == "call_function" and is_grouped_mm(n) and _stacked_param(n.args[1], params) is not None:
-            seen.setdefault(n.args[2], shape(n.args[2])[0])
-    return tuple(seen.values())
+            groups.setdefault(n.args[2], []).append(n)
+    return groups
+
+
+def grouped_experts(program: Program) -> tuple[int, ...]:
+    """Experts of each grouped MoE, in graph order: the MoEs ``expert_parallel_pass`` may
+    own over ep ranks (empty: none; whether each can be is its own check)."""
+    params = {p.node: p.canonical for p in program.params if p.kind is ParamKind.PARAMETER}
+    return tuple(shape(offs)[0] for offs in _grouped_mms(program.graph, params))
 
 
 def expert_parallel_pass(program: Program, config: EPConfig) -> Program:
@@ -133,10 +137,7 @@ def expert_parallel_pass(program: Program, config: EPConfig) -> Program:
         return program
     gm = copy.deepcopy(program.graph_module)
     params = {p.node: p.canonical for p in program.params if p.kind is ParamKind.PARAMETER}
-    groups: dict[fx.Node, list[fx.Node]] = {}
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and is_grouped_mm(n) and _stacked_param(n.args[1], params) is not None:
-            groups.setdefault(n.args[2], []).append(n)
+    groups = _grouped_mms(gm.graph, params)
     layers, specs, skipped = [], {}, []
     for offs, mms in groups.items():
         first, last, x = mms[0], mms[-1], mms[0].args[0]

@@ -4,9 +4,10 @@
 every layout that needs it."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -66,28 +67,31 @@ class CaptureCosts:
         spec = compiled.plan.values[head.hidden].spec
         key = (math.prod(spec.shape[:-1]), spec.shape[-1], max(b - a for a, b in head.blocks), spec.dtype)
         if key not in self.passes:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(self.threads or threads)
-            try:
+            with self._threads():
                 self.passes[key] = time_vocab_passes(*key)
-            finally:
-                torch.set_num_threads(threads)
         return self.passes[key]
+
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        """Timing with the threads each rank will run with (default: this process's)."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads or threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def _time(self, config: ParallelConfig, rows: int) -> LocalTimes | None:
         program = compile_program(self.program(rows), dataclasses.replace(config, costs="model"), until="cost").program
         shards = ShardBuilder(program, program.tp_specs, self.model, tp_rank=0, device=torch.device("cpu"),
                               seed=self.base.seed)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self.threads or threads)
         try:
-            return measure_locally(program, program.partition_config or CompileContext.of(config).partition,
-                                   tuple(t[:rows] for t in self.batch), shards.tensors, tp=config.tp)
+            with self._threads():
+                return measure_locally(program, program.partition_config or CompileContext.of(config).partition,
+                                       tuple(t[:rows] for t in self.batch), shards.tensors, tp=config.tp)
         except Exception as exc:  # noqa: BLE001 - a graph that cannot run alone keeps the cost model
             self.notes.append(f"tp={config.tp}{' sp' if config.sp else ''} b={rows}: timing failed ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0][:120] if str(exc) else ''}), cost model used")
             return None
-        finally:
-            torch.set_num_threads(threads)
 
 

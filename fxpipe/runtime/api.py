@@ -78,8 +78,9 @@ class ParallelModel:
         self.zero: ZeroPartition | None = parts.grad_sync.zero
         """ZeRO-1: which data-parallel replica owns (steps) each trainable tensor."""
         self.last_step_skipped = False
-        self.closed = False
         """fp16: the last step was dropped for an overflow."""
+        self.closed = False
+        """``close()`` released the process groups: nothing collective runs again."""
         self.last_stats: StepStats | None = None
         self._mb_shapes = [s.shape for s in self.plan.program.input_specs]
 
@@ -192,13 +193,9 @@ class ParallelModel:
         return self.gather_full({n: t.detach().cpu() for n, t in self.named_parameters()})
 
     # ---- training ------------------------------------------------------------------------
-    def _microbatches(self, batch: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
-        if isinstance(batch, torch.Tensor):
-            batch = (batch,)
+    def _microbatches(self, batch: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+        """This data-parallel rank's microbatches of a batch ``_check_batch`` accepted."""
         mesh, m = self.groups.mesh, self.num_microbatches
-        if len(batch) != len(self._mb_shapes):
-            raise TypeError(f"train_step got {len(batch)} batch tensors, the example batch had "
-                            f"{len(self._mb_shapes)}")
         out = []
         for t, mb_shape in zip(batch, self._mb_shapes):
             expected = (mb_shape[0] * m * mesh.dp, *mb_shape[1:])
@@ -217,7 +214,7 @@ class ParallelModel:
         batch = self._check_batch(batch)
         # One max per token input: an id past the vocabulary is an IndexError at tp=1
         # and silently wrong embeddings under vocabulary-parallel TP.
-        check_token_ids((batch,) if isinstance(batch, torch.Tensor) else batch, self.token_inputs)
+        check_token_ids(batch, self.token_inputs)
         for t in self.parameters():
             t.grad = None
         self.sync_parameters()
