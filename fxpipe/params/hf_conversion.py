@@ -52,8 +52,8 @@ class StackedTensor:
         full[dim] = slice(start, stop)
         experts = range(full[0].start, full[0].stop)
         width = self.part_shape[self.concat_dim - 1] if self.concat_dim is not None else None
-        out = []
-        for e in experts:
+        out = None  # filled expert by expert: the region and one expert's pieces at a time
+        for i, e in enumerate(experts):
             pieces = []
             for j, part in enumerate(self.parts):
                 index = list(full[1:])
@@ -64,8 +64,12 @@ class StackedTensor:
                         continue
                     index[self.concat_dim - 1] = slice(lo - j * width, hi - j * width)
                 pieces.append(read(part[e], tuple(index)))
-            out.append(torch.cat(pieces, dim=self.concat_dim - 1) if len(pieces) > 1 else pieces[0])
-        return torch.stack(out)
+            one = torch.cat(pieces, dim=self.concat_dim - 1) if len(pieces) > 1 else pieces[0]
+            if out is None:
+                out = one.new_empty((len(experts), *one.shape))
+            out[i] = one
+            del pieces, one
+        return out
 
 
 def _source_regex(pattern: str) -> re.Pattern | None:
