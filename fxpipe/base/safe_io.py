@@ -73,11 +73,12 @@ def read_bounded(path: str | os.PathLike, limit: int, *, follow: bool = True) ->
         os.close(fd)
 
 
-def read_json_object(path: str | os.PathLike, limit: int) -> dict:
-    """The JSON object in regular file ``path`` (read under ``limit`` bytes); a ValueError
-    naming the file when it is not readable JSON or not an object."""
+def read_json_object(path: str | os.PathLike, limit: int, *, follow: bool = True) -> dict:
+    """The JSON object in regular file ``path`` (read under ``limit`` bytes, through a
+    link only with ``follow``); a ValueError naming the file when it is not readable JSON
+    or not an object."""
     try:
-        doc = json.loads(read_bounded(path, limit))
+        doc = json.loads(read_bounded(path, limit, follow=follow))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ValueError(f"{path} is not readable JSON ({type(exc).__name__})") from None
     if not isinstance(doc, dict):

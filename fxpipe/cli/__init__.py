@@ -1,4 +1,4 @@
-"""``fxpipe compile | run | viz | plan | calibrate`` — the command-line front end.
+"""``fxpipe compile | run | viz | plan | calibrate | prepare-data`` — the command-line front end.
 
 One module per subcommand; each parses its flags and hands a config to library
 code. ``compile``'s and ``run``'s flags are generated from the config dataclasses
@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from fxpipe.cli import calibrate, compile, plan, run, viz
+from fxpipe.cli import calibrate, compile, plan, prepare_data, run, viz
 from fxpipe.job.flags import positive_float, positive_int
 
 __all__ = ["build_parser", "main", "positive_float", "positive_int"]
@@ -24,6 +24,10 @@ SUBCOMMANDS = {
     "viz": (viz, "draw a pipeline schedule (ASCII, PNG/SVG Gantt, Perfetto JSON)", None),
     "plan": (plan, "search tp/pp/dp layouts with the simulator", None),
     "calibrate": (calibrate, "measure this machine's matmul, memory and gloo speeds", None),
+    "prepare-data": (prepare_data, "tokenize a corpus or dataset once, with every core, for fxpipe run",
+                     "Tokenize text (.txt, .jsonl, directories) or a Hugging Face dataset (save_to_disk, "
+                     "Parquet, Arrow) into the token cache fxpipe run memory-maps; a run on a prepared corpus "
+                     "starts in the same time whatever its size."),
 }
 
 

@@ -1,7 +1,7 @@
 """Training text every machine has offline: the Python standard library's own source.
 
 ``fxpipe run`` without ``--data`` trains on it, through the same path as any text
-(``fxpipe/data/text.py``'s tokenize, packed windows, per-replica shares): each .py
+(``fxpipe/data/encode_pool.py``'s tokenize, packed windows, per-replica shares): each .py
 file is one document, the tokenizer is bytes (vocabulary 256, NUL between files), so
 no tokenizer or download is needed.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sysconfig
 
-from fxpipe.data.text import tokenize
+from fxpipe.data.encode_pool import tokenize
 from fxpipe.data.tokenizer import ByteTokenizer
 from fxpipe.data.tokens import TokenDtype, TokenStream
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -96,6 +97,12 @@ def max_token(array: np.ndarray) -> int:
     return _scan(array, np.maximum.reduce)
 
 
+class BlockCheck(Protocol):
+    """Verifies a token file's blocks as they are first read (``fxpipe/data/token_cache.py``)."""
+
+    def check(self, tokens: np.ndarray, start: int, stop: int) -> None: ...
+
+
 @dataclass(frozen=True)
 class TokenStream:
     """The ids one run reads (training or validation) and where they came from."""
@@ -105,3 +112,18 @@ class TokenStream:
     """For messages: the path (or 'python standard library') the ids came from."""
     vocab_size: int | None = None
     """The tokenizer's vocabulary when known (the ids of a token file carry none)."""
+    largest: int | None = None
+    """The largest id when a prepared cache's manifest records it (its blocks are verified
+    against the manifest as they are read, so the record holds for every id trained on);
+    None: scanned (``max_token``)."""
+    blocks: BlockCheck | None = field(default=None, repr=False, compare=False)
+    """Verifies the blocks a read touches, once each (None: nothing to verify against)."""
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """``tokens[start:stop]`` as an array, its blocks verified first."""
+        if self.blocks is not None:
+            self.blocks.check(self.tokens, start, stop)
+        return np.asarray(self.tokens[start:stop])
+
+    def largest_id(self) -> int:
+        return self.largest if self.largest is not None else max_token(self.tokens)

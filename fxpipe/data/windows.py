@@ -46,7 +46,7 @@ class PackedWindows:
 
     def window(self, i: int) -> np.ndarray:
         start = (self.first + i) * self.seq
-        return np.asarray(self.stream.tokens[start:start + self.seq + 1])
+        return self.stream.read(start, start + self.seq + 1)
 
     def split(self, fraction: float) -> tuple["PackedWindows", "PackedWindows"]:
         """(training, validation): the last ``fraction`` of the windows held out."""

@@ -52,7 +52,8 @@ class TrainConfig:
     """Optimizer steps; the LR schedule decays over them."""
     # ---- data (fxpipe/data) ----
     data: str | None = None
-    """A token file (.bin, .npy), text (.txt, .jsonl, a directory of them); None: the standard library's source."""
+    """A token file (.bin, .npy), text (.txt, .jsonl, a directory of them), a Hugging Face dataset
+    (save_to_disk directory, .parquet, .arrow); None: the standard library's source."""
     val_data: str | None = None
     """Validation data in the same forms; None: the last ``val_fraction`` of ``data``'s windows."""
     val_fraction: float | None = None
@@ -61,6 +62,10 @@ class TrainConfig:
     """tokenizer.json or a tokenizer directory for text; None: the model directory's when it has one, else bytes."""
     data_dtype: str = "uint16"
     """Element type of a .bin token file (the file does not say): uint16 or uint32."""
+    text_column: str = "text"
+    """A dataset's text column; a dataset without it is read from ``input_ids`` as token ids."""
+    data_cache: str | None = None
+    """Directory for token caches of text and datasets; None: beside the data."""
     # ---- optimizer ----
     lr: float = 2e-3
     """Peak AdamW learning rate (betas 0.9, 0.95)."""
@@ -83,6 +88,8 @@ class TrainConfig:
     """Append one JSON object per logged step (and per validation) to this file."""
     tensorboard_dir: str | None = None
     """Write TensorBoard scalars here (needs the tensorboard package)."""
+    peak_tflops: float | None = None
+    """The device's peak dense TFLOP/s for MFU; None: known GPUs' table (``fxpipe/base/hardware.py``), else no MFU."""
     log_interval: int = 10
     """Steps between log lines (and metrics records); the first step is always logged."""
     timeline: str | None = "fxpipe-timeline"

@@ -148,8 +148,12 @@ TRAIN_FLAGS = _flags(
     Flag("seq", "sequence length s", positive_int),
     Flag("steps", "training steps", positive_int),
     Flag("data", "training data: a token file (.bin uint16/uint32, .npy), text (.txt, .jsonl with a "
-         "'text' field) or a directory of text (default: the Python standard library's source as bytes)",
-         metavar="PATH"),
+         "'text' field), a directory of text, or a Hugging Face dataset (a save_to_disk directory, .parquet or "
+         ".arrow files) (default: the Python standard library's source as bytes)", metavar="PATH"),
+    Flag("text_column", "a dataset's column of text (default: text; a dataset without it is read from its "
+         "input_ids column as token ids)", metavar="NAME"),
+    Flag("data_cache", "directory for the token caches of text and datasets (default: beside the data); "
+         "fxpipe prepare-data fills it ahead of a run", metavar="DIR"),
     Flag("val_data", "validation data in the same forms (default: the last --val-fraction of --data)",
          metavar="PATH"),
     Flag("val_fraction", "share of the data's windows held out for validation (default: 0.05 with "
@@ -171,6 +175,8 @@ TRAIN_FLAGS = _flags(
     Flag("metrics_file", "append one JSON object per logged step and validation to this file",
          metavar="FILE"),
     Flag("tensorboard_dir", "write TensorBoard scalars here (needs the tensorboard package)", metavar="DIR"),
+    Flag("peak_tflops", "the device's peak dense TFLOP/s at the run's precision, for MFU (default: known "
+         "for A100/H100/H200/B200 GPUs; none on CPU)", positive_float, metavar="TFLOPS"),
     Flag("log_interval", "steps between log lines", positive_int),
     Flag("timeline", "path prefix for the last step's measured timeline (.json, .png); 'none' to skip",
          optional_path),

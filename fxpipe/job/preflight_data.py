@@ -6,15 +6,22 @@ are returned for the model check, which names both against the model's vocabular
 (ids are never clamped)."""
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from fxpipe.data import max_token, open_data
+from fxpipe.data import open_data
 from fxpipe.data.text import skipped_links
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.preflight_files import PreflightError
-from fxpipe.job.prepare import tokenizer_path
+from fxpipe.job.prepare import corpus_options, tokenizer_path
+
+
+def tokenizing_workers() -> int:
+    """Processes that tokenize an uncached corpus here: the cores, shared among the local
+    ranks when torchrun runs this check in each of them."""
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 @dataclass(frozen=True)
@@ -31,7 +38,8 @@ def check_data(config: "TrainConfig") -> DataFacts:
     flag = "--data" if config.data is not None else "the built-in data"
     try:
         source = open_data(config.data, seq=config.seq, val_data=config.val_data, val_fraction=config.val_fraction,
-                           tokenizer=tokenizer_path(config), dtype=config.data_dtype.value)
+                           tokenizer=tokenizer_path(config), dtype=config.data_dtype.value,
+                           options=corpus_options(config, workers=tokenizing_workers()))
     except FileNotFoundError as exc:
         raise PreflightError(f"{flag}: no such file or directory: {exc.filename}") from None
     except (ValueError, OSError) as exc:
@@ -55,7 +63,7 @@ def check_data(config: "TrainConfig") -> DataFacts:
             print(f"fxpipe run: note: {flag_} {path}: {len(links)} linked file(s) not read (links are not followed: "
                   f"copy the files in instead): {', '.join(str(p) for p in links[:3])}"
                   f"{' ...' if len(links) > 3 else ''}", file=sys.stderr, flush=True)
-    largest = max_token(train.stream.tokens)  # the whole stream: validation windows included
+    largest = train.stream.largest_id()  # the whole stream: validation windows included
     if source.val is not None and source.val.stream is not train.stream:
-        largest = max(largest, max_token(source.val.stream.tokens))
+        largest = max(largest, source.val.stream.largest_id())
     return DataFacts(largest, source.tokenizer_vocab, train.stream.source)

@@ -3,7 +3,7 @@ in every rank: the workload (a Hugging Face directory on the meta device), the d
 the tokenizer and the weights a run takes by default."""
 from __future__ import annotations
 
-from fxpipe.data import open_data
+from fxpipe.data import CorpusOptions, open_data
 from fxpipe.job.config import TrainConfig
 from fxpipe.models import build_workload
 from fxpipe.models.hf_dir import check_weights_readable, has_weights, is_model_dir
@@ -17,8 +17,14 @@ def build_job(config: "TrainConfig"):
     device = "meta" if is_model_dir(config.model) else "cpu"
     w = build_workload(config.model, batch=config.batch, seq=config.seq, seed=config.parallel.seed, device=device)
     source = open_data(config.data, seq=config.seq, val_data=config.val_data, val_fraction=config.val_fraction,
-                       tokenizer=tokenizer_path(config), dtype=config.data_dtype.value)
+                       tokenizer=tokenizer_path(config), dtype=config.data_dtype.value, options=corpus_options(config))
     return w, source
+
+
+def corpus_options(config: "TrainConfig", workers: int = 1) -> CorpusOptions:
+    """How the run reads text and datasets; ``workers`` tokenize a corpus found uncached
+    (the preflight's: all cores, once; a rank then finds the cache)."""
+    return CorpusOptions(column=config.text_column, cache_dir=config.data_cache, workers=workers)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -11,7 +11,7 @@ import torch
 
 from fxpipe.data import (ByteTokenizer, DataStream, PackedWindows, TokenStream, load_tokenizer, max_token,
                          open_data, open_token_file, stdlib_stream)
-from fxpipe.data.text import cached_tokens
+from fxpipe.data.corpus import cached_tokens, open_corpus, tokenized
 from tests.data._corpus import train_bpe, write_corpus
 
 
@@ -62,25 +62,35 @@ def test_text_is_tokenized_with_eos_between_documents_and_cached(tmp_path):
     assert tokens.tolist() == ref
     assert cache.parent == tmp_path and cache.name.startswith(".texts.fxpipe-")
     before = cache.stat().st_mtime_ns
-    again, cache2 = cached_tokens(tmp_path / "texts", tok)
-    assert cache2 == cache and cache.stat().st_mtime_ns == before and isinstance(again, np.memmap)
+    again, cache2 = tokenized(open_corpus(tmp_path / "texts"), tok)
+    assert cache2 == cache and cache.stat().st_mtime_ns == before and isinstance(again.tokens, np.memmap)
+    assert again.largest == max(ref) and again.vocab_size == 300
     (tmp_path / "texts" / "a.txt").write_text(texts[0] + " changed")
     assert cached_tokens(tmp_path / "texts", tok)[1] != cache, "the cache is keyed by content"
     assert cached_tokens(tmp_path / "texts", ByteTokenizer())[1] != cache, "and by tokenizer"
 
 
-def test_a_cut_or_edited_token_cache_is_tokenized_again(tmp_path):
-    """The cache's name says what it was made from; its digest file says what it holds:
-    a cache cut short (a crash before the disk had it) or edited is never trained on."""
-    texts = write_corpus(tmp_path / "texts")
+def test_a_cut_token_cache_is_tokenized_again_and_an_edited_one_refused(tmp_path, monkeypatch):
+    """The cache's name says what it was made from; its manifest says what it holds: a
+    cache cut short (a crash before the disk had it) is tokenized again; a block edited on
+    disk is refused when first read, naming the block: never trained on."""
+    write_corpus(tmp_path / "texts")
+    monkeypatch.setattr("fxpipe.data.token_cache.BLOCK_TOKENS", 64)  # several blocks of a small corpus
     tok = ByteTokenizer()
     tokens, cache = cached_tokens(tmp_path / "texts", tok)
     ref = np.array(tokens).tolist()
-    for damage in (lambda b: b[: len(b) // 2], lambda b: bytes([b[0] ^ 1]) + b[1:]):
-        cache.write_bytes(damage(cache.read_bytes()))
-        again, cache2 = cached_tokens(tmp_path / "texts", tok)
-        assert cache2 == cache and np.array(again).tolist() == ref
-    assert len(texts) > 0
+    assert len(ref) > 4 * 64
+    cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2])
+    again, cache2 = cached_tokens(tmp_path / "texts", tok)
+    assert cache2 == cache and np.array(again).tolist() == ref
+    data = bytearray(cache.read_bytes())
+    data[-2] ^= 1
+    cache.write_bytes(bytes(data))
+    stream, _ = tokenized(open_corpus(tmp_path / "texts"), tok)
+    assert stream.read(0, 4).tolist() == ref[:4], "a read of good blocks"
+    last = (len(ref) - 1) // 64
+    with pytest.raises(ValueError, match=rf"block {last} \(ids {last * 64}\.\.{last * 64 + 63}\) does not match its manifest"):
+        stream.read(len(ref) - 3, len(ref))
 
 
 def test_jsonl_line_without_text_is_refused(tmp_path):
@@ -145,10 +155,14 @@ def test_builtin_default_goes_through_the_same_path():
 
 
 def test_files_that_are_neither_text_nor_tokens_are_refused(tmp_path):
-    """A single --data file must be text (.txt, .jsonl) or tokens (.bin, .npy): a
-    .parquet read as text would train on its bytes; an empty or archived .npy is one line."""
+    """A single --data file must be text (.txt, .jsonl), tokens (.bin, .npy) or a dataset
+    (.parquet, .arrow): a .pt read as text would train on its bytes, a damaged .parquet is
+    named; an empty or archived .npy is one line."""
+    (tmp_path / "train.pt").write_bytes(os.urandom(2048))
+    with pytest.raises(ValueError, match=r"train.pt: fxpipe reads text from .txt or .jsonl.*not \.pt"):
+        open_data(str(tmp_path / "train.pt"), seq=8)
     (tmp_path / "train.parquet").write_bytes(os.urandom(2048))
-    with pytest.raises(ValueError, match=r"train.parquet: fxpipe reads text from .txt or .jsonl.*not \.parquet"):
+    with pytest.raises(ValueError, match=r"train.parquet is not a readable parquet file"):
         open_data(str(tmp_path / "train.parquet"), seq=8)
     (tmp_path / "empty.npy").write_bytes(b"")
     with pytest.raises(ValueError, match="empty.npy is not a plain numpy array file"):

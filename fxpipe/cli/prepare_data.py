@@ -1,0 +1,64 @@
+"""``fxpipe prepare-data``: tokenize a corpus (text or a Hugging Face dataset) once, with
+every core, into the token cache ``fxpipe run`` then memory-maps
+(``fxpipe/data/corpus.py``). Run with the same ``--tokenizer``, ``--text-column`` and
+``--data-cache`` as the run; a corpus already prepared is found, not redone."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("data", nargs="+", metavar="PATH",
+                   help="text (.txt, .jsonl, a directory of them) or a dataset (a save_to_disk directory, "
+                        ".parquet or .arrow files); several paths: each prepared (e.g. --data and --val-data)")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="a tokenizer.json or a Hugging Face tokenizer directory (default: bytes; a dataset's "
+                        "input_ids are taken as they are)")
+    p.add_argument("--text-column", default="text", metavar="NAME",
+                   help="a dataset's column of text (default: %(default)s; input_ids where it has none)")
+    p.add_argument("--data-cache", metavar="DIR", help="where the token cache goes (default: beside the data)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
+                   help="tokenizing processes (default: the cores, %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(fn=run_prepare)
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    # loaded when the command runs, not on import: `fxpipe --help` stays quick
+    from tqdm import tqdm
+
+    from fxpipe.data import load_tokenizer, open_corpus, tokenized
+
+    if args.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {args.workers}")
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    for path in args.data:
+        corpus = open_corpus(path, args.text_column)
+        bar, called = None, False
+
+        def progress(done: int, unit: str, total: int) -> None:
+            nonlocal bar, called
+            called = True  # batches were encoded: no cache was found
+            if args.quiet:
+                return
+            if bar is None:
+                bar = tqdm(total=total, unit=unit, unit_scale=True, desc=os.path.basename(path.rstrip("/")),
+                           file=sys.stderr, dynamic_ncols=True)
+            bar.update(done - bar.n)
+
+        start = time.perf_counter()
+        stream, cache = tokenized(corpus, tokenizer, cache_dir=args.data_cache, workers=args.workers,
+                                  progress=progress)
+        seconds = time.perf_counter() - start
+        if bar is not None:
+            bar.close()
+        tokens = len(stream.tokens)
+        made = "tokenized" if called else "found"
+        rate = f", {tokens / seconds:,.0f} tokens/s with {args.workers} workers" if made == "tokenized" else ""
+        print(f"{path}: {made} {tokens:,} tokens ({stream.tokens.dtype.name}, largest id {stream.largest}) "
+              f"in {seconds:.1f} s{rate} -> {cache}", flush=True)
+    return 0
+

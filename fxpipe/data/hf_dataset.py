@@ -1,0 +1,175 @@
+"""Hugging Face datasets as ``--data``: a ``save_to_disk`` directory (a ``Dataset``, or a
+``DatasetDict`` whose ``train`` split is read), or Parquet / Arrow files (one, or a
+directory of them in sorted order).
+
+Each row is one document: its text column (``--text-column``, default ``text``)
+tokenized like a ``.jsonl`` line, or, where the dataset has no such column and holds
+``input_ids``, its ids as they are. The rows are read through ``datasets`` (a
+``save_to_disk`` directory) or pyarrow (the files), memory-mapped, a record batch at a
+time: never the whole dataset in memory. Neither runs code from the files (Arrow and
+Parquet hold data and a schema; no pickle is read).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from fxpipe.base.safe_io import check_regular
+
+DATASET_SUFFIXES = (".parquet", ".arrow")
+SAVED_MARKS = ("state.json", "dataset_dict.json")
+"""Files ``save_to_disk`` writes at the top of a Dataset's / DatasetDict's directory."""
+IDS_COLUMN = "input_ids"
+TRAIN_SPLIT = "train"
+_ROWS = 1024
+
+
+def is_dataset(path: Path) -> bool:
+    """A Parquet/Arrow file, a ``save_to_disk`` directory or a directory of Parquet/Arrow files."""
+    if not path.is_dir():
+        return path.suffix in DATASET_SUFFIXES
+    if any((path / m).is_file() for m in SAVED_MARKS):
+        return True
+    return any(f.suffix in DATASET_SUFFIXES for f in path.iterdir() if f.is_file() and not f.name.startswith("."))
+
+
+def dataset_files(path: Path) -> list[Path]:
+    """The files a dataset's cache key covers: ``path``, or every regular file under the
+    directory (hidden ones left out, links never followed), sorted."""
+    if not path.is_dir():
+        check_regular(path)
+        return [path]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        out += [Path(dirpath) / n for n in sorted(filenames) if not n.startswith(".")]
+    return [f for f in out if not f.is_symlink()]
+
+
+@dataclass(frozen=True)
+class DatasetRows:
+    """The rows of one dataset split, read a record batch at a time."""
+    path: Path
+    column: str
+    ids: bool
+    """True: ``column`` holds token ids (a list of integers per row), taken as they are."""
+    rows: int
+    tables: Any
+    """() -> iterator of pyarrow tables of ``column`` (the batches, in row order)."""
+
+    def documents(self) -> Iterator[tuple["str | np.ndarray", int]]:
+        """Each row's text (or ids), with 1 (the unit of progress: rows)."""
+        row = 0
+        for table in self.tables():
+            for value in table.column(0).to_pylist():
+                if value is None:
+                    raise ValueError(f"{self.path}: row {row} of column {self.column!r} is empty (null); drop or "
+                                     f"fill such rows (dataset.filter(lambda r: r[{self.column!r}] is not None))")
+                if self.ids:
+                    value = np.asarray(value, dtype=np.int64)
+                    if value.size and value.min() < 0:
+                        raise ValueError(f"{self.path}: row {row} of {self.column!r} holds negative token ids")
+                yield value, 1
+                row += 1
+
+
+def _resolve_column(path: Path, names: list[str], column: str, types: dict[str, str]) -> tuple[str, bool]:
+    """(column, ids?) from the schema: the text column when it is there, else ``input_ids``."""
+    if column in names:
+        kind = types[column]
+        if "string" in kind:
+            return column, False
+        if "list" in kind and "int" in kind:
+            return column, True
+        raise ValueError(f"{path}: column {column!r} holds {kind}, not text (string) or token ids (a list of "
+                         f"integers); choose another with --text-column ({', '.join(names)})")
+    if column == "text" and IDS_COLUMN in names and "int" in types[IDS_COLUMN]:
+        return IDS_COLUMN, True
+    raise ValueError(f"{path} has no column {column!r} (its columns: {', '.join(names) or 'none'}); name the text "
+                     f"column with --text-column")
+
+
+def open_rows(path: Path, column: str = "text") -> DatasetRows:
+    """The rows of dataset ``path`` (see the module's docstring); a ValueError naming the
+    columns or splits when ``column`` or the ``train`` split is not there, or no rows."""
+    if path.is_dir() and any((path / m).is_file() for m in SAVED_MARKS):
+        rows = _saved(path, column)
+    else:
+        rows = _files(path, column)
+    if rows.rows == 0:
+        raise ValueError(f"{path} holds no rows; give a dataset (split) with documents")
+    return rows
+
+
+def _saved(path: Path, column: str) -> DatasetRows:
+    try:  # an optional extra (pip install 'fxpipe[data]'): only a dataset run needs it
+        import datasets
+    except ImportError:
+        raise ValueError(f"{path} is a Hugging Face dataset directory: reading it needs the datasets package "
+                         f"(pip install datasets)") from None
+    ds = datasets.load_from_disk(str(path), keep_in_memory=False)
+    if isinstance(ds, datasets.DatasetDict):
+        if TRAIN_SPLIT not in ds:
+            raise ValueError(f"{path} holds the splits {', '.join(ds) or 'none'}, no {TRAIN_SPLIT!r}; give the "
+                             f"split's own directory ({path}/<split>)")
+        ds = ds[TRAIN_SPLIT]
+    types = {n: str(t) for n, t in zip(ds.data.schema.names, ds.data.schema.types)}
+    name, ids = _resolve_column(path, list(ds.column_names), column, types)
+    part = ds.select_columns([name]).with_format("arrow")
+    return DatasetRows(path, name, ids, len(ds), lambda: part.iter(batch_size=_ROWS))
+
+
+def _arrow_table(f: Path) -> Any:
+    import pyarrow as pa  # with the datasets extra (see _saved)
+
+    source = pa.memory_map(str(f), "r")
+    try:
+        return pa.ipc.open_file(source).read_all()
+    except pa.ArrowInvalid:  # save_to_disk writes the stream format
+        source.seek(0)
+        return pa.ipc.open_stream(source).read_all()
+
+
+def _files(path: Path, column: str) -> DatasetRows:
+    try:  # an optional extra, as above
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{path}: reading Parquet/Arrow files needs pyarrow (pip install datasets)") from None
+    files = [f for f in dataset_files(path) if f.suffix in DATASET_SUFFIXES]
+    if not files:
+        raise ValueError(f"{path} holds no .parquet or .arrow files")
+    schemas, counts = [], []
+    for f in files:
+        try:
+            if f.suffix == ".parquet":
+                meta = pq.ParquetFile(str(f))
+                schemas.append(meta.schema_arrow)
+                counts.append(meta.metadata.num_rows)
+            else:
+                table = _arrow_table(f)
+                schemas.append(table.schema)
+                counts.append(table.num_rows)
+        except (pa.ArrowException, OSError) as exc:
+            raise ValueError(f"{f} is not a readable {f.suffix[1:]} file ({' '.join(str(exc).split())[:160]})") from None
+    types = {n: str(t) for n, t in zip(schemas[0].names, schemas[0].types)}
+    name, ids = _resolve_column(files[0], list(schemas[0].names), column, types)
+    for f, schema in zip(files[1:], schemas[1:]):
+        if name not in schema.names:
+            raise ValueError(f"{f} has no column {name!r} ({files[0]} has): every file of a dataset needs it")
+
+    def tables() -> Iterator[Any]:
+        for f in files:
+            if f.suffix == ".parquet":
+                for batch in pq.ParquetFile(str(f)).iter_batches(batch_size=_ROWS, columns=[name]):
+                    yield pa.Table.from_batches([batch])
+            else:
+                table = _arrow_table(f).select([name])
+                for start in range(0, table.num_rows, _ROWS):
+                    yield table.slice(start, _ROWS)
+
+    return DatasetRows(path, name, ids, sum(counts), tables)
