@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up .venv with fxpipe, its test extra and the Hugging Face extra.
+# Set up .venv with fxpipe, its test extra, the Hugging Face extra and the datasets extra.
 # Idempotent: a second run only checks. Usage: bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ fi
 # matrix was generated with); a venv holding another release is brought to it.
 TRANSFORMERS=$(sed -n 's/^hf = \["transformers==\([0-9.]*\)"\]$/\1/p' pyproject.toml)
 [ -n "$TRANSFORMERS" ] || { echo "setup.sh: pyproject.toml's hf extra must pin transformers==X.Y.Z" >&2; exit 1; }
-if ! .venv/bin/python -c "import fxpipe, pytest, hypothesis, transformers, importlinter, grimp
+if ! .venv/bin/python -c "import fxpipe, pytest, hypothesis, transformers, importlinter, grimp, datasets, tensorboard
 assert transformers.__version__ == '$TRANSFORMERS'" 2>/dev/null; then
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[test,hf]"
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[test,hf,data]"
 fi

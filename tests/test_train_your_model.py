@@ -1,7 +1,9 @@
 """`fxpipe run` on your model and your data (issue 26's "Done when"): a tiny Llama saved
 with save_pretrained, a BPE tokenizer trained here with `tokenizers`, text written
-here; tp=2 × pp=2, cosine LR, gradient clipping, validation and a metrics file —
-one job, its first two losses against one process on the same tokens. The job is
+here and saved as a Hugging Face dataset (`Dataset.save_to_disk`); tp=2 × pp=2,
+cosine LR, gradient clipping, validation, a metrics file and TensorBoard events with
+MFU against a given peak — one job, its first two losses against one process reading
+the same text as .txt files. The job is
 the README's two-node launch: two torchrun invocations (--nnodes 2, c10d
 rendezvous on 127.0.0.1) of 2 processes each; it checkpoints, balances stages on
 measured costs and prints the run report (the elastic launcher's own path is run
@@ -40,13 +42,19 @@ def _llama_dir(path: Path, vocab: int) -> None:
 def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("yours")
     texts = write_corpus(root / "texts", docs=40, words=150)
+    (root / "txt").mkdir()  # the same documents, one .txt file each, in the rows' order
+    for i, text in enumerate(texts):
+        (root / "txt" / f"{i:03d}.txt").write_text(text)
+    import datasets
+
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(root / "dataset"))
     train_bpe(root / "tok", texts, vocab_size=320)
     _llama_dir(root / "llama", vocab=320)
-    argv = ["--model", str(root / "llama"), "--data", str(root / "texts"), "--tokenizer", str(root / "tok"),
+    argv = ["--model", str(root / "llama"), "--data", str(root / "dataset"), "--tokenizer", str(root / "tok"),
             "--tp", "2", "--pp", "2", "--steps", str(STEPS), "--eval-interval", "10", "--lr-schedule", "cosine",
             "--grad-clip", "1.0", "--metrics-file", str(root / "m.jsonl"), "--seq", str(SEQ),
             "--micro-batch-size", str(MBS), "--microbatches", str(M), "--lr", "3e-3", "--log-interval", "1",
-            "--timeline", str(root / "tl")]
+            "--timeline", str(root / "tl"), "--tensorboard-dir", str(root / "tb"), "--peak-tflops", "0.5"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "yours"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -122,7 +130,19 @@ def test_your_model_on_your_data(job):
     assert [r["loss"] for r in steps] == pytest.approx(losses, abs=1e-4)
     assert steps[-1]["lr"] < steps[5]["lr"], "cosine decay"
     assert [r["step"] for r in records if "val_loss" in r] == [10, 20]
-    ref_losses, ref_norms = _reference(root, argv, 2)
+    assert [r["mfu"] for r in steps] == pytest.approx([r["tflops_per_process"] / 0.5 for r in steps], rel=1e-6)
+    assert re.search(r"\| MFU [0-9.]+% \|", stdout) and "MFU" in stdout.split("done:")[1]
+    # TensorBoard's own reader finds every scalar of every logged step, and the validations.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(root / "tb")).Reload()
+    for tag in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_process", "mfu", "memory_gib"):
+        assert [e.step for e in events.Scalars(tag)] == list(range(1, STEPS + 1)), tag
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses, abs=1e-4)
+    assert [e.step for e in events.Scalars("val_loss")] == [10, 20]
+    # The reference reads the same documents as .txt files: the dataset gave the same tokens.
+    at = argv.index("--data") + 1
+    ref_losses, ref_norms = _reference(root, argv[:at] + [str(root / "txt")] + argv[at + 1:], 2)
     assert losses[:2] == pytest.approx(ref_losses, rel=1e-4)
     assert min(ref_norms) > 1.0, "the clip acts on both steps"
     assert [r["grad_norm"] for r in steps[:2]] == pytest.approx(ref_norms, rel=1e-4)

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from fxpipe.base.safe_io import check_regular
+from fxpipe.base.safe_io import check_regular, read_json_object
 
 DATASET_SUFFIXES = (".parquet", ".arrow")
 SAVED_MARKS = ("state.json", "dataset_dict.json")
@@ -111,7 +111,14 @@ def _saved(path: Path, column: str) -> DatasetRows:
     except ImportError:
         raise ValueError(f"{path} is a Hugging Face dataset directory: reading it needs the datasets package "
                          f"(pip install datasets)") from None
-    ds = datasets.load_from_disk(str(path), keep_in_memory=False)
+    state = path / "state.json"
+    if state.is_file() and read_json_object(state, 1 << 24).get("_data_files") == []:
+        raise ValueError(f"{path} holds no rows; give a dataset (split) with documents")  # load_from_disk fails on it
+    try:
+        ds = datasets.load_from_disk(str(path), keep_in_memory=False)
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:  # damaged or partial directories
+        raise ValueError(f"{path} is not a readable Hugging Face dataset directory ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:160]})") from None
     if isinstance(ds, datasets.DatasetDict):
         if TRAIN_SPLIT not in ds:
             raise ValueError(f"{path} holds the splits {', '.join(ds) or 'none'}, no {TRAIN_SPLIT!r}; give the "

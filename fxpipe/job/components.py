@@ -92,11 +92,12 @@ class MetricsWriter:
             self.tb = SummaryWriter(tensorboard_dir)
 
     def write(self, record: dict[str, Any]) -> None:
+        record = {k: v for k, v in record.items() if v is not None}  # e.g. no MFU without a known peak
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
+                if key != "step" and isinstance(value, (int, float)):
                     self.tb.add_scalar(key, value, record["step"])
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpipe.base.peak_flops import device_peak_tflops, mfu
 from fxpipe.checkpoint.dcp import load_checkpoint, save_checkpoint
 from fxpipe.checkpoint.export import export_consolidated
 from fxpipe.checkpoint.files import write_atomic
@@ -65,6 +66,7 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
     flops_per_step = pm.model_stats.flops_per_step
     hw_flops_per_step = flops_per_step + recomputed_flops(pm) * layout.num_microbatches * layout.dp
     tokens_per_step = config.batch * config.seq
+    peak = run_peak_tflops(config)
     metrics = MetricsWriter(config.metrics_file, config.tensorboard_dir) if rank == 0 else None
     if rank == 0:
         print("config: " + ", ".join(to_toml(config).splitlines()), flush=True)  # the resolved run, in its keys
@@ -108,12 +110,16 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
                     f" ({hw_flops_per_step / (t1 - t0) / dist.get_world_size() / 1e12:.3g} hardware)"
                 skipped = f" | skipped: fp16 overflow, loss scale {pm.master.loss_scale:g}" \
                     if pm.last_step_skipped else ""
+                used = mfu(flops_per_step, t1 - t0, dist.get_world_size(), peak) if peak else None
                 print(f"iter {step + 1:5d} | loss {loss:.4f} | {(t1 - t0) * 1e3:8.1f} ms/iter | "
                       f"{tokens_per_step / (t1 - t0):9.0f} tokens/s | {tflops:.3g} TFLOP/s/process{hw} | "
-                      f"bubble {bubbles[-1]:.1%}{skipped}", flush=True)
+                      + (f"MFU {used:.1%} | " if used is not None else "")
+                      + f"bubble {bubbles[-1]:.1%}{skipped}", flush=True)
                 metrics.write(dict(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm,
-                                   tokens_per_s=tokens_per_step / (t1 - t0), tflops_per_process=tflops,
-                                   bubble=bubbles[-1], memory_gib=peak_memory_gib()))
+                                   tokens_per_s=tokens_per_step / (t1 - t0),
+                                   tokens_per_s_per_device=tokens_per_step / (t1 - t0) / dist.get_world_size(),
+                                   tflops_per_process=tflops, mfu=used, bubble=bubbles[-1],
+                                   memory_gib=peak_memory_gib()))
         if source.val is not None and config.eval_interval and (
                 (step + 1) % config.eval_interval == 0 or step + 1 == config.steps):
             validate(pm, w, source.val, config, step + 1, metrics)
@@ -147,10 +153,13 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
                    tflops_per_process=flops_per_step / statistics.median(times) / dist.get_world_size() / 1e12,
                    bubble=statistics.median(bubbles), wall_s=time.perf_counter() - t_start,
                    parameter_share=pm.parameter_share)
+    if peak:
+        summary["mfu"] = mfu(flops_per_step, statistics.median(times), dist.get_world_size(), peak)
     if rank == 0:
         print(f"done: loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} in {config.steps} steps, "
               f"{summary['wall_s']:.1f} s; median {summary['median_ms']:.1f} ms/iter, "
               f"{summary['tokens_per_s']:.0f} tokens/s, {summary['tflops_per_process']:.3g} TFLOP/s/process, "
+              + (f"MFU {summary['mfu']:.1%} of {peak:g} TFLOP/s, " if peak else "") +
               f"bubble {summary['bubble']:.1%}, stage imbalance {imbalance:.3f}, parameter share per tp rank "
               f"{pm.parameter_share:.2f} (ideal {1 / layout.tp:.2f})", flush=True)
     tokens = pm.tokens_per_expert()  # collective under expert parallelism; {} without
@@ -160,6 +169,16 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
             print("tokens per expert (MoE layer: counts over the run): "
                   + "; ".join(f"{layer}: {counts}" for layer, counts in tokens.items()), flush=True)
     return summary
+
+
+def run_peak_tflops(config: TrainConfig) -> float | None:
+    """--peak-tflops, else the table's peak for this GPU at the run's precision (none on CPU)."""
+    if config.peak_tflops is not None:
+        return config.peak_tflops
+    if not torch.cuda.is_available():
+        return None
+    half = config.parallel.precision.value != "fp32"
+    return device_peak_tflops(torch.cuda.get_device_name(), half, torch.backends.cuda.matmul.allow_tf32)
 
 
 def _save(pm: Any, opt: Any, sched: Any, stream: Any, step: int, config: TrainConfig) -> int:

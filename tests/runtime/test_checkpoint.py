@@ -22,6 +22,7 @@ from fxpipe.checkpoint.export import export_consolidated
 from fxpipe.checkpoint.files import SafeReader
 from tests.runtime import _ckpt_cases as cases
 from tests.runtime import _wide_vocab
+from tests.data._corpus import write_corpus
 from tests.runtime._dist import run_world
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -388,10 +389,15 @@ def test_export_from_a_directory_and_each_tensor_stored_once(world2, tmp_path):
 
 
 # ---- fxpipe run --------------------------------------------------------------------------------
+FIRST = ("--tp", "1", "--pp", "2", "--dp", "2", "--micro-batch-size", "4", "--microbatches", "2")
+OTHER = ("--tp", "2", "--pp", "2", "--dp", "1", "--micro-batch-size", "4", "--microbatches", "4")
+"""Two layouts of 4 ranks with the same global batch (16): the resume changes layout."""
+
+
 def _start(*args: str, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "fxpipe", "run", "--model", "gpt-tiny", "--seq", "32",
                              "--log-interval", "1", "--timeline", "none", "--partition", "uniform",
-                             "--tp", "1", *args],
+                             "--schedule", "1f1b", *args],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
@@ -407,15 +413,25 @@ def _losses(stdout: str) -> dict[int, str]:
 
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
-    """Three launches: an open-ended run saving every 3 steps, killed (SIGKILL: no save)
-    after step 7, --resume to 10 — the data stream must continue at the token after
-    step 6's —, and alongside them an open-ended run stopped with Ctrl-C after step 10:
-    the uninterrupted reference (the LR schedule and the batches do not depend on --steps)."""
+    """Three launches: an open-ended run on a Parquet dataset saving every 3 steps, killed
+    (SIGKILL: no save) after step 7, --resume to 10 in another layout (tp 2 × pp 2 from
+    pp 2 × dp 2) — the data stream must continue at the token after step 6's —, and
+    alongside them an open-ended run on the same documents as .txt files stopped with
+    Ctrl-C after step 10: the uninterrupted reference (the LR schedule and the batches do
+    not depend on --steps)."""
     root = tmp_path_factory.mktemp("cli")
+    texts = write_corpus(root / "texts", docs=40, words=150)
+    (root / "txt").mkdir()
+    for i, text in enumerate(texts):
+        (root / "txt" / f"{i:03d}.txt").write_text(text)
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": texts}).to_parquet(str(root / "docs.parquet"))
+    parquet = ("--data", str(root / "docs.parquet"))
     # Ctrl-C signals the terminal's whole foreground process group: launcher and workers.
-    endless = _start("--steps", "100000", "--checkpoint-dir", str(root / "stopped"), start_new_session=True)
-    first = _start("--steps", "100000", "--save-interval", "3", "--checkpoint-dir", str(root / "ckpt"),
-                   start_new_session=True)
+    endless = _start(*FIRST, "--data", str(root / "txt"), "--steps", "100000", "--checkpoint-dir",
+                     str(root / "stopped"), start_new_session=True)
+    first = _start(*FIRST, *parquet, "--steps", "100000", "--save-interval", "3", "--checkpoint-dir",
+                   str(root / "ckpt"), start_new_session=True)
     killed: list[str] = []
 
     def kill_after_step_7() -> None:
@@ -443,7 +459,7 @@ def cli_runs(tmp_path_factory):
                 os.killpg(proc.pid, signal.SIGKILL)
     first = "".join(killed)
     kept_after_first = [s for s, _ in list_checkpoints(root / "ckpt")]
-    second = _finish(_start("--steps", "10", "--checkpoint-dir", str(root / "ckpt"), "--resume",
+    second = _finish(_start(*OTHER, *parquet, "--steps", "10", "--checkpoint-dir", str(root / "ckpt"), "--resume",
                             "--export", str(root / "m.pt")))
     return dict(root=root, first=first, second=second, kept_after_first=kept_after_first,
                 stopped=("".join(head) + out, err, endless.returncode))
@@ -455,7 +471,12 @@ def test_fxpipe_run_resume_equals_an_uninterrupted_run(cli_runs):
     assert cli_runs["kept_after_first"] == [3, 6]
     assert sorted(_losses(second)) == [7, 8, 9, 10]
     reference = _losses(cli_runs["stopped"][0])
-    assert {**_losses(first), **_losses(second)} == {i: reference[i] for i in range(1, 11)}
+    # The Parquet rows are the .txt files' tokens: the same layout prints the same losses;
+    # resumed under tp 2 × pp 2 they agree to fp32 reduction order.
+    assert _losses(first) == {i: reference[i] for i in _losses(first)} and 7 in _losses(first)
+    assert "tp=2 (sp) pp=2 dp=1" in second or "tp=2 pp=2 dp=1" in second
+    assert [float(second_loss) for _, second_loss in sorted(_losses(second).items())] == \
+        pytest.approx([float(reference[i]) for i in range(7, 11)], abs=2e-4)
     assert [s for s, _ in list_checkpoints(cli_runs["root"] / "ckpt")] == [3, 6, 10]
     assert (cli_runs["root"] / "m.pt").exists()
     # The data position (windows consumed: steps × global batch 4·4) is what the resume read
