@@ -85,6 +85,14 @@ def _text_and_wide_tokenizer(tmp: Path) -> None:
     train_bpe(tmp / "tok", write_corpus(tmp / "texts"), vocab_size=300)
 
 
+def _datasets(tmp: Path) -> None:
+    import datasets
+    datasets.Dataset.from_dict({"body": ["a b c"] * 40, "n": list(range(40))}).save_to_disk(str(tmp / "nocol"))
+    datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]] * 40 + [[299, 300]]}).to_parquet(str(tmp / "ids.parquet"))
+    datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": ["x"]})}).save_to_disk(str(tmp / "nosplit"))
+    _text_and_wide_tokenizer(tmp)
+
+
 def _not_a_causal_lm(tmp: Path) -> None:
     import transformers
     transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -103,6 +111,16 @@ CASES = [
      ["vocabulary of 256 tokens", "largest token id in", "wide.bin is 300", "at least 301"], _token_files),
     ("run-tokenizer-over-vocab", RUN + ["--data", "{tmp}/texts", "--tokenizer", "{tmp}/tok"],
      ["vocabulary of 256 tokens", "tokenizer of", "has 300", "at least 300"], _text_and_wide_tokenizer),
+    ("run-dataset-no-column", RUN + ["--data", "{tmp}/nocol"],
+     ["nocol has no column 'text' (its columns: body, n)", "--text-column"], _datasets),
+    ("run-dataset-column-not-text", RUN + ["--data", "{tmp}/nocol", "--text-column", "n"],
+     ["column 'n' holds int64, not text (string) or token ids"], _datasets),
+    ("run-dataset-no-train-split", RUN + ["--data", "{tmp}/nosplit"],
+     ["holds the splits test, no 'train'"], _datasets),
+    ("run-dataset-ids-other-tokenizer", RUN + ["--data", "{tmp}/ids.parquet", "--tokenizer", "{tmp}/tok"],
+     ["token id 300 is beyond the tokenizer's vocabulary of 300", "another tokenizer"], _datasets),
+    ("prepare-data-no-column", ["prepare-data", "{tmp}/nocol", "--quiet"],
+     ["nocol has no column 'text' (its columns: body, n)"], _datasets),
     ("run-model-dir-not-causal-lm", RUN + ["--model", "{tmp}/vit"],
      ["config.json is a 'vit' model (ViTConfig), not a causal language model"], _not_a_causal_lm),
     ("run-val-data-short", RUN + ["--data", "{tmp}/ok.bin", "--val-data", "{tmp}/tiny.bin"],
@@ -240,7 +258,7 @@ def test_allow_over_limit_prints_the_plan(capsys):
     assert "limit" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command", [None, "compile", "run", "viz", "plan", "calibrate"])
+@pytest.mark.parametrize("command", [None, "compile", "run", "viz", "plan", "calibrate", "prepare-data"])
 def test_help_of_every_subcommand(command, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(([command] if command else []) + ["--help"])
@@ -252,7 +270,7 @@ def test_help_of_every_subcommand(command, capsys):
 def test_every_subcommand_is_covered_by_the_help_test():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert set(sub.choices) == {"compile", "run", "viz", "plan", "calibrate"}
+    assert set(sub.choices) == {"compile", "run", "viz", "plan", "calibrate", "prepare-data"}
 
 
 # ---- the API: parallelize and train_step in a world of one process ---------------------------

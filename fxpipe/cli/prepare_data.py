@@ -28,9 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_prepare(args: argparse.Namespace) -> int:
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
-    from tqdm import tqdm
-
     from fxpipe.data import load_tokenizer, open_corpus, tokenized
+    from tqdm import tqdm
 
     if args.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")

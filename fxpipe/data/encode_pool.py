@@ -34,9 +34,10 @@ Document = tuple["str | bytes | np.ndarray", int]
 """A document and the units of input it was (bytes of a file, one row of a dataset), for progress."""
 
 
-def batches(documents: Iterator[Document], task: int = TASK_CHARS) -> Iterator[tuple[list[Piece], int]]:
+def batches(documents: Iterator[Document], task: int | None = None) -> Iterator[tuple[list[Piece], int]]:
     """Documents cut into pieces (``pieces``: at whitespace, at most 1 MiB each) and grouped
     into batches of about ``task`` characters; ids pass whole. Each with its units of input."""
+    task = task or TASK_CHARS  # read at call time (tests make it small)
     batch: list[Piece] = []
     size = units = 0
     for doc, doc_units in documents:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from fxpipe.data.builtin import stdlib_stream
 from fxpipe.data.corpus import DEFAULT_COLUMN, open_corpus, tokenized
@@ -30,6 +31,8 @@ class CorpusOptions:
     """Where token caches go (``--data-cache``; None: beside the data)."""
     workers: int = 1
     """Processes that tokenize a corpus not yet cached."""
+    progress: Callable[[str, int, str, int], None] | None = None
+    """``progress(path, done, unit, total)`` while a corpus is tokenized (None: silent)."""
 
 
 def open_stream(path: str | None, tokenizer: str | None, dtype: str,
@@ -44,7 +47,9 @@ def open_stream(path: str | None, tokenizer: str | None, dtype: str,
     tok = load_tokenizer(tokenizer) if tokenizer is not None else None
     if p.suffix in TOKEN_SUFFIXES and not p.is_dir():
         return TokenStream(open_token_file(p, dtype), str(p), tok.vocab_size if tok else None)
-    stream, _ = tokenized(open_corpus(p, options.column), tok, cache_dir=options.cache_dir, workers=options.workers)
+    report = options.progress
+    stream, _ = tokenized(open_corpus(p, options.column), tok, cache_dir=options.cache_dir, workers=options.workers,
+                          progress=(lambda done, unit, total: report(str(p), done, unit, total)) if report else None)
     return stream
 
 

@@ -24,6 +24,20 @@ def tokenizing_workers() -> int:
     return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
+class _Progress:
+    """A line on stderr at each tenth of a corpus tokenized (``fxpipe prepare-data`` draws a bar)."""
+
+    def __init__(self) -> None:
+        self.shown: dict[str, int] = {}
+
+    def __call__(self, path: str, done: int, unit: str, total: int) -> None:
+        tenth = 10 * done // max(total, 1)
+        if tenth > self.shown.get(path, 0) or path not in self.shown:
+            self.shown[path] = tenth
+            print(f"fxpipe run: tokenizing {path} ({tokenizing_workers()} processes; once, then cached): "
+                  f"{min(done, total):,} of {total:,} {unit} ({min(tenth, 10) * 10}%)", file=sys.stderr, flush=True)
+
+
 @dataclass(frozen=True)
 class DataFacts:
     largest_id: int
@@ -39,7 +53,7 @@ def check_data(config: "TrainConfig") -> DataFacts:
     try:
         source = open_data(config.data, seq=config.seq, val_data=config.val_data, val_fraction=config.val_fraction,
                            tokenizer=tokenizer_path(config), dtype=config.data_dtype.value,
-                           options=corpus_options(config, workers=tokenizing_workers()))
+                           options=corpus_options(config, workers=tokenizing_workers(), progress=_Progress()))
     except FileNotFoundError as exc:
         raise PreflightError(f"{flag}: no such file or directory: {exc.filename}") from None
     except (ValueError, OSError) as exc:

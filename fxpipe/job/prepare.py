@@ -21,10 +21,10 @@ def build_job(config: "TrainConfig"):
     return w, source
 
 
-def corpus_options(config: "TrainConfig", workers: int = 1) -> CorpusOptions:
+def corpus_options(config: "TrainConfig", workers: int = 1, progress=None) -> CorpusOptions:
     """How the run reads text and datasets; ``workers`` tokenize a corpus found uncached
-    (the preflight's: all cores, once; a rank then finds the cache)."""
-    return CorpusOptions(column=config.text_column, cache_dir=config.data_cache, workers=workers)
+    (the preflight's: all cores, once, reporting ``progress``; a rank then finds the cache)."""
+    return CorpusOptions(column=config.text_column, cache_dir=config.data_cache, workers=workers, progress=progress)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
