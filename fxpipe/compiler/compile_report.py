@@ -158,4 +158,7 @@ def stage_table(program: Program, assignment: dict[str, int], result, hardware_n
     mem = ", ".join(human(b, "B") for b in result.rank_memory_bytes)
     lines.append(f"memory per rank: {mem}" + (f" (limit {human(result.memory_limit_bytes, 'B')})"
                                              if result.memory_limit_bytes else ""))
+    share = result.rank_param_share
+    lines.append(f"parameter share per pipeline rank: {', '.join(f'{x:.2f}' for x in share)} "
+                 f"(largest {max(share):.2f}, ideal {1 / len(share):.2f})")
     return "\n".join(lines)

@@ -106,6 +106,9 @@ class PartitionConfig:
     """How many times backward runs a region's forward again: 2 under a split backward
     (the input-gradient and the weight-gradient pass each recompute it)."""
     max_groups: int = 256
+    memory_tiebreak: float = 0.03
+    """ILP: among cuts within this share of the best bottleneck (what measurement noise
+    cannot tell apart), the one whose fullest rank holds the least memory is taken."""
     time_limit_s: float = 10.0
     seed: int = 0
     num_workers: int = 1

@@ -16,6 +16,13 @@ the stage literals x(i, k) = [stage(i) = k]):
 * redundant cuts that help propagation: the first k stages hold at most k·T of
   compute, the last S - k at most (S - k)·T.
 
+Memory as the second objective (``memory_tiebreak`` = τ > 0): among the cuts whose
+bottleneck is within τ of the best found — cuts that measurement noise cannot tell
+apart —, a second solve takes the one whose fullest rank holds the least
+(parameters, gradients, optimizer state and activations in flight: ``rank_memory``),
+hinted with the first answer, so it is never worse in memory than that answer and
+never more than τ slower.
+
 Warm start: the chain DP (or the caller's hint), given to CP-SAT with AddHint
 as a complete solution. Its objective UB also shrinks every node's stage window
 without losing any solution at least as good: all ancestors of i (with i) fit in
@@ -140,6 +147,21 @@ class _Model:
                 m.Add(enc.rank_memory(r) <= problem.memory_limit_bytes)
         m.Minimize(self.bottleneck)
 
+    def even_memory(self, problem: PartitionProblem, stages: Sequence[int], bottleneck_max: int) -> None:
+        """Re-aim the model: bottleneck at most ``bottleneck_max``, minimise the fullest
+        rank's bytes; hinted with ``stages``."""
+        m = self.model
+        m.Add(self.bottleneck <= bottleneck_max)
+        loads = [self.enc.rank_memory(r) for r in range(problem.num_ranks)]
+        fullest = m.NewIntVar(0, sum(problem.static_bytes) + max(problem.inflight) * sum(problem.act_bytes),
+                              "fullest_rank_bytes")
+        for load in loads:
+            m.Add(fullest >= load)
+        m.ClearObjective()
+        m.Minimize(fullest)
+        m.ClearHints()
+        self.hint(problem, stages, max(_Ticks(problem).loads(stages)))
+
     def hint(self, problem: PartitionProblem, stages: Sequence[int], objective: int) -> None:
         self.enc.add_hint(stages)
         sent = transfers(problem, stages)
@@ -166,8 +188,8 @@ def _hint_stages(problem: PartitionProblem, hint) -> list[int]:
 
 
 def solve_ilp(problem: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0,
-              num_workers: int = 1, hint: Mapping | Sequence[int] | PartitionResult | None = None
-              ) -> PartitionResult:
+              num_workers: int = 1, hint: Mapping | Sequence[int] | PartitionResult | None = None,
+              memory_tiebreak: float = 0.0) -> PartitionResult:
     """The ``ilp`` method (module docstring).
 
     ``time_limit_s`` is CP-SAT deterministic time (its work counter, about a second
@@ -204,8 +226,11 @@ def solve_ilp(problem: PartitionProblem, *, time_limit_s: float = 10.0, seed: in
     if feasible:
         incumbent = min(feasible, key=lambda c: (max(ticks.loads(c)), _exact_bottleneck(problem, c)))
         ub = max(max(ticks.loads(incumbent)), t_min)
-        lo, hi = _windows(problem, ticks.compute, ub) if ub > 0 else ([0] * n, [s - 1] * n)
-        model = _Model(problem, ticks, lo, hi, t_min, ub)
+        # The windows keep every cut up to the tie-break's slack over the incumbent: the
+        # second solve may take one slower than the optimum by up to memory_tiebreak.
+        wide = int(ub * (1 + memory_tiebreak))
+        lo, hi = _windows(problem, ticks.compute, wide) if ub > 0 else ([0] * n, [s - 1] * n)
+        model = _Model(problem, ticks, lo, hi, t_min, wide)
         model.hint(problem, incumbent, ub)
     else:  # memory is tight and nothing found fits yet: full windows, start near the floor
         incumbent = None
@@ -226,11 +251,33 @@ def solve_ilp(problem: PartitionProblem, *, time_limit_s: float = 10.0, seed: in
     if incumbent is not None and _exact_bottleneck(problem, incumbent) < _exact_bottleneck(problem, stages):
         stages = incumbent  # equal in ticks, better in exact seconds
     bound_ticks = max(solver.BestObjectiveBound(), t_min) if solved else t_min
+    if memory_tiebreak > 0 and solved:
+        stages = _even_memory(problem, model, stages, ticks, memory_tiebreak, time_limit_s, seed, num_workers)
     return make_result(
         problem, stages, method=Method.ILP,
         status=SolveStatus.OPTIMAL if status == cp_model.OPTIMAL else SolveStatus.FEASIBLE,
         lower_bound_s=bound_ticks * ticks.tick_s,
         wall_time_s=time.perf_counter() - start, time_resolution_s=ticks.tick_s)
+
+
+def _even_memory(problem: PartitionProblem, model: _Model, stages: list[int], ticks: _Ticks, tolerance: float,
+                 time_limit_s: float, seed: int, num_workers: int) -> list[int]:
+    """The cut within ``tolerance`` of ``stages``' bottleneck whose fullest rank holds
+    the least (``stages`` itself unless one holds less)."""
+    best = max(ticks.loads(stages))
+    model.even_memory(problem, stages, int(best * (1 + tolerance)))
+    solver = solver_for(time_limit_s / 4, seed, num_workers)
+    if solver.Solve(model.model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return stages
+    even = model.enc.stages(solver)
+    return even if max(_rank_bytes(problem, even)) < max(_rank_bytes(problem, stages)) else stages
+
+
+def _rank_bytes(problem: PartitionProblem, stages: Sequence[int]) -> list[int]:
+    held = [0] * problem.num_ranks
+    for i, k in enumerate(stages):
+        held[problem.stage_to_rank[k]] += problem.static_bytes[i] + problem.inflight[k] * problem.act_bytes[i]
+    return held
 
 
 def _exact_bottleneck(problem: PartitionProblem, stages: Sequence[int]) -> float:

@@ -89,6 +89,16 @@ class PartitionResult:
         return max(times) / mean if mean > 0 else 1.0
 
     @property
+    def rank_param_share(self) -> tuple[float, ...]:
+        """Each pipeline rank's share of the parameters the partition placed (ideal 1/ranks)."""
+        ranks = max(c.rank for c in self.stages) + 1
+        held = [0] * ranks
+        for c in self.stages:
+            held[c.rank] += c.params
+        total = sum(held)
+        return tuple(h / total if total else 1 / ranks for h in held)
+
+    @property
     def fits_memory(self) -> bool:
         return self.memory_limit_bytes is None or max(self.rank_memory_bytes) <= self.memory_limit_bytes
 

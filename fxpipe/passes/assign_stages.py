@@ -98,7 +98,7 @@ def solve_partition(program: Program, config: PartitionConfig) -> tuple[dict[str
     options = {}
     if config.method is Method.ILP:
         options = dict(time_limit_s=config.time_limit_s, seed=config.seed,
-                       num_workers=config.num_workers)
+                       num_workers=config.num_workers, memory_tiebreak=config.memory_tiebreak)
     try:
         result = partition(problem, config.method, **options)
     except MemoryLimitError as e:

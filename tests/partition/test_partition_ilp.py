@@ -114,3 +114,25 @@ def test_ilp_beats_chain_dp_off_the_topological_order():
     assert r.bottleneck_s == pytest.approx(10 + 2 * (0.01 + 0.01))
     assert dp.bottleneck_s == pytest.approx(10 + 2 * (0.01 + 1.0))
     assert brute_force(g, kw)[0] == pytest.approx(r.bottleneck_s)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(small_problems(max_nodes=7))
+def test_memory_tiebreak_takes_the_emptiest_fullest_rank_among_near_optimal_cuts(case):
+    """With memory_tiebreak τ, the cut is at most τ slower than the optimum and its fullest
+    rank holds no more than that of any optimal cut (brute force over every cut)."""
+    from partition_reference import rank_memory, valid_assignments
+
+    g, kw = case
+    best, _ = brute_force(g, kw)
+    if best is None or kw["num_stages"] == 1:
+        return
+    problem = PartitionProblem(graph=g, **kw)
+    r = solve_ilp(problem, memory_tiebreak=0.1, **SOLVER)
+    assert is_valid(g, r.stage_of, kw["num_stages"]) and r.fits_memory
+    assert r.bottleneck_s <= best * 1.1 + tolerance(problem, r)
+    limit = kw.get("memory_limit_bytes")
+    optimal_peaks = [max(rank_memory(g, s, kw)) for s in valid_assignments(g, kw["num_stages"])
+                     if max(stage_times(g, s, kw)) <= best + 1e-12
+                     and (limit is None or max(rank_memory(g, s, kw)) <= limit)]
+    assert max(rank_memory(g, r.stage_of, kw)) <= min(optimal_peaks)
