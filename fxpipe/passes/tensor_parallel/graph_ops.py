@@ -40,6 +40,10 @@ SAME_LAYOUT = frozenset({aten.alias.default, aten.contiguous.default, aten.clone
                          aten.detach.default, aten.to.dtype, aten.to.dtype_layout,
                          aten._to_copy.default, aten.lift_fresh_copy.default, DROPOUT,
                          aten.__and__.Tensor, aten.__or__.Tensor})
+# Element-wise ops torch does not tag ``pointwise``: complex numbers built from, or split
+# into, real parts (rotary written with complex numbers, complex_views.py).
+COMPLEX_ELEMENTWISE = frozenset({aten.polar.default, aten.complex.default, aten.real.default,
+                                 aten.imag.default, aten._conj.default, aten.conj.default})
 SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default})
 TRANSPOSES = frozenset({aten.transpose.int, aten.permute.default, aten.t.default, aten.numpy_T.default})
 SQUEEZES = frozenset({aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default})
@@ -87,7 +91,7 @@ def padded_dims(node: fx.Node) -> dict[int, tuple[int, int]]:
 
 def is_pointwise(target: Any) -> bool:
     tags = getattr(target, "tags", ())
-    return target in SAME_LAYOUT or torch.Tag.pointwise in tags
+    return target in SAME_LAYOUT or target in COMPLEX_ELEMENTWISE or torch.Tag.pointwise in tags
 
 
 def is_getitem(node: fx.Node) -> bool:
