@@ -53,13 +53,24 @@ REDUCTIONS: dict[Any, tuple[int, int | None]] = {
     aten.amin.default: (1, 2), aten.softmax.int: (1, None), aten._softmax.default: (1, None),
     aten.log_softmax.int: (1, None), aten._log_softmax.default: (1, None),
     aten.logsumexp.default: (1, 2), aten.max.dim: (1, 2), aten.min.dim: (1, 2),
+    aten.linalg_vector_norm.default: (2, 3),
 }
+VECTOR_NORM = aten.linalg_vector_norm.default
 # Reductions returning (values, indices).
 PAIRED_REDUCTIONS = frozenset({aten.max.dim, aten.min.dim})
 NORMS = frozenset({aten.layer_norm.default, aten.rms_norm.default})
 # Linear reductions: over channels split across ranks they give a partial sum, made whole
 # by one all-reduce of the (small) statistic rather than a gather of the activation.
 LINEAR_REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList})
+
+
+def is_statistic(node: fx.Node) -> bool:
+    """A reduction whose result over channels split across ranks each rank can compute
+    from its part and one collective: a sum or mean (all-reduce of the partial sums), or
+    a p-norm, p > 0 (the p-norm of the ranks' p-norms: ‖x‖ = ‖(‖x_r‖)_r‖, norms.py)."""
+    if node.target is VECTOR_NORM:
+        return float(arg(node, 1, "ord", 2)) > 0
+    return node.target in LINEAR_REDUCTIONS
 EINSUM = aten.einsum.default
 # New tensors shaped like their input: the values carry none of its channels.
 LIKE = frozenset({aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
