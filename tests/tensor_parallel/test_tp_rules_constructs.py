@@ -30,20 +30,24 @@ def _complex_table(kind: str) -> torch.Tensor:
 
 class ComplexRopeLM(nn.Module):
     """Llama reference attention: q/k pairs rotated as complex numbers; ``kind="complex"``
-    takes the rotated pairs back through ``.real``/``.imag`` instead of ``view_as_real``."""
+    takes the rotated pairs back through ``.real``/``.imag`` instead of ``view_as_real``;
+    ``kind="shared-key"`` rotates one key head that every query head reads (expanded, as
+    latent attention's rotary key): replicated through the complex ops, so its gradient
+    must be summed over the ranks' heads (complex values carry gradients)."""
 
     def __init__(self, kind: str):
         super().__init__()
         self.kind = kind
         self.emb, self.ln1, self.ln2 = nn.Embedding(V, H), nn.LayerNorm(H), nn.LayerNorm(H)
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(H, H, bias=False) for _ in range(4))
+        self.wq, self.wv, self.wo = (nn.Linear(H, H, bias=False) for _ in range(3))
+        self.wk = nn.Linear(H, D if kind == "shared-key" else H, bias=False)
         self.up, self.down = nn.Linear(H, FFN), nn.Linear(FFN, H)
         self.head = nn.Linear(H, V, bias=False)
 
     def rotate(self, x):  # (B, T, nh, hs)
         pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))  # (B, T, nh, hs/2) complex
         rotated = pairs * _complex_table(self.kind).view(1, T, 1, -1)
-        if self.kind == "polar":
+        if self.kind != "complex":
             return torch.view_as_real(rotated).flatten(3)
         return torch.stack((rotated.real, rotated.imag), dim=-1).flatten(3)
 
@@ -51,8 +55,8 @@ class ComplexRopeLM(nn.Module):
         x = self.emb(ids)
         B = x.shape[0]
         h = self.ln1(x)
-        q, k, v = (w(h).view(B, T, HEADS, D) for w in (self.wq, self.wk, self.wv))
-        q, k = self.rotate(q), self.rotate(k)
+        q, k, v = (w(h).view(B, T, -1, D) for w in (self.wq, self.wk, self.wv))
+        q, k = self.rotate(q), self.rotate(k).expand(B, T, HEADS, D)
         y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
         x = x + self.wo(y.transpose(1, 2).reshape(B, T, H))
         x = x + self.down(F.gelu(self.up(self.ln2(x))))
@@ -124,10 +128,11 @@ class NormQKLM(nn.Module):
 
 
 MODELS = {"complex-polar": lambda: ComplexRopeLM("polar"), "complex-real-imag": lambda: ComplexRopeLM("complex"),
-          "fused-mqa-einsum": FusedMQALM, "norm": lambda: NormQKLM("norm"),
+          "complex-shared-key": lambda: ComplexRopeLM("shared-key"), "fused-mqa-einsum": FusedMQALM, "norm": lambda: NormQKLM("norm"),
           "linalg-norm": lambda: NormQKLM("linalg"), "rsqrt-mean": lambda: NormQKLM("rsqrt")}
 # Which matrices each construct must split (every one 1/tp of its full size).
 SPLIT = {"complex-polar": ("wq", "wk", "wv", "wo"), "complex-real-imag": ("wq", "wk", "wv", "wo"),
+         "complex-shared-key": ("wq", "wv", "wo"),
          "fused-mqa-einsum": ("fused", "attn_out", "ff_out"),
          **{m: ("wq", "wk", "wv", "wo", "up", "down") for m in ("norm", "linalg-norm", "rsqrt-mean")}}
 CASES = [(m, tp) for m in MODELS for tp in (2, 4)]

@@ -303,7 +303,8 @@ def grad_carrying(graph: fx.Graph, trainable: set[str]) -> set[str]:
     """Nodes whose value depends differentiably on a trainable parameter.
 
     A collective that acts only in backward (Megatron's f) is inserted only on
-    such values. Integer/bool values and grad-disabled regions carry none."""
+    such values. Integer/bool values and grad-disabled regions carry none; complex ones
+    do (rotary written with complex numbers, complex_views.py)."""
     out: set[str] = set()
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -319,7 +320,7 @@ def grad_carrying(graph: fx.Graph, trainable: set[str]) -> set[str]:
         v = val(node)
         tensors = [v] if isinstance(v, torch.Tensor) else [
             t for t in (v if isinstance(v, (tuple, list)) else ()) if isinstance(t, torch.Tensor)]
-        if not tensors or not any(t.dtype.is_floating_point for t in tensors):
+        if not tensors or not any(t.dtype.is_floating_point or t.dtype.is_complex for t in tensors):
             continue
         if any(a.name in out for a in node.all_input_nodes):
             out.add(node.name)
