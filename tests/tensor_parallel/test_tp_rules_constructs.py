@@ -135,6 +135,8 @@ SPLIT = {"complex-polar": ("wq", "wk", "wv", "wo"), "complex-real-imag": ("wq", 
          "complex-shared-key": ("wq", "wv", "wo"),
          "fused-mqa-einsum": ("fused", "attn_out", "ff_out"),
          **{m: ("wq", "wk", "wv", "wo", "up", "down") for m in ("norm", "linalg-norm", "rsqrt-mean")}}
+# What stays whole, by design: the one key head every query head reads.
+WHOLE = {"complex-shared-key": {"wk.weight"}}
 CASES = [(m, tp) for m in MODELS for tp in (2, 4)]
 
 
@@ -148,7 +150,7 @@ def test_a_construct_is_split_exactly(programs, name, tp):
     base, batch = programs[name]
     program = tensor_parallel_pass(base, TPConfig(tp=tp))
     result = program.tensor_parallel
-    assert not result.coverage.whole, result.coverage.describe()
+    assert {n for n, _, _ in result.coverage.whole} == WHOLE.get(name, set()), result.coverage.describe()
     full = {p.canonical: p.shape for p in base.params}
     for module in SPLIT[name]:
         spec = result.specs[f"{module}.weight"]
