@@ -19,6 +19,8 @@ FEATURES = {
     "moe": {"aten.where.default", "aten.index_add.default"},
     "autocast": {"wrap_with_autocast", "wrap_with_set_grad_enabled"},
     "complex-rope": {"aten.view_as_complex.default", "aten.view_as_real.default"},
+    "fused-mqa": {"aten.einsum.default", "aten.split_with_sizes.default"},
+    "norm-rms": {"aten.linalg_vector_norm.default"},
     "llama3": {"aten.repeat_interleave.self_int", "aten.scaled_dot_product_attention.default"},
     "torchtune-llama": {"aten.scaled_dot_product_attention.default"},
 }

@@ -9,8 +9,8 @@ batch and the loss function — exactly what ``fxpipe.capture`` and
 - tiny Hugging Face families built from configs in code: ``hf:gpt2``,
   ``hf:llama``, ``hf:gpt_neox``, ``hf:opt``;
 - models written outside transformers (``fxpipe/models/zoo``): ``zoo:swa-gpt``,
-  ``zoo:moe``, ``zoo:autocast``, ``zoo:complex-rope``, ``zoo:llama3``,
-  ``zoo:torchtune-llama`` (needs torchtune);
+  ``zoo:moe``, ``zoo:autocast``, ``zoo:complex-rope``, ``zoo:fused-mqa``, ``zoo:norm-rms``,
+  ``zoo:llama3``, ``zoo:torchtune-llama`` (needs torchtune);
 - ``package.module:function`` — a user function returning ``(model, batch)`` or
   ``(model, batch, loss_fn)``;
 - a Hugging Face model directory (``config.json``), built on the meta device

@@ -6,6 +6,8 @@ step around them. ``a.type_as(b)`` becomes ``a.to(b's dtype)``: export knows the
 and ``b`` is no input of the value (a weight cast to an activation's dtype would
 otherwise read that activation, to every data-flow pass). Nothing here changes what the
 graph computes. ``x.view_as(x)`` (an identity autograd function, as exported) is x.
+``torch.linalg.norm`` over one dim is the vector norm it computes (``linalg_vector_norm``,
+what ``Tensor.norm`` exports as), so one op carries every spelling of a vector norm.
 """
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ def canonicalize_pass(program: Program, config: object = None) -> Program:
                 graph.erase_node(node)
             elif other is not None:
                 node.target, node.args, node.kwargs = aten._to_copy.default, (node.args[0],), {"dtype": other.dtype}
+        elif node.op == "call_function" and node.target is aten.linalg_norm.default:
+            _vector_norm(node)
     # Random ops (dropout) whose result is unused are dead too: fx only keeps
     # nodes it considers impure (in-place / side-effecting ones).
     graph.eliminate_dead_code()
@@ -53,3 +57,15 @@ def canonicalize_pass(program: Program, config: object = None) -> Program:
         graph_module=gm,
         module_paths={k: v for k, v in program.module_paths.items() if k in live},
         layers={k: v for k, v in program.layers.items() if k in live})
+
+
+def _vector_norm(node: torch.fx.Node) -> None:
+    """``linalg_norm(x, ord, [d], keepdim, dtype)`` -> ``linalg_vector_norm`` (ord None:
+    2) when it is a vector norm: one dim, a numeric ord (torch.linalg.norm's own rule)."""
+    names = ("ord", "dim", "keepdim")
+    ord_, dim, keepdim = (node.args[i + 1] if len(node.args) > i + 1 else node.kwargs.get(n, d)
+                          for i, (n, d) in enumerate(zip(names, (None, None, False))))
+    if isinstance(dim, (list, tuple)) and len(dim) == 1 and not isinstance(ord_, str):
+        dtype = {"dtype": node.kwargs["dtype"]} if node.kwargs.get("dtype") is not None else {}
+        node.target = aten.linalg_vector_norm.default
+        node.args, node.kwargs = (node.args[0], 2 if ord_ is None else ord_, list(dim), keepdim), dtype

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch.nn as nn
 
-from fxpipe.models.zoo import autocast_gpt, complex_rope, llama3, moe, swa_gpt
+from fxpipe.models.zoo import autocast_gpt, complex_rope, fused_mqa, llama3, moe, norm_rms, swa_gpt
 
 VOCAB = 256
 
@@ -46,6 +46,8 @@ ZOO: dict[str, ZooModel] = {
     "autocast": ZooModel(autocast_gpt.build, "bf16 autocast and no_grad regions in forward",
                          bf16_rtol=1e-2),
     "complex-rope": ZooModel(complex_rope.build, "Llama-1 reference rotary: polar, view_as_complex"),
+    "fused-mqa": ZooModel(fused_mqa.build, "one q | shared k/v head | MLP projection, einsum attention"),
+    "norm-rms": ZooModel(norm_rms.build, "RMSNorm as x / ||x||·√d (torch.norm), QK-norm over all heads"),
     "llama3": ZooModel(llama3.build, "Llama-3 in plain PyTorch: GQA, RMSNorm, SwiGLU, own RoPE"),
     "torchtune-llama": ZooModel(llama3.torchtune_llama, "torchtune's llama3_2 builder",
                                 requires="torchtune"),

@@ -40,6 +40,10 @@ SAME_LAYOUT = frozenset({aten.alias.default, aten.contiguous.default, aten.clone
                          aten.detach.default, aten.to.dtype, aten.to.dtype_layout,
                          aten._to_copy.default, aten.lift_fresh_copy.default, DROPOUT,
                          aten.__and__.Tensor, aten.__or__.Tensor})
+# Element-wise ops torch does not tag ``pointwise``: complex numbers built from, or split
+# into, real parts (rotary written with complex numbers, complex_views.py).
+COMPLEX_ELEMENTWISE = frozenset({aten.polar.default, aten.complex.default, aten.real.default,
+                                 aten.imag.default, aten._conj.default, aten.conj.default})
 SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default})
 TRANSPOSES = frozenset({aten.transpose.int, aten.permute.default, aten.t.default, aten.numpy_T.default})
 SQUEEZES = frozenset({aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default})
@@ -49,13 +53,24 @@ REDUCTIONS: dict[Any, tuple[int, int | None]] = {
     aten.amin.default: (1, 2), aten.softmax.int: (1, None), aten._softmax.default: (1, None),
     aten.log_softmax.int: (1, None), aten._log_softmax.default: (1, None),
     aten.logsumexp.default: (1, 2), aten.max.dim: (1, 2), aten.min.dim: (1, 2),
+    aten.linalg_vector_norm.default: (2, 3),
 }
+VECTOR_NORM = aten.linalg_vector_norm.default
 # Reductions returning (values, indices).
 PAIRED_REDUCTIONS = frozenset({aten.max.dim, aten.min.dim})
 NORMS = frozenset({aten.layer_norm.default, aten.rms_norm.default})
 # Linear reductions: over channels split across ranks they give a partial sum, made whole
 # by one all-reduce of the (small) statistic rather than a gather of the activation.
 LINEAR_REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList})
+
+
+def is_statistic(node: fx.Node) -> bool:
+    """A reduction whose result over channels split across ranks each rank can compute
+    from its part and one collective: a sum or mean (all-reduce of the partial sums), or
+    a p-norm, p > 0 (the p-norm of the ranks' p-norms: ‖x‖ = ‖(‖x_r‖)_r‖, norms.py)."""
+    if node.target is VECTOR_NORM:
+        return float(arg(node, 1, "ord", 2)) > 0
+    return node.target in LINEAR_REDUCTIONS
 EINSUM = aten.einsum.default
 # New tensors shaped like their input: the values carry none of its channels.
 LIKE = frozenset({aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
@@ -87,7 +102,7 @@ def padded_dims(node: fx.Node) -> dict[int, tuple[int, int]]:
 
 def is_pointwise(target: Any) -> bool:
     tags = getattr(target, "tags", ())
-    return target in SAME_LAYOUT or torch.Tag.pointwise in tags
+    return target in SAME_LAYOUT or target in COMPLEX_ELEMENTWISE or torch.Tag.pointwise in tags
 
 
 def is_getitem(node: fx.Node) -> bool:
@@ -288,7 +303,8 @@ def grad_carrying(graph: fx.Graph, trainable: set[str]) -> set[str]:
     """Nodes whose value depends differentiably on a trainable parameter.
 
     A collective that acts only in backward (Megatron's f) is inserted only on
-    such values. Integer/bool values and grad-disabled regions carry none."""
+    such values. Integer/bool values and grad-disabled regions carry none; complex ones
+    do (rotary written with complex numbers, complex_views.py)."""
     out: set[str] = set()
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -304,7 +320,7 @@ def grad_carrying(graph: fx.Graph, trainable: set[str]) -> set[str]:
         v = val(node)
         tensors = [v] if isinstance(v, torch.Tensor) else [
             t for t in (v if isinstance(v, (tuple, list)) else ()) if isinstance(t, torch.Tensor)]
-        if not tensors or not any(t.dtype.is_floating_point for t in tensors):
+        if not tensors or not any(t.dtype.is_floating_point or t.dtype.is_complex for t in tensors):
             continue
         if any(a.name in out for a in node.all_input_nodes):
             out.add(node.name)

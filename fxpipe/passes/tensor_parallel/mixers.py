@@ -41,9 +41,10 @@ def varying(ids: np.ndarray) -> set[int]:
 
 
 def combine(prov: Any, arrays: list[np.ndarray], node: str,
-            shapes: list[tuple[int, ...]] | None = None) -> np.ndarray:
+            shapes: list[tuple[int, ...]] | None = None, numels: list[int] | None = None) -> np.ndarray:
     """Ids of an element-wise op's output from its operands' (aligned to one rank;
-    ``shapes``: the operands' sizes, aligned alike, when known).
+    ``shapes``: the operands' sizes, aligned alike, when known; ``numels``: for the
+    operands of a product (einsum), how many elements each has).
 
     Operands whose channels vary along a common dim are united, element by element
     (SwiGLU's gate·up, head h of q with head h of k). An operand whose channels vary
@@ -54,8 +55,11 @@ def combine(prov: Any, arrays: list[np.ndarray], node: str,
     ``Replicate`` operand beside a ``Shard`` one. Of two such operands the one kept is
     the one of size 1 along the other's channels (the other is materialised along the
     kept one's channels: Mamba-2's B repeated to every head, times a per-head decay);
-    else the one with more channels."""
+    else, of a product's operands, the larger one (the smaller is replicated: the one
+    key/value head that multi-query attention's heads all read, DTensor's cheaper
+    ``Replicate``); else the one with more channels."""
     out, out_shape = arrays[0], shapes[0] if shapes else None
+    out_numel = numels[0] if numels else None
     for i, other in enumerate(arrays[1:], 1):
         va, vb = varying(out), varying(other)
         if va & vb or not (va or vb):
@@ -63,6 +67,8 @@ def combine(prov: Any, arrays: list[np.ndarray], node: str,
             out = np.broadcast_arrays(out, other)[0]
             continue
         keep_out = len(np.unique(out)) >= len(np.unique(other))
+        if numels and va and vb and out_numel != numels[i]:
+            keep_out = out_numel > numels[i]
         if shapes and va and vb:
             a_thin = all(out_shape[d] == 1 for d in vb)
             b_thin = all(shapes[i][d] == 1 for d in va)
@@ -73,6 +79,7 @@ def combine(prov: Any, arrays: list[np.ndarray], node: str,
         else:
             prov.broadcast_whole.append((np.unique(out), node))
             out, out_shape = other, shapes[i] if shapes else None
+            out_numel = numels[i] if numels else None
     return out
 
 

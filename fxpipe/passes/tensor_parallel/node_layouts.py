@@ -16,7 +16,7 @@ import numpy as np
 import torch.fx as fx
 
 from fxpipe.ir.tp_result import CollectiveKind
-from fxpipe.passes.tensor_parallel import graph_ops as G, layout_rules, mixers, param_shards, writes
+from fxpipe.passes.tensor_parallel import complex_views, graph_ops as G, layout_rules, mixers, param_shards, writes
 from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
 from fxpipe.passes.tensor_parallel.attention_forms import constant_values, local_index
 from fxpipe.passes.tensor_parallel.channel_ids import Provenance
@@ -221,6 +221,8 @@ def _node_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: se
         layout_rules.select_scatter_rule(plan, node, lay, grad, _Refuse)
     elif t is G.EINSUM:
         _einsum(plan, node, lay, grad)
+    elif t in complex_views.VIEWS:
+        complex_views.view_rule(plan, node, _Refuse)
     elif t is G.SELECT:
         if norm_dim(node.args[1], len(plan.layouts[node.args[0].name].full)) in \
                 plan.layouts[node.args[0].name].sharded:

@@ -51,6 +51,10 @@ class _Specs:
         self.nodes = {n.name: n for n in program.graph.nodes}
         self.queries = np.concatenate([u.q.ravel() for u in prov.attention.values()]
                                       or [np.zeros(0, dtype=np.int64)])
+        products = {G.EINSUM, *G.BATCHED_MATMULS}  # an operand the other's heads all read
+        self.broadcast = np.concatenate([ids for ids, node in prov.broadcast_whole
+                                         if self.nodes[node].target in products]
+                                        or [np.zeros(0, dtype=np.int64)])
 
     def propose(self, placeholder: str, p: _Proposal) -> None:
         self.props.setdefault(self.by_node[placeholder].canonical, []).append(p)
@@ -72,9 +76,12 @@ class _Specs:
             if shared.any() and self.by_node[proj.weight].requires_grad:
                 # Channels every rank uses whole inside a projection whose other channels
                 # are query heads (the one k/v head of multi-query attention in a fused QKV
-                # linear): each rank computes a block of them, all-gathered after it.
+                # linear), or that a product reads whole beside split ones (that head read
+                # by einsum, whatever else the projection holds: a parallel block's MLP):
+                # each rank computes a block of them, all-gathered after it.
                 queries = name in self.plan.gathered or (
-                    (~shared).any() and np.isin(ids[~shared], self.queries).all())
+                    (~shared).any() and np.isin(ids[~shared], self.queries).all()) or \
+                    np.isin(self.asg.labels[ids[shared]], self.asg.labels[self.broadcast]).all()
                 found = None if len(self.by_node[proj.weight].shape) != 2 or not queries else split_shared(
                     [np.flatnonzero(own == r) for r in range(self.tp)], np.flatnonzero(shared))
                 if found is None:

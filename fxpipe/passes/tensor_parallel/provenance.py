@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch.fx as fx
 
-from fxpipe.passes.tensor_parallel import graph_ops as G, mixers, writes
+from fxpipe.passes.tensor_parallel import complex_views, graph_ops as G, mixers, writes
 from fxpipe.passes.tensor_parallel.channel_ids import Provenance, _align, _compact, _Unsupported, reshape_ids
 from fxpipe.passes.tensor_parallel.graph_ops import Projection, arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.provenance_ops import (_attention, _cat, _einsum, _expand, _index, _matmul,
@@ -220,6 +220,8 @@ def _rule(prov: Provenance, node: fx.Node, inputs: dict) -> object:
         return mixers.select_scatter_ids(prov, node, inputs)
     if t is G.EINSUM:
         return _einsum(prov, node, inputs)
+    if t in complex_views.VIEWS:
+        return complex_views.view_ids(prov, node, inputs)
     if G.is_pointwise(t):
         nd = len(shape(node))
         sizes = {a.name: (1,) * (nd - len(shape(a))) + shape(a) for a in node.all_input_nodes}

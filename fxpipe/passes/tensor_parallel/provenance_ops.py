@@ -86,7 +86,7 @@ def _reduction(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
         dims = list(range(nd)) if d is None or d == [] else [norm_dim(i, nd) for i in (
             d if isinstance(d, (list, tuple)) else [d])]
         keepdim = keep_index is None or bool(arg(node, keep_index, "keepdim", False))
-    if node.target in G.LINEAR_REDUCTIONS and all(ids.shape[d] == 1 for d in range(nd) if d not in dims):
+    if G.is_statistic(node) and all(ids.shape[d] == 1 for d in range(nd) if d not in dims):
         prov.statistics[node.name] = np.unique(ids)
         if private_norm(node):
             prov.private.add(node.name)
@@ -152,10 +152,11 @@ def _einsum(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     if letters is None:
         raise _Unsupported("an einsum with an ellipsis")
     subs, out_subs = letters
-    parts = []
+    parts, numels = [], []
     for sub, operand in zip(subs, node.args[1]):
         if operand.name not in inputs:
             continue
+        numels.append(int(np.prod(shape(operand))))
         ids = _align(inputs[operand.name], len(sub))
         for d, letter in enumerate(sub):
             if letter not in out_subs and ids.shape[d] > 1:
@@ -171,7 +172,7 @@ def _einsum(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
         parts.append(ids.reshape(shape_out))
     if not parts:
         return None
-    return mixers.combine(prov, parts, node.name)
+    return mixers.combine(prov, parts, node.name, numels=numels)
 
 
 def _cat(prov: Provenance, node: fx.Node, inputs: dict, stack: bool = False) -> np.ndarray:

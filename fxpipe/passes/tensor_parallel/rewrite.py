@@ -225,6 +225,9 @@ class _Builder:
         all-reduce). Its readers on split channels get f from the plan, whose backward
         all-reduce sums their partial gradients, as DTensor's Partial -> Replicate."""
         value, scale = self.env[node.name], self.plan.statistics[node.name]
+        if node.target is G.VECTOR_NORM:
+            self.env[node.name] = self.norm_of_norms(node, value)
+            return
         if scale != 1.0:
             value = self.graph.create_node("call_function", G.aten.mul.Tensor, (value, scale),
                                            name=f"tp_share_{node.name}")
@@ -232,6 +235,25 @@ class _Builder:
         value = self.collective(value, Conversion(CollectiveKind.G), node.name, node.name,
                                 f"statistic over split channels ({node.name})")
         self.env[node.name] = value
+
+    def norm_of_norms(self, node: fx.Node, value: fx.Node) -> fx.Node:
+        """A p-norm over split channels: the p-norm of every rank's p-norm, each rank
+        computing it from all of them (gathered). Not an all-reduce of Σ|x|^p under a
+        root: the root's gradient at 0 is ∞·0 = NaN, where autograd's norm gives 0;
+        norms of norms keep that exact (the gather's backward keeps this rank's part,
+        and the readers' f has summed their partial gradients before)."""
+        dim = len(G.shape(node))
+        part = self.graph.create_node("call_function", G.aten.unsqueeze.default, (value, dim),
+                                      name=f"tp_part_{node.name}")
+        self.note(part, node.name)
+        parts = self.collective(part, Conversion(CollectiveKind.GATHER, dim), node.name, node.name,
+                                f"norm over split channels ({node.name})")
+        parts.meta[REPLICATED] = False  # conservative: never sent as 1/t chunks
+        whole = self.graph.create_node("call_function", G.VECTOR_NORM,
+                                       (parts, arg(node, 1, "ord", 2), [dim], False),
+                                       name=f"tp_norm_{node.name}")
+        self.note(whole, node.name)
+        return whole
 
     def reduce(self, node: fx.Node) -> None:
         site = self.plan.partial[node.name]
