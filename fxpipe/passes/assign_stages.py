@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import networkx as nx
+import torch
 
 from fxpipe.ir.op_tables import VIEW_OPS
 from fxpipe.ir.pass_configs import PartitionConfig
@@ -61,12 +62,20 @@ def build_problem_graph(program: Program, config: PartitionConfig) -> nx.DiGraph
                    act_bytes=act * config.activation_scale,
                    out_bytes=cost.out_bytes, params=count,
                    layer=program.layers.get(node.name), key=program.module_paths.get(node.name),
-                   # A data-dependent shape never crosses stages (coarsen keeps it with its readers).
-                   pinned=is_dynamic(node.meta.get("val")))
+                   # A data-dependent shape never crosses stages (coarsen keeps it with its readers),
+                   # nor a complex value (rotary written with complex numbers): the transports
+                   # send real tensors, and the gradient of a complex one would need its own path.
+                   pinned=is_dynamic(node.meta.get("val")) or _is_complex(node.meta.get("val")))
         for arg in node.all_input_nodes:
             if arg.name in g:
                 g.add_edge(arg.name, node.name)
     return g
+
+
+def _is_complex(val) -> bool:
+    if isinstance(val, (tuple, list)):
+        return any(_is_complex(v) for v in val)
+    return isinstance(val, torch.Tensor) and val.dtype.is_complex
 
 
 def spread_bytes_per_rank(program: Program, config: PartitionConfig) -> int:

@@ -102,3 +102,26 @@ def test_coarsening_keeps_a_pinned_value_with_its_readers_and_whats_between():
     c2 = coarsen(g2, max_groups=10)
     assert c2.group_of["b"] == c2.group_of["x"] == c2.group_of["y"] != c2.group_of["z"]
     assert nx.is_directed_acyclic_graph(c2.graph)
+
+
+
+def test_a_complex_value_is_pinned_inside_its_stage():
+    """Rotary written with complex numbers: the transports send real tensors, so a complex
+    value is pinned like a data-dependent one (coarsen keeps it with its readers), and no
+    cut at 2 or 4 stages sends one."""
+    from fxpipe.models import build_workload
+    from fxpipe.passes.assign_stages import build_problem_graph
+
+    w = build_workload("zoo:complex-rope", batch=2, seq=16, layers=2)
+    prog, _ = run_passes(fxpipe.capture(w.model, w.example_inputs, w.loss_fn))
+    by_name = {n.name: n for n in prog.graph.nodes}
+    complex_nodes = {n for n, node in by_name.items() if isinstance(node.meta.get("val"), torch.Tensor)
+                     and node.meta["val"].dtype.is_complex}
+    assert complex_nodes, "the model computes in complex numbers"
+    for stages in (2, 4):
+        cfg = PartitionConfig(num_stages=stages, stage_to_rank=tuple(range(stages)),
+                              inflight=(1,) * stages, method="ilp")
+        graph = build_problem_graph(prog, cfg)
+        assert {n for n in complex_nodes if n in graph} <= {n for n, a in graph.nodes(data=True) if a.get("pinned")}
+        plan = split_pass(partition_pass(prog, cfg), num_stages=stages)
+        assert not [v for v in plan.values if by_name[v].meta["val"].dtype.is_complex]
