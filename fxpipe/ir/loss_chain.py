@@ -25,8 +25,11 @@ class ChainKind(enum.Enum):
     SLICE = "slice"
     RESHAPE = "reshape"
     CAST = "cast"
+    POINTWISE = "pointwise"
+    """An element-wise function of each logit alone (softcap ``c·tanh(l / c)``, a
+    temperature ``l / T``): it commutes with cutting the vocabulary into blocks."""
     IDENTITY = "identity"
-    """alias / clone: nothing to replay."""
+    """alias / clone / contiguous: nothing to replay."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,8 @@ class ChainOp:
     kind: ChainKind
     args: tuple[Any, ...]
     """SLICE: (dim, start, end, step) of a leading dim; RESHAPE: the leading shape;
-    CAST: (dtype,)."""
+    CAST: (dtype,); POINTWISE: (ATen op, its arguments after the logits (scalars), its
+    keyword arguments as (name, value) pairs)."""
 
 
 def replay(chain: Sequence[ChainOp], logits: torch.Tensor, width: int) -> torch.Tensor:
@@ -47,4 +51,7 @@ def replay(chain: Sequence[ChainOp], logits: torch.Tensor, width: int) -> torch.
             logits = logits.reshape(*c.args, width)
         elif c.kind is ChainKind.CAST:
             logits = logits.to(c.args[0])
+        elif c.kind is ChainKind.POINTWISE:
+            op, rest, kwargs = c.args
+            logits = op(logits, *rest, **dict(kwargs))
     return logits

@@ -134,10 +134,18 @@ class VocabHead:
     blocks: tuple[tuple[int, int], ...]
     """Per pipeline rank, the vocabulary rows [start, stop) of its block (of the weight's
     tensor-parallel local rows under tp > 1)."""
+    bias: str | None = None
+    """Canonical name of the head's bias [V] (``nn.Linear(h, V, bias=True)``), split into
+    the same blocks of rows as ``weight``; None: the head has none."""
     vocab_size: int | None = None
     """Under tensor parallelism (the loss was ``fxpipe_tp.vocab_parallel_cross_entropy``):
     the unpadded vocabulary; TP rank t's rows are classes t·rows.. of it, padding rows are
     masked, and the softmax statistics are reduced over the TP group too. None: tp = 1."""
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """The head's parameters, each split into ``blocks`` of rows: weight, then bias."""
+        return (self.weight,) if self.bias is None else (self.weight, self.bias)
 
 
 @dataclass(frozen=True)
@@ -177,7 +185,7 @@ class PipelinePlan:
         names = dict.fromkeys(n for s in stages for n in self.stage_params(s))
         names.update(dict.fromkeys(lk.table for lk in self.lookups if self.row_shards[lk.table].ranks[pp_rank]))
         if self.vocab_head is not None:  # its block of the head, run by the vocabulary passes
-            names[self.vocab_head.weight] = None
+            names.update(dict.fromkeys(self.vocab_head.params))
         return tuple(names)
 
     def stage_params(self, stage: int) -> tuple[str, ...]:

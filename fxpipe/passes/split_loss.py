@@ -40,11 +40,15 @@ weighted by ``exp(lse_k − lse)`` through the fold, and the pick's is the one-h
 target: the cross-entropy's gradient. What matches, by structure only:
 
     cat(blocks, -1) → [slice of a leading dim | reshape keeping the last dim |
-    alias / clone | cast to the same dtype or up to fp32]* → cross_entropy_loss
+    alias / clone / contiguous | cast to the same dtype or up to fp32 |
+    element-wise op of the logits and scalars]* → cross_entropy_loss
     (or _log_softmax(-1) → nll_loss_forward / nll_loss_nd / nll_loss)
 
 with 2-D logits, no class weights and no label smoothing; reduction none / mean
-(over non-ignored targets) / sum, and ``ignore_index``. Anything else is left as is.
+(over non-ignored targets) / sum, and ``ignore_index``. An element-wise op (ATen's
+``pointwise`` tag, every other argument a Python scalar: a softcap ``c·tanh(l / c)``,
+a temperature ``l / T``) maps each logit alone, so it commutes with cutting the
+vocabulary and each block replays it. Anything else is left as is.
 """
 from __future__ import annotations
 
@@ -66,7 +70,7 @@ from fxpipe.tp.ops import OPS
 
 aten = torch.ops.aten
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints)
-_IDENTITY = (aten.alias.default, aten.clone.default)
+_IDENTITY = (aten.alias.default, aten.clone.default, aten.contiguous.default)
 _CASTS = (aten._to_copy.default, aten.to.dtype)
 _NLL = (aten.nll_loss_forward.default, aten.nll_loss_nd.default, aten.nll_loss.default)
 _LOG_SOFTMAX = (aten._log_softmax.default, aten.log_softmax.int)
@@ -121,14 +125,24 @@ def _chain_op(cur: fx.Node, user: fx.Node) -> ChainOp | None:
     if user.target in _CASTS and vout.device == vin.device and vout.shape == vin.shape and \
             (vout.dtype == vin.dtype or (vout.dtype == torch.float32 and vin.dtype.is_floating_point)):
         return ChainOp(ChainKind.CAST, (vout.dtype,))
+    if _elementwise(user) and vout.shape == vin.shape and vout.dtype == vin.dtype:
+        return ChainOp(ChainKind.POINTWISE, (user.target, tuple(user.args[1:]), tuple(user.kwargs.items())))
     return None
 
 
-def _match(cat: fx.Node, vocab_parallel: bool = False) -> _Match | None:
-    """The cross-entropy that ``cat``'s logits reach through a chain of ChainOps. With
-    ``vocab_parallel``, also the tensor-parallel pass's vocabulary-parallel cross-entropy
-    (``fxpipe_tp.vocab_parallel_cross_entropy``; the vocabulary passes run it per block,
-    the blockwise loss here does not)."""
+def _elementwise(node: fx.Node) -> bool:
+    """An op that maps each logit alone: ATen tags it pointwise, draws no random number,
+    and reads nothing but the logits (its first argument) and scalars, so a block's
+    results are the whole's at the block's columns."""
+    tags = getattr(node.target, "tags", ())
+    scalar = (int, float, bool, type(None))
+    return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags and \
+        all(isinstance(a, scalar) for a in (*node.args[1:], *node.kwargs.values()))
+
+
+def _walk(cat: fx.Node) -> tuple[list[ChainOp], list[fx.Node], fx.Node]:
+    """Follow ``cat``'s logits through ChainOps while each value has one reader:
+    (the ops to replay, the nodes passed, the last of them)."""
     cur, chain, removed = cat, [], [cat]
     while len(cur.users) == 1:
         user = next(iter(cur.users))
@@ -139,6 +153,29 @@ def _match(cat: fx.Node, vocab_parallel: bool = False) -> _Match | None:
             chain.append(op)
         removed.append(user)
         cur = user
+    return chain, removed, cur
+
+
+def blocking_op(cat: fx.Node) -> str:
+    """What stops ``cat``'s logits from reaching a cross-entropy ``_match`` takes, in
+    words naming the op: for an error message."""
+    _chain, _removed, cur = _walk(cat)
+    readers = sorted(str(u.target) for u in cur.users)
+    if len(readers) != 1:
+        return f"the logits ({cur.target}) are read by {len(readers)} ops ({', '.join(readers) or 'none'})"
+    logits = cur.meta["val"]
+    if logits.dim() != 2:
+        return f"the logits reach {readers[0]} as a {logits.dim()}-D tensor (2-D [tokens, V] wanted)"
+    return f"the logits reach {readers[0]}, which is no element-wise op of the logits and scalars, slice or " \
+           f"reshape of leading dims, cast, nor a cross-entropy without class weights or label smoothing"
+
+
+def _match(cat: fx.Node, vocab_parallel: bool = False) -> _Match | None:
+    """The cross-entropy that ``cat``'s logits reach through a chain of ChainOps. With
+    ``vocab_parallel``, also the tensor-parallel pass's vocabulary-parallel cross-entropy
+    (``fxpipe_tp.vocab_parallel_cross_entropy``; the vocabulary passes run it per block,
+    the blockwise loss here does not)."""
+    chain, removed, cur = _walk(cat)
     if len(cur.users) != 1:
         return None
     user = next(iter(cur.users))
@@ -200,6 +237,9 @@ def build_loss_block(graph: fx.Graph, logits: fx.Node, target: fx.Node, start: i
             cur = op(aten.reshape.default, cur, [*c.args, width])
         elif c.kind is ChainKind.CAST:
             cur = op(aten._to_copy.default, cur, dtype=c.args[0])
+        elif c.kind is ChainKind.POINTWISE:
+            target_op, rest, kwargs = c.args
+            cur = op(target_op, cur, *rest, **dict(kwargs))
     # The target's index in this block, clamped, and whether it falls in it (batch-only
     # values: every stage recomputes them).
     local = op(aten.sub.Tensor, target, start)

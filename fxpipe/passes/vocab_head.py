@@ -6,21 +6,29 @@ Parallelism with Vocabulary Parallelism", MLSys 2025, arXiv 2411.05288; the sche
 S / T actions, ``schedules/vocab_actions.py``). This pass takes the head out of the last
 stage's graph by structure:
 
-    linear(x, W) → [slice of a leading dim | reshape keeping the last dim |
-    alias / clone | cast]* → cross_entropy (or log_softmax → nll_loss)
+    linear(x, W[, b]) → [slice of a leading dim | reshape keeping the last dim |
+    alias / clone / contiguous | cast | element-wise op of the logits and scalars]*
+    → cross_entropy (or log_softmax → nll_loss)
 
 as the blockwise loss recognises it (``split_loss._match``: 2-D logits, no class
 weights, no label smoothing; under tensor parallelism the TP pass's
 ``vocab_parallel_cross_entropy`` of the TP rank's columns, whose blocks are then of
 that rank's rows), where the cross-entropy is the stage's loss, ``W`` is a
-trainable parameter [V, h] the stage reads nowhere else and the linear has no bias.
-The last stage then outputs ``x`` (the head's input) and the class indices instead of
-the loss; ``PipelinePlan.vocab_head`` records the chain, the reduction and each rank's
-block of rows (V split evenly). ``vocab_rows`` then gives every rank exactly its
-block of ``W`` (and of a tied embedding, whose lookup its rows' owners do), so storage,
-optimizer, checkpoints and export work on the rows as for any row-split parameter.
-The runtime (``runtime/head_blocks.py``) computes each block's logits and online-softmax
-statistics, and their gradients, from there.
+trainable parameter [V, h] and ``b`` (if any) one of [V], each read nowhere else on
+the stage. So the heads people write are taken by their data flow: a sequence sliced
+before the loss (``logits[:, :-1]``), a reshaped or flattened view, a softcap or a
+temperature (each logit mapped alone commutes with cutting the vocabulary: every rank
+applies it to its block before the distributed softmax), a bias (split with the rows).
+An identity autograd wrapper exports as ``x.view_as(x)``, which canonicalize removes,
+or as an alias, which the chain passes. The last stage then outputs ``x`` (the head's
+input) and the class indices instead of the loss; ``PipelinePlan.vocab_head`` records
+the chain, the reduction and each rank's block of rows (V split evenly).
+``vocab_rows`` then gives every rank exactly its block of ``W`` and ``b`` (and of a
+tied embedding, whose lookup its rows' owners do), so storage, optimizer, checkpoints
+and export work on the rows as for any row-split parameter. The runtime
+(``runtime/head_blocks.py``) computes each block's logits and online-softmax
+statistics, and their gradients, from there. A head the chain does not take is
+refused with the op that stops it (``split_loss.blocking_op``).
 """
 from __future__ import annotations
 
@@ -34,14 +42,15 @@ from fxpipe.ir.loss_chain import Reduction
 from fxpipe.ir.program import ParamKind, Program, TensorSpec
 from fxpipe.ir.stage_plan import PipelinePlan, StageValue, VocabHead
 from fxpipe.passes.outline_lookups import lookup_of
-from fxpipe.passes.split_loss import _match
+from fxpipe.passes.split_loss import _match, blocking_op
 
 aten = torch.ops.aten
 
 
 def _refuse(why: str) -> ValueError:
     return ValueError(f"vocab_passes=True: {why}; the passes need the last stage's loss to be a cross-entropy "
-                      f"of linear(x, W) without bias (use vocab_passes=False for this model)")
+                      f"of linear(x, W[, b]) through slices, reshapes, casts and element-wise ops "
+                      f"(use vocab_passes=False for this model)")
 
 
 def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelinePlan:
@@ -59,12 +68,19 @@ def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelineP
     out = next(n for n in graph.nodes if n.op == "output")
     results = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
     loss = results[-1]
-    found = _find(graph, lambda w: w in params and params[w] in trainable, loss)
+
+    def is_param(node) -> bool:
+        return node in params and params[node] in trainable
+
+    found = _find(graph, is_param, loss)
     if found is None:
-        raise _refuse(f"no LM head found on the last stage (stage {last})")
+        raise _refuse(f"no LM head found on the last stage (stage {last}){_near_miss(graph, is_param)}")
     linear, w, m = found
-    if len(w.users) != 1:
-        raise _refuse(f"the head's weight {canon[params[w]]!r} is read elsewhere on the last stage")
+    b = _bias(linear)
+    for p in (w, b):
+        if p is not None and len(p.users) != 1:
+            raise _refuse(f"the head's {'weight' if p is w else 'bias'} {canon[params[p]]!r} is read elsewhere "
+                          f"on the last stage")
     if m.reduction is Reduction.NONE:
         raise _refuse("the cross-entropy has reduction='none'")
     rows = int(w.meta["val"].shape[0])
@@ -79,10 +95,12 @@ def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelineP
     for n in reversed(m.removed):  # the linear first among them
         graph.erase_node(n)
     graph.erase_node(w)
+    if b is not None:
+        graph.erase_node(b)
     graph.lint()
     gm.recompile()
     weight = canon[params[w]]
-    keep = tuple(p for node, p in params.items() if node is not w)
+    keep = tuple(p for node, p in params.items() if node is not w and node is not b)
     stage = dataclasses.replace(st, graph_module=gm, params=keep, outputs=(*st.outputs, hidden, target_name))
     values = dict(plan.values)
     xv, tv = x.meta["val"], target.meta["val"]
@@ -94,6 +112,7 @@ def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelineP
     param_stages = {n: tuple(s for s in ss if s != last or n in still) for n, ss in plan.param_stages.items()}
     head = VocabHead(weight=weight, hidden=hidden, target=target_name, chain=m.chain, reduction=int(m.reduction),
                      ignore_index=m.ignore_index, vocab_size=m.vocab_size,
+                     bias=canon[params[b]] if b is not None else None,
                      blocks=tuple((r * rows // pp, (r + 1) * rows // pp) for r in range(pp)))
     stages = plan.stages[:last] + (stage,)
     return dataclasses.replace(plan, stages=stages, values=values, param_stages=param_stages, vocab_head=head)
@@ -101,18 +120,32 @@ def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelineP
 
 def _find(graph: fx.Graph, is_weight, loss: fx.Node | None):
     """(linear, weight placeholder, split_loss match) of the head whose cross-entropy is
-    ``loss`` (None: a value the graph's output returns), or None."""
+    ``loss`` (None: a value the graph's output returns), or None. ``is_weight`` tells
+    a trainable parameter: the weight must be one, and so must the bias if there is one
+    (each row's bias is split with its row)."""
     out = next(n for n in graph.nodes if n.op == "output")
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target is not aten.linear.default:
-            continue
-        w = node.args[1]
-        if not is_weight(w) or (len(node.args) > 2 and node.args[2] is not None):
-            continue
+    for node in _heads(graph, is_weight):
         m = _match(node, vocab_parallel=True)
         if m is not None and (m.loss is loss if loss is not None else out in m.loss.users):
-            return node, w, m
+            return node, node.args[1], m
     return None
+
+
+def _bias(linear: fx.Node) -> fx.Node | None:
+    return linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+
+
+def _heads(graph: fx.Graph, is_weight) -> list[fx.Node]:
+    """The linears of trainable parameters (weight, and bias if any), in graph order."""
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is aten.linear.default
+            and is_weight(n.args[1]) and (_bias(n) is None or is_weight(_bias(n)))]
+
+
+def _near_miss(graph: fx.Graph, is_weight) -> str:
+    """Why the last linear of a trainable weight (the likely head) is not taken: the op
+    its logits stop at (empty when the graph has no such linear)."""
+    heads = _heads(graph, is_weight)
+    return f": {blocking_op(heads[-1])}" if heads else ""
 
 
 def head_nodes(program: Program) -> frozenset[str]:

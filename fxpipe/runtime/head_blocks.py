@@ -6,8 +6,9 @@ microbatch j, in the order the schedule lists them (``schedules/vocab_actions.py
 
 - ``BCAST_H j``: the last stage's output — the head's input x and the class indices —
   broadcast from its rank to every rank;
-- ``S j``: the rank's block of logits, ``linear(x, W_r)`` through the captured chain
-  (views, casts) to [N, b_r - a_r], kept with its autograd graph, and per token its max
+- ``S j``: the rank's block of logits, ``linear(x, W_r, b_r)`` through the captured chain
+  (views, casts, element-wise ops such as a softcap) to [N, b_r - a_r], kept with its
+  autograd graph, and per token its max
   m_r, sum-exp s_r = Σ exp(l − m_r) and the target's logit (0 outside the block);
 - ``ALLREDUCE_S j``: online softmax (Milakov & Gimelshein 2018) over the pp group: M =
   max_r m_r, then Σ_r s_r·exp(m_r − M) and the picks summed in one all-reduce; every
@@ -66,6 +67,7 @@ class VocabPasses:
         assert head is not None
         self.head, self.groups, self.device, self.transport = head, groups, device, transport
         self.weight = state[head.weight]  # rank r's rows: block r
+        self.bias = state[head.bias] if head.bias is not None else None  # the same rows of the bias
         self.start, self.stop = head.blocks[groups.pp_rank]
         # Under TP the blocks are of this TP rank's rows, classes tp_rank·rows.. of the
         # vocabulary; the statistics are reduced over the TP group too.
@@ -124,8 +126,8 @@ class VocabPasses:
         m = self.micro[mb]
         width = self.stop - self.start
         with torch.enable_grad():
-            # the captured ops between the head and the loss, on the block
-            m.logits = replay(self.head.chain, torch.nn.functional.linear(m.hidden, self.weight), width)
+            # the captured ops between the head and the loss (views, casts, element-wise), on the block
+            m.logits = replay(self.head.chain, torch.nn.functional.linear(m.hidden, self.weight, self.bias), width)
         m.stats = block_statistics(m.logits, m.target, self.first, self.padding)
 
     def allreduce_s(self, mb: int) -> None:
