@@ -163,8 +163,8 @@ def blocking_op(cat: fx.Node) -> str:
     readers = sorted(str(u.target) for u in cur.users)
     if len(readers) != 1:
         return f"the logits ({cur.target}) are read by {len(readers)} ops ({', '.join(readers) or 'none'})"
-    logits = cur.meta["val"]
-    if logits.dim() != 2:
+    logits, reader = cur.meta["val"], next(iter(cur.users))
+    if logits.dim() != 2 and reader.target in (aten.cross_entropy_loss.default, *_LOG_SOFTMAX):
         return f"the logits reach {readers[0]} as a {logits.dim()}-D tensor (2-D [tokens, V] wanted)"
     return f"the logits reach {readers[0]}, which is no element-wise op of the logits and scalars, slice or " \
            f"reshape of leading dims, cast, nor a cross-entropy without class weights or label smoothing"
