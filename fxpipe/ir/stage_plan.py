@@ -129,7 +129,7 @@ class VocabHead:
     """The ops between the head's output and the cross-entropy's 2-D logits
     (``split_loss.ChainOp``), replayed on each block's logits."""
     reduction: int
-    """``split_loss.Reduction``: MEAN or SUM."""
+    """``split_loss.Reduction``: MEAN, SUM, or NONE with ``token_weight``."""
     ignore_index: int
     blocks: tuple[tuple[int, int], ...]
     """Per pipeline rank, the vocabulary rows [start, stop) of its block (of the weight's
@@ -137,10 +137,19 @@ class VocabHead:
     bias: str | None = None
     """Canonical name of the head's bias [V] (``nn.Linear(h, V, bias=True)``), split into
     the same blocks of rows as ``weight``; None: the head has none."""
+    token_weight: str | None = None
+    """With reduction NONE: the last stage's output value holding each token's weight in
+    the loss, which is Σ_t weight_t·ce_t (per-token losses reduced with a loss mask,
+    ``passes/token_weights.py``); None: the reduction alone."""
     vocab_size: int | None = None
     """Under tensor parallelism (the loss was ``fxpipe_tp.vocab_parallel_cross_entropy``):
     the unpadded vocabulary; TP rank t's rows are classes t·rows.. of it, padding rows are
     masked, and the softmax statistics are reduced over the TP group too. None: tp = 1."""
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The last stage's outputs the head reads, in order: hidden, target[, token_weight]."""
+        return (self.hidden, self.target) + ((self.token_weight,) if self.token_weight is not None else ())
 
     @property
     def params(self) -> tuple[str, ...]:

@@ -22,7 +22,10 @@ applies it to its block before the distributed softmax), a bias (split with the 
 An identity autograd wrapper exports as ``x.view_as(x)``, which canonicalize removes,
 or as an alias, which the chain passes. The last stage then outputs ``x`` (the head's
 input) and the class indices instead of the loss; ``PipelinePlan.vocab_head`` records
-the chain, the reduction and each rank's block of rows (V split evenly).
+the chain, the reduction and each rank's block of rows (V split evenly). A
+cross-entropy with reduction='none' whose per-token losses are reduced by weights free
+of the logits (Megatron's ``loss_mask``: ``sum(losses * mask) / mask.sum()``) is taken
+too: the last stage then also outputs each token's weight (``passes/token_weights.py``).
 ``vocab_rows`` then gives every rank exactly its block of ``W`` and ``b`` (and of a
 tied embedding, whose lookup its rows' owners do), so storage, optimizer, checkpoints
 and export work on the rows as for any row-split parameter. The runtime
@@ -43,14 +46,15 @@ from fxpipe.ir.program import ParamKind, Program, TensorSpec
 from fxpipe.ir.stage_plan import PipelinePlan, StageValue, VocabHead
 from fxpipe.passes.outline_lookups import lookup_of
 from fxpipe.passes.split_loss import _match, blocking_op
+from fxpipe.passes.token_weights import Tail, build_weights, descendants, find_tail
 
 aten = torch.ops.aten
 
 
 def _refuse(why: str) -> ValueError:
     return ValueError(f"vocab_passes=True: {why}; the passes need the last stage's loss to be a cross-entropy "
-                      f"of linear(x, W[, b]) through slices, reshapes, casts and element-wise ops "
-                      f"(use vocab_passes=False for this model)")
+                      f"of linear(x, W[, b]) through slices, reshapes, casts and element-wise ops, its per-token "
+                      f"losses reduced by weights free of the logits (use vocab_passes=False for this model)")
 
 
 def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelinePlan:
@@ -75,24 +79,26 @@ def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelineP
     found = _find(graph, is_param, loss)
     if found is None:
         raise _refuse(f"no LM head found on the last stage (stage {last}){_near_miss(graph, is_param)}")
-    linear, w, m = found
+    linear, w, m, tail = found
     b = _bias(linear)
     for p in (w, b):
         if p is not None and len(p.users) != 1:
             raise _refuse(f"the head's {'weight' if p is w else 'bias'} {canon[params[p]]!r} is read elsewhere "
                           f"on the last stage")
-    if m.reduction is Reduction.NONE:
-        raise _refuse("the cross-entropy has reduction='none'")
     rows = int(w.meta["val"].shape[0])
     if rows < pp:
         raise _refuse(f"a vocabulary of {rows} rows cannot be split over pp={pp} ranks")
     x, target = linear.args[0], m.target
-    hidden, target_name = f"{linear.name}_vocab_hidden", f"{linear.name}_vocab_target"
+    head_values = [x, target]
+    if tail is not None:  # per-token losses reduced with a mask: each token's weight instead
+        with graph.inserting_before(out):
+            head_values.append(build_weights(graph, tail, m.loss, target))
+    names = [f"{linear.name}_vocab_{k}" for k in ("hidden", "target", "token_weight")][:len(head_values)]
     n_sent = len(st.outputs)
-    # The stage returns its sends, then the head's input and the class indices, then its
-    # buffer updates (``Stage.call``'s layout with the loss taken out).
-    out.args = (tuple(results[:n_sent]) + (x, target) + tuple(results[n_sent:-1]),)
-    for n in reversed(m.removed):  # the linear first among them
+    # The stage returns its sends, then the head's input, the class indices (and the
+    # tokens' weights), then its buffer updates (``Stage.call``'s layout with the loss taken out).
+    out.args = (tuple(results[:n_sent]) + tuple(head_values) + tuple(results[n_sent:-1]),)
+    for n in reversed((*m.removed, *(tail.nodes if tail is not None else ()))):  # the loss first, the linear last
         graph.erase_node(n)
     graph.erase_node(w)
     if b is not None:
@@ -101,33 +107,43 @@ def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelineP
     gm.recompile()
     weight = canon[params[w]]
     keep = tuple(p for node, p in params.items() if node is not w and node is not b)
-    stage = dataclasses.replace(st, graph_module=gm, params=keep, outputs=(*st.outputs, hidden, target_name))
+    stage = dataclasses.replace(st, graph_module=gm, params=keep, outputs=(*st.outputs, *names))
     values = dict(plan.values)
-    xv, tv = x.meta["val"], target.meta["val"]
-    values[hidden] = StageValue(name=hidden, producer=last, consumers=(),
-                                spec=TensorSpec(tuple(int(d) for d in xv.shape), xv.dtype), requires_grad=True)
-    values[target_name] = StageValue(name=target_name, producer=last, consumers=(),
-                                     spec=TensorSpec(tuple(int(d) for d in tv.shape), tv.dtype), requires_grad=False)
+    for name, node in zip(names, head_values):
+        v = node.meta["val"]
+        values[name] = StageValue(name=name, producer=last, consumers=(), requires_grad=node is x,
+                                  spec=TensorSpec(tuple(int(d) for d in v.shape), v.dtype))
     still = {canon[p] for p in keep}
     param_stages = {n: tuple(s for s in ss if s != last or n in still) for n, ss in plan.param_stages.items()}
-    head = VocabHead(weight=weight, hidden=hidden, target=target_name, chain=m.chain, reduction=int(m.reduction),
+    head = VocabHead(weight=weight, hidden=names[0], target=names[1], chain=m.chain, reduction=int(m.reduction),
                      ignore_index=m.ignore_index, vocab_size=m.vocab_size,
                      bias=canon[params[b]] if b is not None else None,
+                     token_weight=names[2] if tail is not None else None,
                      blocks=tuple((r * rows // pp, (r + 1) * rows // pp) for r in range(pp)))
     stages = plan.stages[:last] + (stage,)
     return dataclasses.replace(plan, stages=stages, values=values, param_stages=param_stages, vocab_head=head)
 
 
 def _find(graph: fx.Graph, is_weight, loss: fx.Node | None):
-    """(linear, weight placeholder, split_loss match) of the head whose cross-entropy is
+    """(linear, weight placeholder, split_loss match, tail) of the head whose loss is
     ``loss`` (None: a value the graph's output returns), or None. ``is_weight`` tells
     a trainable parameter: the weight must be one, and so must the bias if there is one
-    (each row's bias is split with its row)."""
+    (each row's bias is split with its row). The loss is the cross-entropy, or with
+    reduction='none' the end of the tail that reduces its per-token losses with weights
+    (``passes/token_weights.py``; the tail None otherwise)."""
     out = next(n for n in graph.nodes if n.op == "output")
     for node in _heads(graph, is_weight):
         m = _match(node, vocab_parallel=True)
-        if m is not None and (m.loss is loss if loss is not None else out in m.loss.users):
-            return node, node.args[1], m
+        if m is None:
+            continue
+        tail: Tail | None = None
+        if m.reduction is Reduction.NONE:
+            tail, _ = find_tail(m.loss, descendants(node))
+            if tail is None:
+                continue
+        end = tail.nodes[-1] if tail is not None else m.loss
+        if end is loss if loss is not None else out in end.users:
+            return node, node.args[1], m, tail
     return None
 
 
@@ -143,19 +159,33 @@ def _heads(graph: fx.Graph, is_weight) -> list[fx.Node]:
 
 def _near_miss(graph: fx.Graph, is_weight) -> str:
     """Why the last linear of a trainable weight (the likely head) is not taken: the op
-    its logits stop at (empty when the graph has no such linear)."""
+    its logits, or its per-token losses, stop at (empty when the graph has no such linear)."""
     heads = _heads(graph, is_weight)
-    return f": {blocking_op(heads[-1])}" if heads else ""
+    if not heads:
+        return ""
+    m = _match(heads[-1], vocab_parallel=True)
+    if m is None:
+        return f": {blocking_op(heads[-1])}"
+    if m.reduction is not Reduction.NONE:
+        return f": its cross-entropy ({m.loss.name}) is not the stage's loss"
+    _, stop = find_tail(m.loss, descendants(heads[-1]))
+    readers = ", ".join(sorted(str(u.target) for u in stop.users)) or "the output"
+    return f": its per-token losses (reduction='none') reach {readers}, which is no view, product or quotient " \
+           f"by a value free of the logits, sum or mean"
 
 
 def head_nodes(program: Program) -> frozenset[str]:
     """The whole graph's nodes the vocabulary passes run instead of the last stage (the
-    head's linear, the ops to the loss and the cross-entropy): the partition balances
+    head's linear, the ops to the loss, the cross-entropy and a per-token reduction's
+    ops): the partition balances
     the stages without them (``PartitionConfig.elsewhere``). Empty when there is none
     (``vocab_head_pass`` refuses that model after the split)."""
     trainable = {p.node for p in program.params if p.kind is ParamKind.PARAMETER and p.requires_grad}
     found = _find(program.graph, lambda w: isinstance(w, fx.Node) and w.name in trainable, None)
-    return frozenset(n.name for n in found[2].removed) if found is not None else frozenset()
+    if found is None:
+        return frozenset()
+    _, _, m, tail = found
+    return frozenset(n.name for n in (*m.removed, *(tail.nodes if tail is not None else ())))
 
 
 def _copy(gm: fx.GraphModule) -> fx.Graph:

@@ -2,7 +2,8 @@
 
 Each form between the head and its cross-entropy (a softcap, a temperature or scale, a
 bias on the head, a sequence slice with -100 targets, a reshaped / flattened / viewed
-loss, an identity autograd wrapper) is compiled at pp=2 with ``vocab_passes=True`` and
+loss, an identity autograd wrapper, per-token losses reduced with Megatron's loss mask
+or a mean) is compiled at pp=2 with ``vocab_passes=True`` and
 run in one process: the stage graphs in order, then every pipeline rank's block of the
 head through the runtime's own block math (``loss_chain.replay``,
 ``head_blocks.block_statistics`` / ``block_gradient``) with the all-reduces done here.
@@ -60,6 +61,12 @@ class HeadForms(nn.Module):
             logits = logits / 0.7
         if "scale" in f:
             logits = logits * 1.5
+        if "loss_mask" in f:  # Megatron: per-token losses, masked, summed, over the mask's count
+            losses = F.cross_entropy(logits.reshape(-1, V).float(), tokens.reshape(-1), reduction="none")
+            loss_mask = (tokens % 3 != 0).float()  # (B, T)
+            return torch.sum(losses.view(-1) * loss_mask.view(-1)) / loss_mask.sum()
+        if "token_mean" in f:
+            return F.cross_entropy(logits.reshape(-1, V), tokens.reshape(-1), reduction="none").mean() * 2.0
         if "slice" not in f:
             return F.cross_entropy(logits.reshape(-1, V), tokens.reshape(-1))
         logits, target = logits[:, :-1], tokens[:, 1:]  # position t predicts token t+1
@@ -73,7 +80,7 @@ class HeadForms(nn.Module):
 
 
 FORMS = ["softcap", "temperature", "scale", "bias", "slice+mask", "slice+flatten", "slice+view", "wrap",
-         "softcap+bias+wrap+slice+mask+view"]
+         "softcap+bias+wrap+slice+mask+view", "loss_mask", "token_mean", "softcap+bias+loss_mask"]
 
 
 def _batch():
@@ -87,10 +94,10 @@ def _compile(forms):
     return model, compile_pipeline(model, tuple(t[:4 // M] for t in _batch()), config)
 
 
-def _head_loss(head, state, hidden, target, scale):
+def _head_loss(head, state, hidden, target, token_weight, scale):
     """The vocabulary passes' loss of one microbatch, every rank's block in turn (the
     runtime's S), the all-reduces of ALLREDUCE_S done here; T's gradients sent back
-    through autograd (``scale``: 1/m)."""
+    through autograd (``scale``: 1/m; ``token_weight``: each token's weight, or None)."""
     blocks = []
     for a, b in head.blocks:
         bias = state[head.bias][a:b] if head.bias is not None else None
@@ -100,9 +107,13 @@ def _head_loss(head, state, hidden, target, scale):
     total = sum(s[1] * torch.exp(s[0] - top) for _, s in blocks)
     pick = sum(s[2] for _, s in blocks)
     valid = target != head.ignore_index
-    assert head.reduction == Reduction.MEAN
-    loss = torch.where(valid, top + torch.log(total) - pick, 0.0).sum() / valid.sum()
-    weight = valid.float() * scale / valid.sum()
+    per = torch.where(valid, top + torch.log(total) - pick, 0.0)
+    if token_weight is not None:
+        assert head.reduction == Reduction.NONE
+        loss, weight = (per * token_weight).sum(), valid.float() * token_weight * scale
+    else:
+        assert head.reduction == Reduction.MEAN
+        loss, weight = per.sum() / valid.sum(), valid.float() * scale / valid.sum()
     stats = torch.stack([top, total, pick])
     grads = [block_gradient(logits, stats, target, a, 0, weight) for (logits, _), (a, _b) in zip(blocks, head.blocks)]
     torch.autograd.backward([logits for logits, _ in blocks], grads)
@@ -125,7 +136,8 @@ def _run_in_process(compiled):
                     received[lk.name] = F.embedding(lk.ids(mb[lk.batch_input]), state[lk.table])
             values.update(zip(st.outputs, st.call(local, plan.canonical, mb, received)))
         head = plan.vocab_head
-        losses.append(_head_loss(head, state, values[head.hidden], values[head.target], 1 / M))
+        hidden, target, *token_weight = (values[n] for n in head.outputs)
+        losses.append(_head_loss(head, state, hidden, target, token_weight[0] if token_weight else None, 1 / M))
     return sum(losses) / M, {n: t.grad for n, t in state.items() if t.grad is not None}
 
 
@@ -137,6 +149,7 @@ def test_vocab_passes_take_the_head_and_equal_one_process(forms):
     kinds = {c.kind for c in head.chain}
     assert (ChainKind.POINTWISE in kinds) == bool({"softcap", "temperature", "scale"} & set(forms.split("+")))
     assert (ChainKind.SLICE in kinds) == ("slice" in forms)
+    assert (head.token_weight is not None) == ("loss_mask" in forms or "token_mean" in forms)
     if "bias" in forms:  # split with the rows: rank r holds block r of the bias, no stage reads it
         assert head.bias == "head.bias"
         assert compiled.plan.row_shards["head.bias"].ranks == tuple(((a, b),) for a, b in head.blocks)
@@ -151,22 +164,28 @@ def test_vocab_passes_take_the_head_and_equal_one_process(forms):
         torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6 * float(g.abs().max()), msg=n)
 
 
-class _Gathered(nn.Module):
-    """Logits gathered at chosen classes before the loss: no element-wise op of each
-    logit alone, so no block can run the loss on its own."""
+class _Untakeable(nn.Module):
+    """Heads no block can run alone: logits centred over the whole vocabulary, or
+    per-token losses squared (not linear in them)."""
 
-    def __init__(self):
+    def __init__(self, form):
         super().__init__()
+        self.form = form
         self.emb, self.body, self.head = nn.Embedding(V, H), nn.Linear(H, H), nn.Linear(H, V, bias=False)
 
     def forward(self, tokens):
         logits = self.head(torch.relu(self.body(self.emb(tokens))))
-        logits = logits - logits.mean(-1, keepdim=True)  # reads the whole vocabulary
-        return F.cross_entropy(logits.reshape(-1, V), tokens.reshape(-1))
+        if self.form == "centred":
+            logits = logits - logits.mean(-1, keepdim=True)  # reads the whole vocabulary
+            return F.cross_entropy(logits.reshape(-1, V), tokens.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, V), tokens.reshape(-1), reduction="none").square().mean()
 
 
-def test_a_head_the_passes_cannot_take_names_the_op():
+@pytest.mark.parametrize("form, message", [
+    ("centred", r"the logits \(aten.linear.*\) are read by 2 ops \(aten.mean.dim, aten.sub.Tensor\)"),
+    ("squared", r"its per-token losses \(reduction='none'\) reach aten.square.default, which is no view"),
+])
+def test_a_head_the_passes_cannot_take_names_the_op(form, message):
     config = ParallelConfig(pp=2, microbatches=M, costs="model", vocab_passes=True).with_world(2)
-    with pytest.raises(ValueError, match=r"no LM head found on the last stage \(stage 1\): the logits \(aten.linear"
-                                         r".*\) are read by 2 ops \(aten.mean.dim, aten.sub.Tensor\)"):
-        compile_pipeline(_Gathered(), tuple(t[:2] for t in _batch()), config)
+    with pytest.raises(ValueError, match=r"no LM head found on the last stage \(stage 1\): " + message):
+        compile_pipeline(_Untakeable(form), tuple(t[:2] for t in _batch()), config)

@@ -58,5 +58,6 @@ ZOO: dict[str, ZooModel] = {
     "torchtune-llama": ZooModel(llama3.torchtune_llama, "torchtune's llama3_2 builder",
                                 requires="torchtune"),
     "biased-head": ZooModel(biased_head.build, "LM head with bias, identity autograd wrappers, logit scale; "
-                            "loss on the sliced sequence, prompt targets -100", loss=biased_head.prompt_masked_loss),
+                            "loss on the sliced sequence: prompt targets -100, padding under a loss mask",
+                            loss=biased_head.prompt_masked_loss),
 }

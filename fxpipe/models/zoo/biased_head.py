@@ -7,8 +7,10 @@
   functions, which export as ``x.view_as(x)``;
 - its logits are multiplied by a logit scale (Cohere's Command-R, ``logit_scale``);
 - the loss (``prompt_masked_loss``) takes labels aligned with the inputs, slices the
-  sequence (``logits[:, :-1]`` against ``labels[:, 1:]``) and ignores the prompt's
-  targets (-100, as instruction tuning masks them), on a flattened view.
+  sequence (``logits[:, :-1]`` against ``labels[:, 1:]``), ignores the prompt's
+  targets (-100, Hugging Face's convention for instruction tuning) and asks for one
+  loss per token on a flattened view, which it reduces with a loss mask over the
+  padding after each document (Megatron's ``loss_mask``).
 
 Each of these sits between the head and the cross-entropy, where the vocabulary
 passes must still find the head (``passes/vocab_head.py``).
@@ -32,6 +34,8 @@ class BiasedHeadConfig:
     logit_scale: float = 0.5
     prompt: int = 3
     """The first ``prompt`` targets of every row are the prompt's: not trained on."""
+    padding: int = 2
+    """The last ``padding`` targets of every row are padding: masked out of the loss."""
 
 
 class _Region(torch.autograd.Function):
@@ -92,15 +96,19 @@ class BiasedHeadGPT(nn.Module):
         return logits * self.cfg.logit_scale
 
 
-def prompt_masked_loss(logits: torch.Tensor, labels: torch.Tensor, prompt: int = BiasedHeadConfig.prompt
-                       ) -> torch.Tensor:
+def prompt_masked_loss(logits: torch.Tensor, labels: torch.Tensor, prompt: int = BiasedHeadConfig.prompt,
+                       padding: int = BiasedHeadConfig.padding) -> torch.Tensor:
     """Next-token cross-entropy on labels aligned with the inputs (Hugging Face's
-    convention): position t predicts label t+1, and the first ``prompt`` targets of every
-    row are ignored. Every row keeps as many targets, so the mean over a microbatch's
-    targets averages to the batch's."""
+    convention): position t predicts label t+1; the first ``prompt`` targets of every row
+    are ignored (-100) and the last ``padding`` masked out of the per-token losses. Every
+    row keeps as many targets, so the mean over a microbatch's targets averages to the
+    batch's."""
     target = labels[:, 1:]
-    target = torch.where(torch.arange(target.shape[1], device=target.device) < prompt, -100, target)  # (B, T-1)
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), target.flatten(0, 1))
+    pos = torch.arange(target.shape[1], device=target.device)
+    target = torch.where(pos < prompt, -100, target)  # (B, T-1)
+    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1), target.flatten(0, 1), reduction="none")  # (B·(T-1),)
+    loss_mask = ((target != -100) & (pos < target.shape[1] - padding)).float()  # (B, T-1)
+    return torch.sum(losses * loss_mask.flatten()) / loss_mask.sum()
 
 
 def build(layers: int, seq: int) -> nn.Module:
