@@ -20,7 +20,7 @@ before the loss (``logits[:, :-1]``), a reshaped or flattened view, a softcap or
 temperature (each logit mapped alone commutes with cutting the vocabulary: every rank
 applies it to its block before the distributed softmax), a bias (split with the rows).
 An identity autograd wrapper exports as ``x.view_as(x)``, which canonicalize removes,
-or as an alias, which the chain passes. The last stage then outputs ``x`` (the head's
+or as an alias, which the chain passes and the parameters are seen through. The last stage then outputs ``x`` (the head's
 input) and the class indices instead of the loss; ``PipelinePlan.vocab_head`` records
 the chain, the reduction and each rank's block of rows (V split evenly). A
 cross-entropy with reduction='none' whose per-token losses are reduced by weights free
@@ -36,6 +36,7 @@ refused with the op that stops it (``split_loss.blocking_op``).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -45,7 +46,7 @@ from fxpipe.ir.loss_chain import Reduction
 from fxpipe.ir.program import ParamKind, Program, TensorSpec
 from fxpipe.ir.stage_plan import PipelinePlan, StageValue, VocabHead
 from fxpipe.passes.outline_lookups import lookup_of
-from fxpipe.passes.split_loss import _match, blocking_op
+from fxpipe.passes.split_loss import _match, _Match, blocking_op
 from fxpipe.passes.token_weights import Tail, build_weights, descendants, find_tail
 
 aten = torch.ops.aten
@@ -79,8 +80,7 @@ def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelineP
     found = _find(graph, is_param, loss)
     if found is None:
         raise _refuse(f"no LM head found on the last stage (stage {last}){_near_miss(graph, is_param)}")
-    linear, w, m, tail = found
-    b = _bias(linear)
+    linear, w, b, m, tail = found.linear, found.weight, found.bias, found.match, found.tail
     for p in (w, b):
         if p is not None and len(p.users) != 1:
             raise _refuse(f"the head's {'weight' if p is w else 'bias'} {canon[params[p]]!r} is read elsewhere "
@@ -98,11 +98,8 @@ def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelineP
     # The stage returns its sends, then the head's input, the class indices (and the
     # tokens' weights), then its buffer updates (``Stage.call``'s layout with the loss taken out).
     out.args = (tuple(results[:n_sent]) + tuple(head_values) + tuple(results[n_sent:-1]),)
-    for n in reversed((*m.removed, *(tail.nodes if tail is not None else ()))):  # the loss first, the linear last
+    for n in reversed(found.nodes):  # the loss first, the linear, its parameters' aliases, the parameters last
         graph.erase_node(n)
-    graph.erase_node(w)
-    if b is not None:
-        graph.erase_node(b)
     graph.lint()
     gm.recompile()
     weight = canon[params[w]]
@@ -124,13 +121,32 @@ def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelineP
     return dataclasses.replace(plan, stages=stages, values=values, param_stages=param_stages, vocab_head=head)
 
 
-def _find(graph: fx.Graph, is_weight, loss: fx.Node | None):
-    """(linear, weight placeholder, split_loss match, tail) of the head whose loss is
-    ``loss`` (None: a value the graph's output returns), or None. ``is_weight`` tells
-    a trainable parameter: the weight must be one, and so must the bias if there is one
-    (each row's bias is split with its row). The loss is the cross-entropy, or with
-    reduction='none' the end of the tail that reduces its per-token losses with weights
-    (``passes/token_weights.py``; the tail None otherwise)."""
+@dataclass(frozen=True)
+class _Found:
+    linear: fx.Node
+    weight: fx.Node
+    """The weight's parameter (placeholder), seen through aliases."""
+    bias: fx.Node | None
+    match: _Match
+    tail: Tail | None
+    """With reduction='none': the ops reducing the per-token losses with weights."""
+    aliases: tuple[fx.Node, ...]
+    """Identity aliases between the parameters and the linear (wrappers at size 1)."""
+
+    @property
+    def nodes(self) -> tuple[fx.Node, ...]:
+        """Every node the head is, in an order that lets them go in reverse: parameters,
+        their aliases, the linear to the loss."""
+        params = (self.weight,) + ((self.bias,) if self.bias is not None else ())
+        return (*params, *self.aliases, *self.match.removed, *(self.tail.nodes if self.tail is not None else ()))
+
+
+def _find(graph: fx.Graph, is_weight, loss: fx.Node | None) -> _Found | None:
+    """The head whose loss is ``loss`` (None: a value the graph's output returns), or
+    None. ``is_weight`` tells a trainable parameter: the weight must be one, and so must
+    the bias if there is one (each row's bias is split with its row). The loss is the
+    cross-entropy, or with reduction='none' the end of the tail that reduces its
+    per-token losses with weights (``passes/token_weights.py``)."""
     out = next(n for n in graph.nodes if n.op == "output")
     for node in _heads(graph, is_weight):
         m = _match(node, vocab_parallel=True)
@@ -143,7 +159,8 @@ def _find(graph: fx.Graph, is_weight, loss: fx.Node | None):
                 continue
         end = tail.nodes[-1] if tail is not None else m.loss
         if end is loss if loss is not None else out in end.users:
-            return node, node.args[1], m, tail
+            (w, w_aliases), (b, b_aliases) = _param(node.args[1]), _param(_bias(node))
+            return _Found(node, w, b, m, tail, (*reversed(w_aliases), *reversed(b_aliases)))
     return None
 
 
@@ -151,10 +168,20 @@ def _bias(linear: fx.Node) -> fx.Node | None:
     return linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
 
 
+def _param(node: fx.Node | None) -> tuple[fx.Node | None, list[fx.Node]]:
+    """The value ``node`` is an alias of (a parameter an identity wrapper returned as
+    ``aten.alias``), and the aliases in between, from ``node`` back."""
+    aliases = []
+    while isinstance(node, fx.Node) and node.target is aten.alias.default and len(node.users) == 1:
+        aliases.append(node)
+        node = node.args[0]
+    return node, aliases
+
+
 def _heads(graph: fx.Graph, is_weight) -> list[fx.Node]:
     """The linears of trainable parameters (weight, and bias if any), in graph order."""
     return [n for n in graph.nodes if n.op == "call_function" and n.target is aten.linear.default
-            and is_weight(n.args[1]) and (_bias(n) is None or is_weight(_bias(n)))]
+            and is_weight(_param(n.args[1])[0]) and (_bias(n) is None or is_weight(_param(_bias(n))[0]))]
 
 
 def _near_miss(graph: fx.Graph, is_weight) -> str:
@@ -182,10 +209,8 @@ def head_nodes(program: Program) -> frozenset[str]:
     (``vocab_head_pass`` refuses that model after the split)."""
     trainable = {p.node for p in program.params if p.kind is ParamKind.PARAMETER and p.requires_grad}
     found = _find(program.graph, lambda w: isinstance(w, fx.Node) and w.name in trainable, None)
-    if found is None:
-        return frozenset()
-    _, _, m, tail = found
-    return frozenset(n.name for n in (*m.removed, *(tail.nodes if tail is not None else ())))
+    params = (found.weight, found.bias) if found is not None else ()
+    return frozenset(n.name for n in found.nodes if n not in params) if found is not None else frozenset()
 
 
 def _copy(gm: fx.GraphModule) -> fx.Graph:

@@ -52,7 +52,11 @@ class HeadForms(nn.Module):
         for layer in self.layers:
             x = x + layer(x)
         f = self.forms
-        logits = self.head(_Wrap.apply(x) if "wrap" in f else x)  # (B, T, V)
+        if "alias" in f:  # the parameters through identity wrappers that export as aten.alias
+            alias = torch.ops.aten.alias
+            logits = F.linear(x, alias(self.head.weight), alias(self.head.bias) if self.head.bias is not None else None)
+        else:
+            logits = self.head(_Wrap.apply(x) if "wrap" in f else x)  # (B, T, V)
         if "wrap" in f:
             logits = _Wrap.apply(logits)
         if "softcap" in f:  # Gemma 2: c·tanh(l / c)
@@ -79,7 +83,7 @@ class HeadForms(nn.Module):
         return F.cross_entropy(logits.reshape(-1, V), target.reshape(-1))
 
 
-FORMS = ["softcap", "temperature", "scale", "bias", "slice+mask", "slice+flatten", "slice+view", "wrap",
+FORMS = ["softcap", "temperature", "scale", "bias", "slice+mask", "slice+flatten", "slice+view", "wrap", "alias+bias",
          "softcap+bias+wrap+slice+mask+view", "loss_mask", "token_mean", "softcap+bias+loss_mask"]
 
 
