@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe.base.dtypes import itemsize
+from fxpipe.ir.loss_chain import operand_params
 from fxpipe.ir.program import Program, TensorSpec
 from fxpipe.ir.shard_spec import PipelineRows
 
@@ -153,8 +154,9 @@ class VocabHead:
 
     @property
     def params(self) -> tuple[str, ...]:
-        """The head's parameters, each split into ``blocks`` of rows: weight, then bias."""
-        return (self.weight,) if self.bias is None else (self.weight, self.bias)
+        """The head's parameters, each split into ``blocks`` of rows: weight, bias, then
+        the parameters [V] the chain's element-wise ops read (``loss_chain.VocabOperand``)."""
+        return (self.weight,) + ((self.bias,) if self.bias is not None else ()) + operand_params(self.chain)
 
 
 @dataclass(frozen=True)

@@ -7,31 +7,37 @@ S / T actions, ``schedules/vocab_actions.py``). This pass takes the head out of 
 stage's graph by structure:
 
     linear(x, W[, b]) → [slice of a leading dim | reshape keeping the last dim |
-    alias / clone / contiguous | cast | element-wise op of the logits and scalars]*
-    → cross_entropy (or log_softmax → nll_loss)
+    alias / clone / contiguous | cast | element-wise op]* → cross_entropy
+    (or log_softmax → nll_loss) [→ per-token losses reduced by weights]
 
-as the blockwise loss recognises it (``split_loss._match``: 2-D logits, no class
+as ``logit_chain.match_loss`` finds it for the blockwise loss too (2-D logits, no class
 weights, no label smoothing; under tensor parallelism the TP pass's
 ``vocab_parallel_cross_entropy`` of the TP rank's columns, whose blocks are then of
-that rank's rows), where the cross-entropy is the stage's loss, ``W`` is a
-trainable parameter [V, h] and ``b`` (if any) one of [V], each read nowhere else on
-the stage. So the heads people write are taken by their data flow: a sequence sliced
-before the loss (``logits[:, :-1]``), a reshaped or flattened view, a softcap or a
-temperature (each logit mapped alone commutes with cutting the vocabulary: every rank
-applies it to its block before the distributed softmax), a bias (split with the rows).
-An identity autograd wrapper exports as ``x.view_as(x)``, which canonicalize removes,
-or as an alias, which the chain passes and the parameters are seen through. The last stage then outputs ``x`` (the head's
-input) and the class indices instead of the loss; ``PipelinePlan.vocab_head`` records
-the chain, the reduction and each rank's block of rows (V split evenly). A
-cross-entropy with reduction='none' whose per-token losses are reduced by weights free
-of the logits (Megatron's ``loss_mask``: ``sum(losses * mask) / mask.sum()``) is taken
-too: the last stage then also outputs each token's weight (``passes/token_weights.py``).
-``vocab_rows`` then gives every rank exactly its block of ``W`` and ``b`` (and of a
-tied embedding, whose lookup its rows' owners do), so storage, optimizer, checkpoints
-and export work on the rows as for any row-split parameter. The runtime
-(``runtime/head_blocks.py``) computes each block's logits and online-softmax
-statistics, and their gradients, from there. A head the chain does not take is
-refused with the op that stops it (``split_loss.blocking_op``).
+that rank's rows), where the loss is the stage's, ``W`` is a trainable parameter
+[V, h] and ``b`` (if any) one of [V], each read nowhere else on the stage. So the heads
+people write are taken by their data flow, never by a name:
+
+- a sequence sliced before the loss (``logits[:, :-1]``), a reshaped, flattened or
+  viewed loss, -100 targets (the loss's ``ignore_index``);
+- element-wise ops: a softcap or a temperature maps each logit alone, so it commutes
+  with cutting the vocabulary and every rank applies it to its block before the
+  distributed softmax; a trainable parameter [V] such an op reads (a bias added after
+  the head, a per-class logit scale) is split into the blocks like ``b``;
+- identity autograd wrappers: ``x.view_as(x)`` is gone after canonicalize, an alias is
+  passed (of the logits) or seen through (of ``W`` and ``b``);
+- a cross-entropy with reduction='none' whose per-token losses are reduced by weights
+  free of the logits (Megatron's ``sum(losses * loss_mask) / loss_mask.sum()``, a
+  mean): the last stage also outputs each token's weight (``passes/token_weights.py``).
+
+The last stage then outputs ``x`` (the head's input) and the class indices instead of
+the loss; ``PipelinePlan.vocab_head`` records the chain, the reduction and each rank's
+block of rows (V split evenly). ``vocab_rows`` then gives every rank exactly its block
+of each of the head's parameters (``VocabHead.params``; and of a tied embedding, whose
+lookup its rows' owners do), so storage, optimizer, checkpoints and export work on the
+rows as for any row-split parameter. The runtime (``runtime/head_blocks.py``) computes
+each block's logits and online-softmax statistics, and their gradients, from there. A
+head the passes cannot take is refused naming the op that stops it
+(``logit_chain.blocking_op``).
 """
 from __future__ import annotations
 
@@ -46,7 +52,8 @@ from fxpipe.ir.loss_chain import Reduction
 from fxpipe.ir.program import ParamKind, Program, TensorSpec
 from fxpipe.ir.stage_plan import PipelinePlan, StageValue, VocabHead
 from fxpipe.passes.outline_lookups import lookup_of
-from fxpipe.passes.split_loss import _match, _Match, blocking_op
+from fxpipe.ir.loss_chain import ChainKind, ChainOp, VocabOperand
+from fxpipe.passes.logit_chain import LossMatch, blocking_op, match_loss
 from fxpipe.passes.token_weights import Tail, build_weights, descendants, find_tail
 
 aten = torch.ops.aten
@@ -103,7 +110,7 @@ def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelineP
     graph.lint()
     gm.recompile()
     weight = canon[params[w]]
-    keep = tuple(p for node, p in params.items() if node is not w and node is not b)
+    keep = tuple(p for node, p in params.items() if node not in (w, b, *m.operands))
     stage = dataclasses.replace(st, graph_module=gm, params=keep, outputs=(*st.outputs, *names))
     values = dict(plan.values)
     for name, node in zip(names, head_values):
@@ -112,7 +119,8 @@ def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelineP
                                   spec=TensorSpec(tuple(int(d) for d in v.shape), v.dtype))
     still = {canon[p] for p in keep}
     param_stages = {n: tuple(s for s in ss if s != last or n in still) for n, ss in plan.param_stages.items()}
-    head = VocabHead(weight=weight, hidden=names[0], target=names[1], chain=m.chain, reduction=int(m.reduction),
+    chain = _renamed(m.chain, {n.name: canon[params[n]] for n in m.operands})
+    head = VocabHead(weight=weight, hidden=names[0], target=names[1], chain=chain, reduction=int(m.reduction),
                      ignore_index=m.ignore_index, vocab_size=m.vocab_size,
                      bias=canon[params[b]] if b is not None else None,
                      token_weight=names[2] if tail is not None else None,
@@ -127,7 +135,7 @@ class _Found:
     weight: fx.Node
     """The weight's parameter (placeholder), seen through aliases."""
     bias: fx.Node | None
-    match: _Match
+    match: LossMatch
     tail: Tail | None
     """With reduction='none': the ops reducing the per-token losses with weights."""
     aliases: tuple[fx.Node, ...]
@@ -137,7 +145,7 @@ class _Found:
     def nodes(self) -> tuple[fx.Node, ...]:
         """Every node the head is, in an order that lets them go in reverse: parameters,
         their aliases, the linear to the loss."""
-        params = (self.weight,) + ((self.bias,) if self.bias is not None else ())
+        params = (self.weight,) + ((self.bias,) if self.bias is not None else ()) + self.match.operands
         return (*params, *self.aliases, *self.match.removed, *(self.tail.nodes if self.tail is not None else ()))
 
 
@@ -149,7 +157,7 @@ def _find(graph: fx.Graph, is_weight, loss: fx.Node | None) -> _Found | None:
     per-token losses with weights (``passes/token_weights.py``)."""
     out = next(n for n in graph.nodes if n.op == "output")
     for node in _heads(graph, is_weight):
-        m = _match(node, vocab_parallel=True)
+        m = match_loss(node, vocab_parallel=True, is_param=is_weight)
         if m is None:
             continue
         tail: Tail | None = None
@@ -190,9 +198,9 @@ def _near_miss(graph: fx.Graph, is_weight) -> str:
     heads = _heads(graph, is_weight)
     if not heads:
         return ""
-    m = _match(heads[-1], vocab_parallel=True)
+    m = match_loss(heads[-1], vocab_parallel=True, is_param=is_weight)
     if m is None:
-        return f": {blocking_op(heads[-1])}"
+        return f": {blocking_op(heads[-1], is_weight)}"
     if m.reduction is not Reduction.NONE:
         return f": its cross-entropy ({m.loss.name}) is not the stage's loss"
     _, stop = find_tail(m.loss, descendants(heads[-1]))
@@ -209,8 +217,15 @@ def head_nodes(program: Program) -> frozenset[str]:
     (``vocab_head_pass`` refuses that model after the split)."""
     trainable = {p.node for p in program.params if p.kind is ParamKind.PARAMETER and p.requires_grad}
     found = _find(program.graph, lambda w: isinstance(w, fx.Node) and w.name in trainable, None)
-    params = (found.weight, found.bias) if found is not None else ()
-    return frozenset(n.name for n in found.nodes if n not in params) if found is not None else frozenset()
+    return frozenset(n.name for n in found.nodes if n.op != "placeholder") if found is not None else frozenset()
+
+
+def _renamed(chain: tuple[ChainOp, ...], names: dict[str, str]) -> tuple[ChainOp, ...]:
+    """``chain`` with its operands' parameters named by ``names`` (graph node -> canonical)."""
+    def rename(a):
+        return VocabOperand(names[a.param], a.chain) if isinstance(a, VocabOperand) else a
+    return tuple(ChainOp(c.kind, (c.args[0], tuple(map(rename, c.args[1])), c.args[2]))
+                 if c.kind is ChainKind.POINTWISE else c for c in chain)
 
 
 def _copy(gm: fx.GraphModule) -> fx.Graph:

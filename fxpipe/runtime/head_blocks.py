@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fxpipe.ir.loss_chain import Reduction, replay
+from fxpipe.ir.loss_chain import Reduction, operand_params, replay
 from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.transport import Pending, Transport
@@ -71,6 +71,8 @@ class VocabPasses:
         self.head, self.groups, self.device, self.transport = head, groups, device, transport
         self.weight = state[head.weight]  # rank r's rows: block r
         self.bias = state[head.bias] if head.bias is not None else None  # the same rows of the bias
+        self.operands = {p: state[p] for p in operand_params(head.chain)}
+        """The same rows of each parameter [V] the chain's element-wise ops read."""
         self.start, self.stop = head.blocks[groups.pp_rank]
         # Under TP the blocks are of this TP rank's rows, classes tp_rank·rows.. of the
         # vocabulary; the statistics are reduced over the TP group too.
@@ -130,7 +132,8 @@ class VocabPasses:
         width = self.stop - self.start
         with torch.enable_grad():
             # the captured ops between the head and the loss (views, casts, element-wise), on the block
-            m.logits = replay(self.head.chain, torch.nn.functional.linear(m.hidden, self.weight, self.bias), width)
+            logits = torch.nn.functional.linear(m.hidden, self.weight, self.bias)
+            m.logits = replay(self.head.chain, logits, width, self.operands)
         m.stats = block_statistics(m.logits, m.target, self.first, self.padding)
 
     def allreduce_s(self, mb: int) -> None:

@@ -27,6 +27,18 @@ class Head(nn.Module):
         return self.head(torch.tanh(self.body(x)))  # (B, s, V)
 
 
+class ScaledHead(Head):
+    """A per-class scale and a bias of their own after the head: parameters [V] each
+    block reads its rows of."""
+
+    def __init__(self, bias=False):
+        super().__init__(bias)
+        self.scale, self.out_bias = nn.Parameter(1 + torch.rand(V)), nn.Parameter(torch.randn(V) * 0.1)
+
+    def forward(self, x):
+        return self.out_bias + super().forward(x) * self.scale
+
+
 def _shifted(logits, y):
     """Hugging Face's convention: position t predicts t+1; logits up-cast to fp32."""
     return logits[:, :-1].reshape(-1, V).float(), y[:, 1:].reshape(-1)
@@ -55,9 +67,9 @@ def _batch(ignored=-100):
     return x, y
 
 
-def _program(loss_fn, ignored=-100, bias=False):
+def _program(loss_fn, ignored=-100, bias=False, head=Head):
     torch.manual_seed(0)
-    program, _ = run_passes(fxpipe.capture(Head(bias), _batch(ignored), loss_fn))
+    program, _ = run_passes(fxpipe.capture(head(bias), _batch(ignored), loss_fn))
     return program
 
 
@@ -69,10 +81,11 @@ def _loss_and_grads(program, batch):
     return loss.detach(), {n: t.grad.clone() for n, t in program.state.items() if t.grad is not None}
 
 
-@pytest.mark.parametrize("name, bias", [(n, False) for n in LOSSES] + [("softcap-temperature-view", True)])
-def test_blockwise_loss_is_exact(name, bias):
+@pytest.mark.parametrize("name, bias, head", [(n, False, Head) for n in LOSSES] +
+                         [("softcap-temperature-view", True, Head), ("mean", False, ScaledHead)])
+def test_blockwise_loss_is_exact(name, bias, head):
     loss_fn, ignored = LOSSES[name]
-    program = _program(loss_fn, ignored, bias)
+    program = _program(loss_fn, ignored, bias, head)
     blocked = split_loss_pass(split_matmul_pass(program, 2))
     lint_program(blocked, after="split_loss")
     (rewrite,) = blocked.loss_splits

@@ -3,7 +3,7 @@
 Each form between the head and its cross-entropy (a softcap, a temperature or scale, a
 bias on the head, a sequence slice with -100 targets, a reshaped / flattened / viewed
 loss, an identity autograd wrapper, per-token losses reduced with Megatron's loss mask
-or a mean) is compiled at pp=2 with ``vocab_passes=True`` and
+or a mean, a bias and a per-class scale as parameters of their own) is compiled at pp=2 with ``vocab_passes=True`` and
 run in one process: the stage graphs in order, then every pipeline rank's block of the
 head through the runtime's own block math (``loss_chain.replay``,
 ``head_blocks.block_statistics`` / ``block_gradient``) with the all-reduces done here.
@@ -46,6 +46,8 @@ class HeadForms(nn.Module):
         self.emb = nn.Embedding(V, H)
         self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(H), nn.Linear(H, H), nn.GELU()) for _ in range(2))
         self.head = nn.Linear(H, V, bias="bias" in self.forms)
+        if "vocab_params" in self.forms:  # a bias added after the head, a learnable per-class scale
+            self.out_bias, self.class_scale = nn.Parameter(torch.randn(V) * 0.1), nn.Parameter(1 + torch.rand(V))
 
     def forward(self, tokens):  # (B, T)
         x = self.emb(tokens)
@@ -59,6 +61,8 @@ class HeadForms(nn.Module):
             logits = self.head(_Wrap.apply(x) if "wrap" in f else x)  # (B, T, V)
         if "wrap" in f:
             logits = _Wrap.apply(logits)
+        if "vocab_params" in f:  # the parameter first in one op, second in the other
+            logits = self.out_bias + logits * (self.class_scale.float() * 0.5)
         if "softcap" in f:  # Gemma 2: c·tanh(l / c)
             logits = torch.tanh(logits / 30.0) * 30.0
         if "temperature" in f:
@@ -84,7 +88,8 @@ class HeadForms(nn.Module):
 
 
 FORMS = ["softcap", "temperature", "scale", "bias", "slice+mask", "slice+flatten", "slice+view", "wrap", "alias+bias",
-         "softcap+bias+wrap+slice+mask+view", "loss_mask", "token_mean", "softcap+bias+loss_mask"]
+         "softcap+bias+wrap+slice+mask+view", "loss_mask", "token_mean", "softcap+bias+loss_mask",
+         "vocab_params+softcap+slice"]
 
 
 def _batch():
@@ -105,7 +110,8 @@ def _head_loss(head, state, hidden, target, token_weight, scale):
     blocks = []
     for a, b in head.blocks:
         bias = state[head.bias][a:b] if head.bias is not None else None
-        logits = replay(head.chain, F.linear(hidden, state[head.weight][a:b], bias), b - a)
+        operands = {p: state[p][a:b] for p in head.params}
+        logits = replay(head.chain, F.linear(hidden, state[head.weight][a:b], bias), b - a, operands)
         blocks.append((logits, block_statistics(logits, target, a, 0)))
     top = torch.stack([s[0] for _, s in blocks]).max(0).values
     total = sum(s[1] * torch.exp(s[0] - top) for _, s in blocks)
@@ -151,13 +157,18 @@ def test_vocab_passes_take_the_head_and_equal_one_process(forms):
     head = compiled.plan.vocab_head
     assert head.weight == "head.weight" and head.blocks == ((0, V // 2), (V // 2, V))
     kinds = {c.kind for c in head.chain}
-    assert (ChainKind.POINTWISE in kinds) == bool({"softcap", "temperature", "scale"} & set(forms.split("+")))
+    assert (ChainKind.POINTWISE in kinds) == bool({"softcap", "temperature", "scale", "vocab_params"} &
+                                                  set(forms.split("+")))
     assert (ChainKind.SLICE in kinds) == ("slice" in forms)
     assert (head.token_weight is not None) == ("loss_mask" in forms or "token_mean" in forms)
     if "bias" in forms:  # split with the rows: rank r holds block r of the bias, no stage reads it
         assert head.bias == "head.bias"
         assert compiled.plan.row_shards["head.bias"].ranks == tuple(((a, b),) for a, b in head.blocks)
         assert all("head.bias" not in compiled.plan.stage_params(s) for s in range(2))
+    if "vocab_params" in forms:  # the parameters [V] of the element-wise ops too
+        assert head.params == ("head.weight", "class_scale", "out_bias")  # in the order the ops apply
+        for name in head.params:
+            assert compiled.plan.row_shards[name].ranks == tuple(((a, b),) for a, b in head.blocks)
     loss, grads = _run_in_process(compiled)
     ref = sum(model(*mb) for mb in zip(*(t.chunk(M) for t in _batch()))) / M
     ref.backward()
