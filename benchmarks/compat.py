@@ -45,7 +45,10 @@ from compat_families import (NotBuildable, build, eager_loss, family_names, grad
 from compat_render import render  # noqa: E402
 from compat_world import run_jobs  # noqa: E402
 
-COLUMNS = {"tp2": (2, 1), "pp2": (1, 2), "tp2xpp2": (2, 2)}
+COLUMNS = {"tp2": (2, 1), "pp2": (1, 2), "tp2xpp2": (2, 2), "pp2vocab": (1, 2)}
+"""Column -> (tp, pp)."""
+VOCAB_PASSES = ("pp2vocab",)
+"""Columns run with ``vocab_passes=True``: the LM head as vocabulary passes."""
 RESULTS = os.path.join(HERE, "results", "compat.json")
 NOTES = os.path.join(HERE, "compat_notes.md")
 DOC = os.path.join(os.path.dirname(HERE), "docs", "compatibility.md")
@@ -142,7 +145,7 @@ def parallel_phase(world: int, columns: list[str], families: list[str], rows: di
                 bad = next(c for c in ("tp2", "pp2") if row[c]["status"] in ("refused", "error"))
                 row[col] = Cell("skipped", f"{bad} failed").to_json()
                 continue
-            jobs.append((mt, tp, pp, timeout_s / 2))
+            jobs.append((mt, tp, pp, timeout_s / 2, col in VOCAB_PASSES))
             keys.append((mt, col))
     started = [time.perf_counter()]
 

@@ -174,28 +174,23 @@ def compare(losses: list[float], grads: dict[str, torch.Tensor],
     return ""
 
 
-def train_parallel(model_type: str, tp: int, pp: int, timeout_s: float) -> dict:
-    """In a gloo world of tp·pp ranks: two SGD steps with fxpipe.parallelize. Every rank
-    returns its losses; global rank 0 also the full first-step gradients."""
+def train_parallel(model_type: str, tp: int, pp: int, timeout_s: float, vocab_passes: bool = False) -> dict:
+    """In a gloo world of tp·pp ranks: two SGD steps with fxpipe.parallelize (the LM head
+    as vocabulary passes with ``vocab_passes``). Every rank returns its losses; global
+    rank 0 also the full first-step gradients."""
     import torch.distributed as dist
 
     fam = build(model_type)
-    pm = fxpipe.parallelize(fam.model, tp=tp, pp=pp, microbatches=MICROBATCHES,
+    pm = fxpipe.parallelize(fam.model, tp=tp, pp=pp, microbatches=MICROBATCHES, vocab_passes=vocab_passes,
                             example_inputs=fam.batch, loss_fn=fam.loss_fn, timeout_s=timeout_s)
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
-    losses, local = [], {}
+    losses, grads = [], {}
     for step in range(STEPS):
         losses.append(pm.train_step(fam.batch))
-        if step == 0:
-            local = pm.unshard_tp({n: t.grad.detach().clone() for n, t in pm.named_parameters()
-                                   if t.grad is not None})
+        if step == 0:  # TP shards and pipeline ranks' rows (vocabulary passes) gathered whole
+            grads = pm.gather_full({n: t.grad.detach().clone() for n, t in pm.named_parameters()
+                                    if t.grad is not None})
         opt.step()
-    parts: list[Any] = [None] * pp
-    dist.all_gather_object(parts, local, group=pm.groups.pp_group)
-    grads: dict[str, torch.Tensor] = {}
-    for part in parts:
-        for n, g in part.items():
-            grads.setdefault(n, g)
     out = {"losses": losses}
     if dist.get_rank() == 0:
         out["grads"] = grads

@@ -4,8 +4,14 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-COLUMNS = ("capture", "tp2", "pp2", "tp2xpp2")
-TITLES = {"capture": "capture", "tp2": "tp2", "pp2": "pp2", "tp2xpp2": "tp2×pp2"}
+COLUMNS = ("capture", "tp2", "pp2", "tp2xpp2", "pp2vocab")
+TITLES = {"capture": "capture", "tp2": "tp2", "pp2": "pp2", "tp2xpp2": "tp2×pp2", "pp2vocab": "pp2 vocab"}
+LATER = ("pp2vocab",)
+"""Columns added after a table's rows may have been run: shown only where a row has one."""
+
+
+def _columns(rows: dict) -> tuple[str, ...]:
+    return tuple(c for c in COLUMNS if c not in LATER or any(c in r for r in rows.values()))
 MARK = {"pass": "✅ pass", "replicated": "🟨 replicated", "mismatch": "❌ **MISMATCH**",
         "refused": "⛔ refused", "error": "💥 error", "timeout": "⏱ timeout", "skipped": "— skipped"}
 
@@ -50,7 +56,7 @@ def _cell(cell: dict | None) -> str:
 def _counts_table(built: dict) -> list[str]:
     counts = {c: Counter(r.get(c, {}).get("status", "not run") for r in built.values()) for c in COLUMNS}
     out = ["| column | " + " | ".join(s for s in MARK) + " |", "|---|" + "---|" * len(MARK)]
-    for c in COLUMNS:
+    for c in _columns(built):
         out.append(f"| {TITLES[c]} | " + " | ".join(str(counts[c].get(s, 0)) for s in MARK) + " |")
     return out
 
@@ -76,9 +82,10 @@ def _share_table(built: dict) -> list[str]:
 
 
 def _matrix(first: str, built: dict) -> list[str]:
-    out = [f"| {first} | " + " | ".join(TITLES[c] for c in COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
+    columns = _columns(built)
+    out = [f"| {first} | " + " | ".join(TITLES[c] for c in columns) + " |", "|---|" + "---|" * len(columns)]
     for name, row in built.items():
-        out.append(f"| `{name}` | " + " | ".join(_cell(row.get(c)) for c in COLUMNS) + " |")
+        out.append(f"| `{name}` | " + " | ".join(_cell(row.get(c)) for c in columns) + " |")
     return out
 
 
@@ -105,7 +112,7 @@ def render(data: dict, notes: str = "") -> str:
         "(`model_type` with an `AutoModelForCausalLM` class) in the installed transformers is",
         "built offline from its default config shrunk to a tiny model (2 layers, hidden 64,",
         "4 heads, 2 key/value heads where the family has them, vocabulary 256, dropout 0,",
-        "fp32, SDPA attention where supported, else eager) and run four ways:",
+        "fp32, SDPA attention where supported, else eager) and run these ways:",
         "",
         "- **capture**: `fxpipe.capture`; the captured graph's loss must equal eager's;",
         "- **tp2**, **pp2**, **tp2×pp2**: `fxpipe.parallelize` in a gloo world of 2, 2 and 4",
@@ -114,6 +121,9 @@ def render(data: dict, notes: str = "") -> str:
         "  max|Δ| ≤ 1e-4·max(max|reference|, 1e-3·largest gradient of the model) per tensor",
         "  (the floor: a gradient that is zero in exact arithmetic, like a key bias under",
         "  softmax, holds only rounding noise).",
+        "- **pp2 vocab** (where run): pp2 with `vocab_passes=True`, the LM head and its",
+        "  cross-entropy run as vocabulary passes on both ranks' blocks of the vocabulary",
+        "  (`passes/vocab_head.py`), compared with one process as above.",
         "",
         "Cells: **pass**; **replicated** — a pass where the tensor-parallel pass kept weight",
         "matrices whole (correct but not split; count and the pass's reasons, layer",
@@ -152,7 +162,8 @@ def render(data: dict, notes: str = "") -> str:
     out += [*_counts_table(zoo_built), "", *_share_table(zoo_built), "", *_matrix("model", zoo_built)]
     for name, row in zoo.items():
         if not row.get("built"):
-            out.append(f"| `{name}` | not built: {row['reason'].replace('|', '/')} | | | |")
+            out.append(f"| `{name}` | not built: {row['reason'].replace('|', '/')} |"
+                       + " |" * (len(_columns(zoo_built)) - 1))
     out += ["", "## Families not attempted", "",
             "Their tiny config could not be built offline (or kept a full-size part the",
             "size fields do not reach: a vision tower, an audio codec).", "",

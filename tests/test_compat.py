@@ -104,3 +104,9 @@ def test_render_lists_every_cell():
     hf, zoo = text.split("## Beyond transformers")
     assert "zoo:m" not in hf and "| `zoo:m` | ✅ pass | ❌ **MISMATCH**: step 1 loss 2 vs 1 |" in zoo
     assert "| tp2 | 0 | 0 | 1 | 0 | 0 | 0 | 0 |" in zoo.split("## Families not attempted")[0]
+    # The vocabulary-passes column shows only in a table where some row ran it.
+    rows["zoo:m"]["pp2vocab"] = {"status": "refused", "detail": "vocab_passes=True: no LM head"}
+    hf, zoo = render({"rows": rows, "meta": {}}).split("## Beyond transformers")
+    assert "| family | capture | tp2 | pp2 | tp2×pp2 |\n" in hf
+    assert "| model | capture | tp2 | pp2 | tp2×pp2 | pp2 vocab |" in zoo
+    assert "| ⛔ refused: vocab_passes=True: no LM head |" in zoo

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 import fxpipe
+from fxpipe.compiler.pipeline import compile_program
+from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.models import build_workload
 from fxpipe.models.zoo import ZOO
 from fxpipe.models.zoo.swa_gpt import sliding_window_mask
@@ -23,6 +25,9 @@ FEATURES = {
     "norm-rms": {"aten.linalg_vector_norm.default"},
     "llama3": {"aten.repeat_interleave.self_int", "aten.scaled_dot_product_attention.default"},
     "torchtune-llama": {"aten.scaled_dot_product_attention.default"},
+    # the identity autograd wrappers (view_as), the sliced sequence's flattened logits, the
+    # prompt's targets set to -100
+    "biased-head": {"aten.view_as.default", "aten.flatten.using_ints", "aten.where.ScalarSelf"},
 }
 
 
@@ -62,6 +67,18 @@ def test_captured_graph_keeps_the_feature(captured):
     ops = {str(n.target) for n in prog.graph_module.graph.nodes if n.op == "call_function"}
     assert FEATURES[name] <= ops, sorted(ops)
     assert not [n.name for n in prog.graph_module.graph.nodes if mutated_args(n)]
+
+
+def test_vocabulary_passes_take_every_head(captured):
+    """Every zoo model's LM head is cut into blocks for the vocabulary passes at pp=2,
+    whatever sits between it and the loss (swa-gpt's softcap, biased-head's bias, scale
+    and sliced loss). Loss and gradients against one process: each form in
+    tests/passes/test_vocab_head_forms.py, zoo:biased-head in the equivalence world of 2."""
+    name, _, prog = captured
+    config = ParallelConfig(pp=2, microbatches=2, costs="model", vocab_passes=True).with_world(2)
+    head = compile_program(prog, config, until="vocab_rows").plan.vocab_head
+    assert head is not None and head.blocks == ((0, 128), (128, 256)), name
+    assert (head.bias is not None) == (name == "biased-head")
 
 
 def test_sliding_window_mask_against_brute_force():

@@ -120,10 +120,10 @@ def vocab_rows_step(plan: PipelinePlan, ctx: CompileContext) -> PipelinePlan:
     out = vocab_rows_pass(plan, ctx.schedule.stage_ranks, plan.program.tp_specs,
                           tp=ctx.config.tp)
     head = out.vocab_head
-    if head is not None:  # every rank must hold exactly its block: nothing else may read the head's rows
-        held = out.row_shards[head.weight].ranks if head.weight in out.row_shards else None
+    for name in head.params if head is not None else ():  # every rank holds exactly its block: no other read
+        held = out.row_shards[name].ranks if name in out.row_shards else None
         if held != tuple(((a, b),) for a, b in head.blocks):
-            raise ValueError(f"vocab_passes=True: the head's weight {head.weight!r} is also read whole by a "
+            raise ValueError(f"vocab_passes=True: the head's parameter {name!r} is also read whole by a "
                              f"stage (rows held per rank: {held}); use vocab_passes=False for this model")
     return out
 

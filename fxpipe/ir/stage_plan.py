@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe.base.dtypes import itemsize
+from fxpipe.ir.loss_chain import operand_params
 from fxpipe.ir.program import Program, TensorSpec
 from fxpipe.ir.shard_spec import PipelineRows
 
@@ -129,15 +130,33 @@ class VocabHead:
     """The ops between the head's output and the cross-entropy's 2-D logits
     (``split_loss.ChainOp``), replayed on each block's logits."""
     reduction: int
-    """``split_loss.Reduction``: MEAN or SUM."""
+    """``split_loss.Reduction``: MEAN, SUM, or NONE with ``token_weight``."""
     ignore_index: int
     blocks: tuple[tuple[int, int], ...]
     """Per pipeline rank, the vocabulary rows [start, stop) of its block (of the weight's
     tensor-parallel local rows under tp > 1)."""
+    bias: str | None = None
+    """Canonical name of the head's bias [V] (``nn.Linear(h, V, bias=True)``), split into
+    the same blocks of rows as ``weight``; None: the head has none."""
+    token_weight: str | None = None
+    """With reduction NONE: the last stage's output value holding each token's weight in
+    the loss, which is Σ_t weight_t·ce_t (per-token losses reduced with a loss mask,
+    ``passes/token_weights.py``); None: the reduction alone."""
     vocab_size: int | None = None
     """Under tensor parallelism (the loss was ``fxpipe_tp.vocab_parallel_cross_entropy``):
     the unpadded vocabulary; TP rank t's rows are classes t·rows.. of it, padding rows are
     masked, and the softmax statistics are reduced over the TP group too. None: tp = 1."""
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The last stage's outputs the head reads, in order: hidden, target[, token_weight]."""
+        return (self.hidden, self.target) + ((self.token_weight,) if self.token_weight is not None else ())
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """The head's parameters, each split into ``blocks`` of rows: weight, bias, then
+        the parameters [V] the chain's element-wise ops read (``loss_chain.VocabOperand``)."""
+        return (self.weight,) + ((self.bias,) if self.bias is not None else ()) + operand_params(self.chain)
 
 
 @dataclass(frozen=True)
@@ -177,7 +196,7 @@ class PipelinePlan:
         names = dict.fromkeys(n for s in stages for n in self.stage_params(s))
         names.update(dict.fromkeys(lk.table for lk in self.lookups if self.row_shards[lk.table].ranks[pp_rank]))
         if self.vocab_head is not None:  # its block of the head, run by the vocabulary passes
-            names[self.vocab_head.weight] = None
+            names.update(dict.fromkeys(self.vocab_head.params))
         return tuple(names)
 
     def stage_params(self, stage: int) -> tuple[str, ...]:

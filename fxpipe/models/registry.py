@@ -10,7 +10,7 @@ batch and the loss function — exactly what ``fxpipe.capture`` and
   ``hf:llama``, ``hf:gpt_neox``, ``hf:opt``;
 - models written outside transformers (``fxpipe/models/zoo``): ``zoo:swa-gpt``,
   ``zoo:moe``, ``zoo:autocast``, ``zoo:complex-rope``, ``zoo:fused-mqa``, ``zoo:norm-rms``,
-  ``zoo:llama3``, ``zoo:torchtune-llama`` (needs torchtune);
+  ``zoo:llama3``, ``zoo:biased-head``, ``zoo:torchtune-llama`` (needs torchtune);
 - ``package.module:function`` — a user function returning ``(model, batch)`` or
   ``(model, batch, loss_fn)``;
 - a Hugging Face model directory (``config.json``), built on the meta device
@@ -108,9 +108,13 @@ def _zoo_workload(name: str, batch: int, seq: int, device: torch.device | str, s
                   layers: int) -> Workload:
     if name[4:] not in ZOO:
         raise ValueError(f"unknown zoo model {name!r}; valid: " + ", ".join(f"zoo:{k}" for k in ZOO))
+    zoo = ZOO[name[4:]]
     torch.manual_seed(seed)
     with torch.device(device):
-        model = ZOO[name[4:]].build(layers, seq)
+        model = zoo.build(layers, seq)
+    if zoo.loss is not None:  # its own loss shifts labels aligned with the inputs (Hugging Face's convention)
+        ids = _token_batch(batch, seq, ZOO_VOCAB, device, seed)
+        return Workload(model, (ids, ids.clone()), zoo.loss, None, vocab_size=ZOO_VOCAB, labels_shifted=False)
     x = _token_batch(batch, seq + 1, ZOO_VOCAB, device, seed)
     # nanoGPT convention: the targets are the inputs shifted by one token.
     return Workload(model, (x[:, :-1].contiguous(), x[:, 1:].contiguous()), next_token_loss, None,

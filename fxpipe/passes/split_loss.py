@@ -37,149 +37,28 @@ partitioner sees the loss divided among the blocks in proportion to their width.
 The rewrite is exact up to floating-point order: the gradient of each block's lse is
 its softmax (log_softmax's minus the one-hot of nll, plus the gather's one-hot),
 weighted by ``exp(lse_k − lse)`` through the fold, and the pick's is the one-hot
-target: the cross-entropy's gradient. What matches, by structure only:
-
-    cat(blocks, -1) → [slice of a leading dim | reshape keeping the last dim |
-    alias / clone | cast to the same dtype or up to fp32]* → cross_entropy_loss
-    (or _log_softmax(-1) → nll_loss_forward / nll_loss_nd / nll_loss)
-
-with 2-D logits, no class weights and no label smoothing; reduction none / mean
-(over non-ignored targets) / sum, and ``ignore_index``. Anything else is left as is.
+target: the cross-entropy's gradient. What matches, by structure only, is what
+``logit_chain.match_loss`` finds between the ``cat`` and a cross-entropy (slices and
+reshapes of leading dims, casts, element-wise ops: a softcap, a temperature, a bias or
+scale [V] parameter, whose rows each block slices); anything else is left as is.
 """
 from __future__ import annotations
 
 import copy
 import operator
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.fx as fx
 
-from fxpipe.ir.loss_chain import ChainKind, ChainOp, Reduction
+from fxpipe.ir.loss_chain import ChainKind, ChainOp, Reduction, Slot, VocabOperand
 from fxpipe.ir.pass_results import BlockwiseLoss, LossBlock
-from fxpipe.ir.program import Program
+from fxpipe.ir.program import ParamKind, Program
+from fxpipe.passes.logit_chain import LossMatch, match_loss
 from fxpipe.passes.node_cost import cost_pass
 from fxpipe.passes.split import side_values
 from fxpipe.passes.split_matmul import MatmulSplit, call
-from fxpipe.tp.ops import OPS
 
 aten = torch.ops.aten
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints)
-_IDENTITY = (aten.alias.default, aten.clone.default)
-_CASTS = (aten._to_copy.default, aten.to.dtype)
-_NLL = (aten.nll_loss_forward.default, aten.nll_loss_nd.default, aten.nll_loss.default)
-_LOG_SOFTMAX = (aten._log_softmax.default, aten.log_softmax.int)
-
-
-@dataclass(frozen=True)
-class _Match:
-    chain: tuple[ChainOp, ...]
-    removed: tuple[fx.Node, ...]
-    """Nodes the rewrite makes dead, in graph order (cat first)."""
-    loss: fx.Node
-    """The node whose value the new loss replaces."""
-    target: fx.Node
-    reduction: Reduction
-    ignore_index: int
-    vocab_size: int | None = None
-    """The vocabulary-parallel cross-entropy's (unpadded) vocabulary: the logits are one
-    tensor-parallel rank's columns. None: an ATen cross-entropy of whole logits."""
-
-
-def _bound(node: fx.Node) -> dict[str, Any]:
-    """The node's arguments by schema name, defaults filled in."""
-    schema = node.target._schema
-    out = {}
-    for i, a in enumerate(schema.arguments):
-        if i < len(node.args):
-            out[a.name] = node.args[i]
-        elif a.name in node.kwargs:
-            out[a.name] = node.kwargs[a.name]
-        else:
-            out[a.name] = a.default_value if a.has_default_value() else None
-    return out
-
-
-def _chain_op(cur: fx.Node, user: fx.Node) -> ChainOp | None:
-    """The ChainOp ``user`` applies to ``cur`` if it commutes with cutting the last dim,
-    None when it does not."""
-    vin, vout = cur.meta["val"], user.meta["val"]
-    if not isinstance(vout, torch.Tensor) or user.args[0] is not cur or vout.dim() == 0:
-        return None
-    if user.target is aten.slice.Tensor:
-        a = _bound(user)
-        dim = a["dim"] % vin.dim()
-        if dim == vin.dim() - 1:
-            return None
-        return ChainOp(ChainKind.SLICE, (dim, a["start"], a["end"], a["step"]))
-    if user.target in _RESHAPES and vout.shape[-1] == vin.shape[-1]:
-        # Rows stay rows when the last dim is kept: any regrouping of leading dims.
-        return ChainOp(ChainKind.RESHAPE, tuple(int(d) for d in vout.shape[:-1]))
-    if user.target in _IDENTITY and vout.shape == vin.shape:
-        return ChainOp(ChainKind.IDENTITY, ())
-    if user.target in _CASTS and vout.device == vin.device and vout.shape == vin.shape and \
-            (vout.dtype == vin.dtype or (vout.dtype == torch.float32 and vin.dtype.is_floating_point)):
-        return ChainOp(ChainKind.CAST, (vout.dtype,))
-    return None
-
-
-def _match(cat: fx.Node, vocab_parallel: bool = False) -> _Match | None:
-    """The cross-entropy that ``cat``'s logits reach through a chain of ChainOps. With
-    ``vocab_parallel``, also the tensor-parallel pass's vocabulary-parallel cross-entropy
-    (``fxpipe_tp.vocab_parallel_cross_entropy``; the vocabulary passes run it per block,
-    the blockwise loss here does not)."""
-    cur, chain, removed = cat, [], [cat]
-    while len(cur.users) == 1:
-        user = next(iter(cur.users))
-        op = _chain_op(cur, user)
-        if op is None:
-            break
-        if op.kind is not ChainKind.IDENTITY:
-            chain.append(op)
-        removed.append(user)
-        cur = user
-    if len(cur.users) != 1:
-        return None
-    user = next(iter(cur.users))
-    logits = cur.meta["val"]
-    if logits.dim() != 2:
-        return None
-    if user.target is aten.cross_entropy_loss.default:
-        a = _bound(user)
-        if a["self"] is not cur or a["weight"] is not None or a["label_smoothing"] != 0.0:
-            return None
-        loss, target = user, a["target"]
-        removed.append(user)
-    elif vocab_parallel and user.target is OPS.vocab_parallel_cross_entropy.default:
-        logits_arg, target, vocab_size, ignore_index, reduction = user.args
-        if logits_arg is not cur or tuple(target.meta["val"].shape) != (logits.shape[0],):
-            return None
-        return _Match(chain=tuple(chain), removed=(*removed, user), loss=user, target=target,
-                      reduction=Reduction(reduction), ignore_index=int(ignore_index), vocab_size=int(vocab_size))
-    elif user.target in _LOG_SOFTMAX and user.args[1] in (-1, 1) and len(user.users) == 1:
-        ls = _bound(user)
-        if ls.get("half_to_float") or ls.get("dtype") is not None:
-            return None
-        nll = next(iter(user.users))
-        if nll.target not in _NLL:
-            return None
-        a = _bound(nll)
-        if a["self"] is not user or a["weight"] is not None:
-            return None
-        removed += [user, nll]
-        loss, target = nll, a["target"]
-        if nll.target is aten.nll_loss_forward.default:  # (output, total_weight)
-            if any(u.target is not operator.getitem or u.args[1] != 0 for u in nll.users) or len(nll.users) != 1:
-                return None
-            loss = next(iter(nll.users))
-            removed.append(loss)
-    else:
-        return None
-    if tuple(target.meta["val"].shape) != (logits.shape[0],):
-        return None
-    return _Match(chain=tuple(chain), removed=tuple(removed), loss=loss, target=target,
-                  reduction=Reduction(a["reduction"]), ignore_index=int(a["ignore_index"]))
 
 
 def build_loss_block(graph: fx.Graph, logits: fx.Node, target: fx.Node, start: int, end: int,
@@ -192,14 +71,25 @@ def build_loss_block(graph: fx.Graph, logits: fx.Node, target: fx.Node, start: i
         built.append(call(graph, target_op, *args, **kwargs))
         return built[-1]
 
-    cur, width = logits, end - start
-    for c in chain:
-        if c.kind is ChainKind.SLICE:
-            cur = op(aten.slice.Tensor, cur, *c.args)
-        elif c.kind is ChainKind.RESHAPE:
-            cur = op(aten.reshape.default, cur, [*c.args, width])
-        elif c.kind is ChainKind.CAST:
-            cur = op(aten._to_copy.default, cur, dtype=c.args[0])
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+
+    def replay(chain: tuple[ChainOp, ...], cur: fx.Node) -> fx.Node:  # ir/loss_chain.replay, as graph nodes
+        for c in chain:
+            if c.kind is ChainKind.SLICE:
+                cur = op(aten.slice.Tensor, cur, *c.args)
+            elif c.kind is ChainKind.RESHAPE:
+                cur = op(aten.reshape.default, cur, [*c.args, width])
+            elif c.kind is ChainKind.CAST:
+                cur = op(aten._to_copy.default, cur, dtype=c.args[0])
+            elif c.kind is ChainKind.POINTWISE:  # an operand [V]: the block's rows of its parameter
+                target_op, args, kwargs = c.args
+                cur = op(target_op, *(cur if a is Slot.VALUE else replay(a.chain, op(
+                    aten.slice.Tensor, placeholders[a.param], 0, start, end)) if isinstance(a, VocabOperand) else a
+                    for a in args), **dict(kwargs))
+        return cur
+
+    width = end - start
+    cur = replay(chain, logits)
     # The target's index in this block, clamped, and whether it falls in it (batch-only
     # values: every stage recomputes them).
     local = op(aten.sub.Tensor, target, start)
@@ -221,7 +111,7 @@ def build_loss_block(graph: fx.Graph, logits: fx.Node, target: fx.Node, start: i
     return LossBlock(logits=logits.name, acc=out.name, nodes=tuple(n.name for n in built))
 
 
-def _finish(graph: fx.Graph, acc: fx.Node, m: _Match) -> fx.Node:
+def _finish(graph: fx.Graph, acc: fx.Node, m: LossMatch) -> fx.Node:
     """The loss from the running (lse, pick), with nll_loss's reduction semantics."""
     per = call(graph, aten.sub.Tensor, call(graph, aten.select.int, acc, 0, 0),
                call(graph, aten.select.int, acc, 0, 1))  # (N,) = −log p(target)
@@ -254,7 +144,7 @@ def _hoist(graph: fx.Graph, target: fx.Node, before: fx.Node, side: set[str]) ->
     return True
 
 
-def _rewrite(gm: fx.GraphModule, split: MatmulSplit, m: _Match, paths: dict, layers: dict,
+def _rewrite(gm: fx.GraphModule, split: MatmulSplit, m: LossMatch, paths: dict, layers: dict,
              side: set[str]) -> BlockwiseLoss:
     graph = gm.graph
     nodes = {n.name: n for n in graph.nodes}
@@ -299,13 +189,15 @@ def split_loss_pass(program: Program) -> Program:
     paths, layers = dict(program.module_paths), dict(program.layers)
     done = []
     side = side_values(program)
+    trainable = {p.node for p in program.params if p.kind is ParamKind.PARAMETER and p.requires_grad}
     for split in splits:
         first = by_name.get(split.blocks[0].output)
         outputs = [by_name.get(b.output) for b in split.blocks]
         cats = [u for u in (first.users if first is not None else ())
                 if u.target is aten.cat.default and list(u.args[0]) == outputs
                 and (len(u.args) < 2 or u.args[1] in (-1, u.meta["val"].dim() - 1))]
-        m = _match(cats[0]) if len(cats) == 1 else None
+        m = match_loss(cats[0], is_param=lambda n: n.op == "placeholder" and n.name in trainable) \
+            if len(cats) == 1 else None
         if m is not None:
             done.append(_rewrite(gm, split, m, paths, layers, side))
     if not done:

@@ -136,8 +136,8 @@ def vocab_rows_pass(plan: PipelinePlan, stage_ranks: Sequence[int], specs: Mappi
                  tp == 1 and (spec is None or spec.kind is ShardKind.REPLICATED)):
             rows_of[p.canonical] = p.shape[0]
     held = _held(plan, stage_ranks, rows_of, pp, lookups=False)
-    head = plan.vocab_head  # the LM head cut off the last stage: rank r reads its block r
-    blocks = {head.weight: [set(range(a, b)) for a, b in head.blocks]} if head is not None else {}
+    head = plan.vocab_head  # the LM head cut off the last stage: rank r reads its block r (of weight and bias)
+    blocks = {p: [set(range(a, b)) for a, b in head.blocks] for p in head.params} if head is not None else {}
     _add(held, blocks, pp)
     # Under tp > 1 the lookups are the TP pass's vocabulary-parallel ones, of each TP
     # rank's rows: the owners split those further (passes/outline_lookups.py).

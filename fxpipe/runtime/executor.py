@@ -103,7 +103,7 @@ class PipelineExecutor:
         outs = self.runners[s].forward(mb, self.mb[mb], received)
         head = self.plan.vocab_head
         if head is not None and s == self.plan.num_stages - 1:  # the head's input, for BCAST_H
-            self.vocab.put(mb, outs.pop(head.hidden), outs.pop(head.target))
+            self.vocab.put(mb, tuple(outs.pop(n) for n in head.outputs))
         self.peak_in_flight = max(self.peak_in_flight, sum(r.in_flight for r in self.runners.values()))
         remote = []
         for name, t in outs.items():

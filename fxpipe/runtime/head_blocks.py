@@ -4,15 +4,17 @@ The compiler cut the head and its cross-entropy off the last stage
 (``passes/vocab_head.py``) and gave rank r rows [a_r, b_r) of the head's weight. Per
 microbatch j, in the order the schedule lists them (``schedules/vocab_actions.py``):
 
-- ``BCAST_H j``: the last stage's output — the head's input x and the class indices —
-  broadcast from its rank to every rank;
-- ``S j``: the rank's block of logits, ``linear(x, W_r)`` through the captured chain
-  (views, casts) to [N, b_r - a_r], kept with its autograd graph, and per token its max
+- ``BCAST_H j``: the last stage's output — the head's input x and the class indices
+  (and, for per-token losses reduced with a mask, each token's weight) — broadcast
+  from its rank to every rank;
+- ``S j``: the rank's block of logits, ``linear(x, W_r, b_r)`` through the captured chain
+  (views, casts, element-wise ops such as a softcap) to [N, b_r - a_r], kept with its
+  autograd graph, and per token its max
   m_r, sum-exp s_r = Σ exp(l − m_r) and the target's logit (0 outside the block);
 - ``ALLREDUCE_S j``: online softmax (Milakov & Gimelshein 2018) over the pp group: M =
   max_r m_r, then Σ_r s_r·exp(m_r − M) and the picks summed in one all-reduce; every
   rank then knows loss_t = M + log S − l_t,y_t (reduced as the captured loss: mean over
-  non-ignored targets, or sum);
+  non-ignored targets, sum, or Σ_t weight_t·loss_t);
 - ``T j``: the block's softmax gradient (exp(l − M)/S − onehot, masked and scaled by
   the reduction and the step's loss scale) back through the block: autograd accumulates
   the gradient of the rank's rows (fp32-master hooks fire as for any gradient) and of
@@ -38,7 +40,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fxpipe.ir.loss_chain import Reduction, replay
+from fxpipe.ir.loss_chain import Reduction, operand_params, replay
 from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.transport import Pending, Transport
@@ -50,6 +52,8 @@ class _Micro:
     hidden: torch.Tensor
     """This rank's copy of x (a leaf: T leaves its partial gradient in ``.grad``)."""
     target: torch.Tensor
+    weight: torch.Tensor | None = None
+    """Each token's weight in the loss (``VocabHead.token_weight``), or None."""
     logits: torch.Tensor | None = None
     stats: torch.Tensor | None = None
     """(3, N) before ALLREDUCE_S: max, sum-exp, target logit; after: M, S, pick summed."""
@@ -66,6 +70,9 @@ class VocabPasses:
         assert head is not None
         self.head, self.groups, self.device, self.transport = head, groups, device, transport
         self.weight = state[head.weight]  # rank r's rows: block r
+        self.bias = state[head.bias] if head.bias is not None else None  # the same rows of the bias
+        self.operands = {p: state[p] for p in operand_params(head.chain)}
+        """The same rows of each parameter [V] the chain's element-wise ops read."""
         self.start, self.stop = head.blocks[groups.pp_rank]
         # Under TP the blocks are of this TP rank's rows, classes tp_rank·rows.. of the
         # vocabulary; the statistics are reduced over the TP group too.
@@ -77,12 +84,12 @@ class VocabPasses:
         assert self.weight.shape[0] == self.stop - self.start, (self.weight.shape, head.blocks)
         self.source = groups.pp_peer(schedule.stage_to_rank(plan.num_stages - 1))
         self.is_source = self.source == groups.rank
-        self.hidden_spec, self.target_spec = plan.values[head.hidden].spec, plan.values[head.target].spec
+        self.specs = [plan.values[n].spec for n in head.outputs]  # hidden, target[, token weight]
         self.loss_scale = loss_scale
         """The runners' current loss scale (1/m, times the fp16 scaler's): T's gradient carries it."""
         self.losses = losses
         """The last stage's runner's per-microbatch losses, on its rank (None elsewhere)."""
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.micro: dict[int, _Micro] = {}
         self.contributed: list[tuple[Any, torch.Tensor, int]] = []
         """REDUCE_G contributions in flight (work, the tensor it reads, microbatch): a rank
@@ -98,9 +105,10 @@ class VocabPasses:
             self._wait(work, "reducing the head's input gradient", mb)
         self.contributed.clear()
 
-    def put(self, mb: int, hidden: torch.Tensor, target: torch.Tensor) -> None:
-        """The last stage's forward of ``mb`` produced the head's input and the targets."""
-        self.outputs[mb] = (hidden, target)
+    def put(self, mb: int, values: tuple[torch.Tensor, ...]) -> None:
+        """The last stage's forward of ``mb`` produced the head's input, the targets (and
+        the tokens' weights): ``VocabHead.outputs``."""
+        self.outputs[mb] = values
 
     def _wait(self, work, what: str, mb: int) -> None:
         peer = self.source if not self.is_source else self.groups.pp_peer((self.groups.pp_rank + 1)
@@ -109,23 +117,23 @@ class VocabPasses:
 
     def bcast_h(self, mb: int) -> None:
         if self.is_source:
-            hidden, target = self.outputs.pop(mb)
-            hidden, target = hidden.contiguous(), target.contiguous()
+            values = [t.contiguous() for t in self.outputs.pop(mb)]
         else:
-            hidden = torch.empty(self.hidden_spec.shape, dtype=self.hidden_spec.dtype, device=self.device)
-            target = torch.empty(self.target_spec.shape, dtype=self.target_spec.dtype, device=self.device)
-        for t in (hidden, target):
+            values = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in self.specs]
+        for t in values:
             self._wait(dist.broadcast(t, src=self.source, group=self.groups.pp_group, async_op=True),
                        "broadcasting the head's input", mb)
-        self.micro[mb] = _Micro(hidden.detach().requires_grad_(True), target)
+        hidden, target, *weight = values
+        self.micro[mb] = _Micro(hidden.detach().requires_grad_(True), target, *weight)
 
     def s(self, mb: int) -> None:
         """The block's logits and its statistics."""
         m = self.micro[mb]
         width = self.stop - self.start
         with torch.enable_grad():
-            # the captured ops between the head and the loss, on the block
-            m.logits = replay(self.head.chain, torch.nn.functional.linear(m.hidden, self.weight), width)
+            # the captured ops between the head and the loss (views, casts, element-wise), on the block
+            logits = torch.nn.functional.linear(m.hidden, self.weight, self.bias)
+            m.logits = replay(self.head.chain, logits, width, self.operands)
         m.stats = block_statistics(m.logits, m.target, self.first, self.padding)
 
     def allreduce_s(self, mb: int) -> None:
@@ -141,6 +149,8 @@ class VocabPasses:
         m.stats = torch.stack([top, both[0], both[1]])
         valid = m.target != self.head.ignore_index
         per = torch.where(valid, top + torch.log(both[0]) - both[1], 0.0)
+        if m.weight is not None:  # per-token losses reduced with a mask: Σ_t weight_t·ce_t
+            per = per * m.weight
         loss = per.sum() / valid.sum() if self.head.reduction == Reduction.MEAN else per.sum()
         if self.losses is not None:
             self.losses[mb] = float(loss)
@@ -152,7 +162,8 @@ class VocabPasses:
         scale = self.loss_scale()
         if self.head.reduction == Reduction.MEAN:
             scale = scale / valid.sum().clamp(min=1)
-        grad = block_gradient(m.logits, m.stats, m.target, self.first, self.padding, valid.to(torch.float32) * scale)
+        weight = valid.to(torch.float32) * (scale if m.weight is None else m.weight.float() * scale)
+        grad = block_gradient(m.logits, m.stats, m.target, self.first, self.padding, weight)
         torch.autograd.backward([m.logits], [grad])
         m.partial = m.hidden.grad if m.hidden.grad is not None else torch.zeros_like(m.hidden)
         m.logits = None

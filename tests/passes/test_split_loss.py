@@ -18,13 +18,25 @@ V, H = 1000, 16
 class Head(nn.Module):
     """A small body and a wide LM head: the head is cut into blocks at pp=2."""
 
-    def __init__(self):
+    def __init__(self, bias=False):
         super().__init__()
         self.body = nn.Linear(H, H)
-        self.head = nn.Linear(H, V, bias=False)
+        self.head = nn.Linear(H, V, bias=bias)
 
     def forward(self, x):
         return self.head(torch.tanh(self.body(x)))  # (B, s, V)
+
+
+class ScaledHead(Head):
+    """A per-class scale and a bias of their own after the head: parameters [V] each
+    block reads its rows of."""
+
+    def __init__(self, bias=False):
+        super().__init__(bias)
+        self.scale, self.out_bias = nn.Parameter(1 + torch.rand(V)), nn.Parameter(torch.randn(V) * 0.1)
+
+    def forward(self, x):
+        return self.out_bias + super().forward(x) * self.scale
 
 
 def _shifted(logits, y):
@@ -40,6 +52,10 @@ LOSSES = {
     "none": (lambda out, y: F.cross_entropy(*_shifted(out, y), reduction="none").square().mean(), -100),
     "log_softmax-nll": (lambda out, y: F.nll_loss(F.log_softmax(_shifted(out, y)[0], -1), _shifted(out, y)[1]),
                         -100),
+    # element-wise ops of each logit (Gemma 2's softcap, a temperature) replayed per block;
+    # the loss on a contiguous view
+    "softcap-temperature-view": (lambda out, y: F.cross_entropy(
+        (torch.tanh(out / 30.0) * 30.0 / 0.7)[:, :-1].contiguous().view(-1, V), y[:, 1:].contiguous().view(-1)), -100),
 }
 
 
@@ -51,9 +67,9 @@ def _batch(ignored=-100):
     return x, y
 
 
-def _program(loss_fn, ignored=-100):
+def _program(loss_fn, ignored=-100, bias=False, head=Head):
     torch.manual_seed(0)
-    program, _ = run_passes(fxpipe.capture(Head(), _batch(ignored), loss_fn))
+    program, _ = run_passes(fxpipe.capture(head(bias), _batch(ignored), loss_fn))
     return program
 
 
@@ -65,10 +81,11 @@ def _loss_and_grads(program, batch):
     return loss.detach(), {n: t.grad.clone() for n, t in program.state.items() if t.grad is not None}
 
 
-@pytest.mark.parametrize("name", LOSSES)
-def test_blockwise_loss_is_exact(name):
+@pytest.mark.parametrize("name, bias, head", [(n, False, Head) for n in LOSSES] +
+                         [("softcap-temperature-view", True, Head), ("mean", False, ScaledHead)])
+def test_blockwise_loss_is_exact(name, bias, head):
     loss_fn, ignored = LOSSES[name]
-    program = _program(loss_fn, ignored)
+    program = _program(loss_fn, ignored, bias, head)
     blocked = split_loss_pass(split_matmul_pass(program, 2))
     lint_program(blocked, after="split_loss")
     (rewrite,) = blocked.loss_splits

@@ -62,7 +62,7 @@ def test_head_under_tensor_parallelism_is_cut_into_blocks_of_each_tp_shard():
     """tp=2 × pp=2, a vocabulary tp does not divide: the vocabulary-parallel cross-entropy
     and lookup leave the stages, rank r owns block r of each TP rank's padded rows, and
     the class count (for the padding rows' mask) is the model's."""
-    from fxpipe.passes.split_loss import _match
+    from fxpipe.passes.logit_chain import match_loss
     from fxpipe.tp.ops import OPS
 
     model, batch, loss_fn = _wide_vocab.workload_tied_odd()
@@ -82,7 +82,7 @@ def test_head_under_tensor_parallelism_is_cut_into_blocks_of_each_tp_shard():
                                   until="tensor_parallel").program
     logits = next(n for n in tp_program.graph.nodes if n.target is OPS.vocab_parallel_cross_entropy.default)
     head_linear = [n for n in tp_program.graph.nodes if n.target is aten.linear.default][-1]
-    assert _match(head_linear) is None and _match(head_linear, vocab_parallel=True).loss is logits
+    assert match_loss(head_linear) is None and match_loss(head_linear, vocab_parallel=True).loss is logits
 
 
 @pytest.mark.parametrize("layout, message", [

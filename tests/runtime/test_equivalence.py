@@ -19,7 +19,7 @@ EXPERTS = "tests.runtime._ep_cases:workload"  # a dropless MoE with stacked expe
 SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("zb-h1", None)]
 # Models written outside transformers (fxpipe/models/zoo), each at pp=2 and tp=2 (in the
 # world of 2) and tp=2 × pp=2 (in the world of 4), 1F1B.
-ZOO_MODELS = ["zoo:swa-gpt", "zoo:moe", "zoo:autocast", "zoo:complex-rope", "zoo:llama3"]
+ZOO_MODELS = ["zoo:swa-gpt", "zoo:moe", "zoo:autocast", "zoo:complex-rope", "zoo:llama3", "zoo:biased-head"]
 
 
 def _zoo_cases(tp, pp):
@@ -50,6 +50,10 @@ def _cases(pp):
         cases += [dict(model=WIDE, pp=2, schedule="1f1b", vocab_passes=True, rows=True),
                   dict(model=TIED, pp=2, schedule="1f1b", vocab_passes=True, rows=True),
                   dict(model=TIED, pp=2, schedule="zb-v", chunks=2, vocab_passes=True, rows=True)]
+        # A head as training code writes it: its bias split with the rows, a logit scale
+        # applied to each block, the loss on a sliced sequence with -100 targets
+        # (each form alone in process: tests/passes/test_vocab_head_forms.py).
+        cases += [dict(model="zoo:biased-head", pp=2, schedule="1f1b", vocab_passes=True)]
         # The default path: costs measured on the ranks, the ILP on those.
         cases += [dict(model="hf:llama", pp=2, schedule="1f1b", costs="measure")]
         cases += _zoo_cases(1, 2) + _zoo_cases(2, 1)

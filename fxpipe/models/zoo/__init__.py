@@ -5,6 +5,8 @@ returns logits; the registry pairs it with ``next_token_loss``. They exist to te
 fxpipe on code it was not shaped around: in-place mask building, data-dependent
 routing, autocast and no-grad regions, complex arithmetic, another project's
 builders. ``zoo:<name>`` in ``build_workload`` / ``--model``.
+A model with a loss of its own (``ZooModel.loss``: a head and loss written as training
+code writes them) is paired with that loss instead.
 """
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 import torch.nn as nn
 
-from fxpipe.models.zoo import autocast_gpt, complex_rope, fused_mqa, llama3, moe, norm_rms, swa_gpt
+from fxpipe.models.zoo import autocast_gpt, biased_head, complex_rope, fused_mqa, llama3, moe, norm_rms, swa_gpt
 
 VOCAB = 256
 
@@ -33,6 +36,10 @@ class ZooModel:
     to fp32 tolerances."""
     requires: str | None = None
     """An optional package the builder imports (an extra of fxpipe's), or None."""
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    """The model's own loss ``loss(logits, labels)`` on labels aligned with the inputs
+    (Hugging Face's convention: it shifts them itself); None: ``next_token_loss`` on
+    targets already shifted (nanoGPT's)."""
 
     @property
     def available(self) -> bool:
@@ -51,4 +58,7 @@ ZOO: dict[str, ZooModel] = {
     "llama3": ZooModel(llama3.build, "Llama-3 in plain PyTorch: GQA, RMSNorm, SwiGLU, own RoPE"),
     "torchtune-llama": ZooModel(llama3.torchtune_llama, "torchtune's llama3_2 builder",
                                 requires="torchtune"),
+    "biased-head": ZooModel(biased_head.build, "LM head with bias, identity autograd wrappers, logit scale; "
+                            "loss on the sliced sequence: prompt targets -100, padding under a loss mask",
+                            loss=biased_head.prompt_masked_loss),
 }
