@@ -5,13 +5,14 @@
 1. Writes a synthetic corpus of ``--gb`` GB (``.jsonl`` files of ~4 KB documents drawn
    from a Zipf vocabulary) and a 1 MB one, and trains a byte-level BPE (vocabulary 8192)
    on a sample.
-2. ``fxpipe prepare-data`` on a 128 MB part with 1 worker and with every core (the
-   speed-up), then on the whole corpus with every core: tokens/s.
+2. ``fxpipe prepare-data`` on a 128 MB part: one process on one core (the tokenizers
+   library's threads off), one process with the library's own threads, and one worker
+   process per core; then on the whole corpus with every core: tokens/s.
 3. Start-up of ``fxpipe run`` (a 2-layer Llama directory, dp 2, one step) on the
    prepared large corpus and on the 1 MB one, in interleaved rounds: seconds from launch
    to the first step's log line, medians, and their ratio (the issue's bar: within 10%).
 
-Writes ``benchmarks/results/bench_data.txt``. Takes ~6 min for 1 GB on 2 cores and
+Writes ``benchmarks/results/bench_data.txt``. Takes ~8 min for 1 GB on 2 cores and
 ~3 GB of disk under ``--workdir`` (default: a temporary directory, removed after).
 """
 from __future__ import annotations
@@ -93,13 +94,19 @@ def fxpipe(*args: str) -> list[str]:
     return [sys.executable, "-m", "fxpipe", *args]
 
 
-def prepare(corpus: Path, tok: Path, cache: Path, workers: int) -> tuple[float, int]:
-    """(seconds, tokens) of one ``fxpipe prepare-data`` into a fresh cache directory."""
-    shutil.rmtree(cache, ignore_errors=True)
+def prepare(corpus: Path, tok: Path, cache: Path, workers: int, library_threads: bool = True) -> tuple[float, int]:
+    """(seconds, tokens) of one ``fxpipe prepare-data`` of ``corpus`` into ``cache``, its
+    earlier cache of the corpus removed first. ``library_threads`` False: the tokenizers
+    library's own threads off (one core per process)."""
+    for old in cache.glob(f".{corpus.name}.fxpipe-*"):
+        old.unlink()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if not library_threads:
+        env["TOKENIZERS_PARALLELISM"] = "false"
     start = time.perf_counter()
     out = subprocess.run(fxpipe("prepare-data", str(corpus), "--tokenizer", str(tok), "--data-cache", str(cache),
                                 "--workers", str(workers), "--quiet"), check=True, capture_output=True, text=True,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+                         cwd=ROOT, env=env).stdout
     seconds = time.perf_counter() - start
     tokens = int(out.split(" tokenized ")[1].split(" tokens")[0].replace(",", ""))
     return seconds, tokens
@@ -145,11 +152,14 @@ def main() -> None:
                   f"written in {time.perf_counter() - t0:.0f} s; small: {small / 1e6:.2f} MB")
             train_tokenizer(work / "small" / "part-00000.jsonl", work / "tok")
             llama_dir(work / "llama")
+            core = prepare(part, work / "tok", work / "cache-part", 1, library_threads=False)
             one = prepare(part, work / "tok", work / "cache-part", 1)
             every = prepare(part, work / "tok", work / "cache-part", cores)
-            print(f"prepare-data, 128 MB part: 1 worker {one[1] / one[0]:,.0f} tokens/s, {cores} workers "
-                  f"{every[1] / every[0]:,.0f} tokens/s: {one[0] / every[0]:.2f}x "
-                  f"({one[1]:,} tokens; seconds include the command's start)")
+            print(f"prepare-data, 128 MB part ({one[1]:,} tokens; seconds include the command's start): "
+                  f"1 process on 1 core {core[1] / core[0]:,.0f} tokens/s; 1 process with the tokenizers "
+                  f"library's threads {one[1] / one[0]:,.0f} tokens/s; {cores} worker processes "
+                  f"{every[1] / every[0]:,.0f} tokens/s ({core[0] / every[0]:.2f}x one core, "
+                  f"{one[0] / every[0]:.2f}x the library's threads)")
             whole = prepare(work / "big", work / "tok", work / "cache", cores)
             print(f"prepare-data, whole corpus, {cores} workers: {whole[1]:,} tokens in {whole[0]:.1f} s, "
                   f"{whole[1] / whole[0]:,.0f} tokens/s, {big / whole[0] / 1e6:.1f} MB/s")

@@ -16,7 +16,8 @@ the replicas' shares is the global batch a one-process run reads.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -55,6 +56,16 @@ class PackedWindows:
         return train, PackedWindows(self.stream, self.seq, self.first + self.count - held, held)
 
 
+@functools.lru_cache(maxsize=2)
+def _epoch_order(seed: int, epoch: int, count: int) -> np.ndarray:
+    """One epoch's permutation of ``count`` windows (8 B each), kept for the streams that
+    read it: a rank's example batch and its training stream draw it once, not twice (a
+    1 GB corpus has millions of windows: a third of a second each)."""
+    order = np.random.default_rng([seed, epoch]).permutation(count)
+    order.setflags(write=False)
+    return order
+
+
 @dataclass
 class DataStream:
     """The batches one rank reads: ``next_batch()`` -> (B/dp, seq+1) int64 tokens of
@@ -66,7 +77,6 @@ class DataStream:
     seed: int = 0
     shuffle: bool = True
     position: int = 0
-    _orders: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         assert self.global_batch % self.dp == 0 and 0 <= self.dp_rank < self.dp
@@ -75,11 +85,7 @@ class DataStream:
         epoch, offset = divmod(k, self.windows.count)
         if not self.shuffle:
             return offset
-        order = self._orders.get(epoch)
-        if order is None:  # one epoch's permutation kept (a memmap's worth of windows is 8 B each)
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.windows.count)
-            self._orders = {epoch: order}
-        return int(order[offset])
+        return int(_epoch_order(self.seed, epoch, self.windows.count)[offset])
 
     def rows(self, position: int) -> range:
         """Global window counts of this replica's rows of the batch at ``position``."""
