@@ -330,7 +330,7 @@ def test_a_resigned_cost_profile_of_impossible_times_is_refused_naming_the_group
 
 # ---- 3 (text). bounded pieces, UTF-8 or a refusal, links named ---------------------------------
 def test_text_that_is_not_utf8_is_refused_naming_the_file_and_byte(tmp_path):
-    from fxpipe.data.text import cached_tokens
+    from fxpipe.data.corpus import cached_tokens
     from fxpipe.data.tokenizer import ByteTokenizer, load_tokenizer
     from tests.data._corpus import train_bpe, write_corpus
 
@@ -345,7 +345,8 @@ def test_text_that_is_not_utf8_is_refused_naming_the_file_and_byte(tmp_path):
 def test_a_long_line_is_tokenized_in_bounded_pieces_cut_at_whitespace():
     import numpy as np
 
-    from fxpipe.data.text import pieces, tokenize
+    from fxpipe.data.encode_pool import tokenize
+    from fxpipe.data.text import pieces
     from fxpipe.data.tokenizer import ByteTokenizer
     from fxpipe.data.tokens import TokenDtype
 
