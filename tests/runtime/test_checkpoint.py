@@ -389,15 +389,15 @@ def test_export_from_a_directory_and_each_tensor_stored_once(world2, tmp_path):
 
 
 # ---- fxpipe run --------------------------------------------------------------------------------
-FIRST = ("--tp", "1", "--pp", "2", "--dp", "2", "--micro-batch-size", "4", "--microbatches", "2")
+FIRST = ("--tp", "1", "--pp", "1", "--dp", "2", "--micro-batch-size", "8", "--microbatches", "1")
 OTHER = ("--tp", "2", "--pp", "2", "--dp", "1", "--micro-batch-size", "4", "--microbatches", "4")
-"""Two layouts of 4 ranks with the same global batch (16): the resume changes layout."""
+"""Two layouts (2 and 4 ranks) with the same global batch (16): the resume changes layout."""
 
 
 def _start(*args: str, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "fxpipe", "run", "--model", "gpt-tiny", "--seq", "32",
                              "--log-interval", "1", "--timeline", "none", "--partition", "uniform",
-                             "--schedule", "1f1b", *args],
+                             "--schedule", "1f1b", "--costs", "model", *args],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
@@ -415,7 +415,7 @@ def _losses(stdout: str) -> dict[int, str]:
 def cli_runs(tmp_path_factory):
     """Three launches: an open-ended run on a Parquet dataset saving every 3 steps, killed
     (SIGKILL: no save) after step 7, --resume to 10 in another layout (tp 2 × pp 2 from
-    pp 2 × dp 2) — the data stream must continue at the token after step 6's —, and
+    dp 2) — the data stream must continue at the token after step 6's —, and
     alongside them an open-ended run on the same documents as .txt files stopped with
     Ctrl-C after step 10: the uninterrupted reference (the LR schedule and the batches do
     not depend on --steps)."""
