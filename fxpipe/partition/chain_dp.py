@@ -123,11 +123,16 @@ def min_memory_split(problem: PartitionProblem) -> list[int]:
     return parts
 
 
-def fits_memory(problem: PartitionProblem, stages) -> bool:
+def rank_bytes(problem: PartitionProblem, stages) -> list[int]:
+    """Bytes each rank holds under ``stages``: static + inflight · activations of its nodes."""
     per_rank = [0] * problem.num_ranks
     for i, k in enumerate(stages):
         per_rank[problem.stage_to_rank[k]] += problem.static_bytes[i] + problem.inflight[k] * problem.act_bytes[i]
-    return problem.memory_limit_bytes is None or max(per_rank) <= problem.memory_limit_bytes
+    return per_rank
+
+
+def fits_memory(problem: PartitionProblem, stages) -> bool:
+    return problem.memory_limit_bytes is None or max(rank_bytes(problem, stages)) <= problem.memory_limit_bytes
 
 
 def chain_dp_stages(problem: PartitionProblem) -> tuple[list[int], bool]:

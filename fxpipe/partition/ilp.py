@@ -46,7 +46,7 @@ from typing import Mapping, Sequence
 import numpy as np
 from ortools.sat.python import cp_model
 
-from fxpipe.partition.chain_dp import chain_dp_stages, fits_memory
+from fxpipe.partition.chain_dp import chain_dp_stages, fits_memory, rank_bytes
 from fxpipe.partition.encoding import StageEncoding, solver_for
 from fxpipe.partition.memory_floor import MemoryLimitError, memory_floor
 from fxpipe.partition.problem import PartitionError, PartitionProblem
@@ -149,9 +149,10 @@ class _Model:
                 m.Add(enc.rank_memory(r) <= problem.memory_limit_bytes)
         m.Minimize(self.bottleneck)
 
-    def even_memory(self, problem: PartitionProblem, stages: Sequence[int], bottleneck_max: int) -> None:
+    def even_memory(self, problem: PartitionProblem, stages: Sequence[int], stages_ticks: int,
+                    bottleneck_max: int) -> None:
         """Re-aim the model: bottleneck at most ``bottleneck_max``, minimise the fullest
-        rank's bytes; hinted with ``stages``."""
+        rank's bytes; hinted with ``stages`` (whose bottleneck is ``stages_ticks``)."""
         m = self.model
         m.Add(self.bottleneck <= bottleneck_max)
         loads = [self.enc.rank_memory(r) for r in range(problem.num_ranks)]
@@ -162,7 +163,7 @@ class _Model:
         m.ClearObjective()
         m.Minimize(fullest)
         m.ClearHints()
-        self.hint(problem, stages, max(_Ticks(problem).loads(stages)))
+        self.hint(problem, stages, stages_ticks)
 
     def hint(self, problem: PartitionProblem, stages: Sequence[int], objective: int) -> None:
         self.enc.add_hint(stages)
@@ -267,21 +268,14 @@ def _even_memory(problem: PartitionProblem, model: _Model, stages: list[int], ti
     """The cut within ``tolerance`` of ``stages``' bottleneck whose fullest rank holds
     the least (``stages`` itself unless one holds less)."""
     best = max(ticks.loads(stages))
-    model.even_memory(problem, stages, int(best * (1 + tolerance)))
+    model.even_memory(problem, stages, best, int(best * (1 + tolerance)))
     # A short budget: the hint is already feasible, and a proof that no cut holds less is
     # worth little here (the 3% band is a judgement of noise, not an exact quantity).
     solver = solver_for(min(time_limit_s / 4, TIEBREAK_TIME_S), seed, num_workers)
     if solver.Solve(model.model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return stages
     even = model.enc.stages(solver)
-    return even if max(_rank_bytes(problem, even)) < max(_rank_bytes(problem, stages)) else stages
-
-
-def _rank_bytes(problem: PartitionProblem, stages: Sequence[int]) -> list[int]:
-    held = [0] * problem.num_ranks
-    for i, k in enumerate(stages):
-        held[problem.stage_to_rank[k]] += problem.static_bytes[i] + problem.inflight[k] * problem.act_bytes[i]
-    return held
+    return even if max(rank_bytes(problem, even)) < max(rank_bytes(problem, stages)) else stages
 
 
 def _exact_bottleneck(problem: PartitionProblem, stages: Sequence[int]) -> float:
