@@ -19,6 +19,11 @@ VIEW_OPS = frozenset({
 })
 
 
+# dtype casts: ``w.to(x.dtype)``, ``w.type_as(x)``, ``w.float()`` (``passes/weight_views.py``
+# sees a parameter through them; the vocabulary chain records them as casts).
+CASTS = frozenset({aten.to.dtype, aten.type_as.default, aten._to_copy.default, aten.to.dtype_layout})
+
+
 # Ops whose output holds only values of their (first) input: bounds carry through.
 VALUE_PRESERVING = VIEW_OPS | {aten.clone.default, aten._to_copy.default, aten.contiguous.default,
                                 aten.copy.default}

@@ -25,6 +25,9 @@ people write are taken by their data flow, never by a name:
   the head, a per-class logit scale) is split into the blocks like ``b``;
 - identity autograd wrappers: ``x.view_as(x)`` is gone after canonicalize, an alias is
   passed (of the logits) or seen through (of ``W`` and ``b``);
+- ``W`` and ``b`` read through a dtype cast (``F.linear(x, W.to(x.dtype))``, ``W.type_as(x)``:
+  speedrun-style heads), seen through by ``weight_views.param_behind``, the finder the TP
+  pass uses too; each block's rows are cast to the hidden's dtype as the cast did;
 - a cross-entropy with reduction='none' whose per-token losses are reduced by weights
   free of the logits (Megatron's ``sum(losses * loss_mask) / loss_mask.sum()``, a
   mean): the last stage also outputs each token's weight (``passes/token_weights.py``).
@@ -54,6 +57,7 @@ from fxpipe.ir.stage_plan import PipelinePlan, StageValue, VocabHead
 from fxpipe.passes.outline_lookups import lookup_of
 from fxpipe.ir.loss_chain import ChainKind, ChainOp, VocabOperand
 from fxpipe.passes.logit_chain import LossMatch, blocking_op, match_loss
+from fxpipe.passes.weight_views import param_behind
 from fxpipe.passes.token_weights import Tail, build_weights, descendants, find_tail
 
 aten = torch.ops.aten
@@ -139,7 +143,7 @@ class _Found:
     tail: Tail | None
     """With reduction='none': the ops reducing the per-token losses with weights."""
     aliases: tuple[fx.Node, ...]
-    """Identity aliases between the parameters and the linear (wrappers at size 1)."""
+    """Identity aliases and dtype casts between the parameters and the linear."""
 
     @property
     def nodes(self) -> tuple[fx.Node, ...]:
@@ -177,13 +181,10 @@ def _bias(linear: fx.Node) -> fx.Node | None:
 
 
 def _param(node: fx.Node | None) -> tuple[fx.Node | None, list[fx.Node]]:
-    """The value ``node`` is an alias of (a parameter an identity wrapper returned as
-    ``aten.alias``), and the aliases in between, from ``node`` back."""
-    aliases = []
-    while isinstance(node, fx.Node) and node.target is aten.alias.default and len(node.users) == 1:
-        aliases.append(node)
-        node = node.args[0]
-    return node, aliases
+    """The value ``node`` reads through identity aliases and dtype casts (``weight_views``),
+    and those views from ``node`` back: the runtime computes a block's logits with its rows
+    cast to the hidden's dtype, which is what a cast before ``linear`` does."""
+    return param_behind(node)
 
 
 def _heads(graph: fx.Graph, is_weight) -> list[fx.Node]:

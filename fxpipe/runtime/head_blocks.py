@@ -132,7 +132,11 @@ class VocabPasses:
         width = self.stop - self.start
         with torch.enable_grad():
             # the captured ops between the head and the loss (views, casts, element-wise), on the block
-            logits = torch.nn.functional.linear(m.hidden, self.weight, self.bias)
+            # a head read through a dtype cast (``W.to(x.dtype)``) computes in the hidden's dtype:
+            # the cast is seen through by the pass (``passes/weight_views.py``) and done here
+            dtype = m.hidden.dtype
+            logits = torch.nn.functional.linear(m.hidden, self.weight.to(dtype),
+                                                self.bias.to(dtype) if self.bias is not None else None)
             m.logits = replay(self.head.chain, logits, width, self.operands)
         m.stats = block_statistics(m.logits, m.target, self.first, self.padding)
 

@@ -54,7 +54,10 @@ class HeadForms(nn.Module):
         for layer in self.layers:
             x = x + layer(x)
         f = self.forms
-        if "alias" in f:  # the parameters through identity wrappers that export as aten.alias
+        if "cast" in f:  # the weight read through a dtype cast, as speedrun-style training scripts write it
+            logits = F.linear(x, self.head.weight.to(x.dtype), self.head.bias.type_as(x) if self.head.bias is not None
+                              else None)
+        elif "alias" in f:  # the parameters through identity wrappers that export as aten.alias
             alias = torch.ops.aten.alias
             logits = F.linear(x, alias(self.head.weight), alias(self.head.bias) if self.head.bias is not None else None)
         else:
@@ -89,7 +92,7 @@ class HeadForms(nn.Module):
 
 FORMS = ["softcap", "temperature", "scale", "bias", "slice+mask", "slice+flatten", "slice+view", "wrap", "alias+bias",
          "softcap+bias+wrap+slice+mask+view", "loss_mask", "token_mean", "softcap+bias+loss_mask",
-         "vocab_params+softcap+slice"]
+         "vocab_params+softcap+slice", "cast+softcap", "cast+bias+slice+mask"]
 
 
 def _batch():

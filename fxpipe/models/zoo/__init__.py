@@ -48,7 +48,7 @@ class ZooModel:
 
 
 ZOO: dict[str, ZooModel] = {
-    "swa-gpt": ZooModel(swa_gpt.build, "sliding-window mask built in place, softcapping"),
+    "swa-gpt": ZooModel(swa_gpt.build, "sliding-window mask built in place, softcapping, a head read through a cast"),
     "moe": ZooModel(moe.build, "dropless top-2 MoE: torch.where routing, index_add_"),
     "autocast": ZooModel(autocast_gpt.build, "bf16 autocast and no_grad regions in forward",
                          bf16_rtol=1e-2),

@@ -6,6 +6,8 @@ build the window mask, ``att[:, :, mask] = -inf`` (``index_put_``) applies it an
 ``div_`` starts the softcap. In torch.export's training IR a mutation is a node whose
 result nobody reads — the next op reads the mutated tensor's node — so a compiler that
 follows data dependencies alone drops it: the attention then sees the whole past.
+The (tied) head's weight is read through ``.to(x.dtype)`` under the final softcap, the way
+speedrun-style training scripts write their head.
 """
 from __future__ import annotations
 
@@ -99,7 +101,10 @@ class SWAGPT(nn.Module):
         x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
         for block in self.h:
             x = block(x, mask)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        x = self.ln_f(x)
+        # the head's weight read through a cast to the activations' dtype, as speedrun-style
+        # training scripts write it (the vocabulary passes and the TP pass see through it)
+        logits = F.linear(x, self.lm_head.weight.to(x.dtype))  # (B, T, V)
         c = self.cfg.final_softcap
         return torch.tanh(logits / c) * c
 

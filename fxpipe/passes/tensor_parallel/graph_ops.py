@@ -15,6 +15,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fxpipe.ir.op_tables import CASTS  # noqa: F401  (the rules read G.CASTS)
+from fxpipe.passes.weight_views import uncast
+
 aten = torch.ops.aten
 
 LINEAR = aten.linear.default
@@ -79,10 +82,6 @@ INDEX_ADD = aten.index_add.default
 UNBIND = aten.unbind.int
 STACK = aten.stack.default
 SELECT = aten.select.int
-CASTS = frozenset({aten.to.dtype, aten.type_as.default, aten._to_copy.default, aten.to.dtype_layout})
-"""A parameter read through a dtype cast (``w.to(x.dtype)``, ``w.type_as(x)``, ``w.float()``)
-is the parameter to every rule: the cast keeps its shape, so the shard it reads is cast
-alike."""
 INDEX = aten.index.Tensor
 NEW_EMPTY = aten.new_empty.default
 PADS = frozenset({aten.pad.default, aten.constant_pad_nd.default})
@@ -168,14 +167,6 @@ class Projection:
     @property
     def in_dim(self) -> int:
         return 1 - self.out_dim if self.contract_dim is None else self.contract_dim
-
-
-def uncast(node: Any) -> Any:
-    """``node`` with the dtype casts it is read through taken off (``CASTS``)."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in CASTS and \
-            isinstance(node.args[0], fx.Node) and shape(node) == shape(node.args[0]):
-        node = node.args[0]
-    return node
 
 
 def _weight_of(node: Any, params: set[str], ndim: int = 2) -> tuple[str, tuple[int, ...]] | None:
