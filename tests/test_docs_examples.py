@@ -4,8 +4,8 @@
   torchrun with the process count the README names (``torchrun --nproc-per-node N``).
   Blocks of docs/*.md whose info string is ``python run`` are run the same way, one
   process each.
-- Every ``fxpipe`` command in a shell block (``$ fxpipe ...``, ``.venv/bin/fxpipe ...``,
-  ``fxpipe ...``) must parse with the real argument parser; the quick ones (``viz``,
+- Every ``fxpipe`` command in a shell block of the README, docs/cli.md or docs/training.md
+  (``$ fxpipe ...``, ``.venv/bin/fxpipe ...``, ``fxpipe ...``) must parse with the real argument parser; the quick ones (``viz``,
   ``compile``) are also executed. Scripts named by ``bash X`` must exist.
 """
 from __future__ import annotations
@@ -49,9 +49,18 @@ def _fxpipe_commands(text: str, prompted_only: bool) -> list[list[str]]:
     return out
 
 
+COMMAND_PAGES = ("README.md", "docs/cli.md", "docs/training.md")
+
+
 def _readme_commands() -> list[list[str]]:
-    return [argv for info, text in _blocks(ROOT / "README.md") if info in ("", "bash", "sh", "console")
-            for argv in _fxpipe_commands(text, prompted_only=info in ("", "console"))]
+    """Each command once, in the order the pages show them."""
+    seen: dict[tuple[str, ...], list[str]] = {}
+    for page in COMMAND_PAGES:
+        for info, text in _blocks(ROOT / page):
+            if info in ("", "bash", "sh", "console"):
+                for argv in _fxpipe_commands(text, prompted_only=info in ("", "console")):
+                    seen.setdefault(tuple(argv), argv)
+    return list(seen.values())
 
 
 def test_readme_has_examples():
