@@ -1,10 +1,10 @@
-"""`fxpipe run` on your model and your data (issue 26's "Done when"): a tiny Llama saved
+"""`fxpipe run` on your model and your data: a tiny Llama saved
 with save_pretrained, a BPE tokenizer trained here with `tokenizers`, text written
 here and saved as a Hugging Face dataset (`Dataset.save_to_disk`); tp=2 × pp=2,
 cosine LR, gradient clipping, validation, a metrics file and TensorBoard events with
 MFU against a given peak — one job, its first two losses against one process reading
 the same text as .txt files. The job is
-the README's two-node launch: two torchrun invocations (--nnodes 2, c10d
+docs/training.md's two-node launch: two torchrun invocations (--nnodes 2, c10d
 rendezvous on 127.0.0.1) of 2 processes each; it checkpoints, balances stages on
 measured costs and prints the run report (the elastic launcher's own path is run
 by tests/runtime/test_checkpoint.py's fxpipe run cases)."""
