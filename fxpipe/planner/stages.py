@@ -147,13 +147,14 @@ def plan_stages(model: CostModel, cfg: CandidateLayout) -> StagePlan:
     fwd[-1] += head.forward_s
     bwd[-1] += head.backward_s
     wgt[-1] += head.weight
-    params[0] += shape.seq * shape.hidden  # position table (replicated)
+    params[0] += shape.seq * shape.hidden if shape.position_table else 0.0  # learned positions (replicated)
     params[-1] += 2 * shape.hidden  # final norm
     if cfg.vocab_passes:
         params[:cfg.pp] += vocab_params / cfg.pp  # stage r < p is on rank r: its rows of the tied table
     else:
         params[0] += vocab_params  # the word table (split over TP)
-        params[-1] += vocab_params if cfg.pp > 1 else 0.0  # the last rank's tied copy
+        # the last rank's copy of a tied table (p > 1), or an untied head's own weights
+        params[-1] += vocab_params if cfg.pp > 1 or not shape.tied_head else 0.0
     if S > 1:
         fwd[:-1] += send
         fwd[1:] += gather
