@@ -50,7 +50,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="recompute mode: one pins it (as fxpipe run's), a comma list searches those "
                         "(default: none,selective,full)")
     p.add_argument("--sequence-parallel", dest="sp", action="store_true", default=argparse.SUPPRESS,
-                   help="the same as --sp (without either, SP is searched on every t > 1 layout)")
+                   help="the same as --sp")
+    p.add_argument("--no-sp", dest="sp", action="store_false", default=argparse.SUPPRESS,
+                   help="no sequence parallelism (default: SP on every t > 1 layout: its all-gather and "
+                        "reduce-scatter move the all-reduce's bytes and it shards the norms' work and memory, "
+                        "so this price never prefers a layout without it)")
     p.add_argument("--tp-overlap", action="store_true",
                    help="TP collectives overlapped with their GEMMs (Megatron-Core's --tp-comm-overlap): "
                         "only what outlasts a pass's GEMMs is exposed")
@@ -82,11 +86,13 @@ def pins_from_args(args: argparse.Namespace) -> LayoutPins:
 
 
 def options_from_args(args: argparse.Namespace) -> PlannerOptions:
-    zero = getattr(args, "zero", None)
+    # Not searched unless pinned: SP on and ZeRO-1 are never slower nor larger in this price
+    # (ZeRO-1's reduce-scatter + all-gather move 6 bytes per parameter where the fp32 all-reduce
+    # moves 8, and its Adam step covers 1/d), so searching both ways would only double the work.
     return PlannerOptions(
         hardware=get_hardware(args.hardware), schedules=tuple(args.schedules), pins=pins_from_args(args),
-        recomputes=tuple(args.recompute), sequence_parallel=True if getattr(args, "sp", False) else None,
-        zeros=(0, 1) if zero is None else (zero,), tp_overlap=args.tp_overlap,
+        recomputes=tuple(args.recompute), sequence_parallel=getattr(args, "sp", True),
+        zeros=(getattr(args, "zero", 1),), tp_overlap=args.tp_overlap,
         scatter_gather=not args.no_scatter_gather, fused_attention=args.fused_attention,
         dp_overlap=DPOverlap(args.dp_overlap), balance=LayerBalance(args.balance),
         vocab_passes=VocabPasses(args.vocab_passes),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from fxpipe.base.recompute_mode import RecomputeMode
 from fxpipe.models.registry import GPT_CONFIGS
@@ -77,7 +78,7 @@ class TransformerShape:
         mlp = ((h, f), (h, f), (f, h)) if self.gated_mlp else ((h, f), (f, h))
         return ((h, h + 2 * kv), (h, h)) + mlp
 
-    @property
+    @cached_property  # read for every layout the search prices
     def layer_matrix_params(self) -> int:
         return sum(i * o for i, o in self.layer_linears)
 
