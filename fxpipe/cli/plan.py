@@ -60,8 +60,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "only what outlasts a pass's GEMMs is exposed")
     p.add_argument("--no-scatter-gather", action="store_true",
                    help="send whole stage boundaries from every TP rank (SC21 §4.1 off)")
-    p.add_argument("--fused-attention", action="store_true",
-                   help="price flash attention (no s×s activations) instead of the paper's kernels")
+    attention = p.add_mutually_exclusive_group()
+    attention.add_argument("--fused-attention", action="store_true",
+                           help="price flash attention (no s×s activations) whatever the model calls (default: "
+                                "flash where the captured graph calls scaled_dot_product_attention)")
+    attention.add_argument("--unfused-attention", action="store_true",
+                           help="price the SC21 paper's unfused kernels (s×s scores, softmax and dropout kept) "
+                                "whatever the model calls")
     p.add_argument("--dp-overlap", choices=[k.value for k in DPOverlap], default="none",
                    help="data-parallel all-reduce after the backward or overlapped with the last "
                         "microbatch's (default: %(default)s)")
@@ -143,6 +148,8 @@ def run_plan(args: argparse.Namespace) -> int:
     shape = captured.shape
     if args.dropout != "model":
         shape = dataclasses.replace(shape, dropout=args.dropout == "on")
+    if args.unfused_attention:
+        shape = dataclasses.replace(shape, fused_attention=False)
     hw = options.hardware
     start = time.perf_counter()
     layouts = enumerate_layouts(shape, args.gpus, args.global_batch, options)
