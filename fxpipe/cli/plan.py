@@ -1,5 +1,6 @@
 """``fxpipe plan``: rank tp/pp/dp layouts with the simulator (argument parsing and printing;
-the search is ``fxpipe/planner``)."""
+the search is ``fxpipe/planner``). ``fxpipe run``'s layout flags pin the search; all of them
+price one layout, printed with its breakdown."""
 from __future__ import annotations
 
 import argparse
@@ -167,9 +168,10 @@ def run_plan(args: argparse.Namespace) -> int:
     print(plan_table(result))
     print(search_summary(result) + f" (search {searched:.1f} s, capture {captured.seconds:.1f} s)")
     print(breakdown(result.predictions[0]))
-    print("TFLOP/s per GPU: SC21 model FLOPs counting recomputation (96·B·s·l·h²(1 + s/6h + V/16lh) "
-          "with full recompute, 72·B·s·l·h²(…) without); bubble: idle/compute of the busiest "
-          "pipeline rank; GB/GPU: the rank with the most memory.")
+    print("TFLOP/s per GPU: model FLOPs counting recomputation, from the captured layer's matrices and the "
+          "attention core over the full s×s (for a GPT the SC21 formulas, 96·B·s·l·h²(1 + s/6h + V/16lh) with full "
+          "recompute, 72·B·s·l·h²(…) without); bubble: idle/compute of the busiest pipeline rank; GB/GPU: the "
+          "rank with the most memory; sp and zero: on unless pinned (never slower nor larger in this price).")
     if args.explain:
         if len(result.predictions) < 2:
             print("--explain: only one layout fits; nothing to compare")
