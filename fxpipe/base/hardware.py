@@ -13,8 +13,9 @@ A small roofline per kernel plus ring collectives over two link classes:
   node drives k NICs at once (NCCL runs one ring per NIC), so its bandwidth is
   min(NVLink, k · NIC).
 
-The presets' efficiencies are assumptions, written down with their reason beside
-each preset; ``fxpipe calibrate`` measures this machine instead (``Hardware.load``).
+The presets (``presets/*.json``, the format ``fxpipe calibrate`` writes) name the source of
+each number; their efficiencies are assumptions with the reason written there.
+``fxpipe calibrate`` measures this machine instead (``Hardware.load``).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import enum
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fxpipe.base.op_cost import NodeCost
@@ -194,6 +196,7 @@ class Hardware:
     def from_dict(d: dict[str, Any]) -> "Hardware":
         d = dict(d)
         d.pop("measurements", None)
+        d.pop("sources", None)  # the presets name theirs (fxpipe/base/presets/)
         fields = {f.name for f in dataclasses.fields(Hardware)}
         unknown = set(d) - fields
         if unknown:
@@ -222,63 +225,31 @@ GiB = 2**30
 MAX_PROFILE_BYTES = 1 << 20
 """A hardware profile larger than this is refused unread (one is a few hundred bytes)."""
 
-# A100-80GB SXM in a DGX A100, the SC21 paper's machine (Selene).
-# - 312 TFLOP/s dense bf16/fp16. matmul_efficiency 0.75: large fp16 GEMMs of the
-#   paper's shapes ran at roughly 230-250 TFLOP/s on the 2020-21 software stack the
-#   SC21 scripts name (NGC PyTorch 20.12) — an assumption, not a measurement.
-# - HBM2e 2.039 TB/s; element-wise kernels reach ~85% of it (STREAM-like copy).
-# - fused (flash) attention at ~0.8 of the GEMM rate (only used with --fused-attention;
-#   the paper's 2021 kernels were unfused).
-# - NVSwitch: NVLink3 300 GB/s per direction per GPU; nccl-tests all-reduce busbw on
-#   8 GPUs ~230 GB/s.
-# - InfiniBand: 8 × HDR 200 Gb/s per node, one per GPU: 25 GB/s, ~23 GB/s achieved.
-A100 = Hardware(
-    name="a100", peak_flops=312e12, matmul_efficiency=0.75, peak_memory_bw=2.039e12,
-    memory_efficiency=0.85, attention_efficiency=0.8, memory_bytes=80 * GiB, gpus_per_node=8,
-    intra_node=Link(p2p_bw=240 * GB, p2p_latency=10e-6, collective_bw=230 * GB, collective_latency=5e-6),
-    inter_node=Link(p2p_bw=23 * GB, p2p_latency=15e-6, collective_bw=23 * GB, collective_latency=10e-6),
-    op_overhead_s=5e-6, source="datasheet + assumed efficiencies (DGX A100, SC21 Selene)")
+PRESET_DIR = Path(__file__).parent / "presets"
+"""The presets are profiles in the format ``fxpipe calibrate`` writes (``Hardware.save``),
+one JSON file each, with a ``sources`` entry naming where every number comes from
+(datasheets; the efficiencies are assumptions whose reasons are written there, not
+fitted to any benchmark row)."""
 
-# V100-32GB SXM2 in a DGX-1V.
-# - 125 TFLOP/s fp16 tensor cores; 0.75 assumed as for the A100 (~95 TFLOP/s GEMMs).
-# - HBM2 900 GB/s at 85%. Fused attention (no FlashAttention-2 on Volta) at 0.6.
-# - NVLink2 hybrid cube-mesh: 6 links × 25 GB/s per GPU; nccl-tests all-reduce busbw
-#   ~130 GB/s on 8 GPUs; a neighbour pair shares 2 links (~45 GB/s p2p).
-# - 4 × EDR 100 Gb/s per node: 6.25 GB/s per GPU, ~5.5 achieved.
-V100 = Hardware(
-    name="v100", peak_flops=125e12, matmul_efficiency=0.75, peak_memory_bw=900 * GB,
-    memory_efficiency=0.85, attention_efficiency=0.6, memory_bytes=32 * GiB, gpus_per_node=8,
-    intra_node=Link(p2p_bw=45 * GB, p2p_latency=10e-6, collective_bw=130 * GB, collective_latency=6e-6),
-    inter_node=Link(p2p_bw=5.5 * GB, p2p_latency=15e-6, collective_bw=5.5 * GB, collective_latency=12e-6),
-    op_overhead_s=6e-6, source="datasheet + assumed efficiencies (DGX-1V)")
 
-# H100-80GB SXM in a DGX H100.
-# - 989 TFLOP/s dense bf16; 0.70 assumed (large bf16 GEMMs ~650-750 TFLOP/s).
-# - HBM3 3.35 TB/s at 85%; fused attention at 0.8 of the GEMM rate.
-# - NVLink4 450 GB/s per direction per GPU; all-reduce busbw ~360 GB/s on 8 GPUs.
-# - 8 × NDR 400 Gb/s per node: 50 GB/s per GPU, ~45 achieved.
-H100 = Hardware(
-    name="h100", peak_flops=989e12, matmul_efficiency=0.70, peak_memory_bw=3.35e12,
-    memory_efficiency=0.85, attention_efficiency=0.8, memory_bytes=80 * GiB, gpus_per_node=8,
-    intra_node=Link(p2p_bw=360 * GB, p2p_latency=8e-6, collective_bw=360 * GB, collective_latency=4e-6),
-    inter_node=Link(p2p_bw=45 * GB, p2p_latency=12e-6, collective_bw=45 * GB, collective_latency=8e-6),
-    op_overhead_s=4e-6, source="datasheet + assumed efficiencies (DGX H100)")
+def preset_sources(name: str) -> dict[str, str]:
+    """Where each number of preset ``name`` comes from (its file's ``sources``)."""
+    return dict(read_json_object(PRESET_DIR / f"{name}.json", MAX_PROFILE_BYTES).get("sources", {}))
 
-# A 2-core CPU over gloo/loopback, one thread per process: rough figures;
-# `fxpipe calibrate` measures the real ones.
-CPU = Hardware(
-    name="cpu", peak_flops=50e9, matmul_efficiency=1.0, peak_memory_bw=5 * GB, memory_efficiency=1.0,
-    memory_bytes=24 * GiB, gpus_per_node=2,
-    intra_node=Link(p2p_bw=1 * GB, p2p_latency=50e-6, collective_bw=1 * GB, collective_latency=50e-6),
-    inter_node=Link(p2p_bw=1 * GB, p2p_latency=50e-6, collective_bw=1 * GB, collective_latency=50e-6),
-    op_overhead_s=10e-6, action_overhead_s=240e-6,  # calibrate's runtime line on the 2-core VM: 236-240 us
-    source="rough guess; run `fxpipe calibrate`")
 
-PRESETS = {h.name: h for h in (A100, V100, H100, CPU)}
+A100 = Hardware.load(str(PRESET_DIR / "a100.json"))
+"""DGX A100 (80 GB), the SC21 paper's machine (Selene)."""
+V100 = Hardware.load(str(PRESET_DIR / "v100.json"))
+H100 = Hardware.load(str(PRESET_DIR / "h100.json"))
+H200 = Hardware.load(str(PRESET_DIR / "h200.json"))
+CPU = Hardware.load(str(PRESET_DIR / "cpu.json"))
+"""A 2-core CPU over gloo/loopback: rough figures; ``fxpipe calibrate`` measures the real ones."""
+
+PRESETS = {h.name: h for h in (A100, V100, H100, H200, CPU)}
 
 
 def get_hardware(name: str) -> Hardware:
-    """A preset by name (a100, v100, h100, cpu) or a JSON profile by path
+    """A preset by name (a100, v100, h100, h200, cpu) or a JSON profile by path
     (``fxpipe calibrate --output PATH`` writes one)."""
     if name in PRESETS:
         return PRESETS[name]

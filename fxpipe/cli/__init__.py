@@ -32,13 +32,14 @@ SUBCOMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False everywhere: `fxpipe plan --dp 4` must never be read as --dp-overlap
     parser = argparse.ArgumentParser(
-        prog="fxpipe", description="Compile and run an unmodified PyTorch model with tensor and "
+        prog="fxpipe", allow_abbrev=False, description="Compile and run an unmodified PyTorch model with tensor and "
                                    "pipeline parallelism.")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
     sub.required = True
     for name, (module, help_text, description) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=description)
+        p = sub.add_parser(name, help=help_text, description=description, allow_abbrev=False)
         module.add_arguments(p)
         if name not in ("compile", "run"):  # compile and run have their own --debug
             p.add_argument("--debug", action="store_true", help="print the full traceback of an error")

@@ -73,11 +73,30 @@ def vocab_size(config) -> int:
     return int(config.get_text_config().vocab_size)
 
 
-def build_model(directory: str, device: torch.device | str = "meta") -> torch.nn.Module:
+def config_layers(config) -> int:
+    """The decoder's layer count (``num_hidden_layers``, GPT-2's ``n_layer`` by its alias)."""
+    return int(config.get_text_config().num_hidden_layers)
+
+
+def with_layers(config, layers: int):
+    """``config`` cut to its first ``layers`` layers (the planner captures a few and
+    extrapolates; per-layer lists such as ``layer_types`` are cut alike)."""
+    text = config.get_text_config()
+    text.num_hidden_layers = layers
+    types = getattr(text, "layer_types", None)
+    if isinstance(types, list):
+        text.layer_types = types[:layers]
+    return config
+
+
+def build_model(directory: str, device: torch.device | str = "meta", *,
+                layers: int | None = None) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     config = load_config(directory)
+    if layers is not None:
+        config = with_layers(config, layers)
     config.use_cache = False  # no KV cache in training (and none to capture)
     # transformers' advice while building (BERT's "add is_decoder=True") would break the
     # one line a refusal is: what matters is checked on the graph (passes/causality.py).
@@ -93,9 +112,10 @@ def build_model(directory: str, device: torch.device | str = "meta") -> torch.nn
     return model.to(torch.float32)
 
 
-def dir_workload(directory: str, *, batch: int, seq: int, device: torch.device | str, seed: int):
+def dir_workload(directory: str, *, batch: int, seq: int, device: torch.device | str, seed: int,
+                 layers: int | None = None):
 
-    model = build_model(directory, device)
+    model = build_model(directory, device, layers=layers)
     vocab = vocab_size(model.config)
     x = _token_batch(batch, seq + 1, vocab, device, seed)
     return Workload(model, (x[:, :-1].contiguous(), x[:, 1:].contiguous()), next_token_loss, None,

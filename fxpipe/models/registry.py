@@ -97,7 +97,7 @@ def build_workload(name: str, *, batch: int = 2, seq: int | None = None,
     if name.startswith("zoo:"):
         return _zoo_workload(name, batch, seq or 16, device, seed, layers or 2)
     if is_model_dir(name):  # a Hugging Face model directory (fxpipe/models/hf_dir.py)
-        return dir_workload(name, batch=batch, seq=seq or 128, device=device, seed=seed)
+        return dir_workload(name, batch=batch, seq=seq or 128, device=device, seed=seed, layers=layers)
     if ":" in name:
         return _user_workload(name)
     raise ValueError(f"unknown model {name!r}; valid names: {', '.join(model_names())}, "

@@ -9,14 +9,14 @@ from fxpipe.planner.work import Component
 
 def plan_table(result: PlanResult) -> str:
     head = (f"{'#':>2} {'t':>3} {'p':>3} {'d':>4} {'b':>3} {'m':>5} {'v':>2} {'schedule':<11} "
-            f"{'recompute':<9} {'sp':<3} {'vocab':<5} {'iter s':>9} {'TFLOP/s':>8} {'%peak':>6} {'GB/GPU':>7} {'bubble':>7}")
+            f"{'recompute':<9} {'sp':<3} {'zero':<4} {'vocab':<5} {'iter s':>9} {'TFLOP/s':>8} {'%peak':>6} {'GB/GPU':>7} {'bubble':>7}")
     rows = [head, "-" * len(head)]
     for i, p in enumerate(result.predictions, 1):
         c = p.config
         rows.append(
             f"{i:>2} {c.tp:>3} {c.pp:>3} {c.dp:>4} {c.micro_batch:>3} {c.num_microbatches:>5} "
             f"{c.chunks:>2} {c.schedule.value:<11} {c.recompute.value:<9} "
-            f"{'yes' if c.sequence_parallel else 'no':<3} {'yes' if c.vocab_passes else 'no':<5} "
+            f"{'yes' if c.sequence_parallel else 'no':<3} {c.zero:<4} {'yes' if c.vocab_passes else 'no':<5} "
             f"{p.iteration_s:>9.3f} {p.tflops_per_gpu:>8.1f} "
             f"{p.percent_of_peak:>5.1f}% {p.memory_gb:>7.1f} {100 * p.bubble_ratio:>6.1f}%")
     return "\n".join(rows)
@@ -95,3 +95,29 @@ def explain(a: Prediction, b: Prediction) -> str:
 def search_summary(result: PlanResult) -> str:
     return (f"searched {result.enumerated} layouts ({result.fitting} fit in memory, "
             f"{result.simulated} simulated) in {result.wall_s:.2f} s")
+
+
+BREAKDOWN = (("compute", (Component.GEMM, Component.ELEMENTWISE, Component.RECOMPUTE)),
+             ("bubble", (Component.BUBBLE,)), ("TP", (Component.TP_COMM,)), ("p2p", (Component.P2P,)),
+             ("dp all-reduce", (Component.DP_SYNC, Component.VOCAB_LOOKUP)), ("optimizer", (Component.OPTIMIZER,)))
+"""The breakdown's lines: what each sums of ``Prediction.breakdown`` (the critical rank's)."""
+
+
+def breakdown(p: Prediction) -> str:
+    """One layout's iteration and memory by kind (``fxpipe plan`` prints it for #1, or for the
+    one layout the flags pin)."""
+    c, mem = p.config, p.memory
+    lines = [f"layout {c.label()}: {p.iteration_s:.3f} s per iteration, {p.tflops_per_gpu:.1f} TFLOP/s per GPU "
+             f"({p.percent_of_peak:.1f}% of peak), critical pipeline rank {p.critical_rank}"]
+    for name, comps in BREAKDOWN:
+        v = sum(p.breakdown.get(k, 0.0) for k in comps)
+        detail = ", ".join(f"{k.value} {p.breakdown[k]:.3f}" for k in comps if len(comps) > 1 and k in p.breakdown)
+        lines.append(f"  {name:<14} {v:9.3f} s  {100 * v / p.iteration_s:5.1f}%" + (f"  ({detail})" if detail else ""))
+    lines.append("  overhead       per-kernel launch and per-action costs of the hardware profile, inside the "
+                 "lines above")
+    gb = 1e9
+    lines.append(f"memory per GPU (pipeline rank {mem.rank}): {mem.total / gb:.1f} GB = parameters "
+                 f"{mem.weight_bytes / gb:.1f} + gradients {mem.gradient_bytes / gb:.1f} + optimizer state "
+                 f"{mem.optimizer_bytes / gb:.1f} + activations {mem.activation_bytes / gb:.1f} + recompute working "
+                 f"{mem.working_bytes / gb:.1f}; {'fits' if p.fits else 'does NOT fit'}")
+    return "\n".join(lines)

@@ -67,9 +67,9 @@ class CostModel:
         sh, hw, d = self.shape, self.hw, self.dtype
         s, h, a = sh.seq, sh.hidden, sh.heads
         heads = b * a / tp
-        if self.options.fused_attention:
+        if self._fused():
             flops = 4.0 * b * s * s * h / tp
-            traffic = d * 4.0 * s * b * h / tp  # read q, k, v; write the output
+            traffic = d * 2.0 * s * b * (h + sh.kv_dim) / tp  # read q, k, v; write the output
             rate = hw.matmul_flops * hw.attention_efficiency
             fwd = max(flops / rate, traffic / hw.memory_bw) + hw.op_overhead_s
             bwd = max(FLASH_BACKWARD_FACTOR * flops / rate, 2 * traffic / hw.memory_bw) \
@@ -84,13 +84,24 @@ class CostModel:
         ew = (elems * d + (1 if sh.dropout else 0)) * a * s * s * b / tp
         return scores + context, bwd, ew
 
+    def _fused(self) -> bool:
+        return self.options.fused_attention or self.shape.fused_attention
+
+    def _linears(self, tp: int, n: int) -> list[tuple[int, int, int]]:
+        """(M, N, K) of one layer's GEMMs on one TP rank: a matrix whose output is the hidden
+        width is row-parallel (its input split: the attention and MLP output projections),
+        every other one column-parallel (its output split: QKV, MLP up and gate) —
+        Megatron's pairing (Shoeybi et al. §3), read off the matrices' shapes."""
+        h = self.shape.hidden
+        return [(n, o, i // tp) if o == h else (n, o // tp, i) for i, o in self.shape.layer_linears]
+
     @lru_cache(maxsize=None)
     def layer(self, tp: int, b: int, recompute: RecomputeMode, sp: bool,
               split_backward: bool = False) -> Work:
         sh, hw, d = self.shape, self.hw, self.dtype
         s, h = sh.seq, sh.hidden
         n, sbh = b * s, s * b * h
-        linears = ((n, 3 * h // tp, h), (n, h, h // tp), (n, 4 * h // tp, h), (n, h, 4 * h // tp))
+        linears = self._linears(tp, n)
         gemm_f = sum(hw.gemm_s(M, N, K, dtype_bytes=d) for M, N, K in linears)
         gemm_dx = sum(hw.gemm_s(M, K, N, dtype_bytes=d) for M, N, K in linears)
         gemm_dw = sum(hw.gemm_s(K, N, M, dtype_bytes=d) for M, N, K in linears)
@@ -98,23 +109,32 @@ class CostModel:
         sp = sp and tp > 1
         masks = 2 * sbh if sh.dropout else 0
         replicated = (10 * d * sbh + masks) / (tp if sp else 1)
-        sharded = 10 * d * sbh / tp
+        # The activation reads f and writes f (GeLU: 8sbh for f = 4h); SwiGLU reads gate and
+        # up and writes their product; the context permute moves the queries' width twice.
+        f = sh.ffn
+        activation = (3 if sh.gated_mlp else 2) * d * n * f
+        sharded = (activation + 2 * d * sbh) / tp
         ew_f = hw.memory_s(replicated + sharded + attn_ew, ELEMENTWISE_KERNELS)
         ew_b = hw.memory_s(2 * (replicated + sharded + attn_ew), 2 * ELEMENTWISE_KERNELS)
         if tp > 1:
             each = self._tp(AG, d * sbh, tp) + self._tp(RS, d * sbh, tp) if sp else self._tp(AR, d * sbh, tp)
-            comm = 2 * each
+            comm_f = comm_b = 2 * each
+            if self.options.tp_overlap:
+                # Megatron-Core's --tp-comm-overlap pipelines each collective with the GEMM it
+                # feeds or drains: only what outlasts the pass's GEMMs stays on the critical path.
+                comm_f = max(0.0, comm_f - gemm_f)
+                comm_b = max(0.0, comm_b - gemm_dx - gemm_dw)
         else:
-            comm = 0.0
-        forward = {C.GEMM: gemm_f + attn_f, C.ELEMENTWISE: ew_f, C.TP_COMM: comm}
+            comm_f = comm_b = 0.0
+        forward = {C.GEMM: gemm_f + attn_f, C.ELEMENTWISE: ew_f, C.TP_COMM: comm_f}
         if recompute is RecomputeMode.FULL:
-            rerun = gemm_f + attn_f + ew_f + comm
+            rerun = gemm_f + attn_f + ew_f + comm_f
         elif recompute is RecomputeMode.SELECTIVE:
             rerun = attn_f + hw.memory_s(attn_ew, 2 if attn_ew else 0)
         else:
             rerun = 0.0
         reruns = 2 if split_backward else 1
-        backward = {C.GEMM: gemm_dx + gemm_dw + attn_b, C.ELEMENTWISE: ew_b, C.TP_COMM: comm,
+        backward = {C.GEMM: gemm_dx + gemm_dw + attn_b, C.ELEMENTWISE: ew_b, C.TP_COMM: comm_b,
                     C.RECOMPUTE: reruns * rerun}
         return Work.make(forward, backward, gemm_dw + (reruns - 1) * rerun)
 

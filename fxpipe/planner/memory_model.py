@@ -28,26 +28,40 @@ from fxpipe.planner.shapes import TransformerShape
 def layer_activation_bytes(*, seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
                            sequence_parallel: bool = False,
                            recompute: RecomputeMode = RecomputeMode.NONE,
-                           fused_attention: bool = False) -> float:
-    """Bytes one layer keeps for backward per microbatch (Korthikanti et al. 2022, §4)."""
+                           fused_attention: bool = False, kv_dim: int | None = None,
+                           ffn: int | None = None, gated: bool = False, dropout: bool = True) -> float:
+    """Bytes one layer keeps for backward per microbatch (Korthikanti et al. 2022, §4),
+    generalised term by term to grouped queries, any MLP width and a gated MLP (defaults:
+    the paper's GPT, where it reduces to the table above):
+
+    - sharded over t: the queries 2sbh, keys and values 2·2sb·kv, the projection's input
+      2sbh; the MLP's inner tensors 2·2sbf (up output and GeLU output) or, gated, 3·2sbf
+      (gate, up, their product);
+    - replicated (÷t with SP): the QKV and MLP inputs 2·2sbh, two norms' inputs 4sbh, two
+      1-byte dropout masks 2sbh (none without dropout);
+    - scores (unfused attention only): 5as²b/t with dropout, 2as²b/t (the softmax) without."""
     s, b, h, a, t = seq, micro_batch, hidden, heads, tp
     sbh = s * b * h
     if recompute is RecomputeMode.FULL:
         return 2.0 * sbh / (t if sequence_parallel else 1)
-    base = 34 / t if sequence_parallel else 10 + 24 / t
-    scores = 0.0 if (recompute is RecomputeMode.SELECTIVE or fused_attention) else 5 * a * s / (h * t)
-    return sbh * (base + scores)
+    kv, f = kv_dim or h, ffn or 4 * h
+    sharded = 2 * sbh + 4 * s * b * kv + 2 * sbh + (6 if gated else 4) * s * b * f
+    replicated = 8 * sbh + (2 * sbh if dropout else 0)
+    base = (sharded + replicated) / t if sequence_parallel else replicated + sharded / t
+    per_score = 5 if dropout else 2
+    scores = 0.0 if (recompute is RecomputeMode.SELECTIVE or fused_attention) else per_score * a * s * s * b / t
+    return base + scores
 
 
 def recompute_working_bytes(*, seq: int, micro_batch: int, hidden: int, heads: int, tp: int,
                             sequence_parallel: bool, recompute: RecomputeMode,
-                            fused_attention: bool) -> float:
+                            fused_attention: bool, **layer: object) -> float:
     """What backward rematerialises at once: one layer's full activations (full recompute)
     or one attention core's s×s tensors (selective), for one microbatch."""
     if recompute is RecomputeMode.FULL:
         return layer_activation_bytes(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads,
                                       tp=tp, sequence_parallel=sequence_parallel,
-                                      fused_attention=fused_attention)
+                                      fused_attention=fused_attention, **layer)
     if recompute is RecomputeMode.SELECTIVE and not fused_attention:
         return 5.0 * heads * seq * seq * micro_batch / tp
     return 0.0
@@ -97,12 +111,21 @@ class RankMemory:
     """Pipeline rank."""
     params: float
     """Parameters this GPU holds (count, not bytes)."""
-    state_bytes: float
-    """Weights, gradients and optimizer state: params × bytes_per_param."""
+    weight_bytes: float
+    """The weights in the compute dtype."""
+    gradient_bytes: float
+    """The gradients as reduced (fp32 with Megatron's mixed precision)."""
+    optimizer_bytes: float
+    """fp32 master weights and Adam moments (1/d of them with ZeRO-1)."""
     activation_bytes: float
     """Activations of the microbatches in flight at the peak."""
     working_bytes: float
     """Recomputation's rematerialised layer during one backward."""
+
+    @property
+    def state_bytes(self) -> float:
+        """Weights, gradients and optimizer state."""
+        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
 
     @property
     def total(self) -> float:

@@ -78,8 +78,14 @@ class CandidateLayout:
     vocab_passes: bool = False
     """The LM head and cross-entropy run as vocabulary passes on every pipeline rank
     (``VocabPasses``); needs p >= 2."""
+    zero: int = 0
+    """1: ZeRO stage 1 / Megatron's distributed optimizer (``fxpipe run --zero 1``): the fp32
+    masters and Adam moments sharded over the d replicas; the gradient all-reduce becomes a
+    reduce-scatter, and the updated weights come back by an all-gather."""
 
     def __post_init__(self) -> None:
+        if self.zero not in (0, 1):
+            raise ValueError(f"CandidateLayout.zero must be 0 or 1, got {self.zero}")
         for f in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "chunks"):
             if getattr(self, f) < 1:
                 raise ValueError(f"CandidateLayout.{f} must be >= 1, got {getattr(self, f)}")
@@ -107,8 +113,26 @@ class CandidateLayout:
         sp = " sp" if self.sequence_parallel and self.tp > 1 else ""
         v = f" v={self.chunks}" if self.chunks > 1 else ""
         vocab = " vocab-passes" if self.vocab_passes else ""
+        zero = " zero1" if self.zero else ""
         return (f"t={self.tp} p={self.pp} d={self.dp} b={self.micro_batch} m={self.num_microbatches}"
-                f"{v} {self.schedule.value} recompute={self.recompute.value}{sp}{vocab}")
+                f"{v} {self.schedule.value} recompute={self.recompute.value}{sp}{vocab}{zero}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutPins:
+    """Layout fields the user fixed (``fxpipe plan --tp 8 --pp 2 ...``, the flags ``fxpipe run``
+    takes); None leaves a field to the search. All given: the search prices that one layout."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    micro_batch: int | None = None
+    num_microbatches: int | None = None
+    chunks: int | None = None
+    schedule: ScheduleKind | None = None
+
+    def admits(self, cfg: "CandidateLayout") -> bool:
+        return all(want is None or getattr(cfg, f) == want for f, want in vars(self).items())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +144,8 @@ class PlannerOptions:
     """Bytes per activation/weight element in compute (fp16/bf16: 2; fp32 CPU runs: 4)."""
     bytes_per_param: float = 18.0
     """Training state per parameter: fp16 weight 2 + fp32 gradient 4 + fp32 master weight 4
-    + Adam moments 8 (Megatron's mixed precision), sharded over t·p only."""
+    + Adam moments 8 (Megatron's mixed precision), sharded over t·p only (``StateBytes``
+    splits it by kind; ZeRO-1 divides the last two by d)."""
     grad_bytes: int = 4
     """Bytes per gradient element in the data-parallel all-reduce (the fp32 gradient the
     18-byte count holds)."""
@@ -138,8 +163,18 @@ class PlannerOptions:
     balance: LayerBalance = LayerBalance.FXPIPE
     schedules: tuple[ScheduleKind, ...] = PLANNED
     recomputes: tuple[RecomputeMode, ...] = tuple(RecomputeMode)
-    sequence_parallel: bool = False
-    """Use sequence parallelism in every layout with t > 1."""
+    sequence_parallel: bool | None = False
+    """Use sequence parallelism in every layout with t > 1 (True), in none (False), or price
+    every t > 1 layout both ways (None: searched)."""
+    zeros: tuple[int, ...] = (0,)
+    """ZeRO stages to search (``CandidateLayout.zero``): (0,), (1,) or (0, 1)."""
+    pins: LayoutPins = LayoutPins()
+    """Layout fields fixed by the user."""
+    tp_overlap: bool = False
+    """TP collectives overlapped with the GEMMs beside them (Megatron-Core's
+    ``--tp-comm-overlap``, Transformer Engine's userbuffers): a layer's TP time is exposed
+    only where it outlasts the layer's GEMMs of the same pass."""
+
     vocab_passes: VocabPasses = VocabPasses.OFF
     """Price the head on the last stage, as vocabulary passes, or both (``VocabPasses``).
     OFF by default, as ``ParallelConfig.vocab_passes`` is: the plan describes what
@@ -154,7 +189,17 @@ class PlannerOptions:
     """Pipelines with p·m·v above this are simulated at two smaller m and extrapolated
     (exact for 1F1B and ZB-H1; see ``pipeline.py``)."""
 
+    def state_bytes(self, zero: int, dp: int) -> tuple[float, float, float]:
+        """(weights, gradients, optimizer state) bytes per parameter on one GPU: the weights in
+        the compute dtype, the gradients as reduced (``grad_bytes``), the rest of
+        ``bytes_per_param`` (fp32 masters + Adam moments: 12 of 18) sharded over d by ZeRO-1
+        (the ZeRO paper's accounting; Megatron's distributed optimizer: 6 + 12/d)."""
+        optimizer = self.bytes_per_param - self.dtype_bytes - self.grad_bytes
+        return float(self.dtype_bytes), float(self.grad_bytes), optimizer / (dp if zero else 1)
+
     def __post_init__(self) -> None:
+        if any(z not in (0, 1) for z in self.zeros) or not self.zeros:
+            raise ValueError(f"zeros must be a non-empty subset of (0, 1), got {self.zeros}")
         if self.dtype_bytes not in (1, 2, 4):
             raise ValueError(f"dtype_bytes must be 1, 2 or 4, got {self.dtype_bytes}")
         if not self.schedules or not self.recomputes:

@@ -76,7 +76,8 @@ def rank_memory(model: CostModel, cfg: CandidateLayout, stages: StagePlan,
     t, b, p, S = cfg.tp, cfg.micro_batch, cfg.pp, cfg.num_stages
     sp = cfg.sequence_parallel and t > 1
     dims = dict(seq=shape.seq, micro_batch=b, hidden=shape.hidden, heads=shape.heads, tp=t,
-                sequence_parallel=sp, fused_attention=opts.fused_attention)
+                sequence_parallel=sp, fused_attention=opts.fused_attention or shape.fused_attention,
+                kv_dim=shape.kv_dim, ffn=shape.ffn, gated=shape.gated_mlp, dropout=shape.dropout)
     per_layer = layer_activation_bytes(recompute=cfg.recompute, **dims)
     scale = opts.dtype_bytes / 2  # the formulas count fp16 activations
     working = recompute_working_bytes(recompute=cfg.recompute, **dims) * scale
@@ -92,17 +93,29 @@ def rank_memory(model: CostModel, cfg: CandidateLayout, stages: StagePlan,
     else:
         act[(S - 1) % p] += head_activation_bytes(shape, b, t, sp)  # freed soon after its forward
     params = stages.ranks(stages.params)
-    return [RankMemory(rank=r, params=float(params[r]), state_bytes=float(params[r]) * opts.bytes_per_param,
+    weight, grad, optim = opts.state_bytes(cfg.zero, cfg.dp)
+    return [RankMemory(rank=r, params=float(params[r]), weight_bytes=float(params[r]) * weight,
+                       gradient_bytes=float(params[r]) * grad, optimizer_bytes=float(params[r]) * optim,
                        activation_bytes=float(act[r]) * scale, working_bytes=working) for r in range(p)]
 
 
 def _sync_s(model: CostModel, cfg: CandidateLayout, stages: StagePlan, r: int, params: float) -> float:
     """Exposed gradient synchronisation of pipeline rank r."""
     hw, opts, shape = model.hw, model.options, model.shape
-    dp = hw.collective_s(Collective.ALL_REDUCE, params * opts.grad_bytes, cfg.dp,
-                         hw.members_per_node(cfg.dp, cfg.tp))
+    per_node = hw.members_per_node(cfg.dp, cfg.tp)
+    if cfg.zero:
+        # ZeRO-1 / the distributed optimizer: the gradients reduce-scattered to their owners,
+        # the updated weights (compute dtype) all-gathered back; with overlap the gather runs
+        # behind the next iteration's first forward (Megatron's --overlap-param-gather).
+        dp = hw.collective_s(Collective.REDUCE_SCATTER, params * opts.grad_bytes, cfg.dp, per_node)
+        gather = hw.collective_s(Collective.ALL_GATHER, params * opts.dtype_bytes, cfg.dp, per_node)
+    else:
+        dp = hw.collective_s(Collective.ALL_REDUCE, params * opts.grad_bytes, cfg.dp, per_node)
+        gather = 0.0
     if opts.dp_overlap is DPOverlap.BACKWARD:
         dp = max(0.0, dp - float(stages.backward[r]))  # hidden behind its last backward
+        gather = max(0.0, gather - float(stages.forward[r]))
+    dp += gather
     # Megatron's embedding group: first and last rank. Vocabulary passes hold each row once.
     if cfg.pp > 1 and r in (0, cfg.pp - 1) and not cfg.vocab_passes:
         vocab = shape.padded_vocab(cfg.tp) * shape.hidden / cfg.tp
@@ -137,7 +150,9 @@ def predict(shape: TransformerShape, cfg: CandidateLayout, options: PlannerOptio
     ends = []
     for r in range(cfg.pp):
         params = float(rank_params[r])
-        opt = hw.memory_s(params * options.optimizer_bytes_per_param, 4) if options.optimizer else 0.0
+        # Adam is memory bound: its state's bytes / HBM bandwidth, over the 1/d it owns under ZeRO-1
+        owned = params / (cfg.dp if cfg.zero else 1)
+        opt = hw.memory_s(owned * options.optimizer_bytes_per_param, 4) if options.optimizer else 0.0
         sync = _sync_s(model, cfg, stages, r, params)
         ends.append((timing.finish[r] + lookup + sync + opt, r, sync, opt))
     iteration, crit, sync, opt = max(ends)

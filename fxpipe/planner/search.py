@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from itertools import product
 
 from fxpipe.planner.layer_cost import CostModel
 from fxpipe.planner.options import CandidateLayout, LayerBalance, PlannerOptions, ScheduleKind, VocabPasses
@@ -41,38 +42,46 @@ def enumerate_layouts(shape: TransformerShape, gpus: int, global_batch: int,
     """Every layout that satisfies the divisibility rules above (memory not checked)."""
     out = []
     max_tp = options.max_tp or gpus
-    sp = options.sequence_parallel
+    sps = (False, True) if options.sequence_parallel is None else (options.sequence_parallel,)
     vocab = {VocabPasses.OFF: (False,), VocabPasses.ON: (True,),
              VocabPasses.SEARCH: (False, True)}[options.vocab_passes]
+    pins = options.pins
     for t in divisors(gpus):
-        if t > max_tp or shape.heads % t:
+        if t > max_tp or shape.heads % t or pins.tp not in (None, t):
             continue
         for p in divisors(gpus // t):
-            if p > shape.layers:
+            if p > shape.layers or pins.pp not in (None, p):
                 continue
             d = gpus // (t * p)
-            if global_batch % d:
+            if global_batch % d or pins.dp not in (None, d):
                 continue
             for b in divisors(global_batch // d):
-                if b > options.max_micro_batch:
+                if (b > options.max_micro_batch and pins.micro_batch is None) or pins.micro_batch not in (None, b):
                     continue
                 m = global_batch // (d * b)
-                for kind in options.schedules:
+                if pins.num_microbatches not in (None, m):
+                    continue
+                for kind in options.schedules if pins.schedule is None else (pins.schedule,):
                     if p == 1 and kind is not ScheduleKind.ONE_F_ONE_B:
                         continue
                     chunk_range = range(2, options.max_chunks + 1) if kind is ScheduleKind.INTERLEAVED else (1,)
+                    if pins.chunks is not None:
+                        chunk_range = (pins.chunks,) if pins.chunks in chunk_range or kind is \
+                            ScheduleKind.INTERLEAVED else ()
                     for v in chunk_range:
                         if p * v > shape.layers:
                             continue
                         if options.balance is LayerBalance.MEGATRON and shape.layers % (p * v):
                             continue
-                        for rc in options.recomputes:
-                            for vp in vocab:
-                                if vp and p == 1:  # nothing to split the head over
-                                    continue
-                                out.append(CandidateLayout(tp=t, pp=p, dp=d, micro_batch=b, num_microbatches=m,
-                                                          chunks=v, schedule=kind, recompute=rc,
-                                                          sequence_parallel=sp and t > 1, vocab_passes=vp))
+                        # SP needs t > 1, ZeRO d > 1: otherwise the variant is the plain layout
+                        variants = dict.fromkeys((rc, vp, sp and t > 1, zero if d > 1 else 0) for rc, vp, sp, zero
+                                                 in product(options.recomputes, vocab, sps, options.zeros))
+                        for rc, vp, sp, zero in variants:
+                            if vp and p == 1:  # nothing to split the head over
+                                continue
+                            out.append(CandidateLayout(tp=t, pp=p, dp=d, micro_batch=b, num_microbatches=m,
+                                                      chunks=v, schedule=kind, recompute=rc,
+                                                      sequence_parallel=sp, vocab_passes=vp, zero=zero))
     return out
 
 

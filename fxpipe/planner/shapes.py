@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from fxpipe.base.recompute_mode import RecomputeMode
 from fxpipe.models.registry import GPT_CONFIGS
@@ -29,6 +30,24 @@ class TransformerShape:
     causal: bool = True
     """Causal (GPT) or bidirectional (BERT) attention. No formula changes: the paper counts
     the whole s×s score matrix either way."""
+    kv_heads: int | None = None
+    """Key/value heads (grouped-query attention: fewer than ``heads``); None: ``heads``."""
+    ffn_hidden: int | None = None
+    """MLP inner width f; None: 4h (GPT)."""
+    gated_mlp: bool = False
+    """A gated MLP (SwiGLU: gate and up projections h→f, down f→h; three matrices)."""
+    fused_attention: bool = False
+    """The model calls ``scaled_dot_product_attention``: a flash kernel keeps no s×s tensor
+    (``PlannerOptions.fused_attention`` forces it for any shape)."""
+    tied_head: bool = True
+    """The LM head shares the token embedding's table (Llama-3-70B's does not)."""
+    position_table: bool = True
+    """A learned s×h position table (GPT); rotary models have none."""
+    linears: tuple[tuple[int, int], ...] | None = None
+    """One layer's weight matrices as (in, out) features, read off the captured graph
+    (``captured.py``); None: GPT's (h, 3h), (h, h), (h, 4h), (4h, h)."""
+    layer_vector_params: int | None = None
+    """One layer's parameters beyond its matrices (biases, norms); None: GPT's 13h."""
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "heads", "seq", "vocab"):
@@ -42,10 +61,44 @@ class TransformerShape:
         return self.hidden // self.heads
 
     @property
+    def kv_dim(self) -> int:
+        """Width of the key (and of the value) projection."""
+        return (self.kv_heads or self.heads) * self.head_dim
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def layer_linears(self) -> tuple[tuple[int, int], ...]:
+        """(in, out) of each weight matrix of one layer."""
+        if self.linears is not None:
+            return self.linears
+        h, f, kv = self.hidden, self.ffn, self.kv_dim
+        mlp = ((h, f), (h, f), (f, h)) if self.gated_mlp else ((h, f), (f, h))
+        return ((h, h + 2 * kv), (h, h)) + mlp
+
+    @cached_property  # read for every layout the search prices
+    def layer_matrix_params(self) -> int:
+        return sum(i * o for i, o in self.layer_linears)
+
+    @property
+    def layer_vectors(self) -> int:
+        return 13 * self.hidden if self.layer_vector_params is None else self.layer_vector_params
+
+    @property
     def num_params(self) -> int:
-        """l(12h² + 13h) + Vh + sh + 2h (Narayanan et al. SC21, appendix; LM head tied to the embedding)."""
+        """l(12h² + 13h) + Vh + sh + 2h for a GPT (Narayanan et al. SC21, appendix; LM head tied
+        to the embedding); in general the layers' matrices and vectors, the table(s), the
+        position table if learned and the final norm."""
         h, l = self.hidden, self.layers
-        return l * (12 * h * h + 13 * h) + self.vocab * h + self.seq * h + 2 * h
+        tables = self.vocab * h * (1 if self.tied_head else 2) + (self.seq * h if self.position_table else 0)
+        return l * (self.layer_matrix_params + self.layer_vectors) + tables + 2 * h
+
+    def layer_flops_per_token(self) -> float:
+        """Forward matmul FLOPs of one layer per token: 2 per weight, and the attention core's
+        QKᵀ and P·V over the full s×s (the paper's counting; 24h² + 4sh for a GPT)."""
+        return 2.0 * self.layer_matrix_params + 4.0 * self.seq * self.hidden
 
     def padded_vocab(self, tp: int) -> int:
         """Megatron pads V to a multiple of 128·t so every TP rank owns an equal slice."""
@@ -57,7 +110,11 @@ class TransformerShape:
         and the output-projection and second MLP weights are split (12h²/t + 7h/t); the two
         row-parallel biases and two LayerNorms are replicated (6h)."""
         h = self.hidden
-        return 12 * h * h / tp + 7 * h / tp + 6 * h
+        if self.linears is None and self.layer_vector_params is None and self.ffn_hidden is None \
+                and not self.gated_mlp and self.kv_heads is None:
+            return 12 * h * h / tp + 7 * h / tp + 6 * h
+        # every matrix split over t; vectors (norms, row-parallel biases) replicated — an upper bound
+        return self.layer_matrix_params / tp + self.layer_vectors
 
 
 def shape_from_registry(name: str, *, seq: int | None = None) -> TransformerShape:
@@ -81,7 +138,14 @@ def model_flops(shape: TransformerShape, global_batch: int, recompute: Recompute
     - selective (our derivation, same counting): only the attention core's 4s²h is rerun,
       72·B·s·l·h²·(1 + 2s/(9h) + V/(12·l·h)).
     """
-    return model_flops_formula(global_batch, shape.seq, shape.layers, shape.hidden, shape.vocab, recompute)
+    if shape.linears is None and shape.ffn_hidden is None and not shape.gated_mlp and shape.kv_heads is None:
+        return model_flops_formula(global_batch, shape.seq, shape.layers, shape.hidden, shape.vocab, recompute)
+    # Any other stack, counted the same way from its own matrices (3 passes, +1 forward with full
+    # recompute, +the attention core's forward with selective); the logits 2hV per token and pass.
+    s, l, h = shape.seq, shape.layers, shape.hidden
+    layer, core = shape.layer_flops_per_token(), 4.0 * s * h
+    passes = {RecomputeMode.FULL: 4 * layer, RecomputeMode.SELECTIVE: 3 * layer + core}.get(recompute, 3 * layer)
+    return float(global_batch) * s * (l * passes + 3 * 2.0 * h * shape.vocab)
 
 
 def model_flops_formula(B: int, s: int, l: int, h: int, V: int,  # noqa: E741 (the paper's symbols)

@@ -12,6 +12,8 @@ are numpy arrays (the search prices thousands of layouts); the by-component
 from __future__ import annotations
 
 import heapq
+import math
+from functools import lru_cache
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +25,11 @@ from fxpipe.schedules.simulate import StageDurations
 from fxpipe.schedules.vocab_actions import split_output_layer
 
 
+BULK_LAYERS = 4096
+"""Above this many layers to deal beyond one per stage, ``split_layers`` fills in bulk."""
+
+
+@lru_cache(maxsize=4096)  # layouts differing only in d, m or ZeRO share their split
 def split_layers(layers: int, num_stages: int, balance: LayerBalance,
                  stage_cost: tuple[float, ...], layer_cost: float) -> tuple[int, ...]:
     """Layers per stage. MEGATRON: l/(p·v) each; FXPIPE: each layer to the stage with the
@@ -38,9 +45,24 @@ def split_layers(layers: int, num_stages: int, balance: LayerBalance,
                              f"p·v dividing {layers}")
         return (layers // num_stages,) * num_stages
     counts = [1] * num_stages
-    heap = [(stage_cost[k] + layer_cost, k) for k in range(num_stages)]
+    left = layers - num_stages
+    if left > BULK_LAYERS and layer_cost > 0:
+        # The greedy takes the smallest "next layer" times first: stage k's j-th extra layer ends
+        # at stage_cost[k] + (j + 1)·layer_cost. Take every such slot below a level found by
+        # bisection in one step, and leave the last few to the heap: O(S log) instead of O(l),
+        # so a 10^6-layer model prices as fast as a 100-layer one.
+        def slots(level: float) -> list[int]:
+            return [max(0, math.ceil((level - stage_cost[k]) / layer_cost) - 2) for k in range(num_stages)]
+        lo, hi = 0.0, max(stage_cost) + (left + 2) * layer_cost
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if sum(slots(mid)) <= left else (lo, mid)
+        taken = slots(lo)
+        counts = [1 + n for n in taken]
+        left -= sum(taken)
+    heap = [(stage_cost[k] + counts[k] * layer_cost, k) for k in range(num_stages)]
     heapq.heapify(heap)
-    for _ in range(layers - num_stages):
+    for _ in range(left):
         t, k = heapq.heappop(heap)
         counts[k] += 1
         heapq.heappush(heap, (t + layer_cost, k))
@@ -147,13 +169,14 @@ def plan_stages(model: CostModel, cfg: CandidateLayout) -> StagePlan:
     fwd[-1] += head.forward_s
     bwd[-1] += head.backward_s
     wgt[-1] += head.weight
-    params[0] += shape.seq * shape.hidden  # position table (replicated)
+    params[0] += shape.seq * shape.hidden if shape.position_table else 0.0  # learned positions (replicated)
     params[-1] += 2 * shape.hidden  # final norm
     if cfg.vocab_passes:
         params[:cfg.pp] += vocab_params / cfg.pp  # stage r < p is on rank r: its rows of the tied table
     else:
         params[0] += vocab_params  # the word table (split over TP)
-        params[-1] += vocab_params if cfg.pp > 1 else 0.0  # the last rank's tied copy
+        # the last rank's copy of a tied table (p > 1), or an untied head's own weights
+        params[-1] += vocab_params if cfg.pp > 1 or not shape.tied_head else 0.0
     if S > 1:
         fwd[:-1] += send
         fwd[1:] += gather

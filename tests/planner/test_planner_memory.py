@@ -39,7 +39,10 @@ def test_rank_zero_of_1f1b_holds_p_microbatches():
     flight = in_flight(cfg.schedule, 4, 8, 1)
     assert flight == (4, 3, 2, 1)
     r0 = rank_memory(model, cfg, plan_stages(model, cfg), flight)[0]
-    per_layer = layer_activation_bytes(seq=1024, micro_batch=2, hidden=1024, heads=16, tp=2)
+    per_layer = layer_activation_bytes(seq=1024, micro_batch=2, hidden=1024, heads=16, tp=2, dropout=False)
+    # without dropout no masks (2sbh) and only the softmax of the scores (2as²b/t) are kept
+    sbh = 1024 * 2 * 1024
+    assert per_layer == pytest.approx(sbh * (8 + 24 / 2 + 2 * 16 * 1024 / (1024 * 2)))
     assert r0.activation_bytes == pytest.approx(4 * 4 * per_layer)
     h, t = 1024, 2
     params = 4 * (12 * h * h / t + 7 * h / t + 6 * h) + 51200 * h / t + 1024 * h

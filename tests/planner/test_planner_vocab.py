@@ -173,7 +173,8 @@ def test_a_small_head_keeps_it_on_the_last_stage(capsys, tmp_path):
     add_plan_arguments(p)
     args = p.parse_args(["--model", "gpt-18b", "--gpus", "256", "--global-batch", "1024", "--top", "8",
                          "--vocab-passes", "search", "--schedules", "1f1b,zb-h1", "--json", str(out),
-                         "--dropout", "on"])  # as the registry's shape (the paper's setting) below
+                         "--dropout", "on", "--no-sp", "--zero", "0",  # as PlannerOptions() below
+                         "--unfused-attention"])  # the registry's shape: the paper's kernels
     assert run_plan(args) == 0
     text = capsys.readouterr().out
     assert text.startswith("fxpipe plan: captured gpt-18b on meta")  # the shape read off its graph
