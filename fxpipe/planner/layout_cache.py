@@ -57,10 +57,11 @@ def search_key(program: Program, batch_specs: list, world: int, base: ParallelCo
         hardware = _digest(dataclasses.asdict(get_hardware(base.hardware)))
     except (ValueError, OSError):
         hardware = base.hardware
-    return {"graph": _digest([graph, params]), "batch": [[list(s), d] for s, d in batch_specs],
+    key = {"graph": _digest([graph, params]), "batch": [[list(s), d] for s, d in batch_specs],
             "world": world, "hardware": hardware, "base": repr(base),
             "pinned": sorted((k, repr(v)) for k, v in pinned.items()), "threads": threads,
             "concurrent": concurrent, "fxpipe": fxpipe.__version__}
+    return json.loads(json.dumps(key))  # as it reads back: tuples are lists in JSON
 
 
 def _layout_fields(config: ParallelConfig) -> dict[str, Any]:
