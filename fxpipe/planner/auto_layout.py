@@ -218,7 +218,10 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
     base = dataclasses.replace(base, **{f: pinned[f] for f in MEMORY_FIELDS if f in pinned})
     fixed = frozenset(pinned)
     measure = base.costs == "measure" and not any(p.is_meta for p in model.parameters())
-    costs = CaptureCosts(model, batch, base, loss_fn, measure, threads)
+    costs = CaptureCosts(model, batch, base, loss_fn, measure, threads,
+                         None if progress is None else lambda what: print(
+                             f"fxpipe: layout search: timed {what} ({time.perf_counter() - start:.1f} s)",
+                             file=sys.stderr, flush=True))
     priced, refused, needs_over_limit = [], [], []
     limit = base.memory_limit_bytes
     # m = rows / dp is always a candidate: the one-row capture is needed anyway.
@@ -242,8 +245,8 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
         if not exhaustive and bounds[index] > best:
             stopped = "bound"
             break
-        if done >= budget.max_layouts or time.perf_counter() - start > budget.seconds:
-            stopped = "budget"
+        if priced and (done >= budget.max_layouts or time.perf_counter() - start > budget.seconds):
+            stopped = "budget"  # never before one layout is priced: a search always answers
             break
         if progress is not None:
             progress(done, len(order))

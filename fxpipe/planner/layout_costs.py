@@ -30,6 +30,9 @@ from fxpipe.planner.layout_price import tp_collective_times
 PREFIX_END = "cost"
 """The last pass of the prefix layouts share; a layout's compile resumes after it."""
 RESUME_AT = "device"
+ENOUGH_S = 0.5
+"""Seconds of recorded timing after which a shape is not timed again (``time_groups``'s
+``enough_s``): the search times a dozen shapes, and the large ones are steady in one repeat."""
 
 
 class CaptureCosts:
@@ -37,8 +40,10 @@ class CaptureCosts:
     shapes (``fxpipe/costs/local.py``) — once, shared by every layout that needs them."""
 
     def __init__(self, model: nn.Module, batch: tuple[torch.Tensor, ...], base: ParallelConfig,
-                 loss_fn: Callable | None, measure: bool, threads: int | None) -> None:
+                 loss_fn: Callable | None, measure: bool, threads: int | None,
+                 progress: Callable[[str], None] | None = None) -> None:
         self.model, self.batch, self.base, self.loss_fn = model, batch, base, loss_fn
+        self.progress = progress
         self.measure, self.threads = measure, threads
         self.programs: dict[int, Program] = {}
         self.timed: dict[tuple[int, bool, int], LocalTimes | None] = {}
@@ -124,6 +129,8 @@ class CaptureCosts:
         key = (config.tp, config.sp, rows)
         if key not in self.timed:
             self.timed[key] = self._time(dataclasses.replace(config, ep=1, zero=0, recompute="none"), rows)
+            if self.progress is not None:
+                self.progress(f"tp={config.tp}{' sp' if config.sp else ''} b={rows}, shape {len(self.timed)}")
         return self.timed[key]
 
     def vocab_passes(self, compiled: CompiledPipeline) -> tuple[float, float] | None:
@@ -156,7 +163,8 @@ class CaptureCosts:
         try:
             with self._threads():
                 return measure_locally(program, program.partition_config or CompileContext.of(config).partition,
-                                       tuple(t[:rows] for t in self.batch), shards.tensors, tp=config.tp)
+                                       tuple(t[:rows] for t in self.batch), shards.tensors, tp=config.tp,
+                                       enough_s=ENOUGH_S)
         except Exception as exc:  # noqa: BLE001 - a graph that cannot run alone keeps the cost model
             self.notes.append(f"tp={config.tp}{' sp' if config.sp else ''} b={rows}: timing failed ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0][:120] if str(exc) else ''}), cost model used")
