@@ -19,18 +19,22 @@ def tiny():
     return build_workload("gpt-tiny", batch=2, seq=8)
 
 
+M2 = {"num_microbatches": 2}
+
+
 @pytest.fixture(scope="module")
 def exhaustive(tiny):
-    # Two ranks sharing one core: the concurrency term of the bound is exercised too.
+    # Two ranks sharing one core: the concurrency term of the bound is exercised too. Two
+    # microbatches: every schedule and head mode of pp = 2, and tp = 2 (16 layouts).
     base = ParallelConfig(costs="model", hardware="cpu")
     return base, search_layout(tiny.model, tiny.example_inputs, 2, loss_fn=tiny.loss_fn, base=base,
-                               exhaustive=True, concurrent=1)
+                               exhaustive=True, concurrent=1, pinned=M2)
 
 
 def test_the_bound_is_below_every_layouts_price(tiny, exhaustive):
     base, found = exhaustive
     costs = CaptureCosts(tiny.model, tuple(tiny.example_inputs), base, tiny.loss_fn, False, None)
-    candidates = list(candidate_layouts(2, 2, base))
+    candidates = list(candidate_layouts(2, 2, base, M2))
     bounds = _bounds(candidates, 2, costs, frozenset(), None, 1, [])
     priced = {describe(p.config): p.step_s for p in found.ranked}
     pairs = [(bounds[i], priced[describe(c)]) for i, c in enumerate(candidates) if describe(c) in priced]
@@ -42,7 +46,8 @@ def test_the_bound_is_below_every_layouts_price(tiny, exhaustive):
 
 def test_the_pruned_search_chooses_what_pricing_every_layout_chooses(tiny, exhaustive):
     base, found = exhaustive
-    pruned = search_layout(tiny.model, tiny.example_inputs, 2, loss_fn=tiny.loss_fn, base=base, concurrent=1)
+    pruned = search_layout(tiny.model, tiny.example_inputs, 2, loss_fn=tiny.loss_fn, base=base, concurrent=1,
+                           pinned=M2)
     assert pruned.chosen == found.chosen  # config, step, memory: the same layout priced the same
     assert pruned.pruned > 0 and pruned.stopped == "bound"
     assert len(pruned.ranked) < len(found.ranked)
