@@ -61,9 +61,10 @@ SEARCHED = LAYOUT_FIELDS + MEMORY_FIELDS
 
 @dataclass(frozen=True)
 class SearchBudget:
-    """How much pricing a search may do: layouts priced, and seconds."""
+    """How much pricing a search may do: layouts priced, and seconds from the first
+    (after the shapes are timed and the bounds known)."""
     max_layouts: int = 2000
-    seconds: float = 120.0
+    seconds: float = 30.0
 
 
 class HeadMode(enum.Enum):
@@ -238,14 +239,14 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
     order = sorted((i for i in range(len(candidates)) if exhaustive or i in bounds),
                    key=lambda i: (bounds.get(i, 0.0), i))
     heads_cut: dict[tuple, bool] = {}
-    best, stopped = float("inf"), ""
+    best, stopped, pricing = float("inf"), "", time.perf_counter()
     done = 0
     for done, index in enumerate(order):
         config = candidates[index]
         if not exhaustive and bounds[index] > best:
             stopped = "bound"
             break
-        if priced and (done >= budget.max_layouts or time.perf_counter() - start > budget.seconds):
+        if priced and (done >= budget.max_layouts or time.perf_counter() - pricing > budget.seconds):
             stopped = "budget"  # never before one layout is priced: a search always answers
             break
         if progress is not None:

@@ -22,6 +22,7 @@ from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.pass_results import ModelStats
 from fxpipe.ir.program import Program
 from fxpipe.params.rank_state import ShardBuilder
+from fxpipe.partition import PartitionError
 from fxpipe.passes.assign_stages import build_problem_graph
 from fxpipe.passes.vocab_head import head_nodes
 from fxpipe.planner.layout_bound import ShapeWork
@@ -48,8 +49,8 @@ class CaptureCosts:
         self.programs: dict[int, Program] = {}
         self.timed: dict[tuple[int, bool, int], LocalTimes | None] = {}
         self.passes: dict[tuple, tuple[float, float]] = {}
-        self.prefixes: dict[tuple, Program] = {}
-        self.works: dict[tuple, ShapeWork] = {}
+        self.prefixes: dict[tuple, Program | Exception] = {}
+        self.works: dict[tuple, ShapeWork | Exception] = {}
         self.notes: list[str] = []
 
     def program(self, rows: int) -> Program:
@@ -64,9 +65,15 @@ class CaptureCosts:
         (``model_stats`` counts them for m·dp microbatches)."""
         ctx = CompileContext.of(config)
         key = (rows, ctx.tensor_parallel, ctx.expert_parallel)
+        if isinstance(self.prefixes.get(key), Exception):
+            raise self.prefixes[key]  # a shape the passes refuse is refused once, not once per layout
         if key not in self.prefixes:
-            first = compile_program(self.program(rows), dataclasses.replace(config, costs="model"),
-                                    until=PREFIX_END).program
+            try:
+                first = compile_program(self.program(rows), dataclasses.replace(config, costs="model"),
+                                        until=PREFIX_END).program
+            except (ValueError, PartitionError) as exc:
+                self.prefixes[key] = exc
+                raise
             per = first.model_stats.flops_per_step // (config.num_microbatches * config.replicas)
             self.prefixes[key] = first.replace(model_stats=dataclasses.replace(first.model_stats, flops_per_step=per))
         program = self.prefixes[key]
@@ -85,26 +92,36 @@ class CaptureCosts:
     def work(self, config: ParallelConfig, rows: int) -> ShapeWork:
         """The body's work at ``config``'s shape, for the search's bound (``layout_bound.py``)."""
         key = (config.tp, config.sp, config.ep, rows)
+        if isinstance(self.works.get(key), Exception):
+            raise self.works[key]  # a shape that does not compile fails once, not once per layout
         if key not in self.works:
-            bare = dataclasses.replace(config, zero=0, recompute="none")
-            program = self.prefix(bare, rows)
-            pconfig = CompileContext.of(bare).partition
-            head = head_nodes(program)
-            fine = build_problem_graph(program, dataclasses.replace(pconfig, node_times=None))
-            timed = self._timed(bare, rows)
-            body = [n for n in fine.nodes if n not in head]
-            if timed is not None:
-                fused = [timed.fused.get(n, (fine.nodes[n]["fwd"] * timed.scale[0],
-                                             fine.nodes[n]["bwd"] * timed.scale[1])) for n in body]
-                split = [timed.split.get(n, f) for n, f in zip(body, fused)]
-            else:
-                fused = split = [(fine.nodes[n]["fwd"], fine.nodes[n]["bwd"]) for n in body]
-            hw = pconfig.hardware
-            comm_f, comm_b = tp_collective_times(program, config.tp, hw, 1, skip=head)
-            self.works[key] = ShapeWork(forward_s=sum(f for f, _ in fused), backward_s=sum(b for _, b in fused),
-                                        backward_split_s=sum(b for _, b in split), tp_comm_s=comm_f[0] + comm_b[0],
-                                        params=sum(fine.nodes[n]["params"] for n in body))
+            try:
+                self.works[key] = self._work(config, rows)
+            except (ValueError, PartitionError) as exc:
+                self.works[key] = exc
+                raise
         return self.works[key]
+
+    def _work(self, config: ParallelConfig, rows: int) -> ShapeWork:
+        """``work``'s computation: the body's node times summed, its collectives, its parameters."""
+        bare = dataclasses.replace(config, zero=0, recompute="none")
+        program = self.prefix(bare, rows)
+        pconfig = CompileContext.of(bare).partition
+        head = head_nodes(program)
+        fine = build_problem_graph(program, dataclasses.replace(pconfig, node_times=None))
+        timed = self._timed(bare, rows)
+        body = [n for n in fine.nodes if n not in head]
+        if timed is not None:
+            fused = [timed.fused.get(n, (fine.nodes[n]["fwd"] * timed.scale[0],
+                                         fine.nodes[n]["bwd"] * timed.scale[1])) for n in body]
+            split = [timed.split.get(n, f) for n, f in zip(body, fused)]
+        else:
+            fused = split = [(fine.nodes[n]["fwd"], fine.nodes[n]["bwd"]) for n in body]
+        hw = pconfig.hardware
+        comm_f, comm_b = tp_collective_times(program, config.tp, hw, 1, skip=head)
+        return ShapeWork(forward_s=sum(f for f, _ in fused), backward_s=sum(b for _, b in fused),
+                         backward_split_s=sum(b for _, b in split), tp_comm_s=comm_f[0] + comm_b[0],
+                         params=sum(fine.nodes[n]["params"] for n in body))
 
     def hooks(self, config: ParallelConfig, rows: int) -> CompileHooks:
         if not self.measure:
