@@ -19,6 +19,11 @@ the vocabulary passes' S and T as timed at their block, and the cores the ranks 
 plus the schedule's activations in flight). Fields the caller pins constrain the search;
 a pin nothing fits is refused naming the smallest change that does.
 
+Layouts are priced in order of a lower bound on their price (``layout_bound.py``) from
+compiles that resume after a prefix shared per shape (``layout_costs.py``), and the search
+stops where the bound exceeds the best price: the choice is exhaustive pricing's. A
+result can be remembered on disk (``layout_cache.py``).
+
 Where the graph has grouped experts (an MoE), expert parallelism is a dimension too
 (ep dividing dp, at tp = 1). ZeRO-1, sequence parallelism and recomputation
 (``MEMORY_FIELDS``) are tried where a layout does not fit the memory limit without
