@@ -9,6 +9,7 @@ import pytest
 
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.models.registry import build_workload
+from fxpipe.planner import layout_cache
 from fxpipe.planner.auto_layout import _bounds, candidate_layouts, search_layout
 from fxpipe.planner.layout_costs import CaptureCosts
 from fxpipe.planner.layout_price import describe
@@ -54,27 +55,47 @@ def test_the_pruned_search_chooses_what_pricing_every_layout_chooses(tiny, exhau
     assert "layouts not priced: their lower bound exceeds the best price" in pruned.table()
 
 
-def test_a_search_is_cached_and_a_bad_cache_is_searched_again(tiny, tmp_path, monkeypatch):
+def test_a_search_is_cached_and_a_bad_cache_is_ignored(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
     base = ParallelConfig(costs="model", hardware="cpu")
-    search = lambda **kw: search_layout(tiny.model, tiny.example_inputs, 2, loss_fn=tiny.loss_fn,  # noqa: E731
-                                        base=base, cache=True, **kw)
     pp1 = {"pp": 1}  # the few layouts without a pipeline: the cache is what is tested
-    first = search(pinned=pp1)
+    search = lambda: search_layout(tiny.model, tiny.example_inputs, 2, loss_fn=tiny.loss_fn,  # noqa: E731
+                                   base=base, cache=True, pinned=pp1)
+    first = search()
     files = list((tmp_path / "layouts").glob("*.json"))
     assert len(files) == 1 and not first.cached
-    again = search(pinned=pp1)
+    again = search()
     assert again.cached and again.chosen == first.chosen
     assert [p.step_s for p in again.ranked] == [p.step_s for p in first.ranked[:len(again.ranked)]]
     assert "layout search cached" in again.table()
-    other = search(pinned={"pp": 1, "tp": 2})  # another key: searched, and a second file
-    assert not other.cached and other.chosen.config.tp == 2 and len(list((tmp_path / "layouts").glob("*"))) == 2
     body = json.loads(files[0].read_text())
-    body["rows"][0]["layout"]["tp"] = 2  # tampered: the digest no longer matches
-    files[0].write_text(json.dumps(body))
-    with pytest.warns(UserWarning, match="digest does not match"):
-        redone = search(pinned=pp1)
-    assert not redone.cached and redone.chosen == first.chosen
-    files[0].write_text("\x80 not json")
-    with pytest.warns(UserWarning, match="ignoring the layout search cache"):
-        assert not search(pinned=pp1).cached
+    key, text = body["key"], files[0].read_text()
+    # Another pin, another world: another key (another file).
+    program = CaptureCosts(tiny.model, tuple(tiny.example_inputs), base, tiny.loss_fn, False, None).program(1)
+    batch = [(t.shape, str(t.dtype)) for t in tiny.example_inputs]
+    same = layout_cache.search_key(program, batch, 2, base, pp1, None, None)
+    assert same == key
+    assert layout_cache.search_key(program, batch, 2, base, {"pp": 2}, None, None) != key
+    assert layout_cache.search_key(program, batch, 4, base, pp1, None, None) != key
+
+    def rejected(content: str, why: str) -> None:
+        files[0].write_text(content)
+        with pytest.warns(UserWarning, match=why):
+            assert layout_cache.load(files[0], key, base) is None
+
+    tampered = json.loads(text)
+    tampered["rows"][0]["layout"]["tp"] = 2
+    rejected(json.dumps(tampered), "digest does not match")
+    digest = lambda b: {**b, "digest": layout_cache._digest(b)}  # noqa: E731 - a forger's valid digest
+    bad = {k: v for k, v in json.loads(text).items() if k != "digest"}
+    bad["rows"][0]["layout"]["tp"] = "2"
+    rejected(json.dumps(digest(bad)), "not a small non-negative integer")
+    bad = {k: v for k, v in json.loads(text).items() if k != "digest"}
+    bad["rows"][0]["layout"]["schedule"] = "no-such-schedule"
+    rejected(json.dumps(digest(bad)), "ignoring the layout search cache")
+    other = {k: v for k, v in json.loads(text).items() if k != "digest"}
+    other["key"] = {**key, "world": 4}
+    rejected(json.dumps(digest(other)), "written for another search")
+    rejected("\x80 not json", "ignoring the layout search cache")
+    files[0].write_text(text)
+    assert layout_cache.load(files[0], key, base) is not None  # the file as written still reads
