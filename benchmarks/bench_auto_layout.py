@@ -1,21 +1,36 @@
-"""The layout search against measurement: every layout of a world, predicted and timed.
+"""The layout search against measurement: layouts of a world, predicted and timed, under
+workloads where different layouts win.
 
-    .venv/bin/python benchmarks/bench_auto_layout.py [--world 2] [--models gpt-tiny hf:llama ...] [--hardware H]
+    .venv/bin/python benchmarks/bench_auto_layout.py [--world 2] [--models gpt-tiny deep-narrow ...]
+        [--workloads m4 m8 m16 batch1 memlimit] [--top 5] [--sample 3] [--rounds 5] [--max-minutes 10]
 
-For each model the search (``fxpipe/planner/auto_layout.py``) prices every layout of
-``--world`` ranks for one global batch; then every layout it priced is built with
-``fxpipe.parallelize`` in one gloo world (the same config the search priced: measured or modelled costs,
-chain-DP partition) and trained for ``--steps`` steps per round, in ``--rounds``
-interleaved rounds (every layout once per round, so drift hits all alike). The table
-shows each layout's measured median step beside the prediction, the search's choice
-against the best measured layout, and the Spearman rank correlation of predicted and
-measured times. CPU figures: only ratios mean anything here.
+For each model and workload the search (``fxpipe/planner/auto_layout.py``) prices every
+layout of ``--world`` ranks for the workload's global batch (``exhaustive``: nothing
+pruned, so every layout has a prediction); the ``--top`` fastest predicted and a
+``--sample`` of the rest (seeded) are built with ``fxpipe.parallelize`` in one gloo world
+(the config the search priced: measured costs, chain-DP partition) and trained for
+``--steps`` steps per round, in ``--rounds`` rounds, every layout once per round and the
+order rotated by one each round (so drift and a neighbour's load hit all alike); medians.
+Per model and workload: the chosen layout's measured step over the best measured one,
+the median |predicted − measured| / measured, Spearman's ρ and Kendall's τ-b
+(``rank_stats.py``). The workloads (global batch ``--batch`` × ``--seq``):
+
+- ``m4``, ``m8``, ``m16``: the microbatches pinned at 4, 8, 16 (gradient accumulation
+  as users set it), everything else searched;
+- ``batch1``: a global batch of one sequence (no data parallelism possible);
+- ``memlimit``: a memory limit between the largest-memory pipeline layout's need and the
+  smallest data-parallel one's (memory savers included), which rules data parallelism out.
+
+``--max-minutes`` bounds the run: model/workload pairs not started by then are listed as
+skipped. CPU figures: the machine, its cores and its load are printed with the table.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
+import random
 import socket
 import statistics
 import sys
@@ -28,22 +43,36 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.rank_stats import kendall_tau_b, median_relative_error, spearman  # noqa: E402
 from fxpipe.ir.parallel_config import ParallelConfig  # noqa: E402
 from fxpipe.models.registry import build_workload  # noqa: E402
+from fxpipe.models.workload import Workload  # noqa: E402
 from fxpipe.planner.auto_layout import SEARCHED, search_layout  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_auto_layout.txt")
+MODELS = ("gpt-tiny", "deep-narrow", "wide-vocab", "zoo:moe", "zoo:llama3", "hf:gpt2")
+"""A registry GPT; 12 layers of width 32; V = 8192 over width 64; an MoE (zoo, outside
+transformers); grouped-query attention with a gated MLP (zoo, outside transformers); a
+Hugging Face GPT-2 (tied head)."""
+WORKLOADS = ("m4", "m8", "m16", "batch1", "memlimit")
 
 
-def wide_gpt():
-    """A model whose LM head dominates (V = 16384 over width 64, two layers), for
-    ``--models bench_auto_layout:wide_gpt``: a batch of 8 sequences of 64 tokens."""
+def _gpt(layers: int, width: int, vocab: int, batch: int, seq: int) -> Workload:
     from fxpipe.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=16384, block_size=64, n_layer=2, n_head=4, n_embd=64))
-    ids = torch.randint(0, 16384, (8, 65))
-    return model, (ids[:, :-1], ids[:, 1:])
+    model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=4, n_embd=width))
+    ids = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    return Workload(model, (ids[:, :-1].contiguous(), ids[:, 1:].contiguous()), None, None, vocab_size=vocab)
+
+
+LOCAL = {"deep-narrow": lambda b, s: _gpt(12, 32, 256, b, s), "wide-vocab": lambda b, s: _gpt(2, 64, 8192, b, s)}
+
+
+def workload(name: str, batch: int, seq: int) -> Workload:
+    if name in LOCAL:
+        return LOCAL[name](batch, seq)
+    return build_workload(name, batch=batch, seq=seq, seed=0)
 
 
 def _port() -> int:
@@ -59,21 +88,22 @@ def _worker(rank: int, world: int, port: int, args, layouts: list[dict], out: di
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
     import fxpipe
 
-    w = build_workload(args.model, batch=args.batch, seq=args.seq, seed=0)
+    w = workload(args.model, args.rows, args.seq)
     models = []
     for fields in layouts:
-        model = build_workload(args.model, batch=args.batch, seq=args.seq, seed=0).model
-        pm = fxpipe.parallelize(model, example_inputs=w.example_inputs, loss_fn=w.loss_fn, costs=args.costs,
-                                partition="dp", hardware=args.hardware, **fields)
+        model = workload(args.model, args.rows, args.seq).model
+        pm = fxpipe.parallelize(model, example_inputs=w.example_inputs, loss_fn=w.loss_fn, costs="measure",
+                                partition="dp", **fields)
         pm.train_step(w.example_inputs)  # warm-up: first-step allocations
         models.append(pm)
     times: list[list[float]] = [[] for _ in layouts]
-    for _ in range(args.rounds):
-        for i, pm in enumerate(models):
+    for r in range(args.rounds):
+        for k in range(len(models)):
+            i = (k + r) % len(models)  # the order rotated each round
             for _ in range(args.steps):
                 dist.barrier()
                 start = time.perf_counter()
-                pm.train_step(w.example_inputs)
+                models[i].train_step(w.example_inputs)
                 times[i].append(time.perf_counter() - start)
     if rank == 0:
         out["times"] = [statistics.median(t) for t in times]
@@ -82,78 +112,122 @@ def _worker(rank: int, world: int, port: int, args, layouts: list[dict], out: di
     dist.destroy_process_group()
 
 
-def _spearman(a: list[float], b: list[float]) -> float:
-    def ranks(xs):
-        order = sorted(range(len(xs)), key=lambda i: xs[i])
-        r = [0.0] * len(xs)
-        for k, i in enumerate(order):
-            r[i] = float(k)
-        return r
-    ra, rb = ranks(a), ranks(b)
-    n = len(a)
-    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1)) if n > 1 else 1.0
-
-
-def bench(args) -> list[str]:
-    w = build_workload(args.model, batch=args.batch, seq=args.seq, seed=0)
+def _search(args, w: Workload, memory_limit_gb: float | None = None):
+    pinned = {"num_microbatches": int(args.workload[1:])} if args.workload in ("m4", "m8", "m16") else {}
+    cores = os.cpu_count() or 1
     # The ranks run one thread each (_worker): the search times compute as they will run it,
     # and with more ranks than cores it prices the cores they share.
-    cores = os.cpu_count() or 1
-    found = search_layout(w.model, w.example_inputs, args.world, loss_fn=w.loss_fn,
-                          base=ParallelConfig(costs=args.costs, hardware=args.hardware), threads=1,
-                          concurrent=cores if args.world > cores else None)
-    layouts = [{f: getattr(p.config, f) for f in SEARCHED} for p in found.ranked]
+    return search_layout(w.model, w.example_inputs, args.world, loss_fn=w.loss_fn,
+                         base=ParallelConfig(memory_limit_gb=memory_limit_gb), pinned=pinned, threads=1,
+                         concurrent=cores if args.world > cores else None, exhaustive=True)
+
+
+def _memory_limit(found) -> float | None:
+    """Between the largest pipeline layout's need and the smallest data-parallel one's."""
+    dp = [p.memory_bytes for p in found.ranked if p.config.replicas > 1]
+    other = [p.memory_bytes for p in found.ranked if p.config.replicas == 1]
+    if not dp or not other or min(other) >= min(dp):
+        return None
+    return (min(other) + min(dp)) / 2 / 2**30
+
+
+def bench(args) -> tuple[list[str], dict]:
+    rows = 1 if args.workload == "batch1" else args.batch
+    args = argparse.Namespace(**{**vars(args), "rows": rows})
+    w = workload(args.model, rows, args.seq)
+    found = _search(args, w)
+    note = ""
+    if args.workload == "memlimit":
+        limit = _memory_limit(found)
+        if limit is None:
+            return [f"## {args.model} memlimit: no limit separates data parallelism (skipped)"], {}
+        found = _search(args, w, memory_limit_gb=limit)
+        note = f", memory limit {limit * 2**10:.2f} MiB"
+    ranked = list(found.ranked)
+    rest = list(range(args.top, len(ranked)))
+    picked = list(range(min(args.top, len(ranked)))) + sorted(random.Random(0).sample(rest, min(args.sample,
+                                                                                               len(rest))))
+    layouts = [{f: getattr(ranked[i].config, f) for f in SEARCHED} for i in picked]
     layouts = [dict(f, microbatches=f.pop("num_microbatches")) for f in layouts]
     with mp.Manager() as manager:
         out = manager.dict()
         mp.start_processes(_worker, args=(args.world, _port(), args, layouts, out), nprocs=args.world,
                            start_method="spawn")
         measured = list(out["times"])
-    predicted = [p.step_s for p in found.ranked]
+    predicted = [ranked[i].step_s for i in picked]
     best = min(range(len(measured)), key=measured.__getitem__)
-    lines = [f"## {args.model}, world {args.world}, batch {args.batch}x{args.seq}, hardware {args.hardware}: "
-             f"{len(layouts)} layouts, costs {args.costs} "
-             f"(search {found.seconds:.1f} s; {len(found.refused)} refused)",
-             f"{'layout':<44} {'predicted ms':>12} {'measured ms':>12}"]
-    for i, p in enumerate(found.ranked):
-        mark = "chosen" if i == 0 else ("best measured" if i == best else "")
-        lines.append(f"{p.describe():<44} {1e3 * predicted[i]:12.2f} {1e3 * measured[i]:12.2f}  {mark}")
-    lines.append(f"chosen measured {1e3 * measured[0]:.2f} ms, best measured {1e3 * measured[best]:.2f} ms "
-                 f"({found.ranked[best].describe()}): chosen / best = {measured[0] / measured[best]:.3f}; "
-                 f"Spearman rank correlation predicted vs measured {_spearman(predicted, measured):.3f}")
+    stats = dict(ratio=measured[0] / measured[best], error=median_relative_error(predicted, measured),
+                 rho=spearman(predicted, measured), tau=kendall_tau_b(predicted, measured),
+                 predicted=predicted, measured=measured, chosen=ranked[0].describe(),
+                 best=ranked[picked[best]].describe(), n=len(picked), priced=len(ranked), search=found.seconds)
+    lines = [f"## {args.model} / {args.workload}: world {args.world}, batch {rows}x{args.seq}{note}; "
+             f"{len(ranked)} layouts priced ({len(found.refused)} refused), {len(picked)} measured "
+             f"(top {args.top} + {len(picked) - min(args.top, len(ranked))} sampled); search {found.seconds:.1f} s",
+             f"{'layout':<52} {'predicted ms':>12} {'measured ms':>12}"]
+    for k, i in enumerate(picked):
+        mark = "chosen" if k == 0 else ("best measured" if k == best else "")
+        lines.append(f"{ranked[i].describe():<52} {1e3 * predicted[k]:12.2f} {1e3 * measured[k]:12.2f}  {mark}")
+    lines.append(f"chosen / best measured {stats['ratio']:.3f}; median |pred - meas| / meas {stats['error']:.3f}; "
+                 f"Spearman {stats['rho']:.3f}; Kendall tau-b {stats['tau']:.3f}")
+    return lines, stats
+
+
+def _summary(results: dict) -> list[str]:
+    """The markdown table: one row per model/workload, and per model its pooled figures."""
+    lines = ["| model | workload | measured / priced | chosen | best measured | chosen / best | median err | "
+             "Spearman | Kendall |", "|---|---|---|---|---|---|---|---|---|"]
+    for (model, wl), st in results.items():
+        lines.append(f"| {model} | {wl} | {st['n']} / {st['priced']} | {st['chosen']} | {st['best']} | "
+                     f"{st['ratio']:.3f} | {st['error']:.3f} | {st['rho']:.3f} | {st['tau']:.3f} |")
+    for model in dict.fromkeys(m for m, _ in results):
+        mine = [st for (m, _), st in results.items() if m == model]
+        rho = statistics.median(st["rho"] for st in mine)
+        err = median_relative_error([p for st in mine for p in st["predicted"]],
+                                    [x for st in mine for x in st["measured"]])
+        lines.append(f"| {model} | all | | | | worst {max(st['ratio'] for st in mine):.3f} | {err:.3f} | "
+                     f"median {rho:.3f} | |")
     return lines
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--models", nargs="+", default=["gpt-tiny", "hf:llama", "hf:gpt2", "zoo:moe", "zoo:llama3",
-                                                    "bench_auto_layout:wide_gpt"],
-                   help="registry names, or module:function (bench_auto_layout:wide_gpt: a large vocabulary; "
-                        "its batch is fixed at 8x64); default: a registry GPT, an untied and a tied HF model, "
-                        "an MoE, a zoo Llama and a large vocabulary")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--models", nargs="+", default=list(MODELS),
+                   help=f"registry names, or {', '.join(LOCAL)} (default: %(default)s)")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--batch", type=int, default=16, help="global batch rows (batch1: 1)")
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--top", type=int, default=5, help="the fastest predicted layouts measured")
+    p.add_argument("--sample", type=int, default=3, help="layouts measured from the rest, seeded")
+    p.add_argument("--steps", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--max-minutes", type=float, default=10.0, help="start no model/workload after this")
     p.add_argument("--output", default=RESULTS, help="results file (default: %(default)s)")
-    p.add_argument("--costs", default="measure", choices=("measure", "model"),
-                   help="what the search prices compute by, and the layouts are partitioned on: timed at each "
-                        "layout's shard shapes, or the cost model with --hardware (default: %(default)s)")
-    p.add_argument("--hardware", default="cpu",
-                   help="the cost model's preset or a `fxpipe calibrate` profile (default: %(default)s)")
     args = p.parse_args()
-    head = (f"# bench_auto_layout — {time.strftime('%Y-%m-%d')}, {platform.machine()} {os.cpu_count()} cpus, "
-            f"torch {torch.__version__}; command: benchmarks/bench_auto_layout.py {' '.join(sys.argv[1:])}")
-    lines = [head]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    head = (f"# bench_auto_layout — {time.strftime('%Y-%m-%d %H:%M')}, {platform.machine()} {os.cpu_count()} cpus, "
+            f"load {load:.1f} at start, torch {torch.__version__}; command: benchmarks/bench_auto_layout.py "
+            f"{' '.join(sys.argv[1:])}")
+    lines, results, skipped, start = [head], {}, [], time.perf_counter()
     print(head, flush=True)
     for model in args.models:
-        for line in bench(argparse.Namespace(**{**vars(args), "model": model})):
-            print(line, flush=True)
-            lines.append(line)
+        for wl in args.workloads:
+            if time.perf_counter() - start > 60 * args.max_minutes:
+                skipped.append(f"{model}/{wl}")
+                continue
+            got, stats = bench(argparse.Namespace(**{**vars(args), "model": model, "workload": wl}))
+            print("\n".join(got), flush=True)
+            lines += got
+            if stats:
+                results[(model, wl)] = stats
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    tail = [f"# {time.perf_counter() - start:.0f} s, load {load:.1f} at the end"] + _summary(results)
+    if skipped:
+        tail.append(f"skipped (--max-minutes {args.max_minutes:g}): {', '.join(skipped)}")
+    print("\n".join(tail), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write("\n".join(lines + tail) + "\n")
 
 
 if __name__ == "__main__":

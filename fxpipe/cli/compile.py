@@ -90,14 +90,14 @@ def _searched(layout: ParallelConfig, args: argparse.Namespace, workload) -> tup
     import dataclasses
 
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
-    from fxpipe.planner.auto_layout import SEARCHED, report_progress, search_layout
+    from fxpipe.planner.auto_layout import SEARCHED, cache_enabled, report_progress, search_layout
     from fxpipe.planner.layout_price import local_world
 
     pinned = {f: getattr(layout, f) for f in given(args, LAYOUT_FLAGS) if f in SEARCHED}
     threads, concurrent = local_world(args.world)  # as fxpipe run would start the ranks here
     found = search_layout(workload.model, workload.example_inputs, args.world, loss_fn=workload.loss_fn,
                           base=layout, pinned=pinned, threads=threads, concurrent=concurrent,
-                          progress=report_progress)
+                          progress=report_progress, cache=cache_enabled())
     print(found.table())
     print()
     chosen = dataclasses.replace(layout, **{f: getattr(found.chosen.config, f) for f in SEARCHED})

@@ -71,13 +71,18 @@ def capture_for(model: nn.Module, microbatch: Sequence[torch.Tensor], config: Pa
 
 def compile_program(program: Program, config: ParallelConfig, *, device: torch.device | str = "cpu",
                     hooks: CompileHooks = CompileHooks(), skip: Iterable[str] = (), until: str | None = None,
-                    debug: bool = False) -> CompiledPipeline:
-    """Run the pipeline on a captured Program (``until``: stop after that pass)."""
+                    resume: str | None = None, debug: bool = False) -> CompiledPipeline:
+    """Run the pipeline on a captured Program (``until``: stop after that pass; ``resume``:
+    start at that pass, ``program`` having been through the ones before it — a prefix
+    the layout search shares between the layouts that agree on what those passes read)."""
     passes, names = pass_list.PIPELINE, pass_names(pass_list.PIPELINE)
+    for name in (until, resume):
+        if name is not None and name not in names:
+            raise ValueError(f"unknown pass {name!r}; passes are: {', '.join(names)}")
     if until is not None:
-        if until not in names:
-            raise ValueError(f"unknown pass {until!r}; passes are: {', '.join(names)}")
         passes = passes[:names.index(until) + 1]
+    if resume is not None:
+        passes = passes[names.index(resume):]
     ctx = CompileContext.of(config, device=device, hooks=hooks)
     schedule = ctx.schedule
     out, timings = run_passes(program, ctx, passes=passes, skip=skip, debug=debug)

@@ -56,9 +56,11 @@ class LocalTimes:
 
 def measure_locally(program: Program, config: PartitionConfig, batch: Sequence[torch.Tensor],
                     state_for: Callable[[Sequence[str]], Mapping[str, torch.Tensor]], *, tp: int,
-                    device: torch.device = torch.device("cpu"), repeats: int = 3) -> LocalTimes:
+                    device: torch.device = torch.device("cpu"), repeats: int = 3,
+                    enough_s: float | None = None) -> LocalTimes:
     """Time ``program`` (after the tensor-parallel and cost passes, before any pipeline
-    split) group by group in this process; ``state_for(names)`` gives tp rank 0's shards."""
+    split) group by group in this process; ``state_for(names)`` gives tp rank 0's shards;
+    ``repeats``, ``enough_s``: as ``time_groups``."""
     keep_freed_blocks()  # as every CPU rank runs (base/cpu_memory.py)
     fine, probe = probe_groups(program, config)
     n = len(probe.members)
@@ -67,7 +69,8 @@ def measure_locally(program: Program, config: PartitionConfig, batch: Sequence[t
     names = list(dict.fromkeys(p for g in range(n) for p in plan.stage_params(g)))
     group, rng = ShapesOnlyGroup(tp), DropoutRNG(seed=0, tp_rank=0)
     context = (lambda: tp_group_context(group, rng)) if tp > 1 else contextlib.nullcontext
-    rows = time_groups(plan, range(n), state_for(names), batch, device, repeats=repeats, context=context)
+    rows = time_groups(plan, range(n), state_for(names), batch, device, repeats=repeats, context=context,
+                       enough_s=enough_s)
     profile = CostProfile(key="", device=device_name(device), groups=tuple(rows[g] for g in range(n)),
                           latency_s=0.0, bandwidth_bytes_per_s=float("inf"))
     fused, split = profile.node_times(fine, probe, False), profile.node_times(fine, probe, True)

@@ -69,10 +69,12 @@ class _Clock:
 
 def time_groups(plan: PipelinePlan, groups: range, state: Mapping[str, torch.Tensor],
                 batch: Sequence[torch.Tensor], device: torch.device, *, repeats: int = 3,
-                warmup: int = 1, context: Callable = None,
+                warmup: int = 1, context: Callable = None, enough_s: float | None = None,
                 progress: Callable[[str], None] | None = None) -> dict[int, tuple[float, float, float, float]]:
     """(fwd, bwd, input, weight) median seconds of each stage in ``groups`` of ``plan``
-    (a plan with one stage per probe group); ``state`` holds their parameters."""
+    (a plan with one stage per probe group); ``state`` holds their parameters.
+    ``enough_s``: stop repeating once the recorded repeats took that long (at least one):
+    a large shape's timing is long enough to be steady, and the layout search times many."""
     import contextlib
     ctx = context or contextlib.nullcontext
     runners = {g: StageRunner(plan, plan.stages[g], state, loss_scale=1.0, context=ctx) for g in groups}
@@ -115,13 +117,18 @@ def time_groups(plan: PipelinePlan, groups: range, state: Mapping[str, torch.Ten
             if record:
                 samples[g]["weight"].append(clock() - t)
 
+    recorded = 0.0
     for i in range(warmup + repeats):
         record = i >= warmup
+        start = clock()
         for split in (False, True):
             forward_all(record)
             backward_all(record, split)
         if progress is not None and record:
             progress(f"costs: timed {len(groups)} groups, repeat {i - warmup + 1}/{repeats}")
+        recorded += clock() - start if record else 0.0
+        if enough_s is not None and recorded >= enough_s:
+            break
     for t in state.values():
         t.grad = None
     return {g: tuple(statistics.median(samples[g][p]) for p in PHASES) for g in groups}

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from fxpipe.data import DataStream
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.prepare import build_job
-from fxpipe.planner.auto_layout import SEARCHED, report_progress, search_layout
+from fxpipe.planner.auto_layout import SEARCHED, cache_enabled, report_progress, search_layout
 from fxpipe.planner.layout_price import local_world
 from fxpipe.runtime.launch import init_distributed
 
@@ -71,7 +71,7 @@ def _search(config: TrainConfig, world: int, pinned: Mapping[str, Any]) -> Train
           f"× {config.seq} tokens" + (f"; pinned: {', '.join(f'{k}={v}' for k, v in pinned.items())}" if pinned
                                        else "") + ")", flush=True)
     found = search_layout(w.model, batch, world, loss_fn=w.loss_fn, base=config.parallel, pinned=pinned,
-                          threads=threads, concurrent=concurrent, progress=report_progress)
+                          threads=threads, concurrent=concurrent, progress=report_progress, cache=cache_enabled())
     print(found.table(), flush=True)
     chosen = found.chosen.config
     parallel = dataclasses.replace(config.parallel, **{f: getattr(chosen, f) for f in SEARCHED})

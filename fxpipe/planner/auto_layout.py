@@ -19,6 +19,11 @@ the vocabulary passes' S and T as timed at their block, and the cores the ranks 
 plus the schedule's activations in flight). Fields the caller pins constrain the search;
 a pin nothing fits is refused naming the smallest change that does.
 
+Layouts are priced in order of a lower bound on their price (``layout_bound.py``) from
+compiles that resume after a prefix shared per shape (``layout_costs.py``), and the search
+stops where the bound exceeds the best price: the choice is exhaustive pricing's. A
+result can be remembered on disk (``layout_cache.py``).
+
 Where the graph has grouped experts (an MoE), expert parallelism is a dimension too
 (ep dividing dp, at tp = 1). ZeRO-1, sequence parallelism and recomputation
 (``MEMORY_FIELDS``) are tried where a layout does not fit the memory limit without
@@ -28,8 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -37,10 +44,11 @@ import torch
 import torch.nn as nn
 
 from fxpipe.base.recompute_mode import RecomputeMode
-from fxpipe.compiler.pipeline import compile_program
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.partition import Method, PartitionError
 from fxpipe.passes.expert_parallel import grouped_experts
+from fxpipe.planner import layout_cache
+from fxpipe.planner.layout_bound import lower_bound_s
 from fxpipe.planner.layout_costs import CaptureCosts
 from fxpipe.planner.layout_price import PricedLayout, describe, price
 from fxpipe.planner.search import divisors
@@ -55,6 +63,14 @@ MEMORY_FIELDS = ("zero", "sp", "recompute")
 only where a layout does not fit the memory limit without them (``memory_savers``)."""
 SEARCHED = LAYOUT_FIELDS + MEMORY_FIELDS
 """Every field the search decides; the rest of ``ParallelConfig`` is taken as given."""
+
+@dataclass(frozen=True)
+class SearchBudget:
+    """How much pricing a search may do: layouts priced, and seconds from the first
+    (after the shapes are timed and the bounds known)."""
+    max_layouts: int = 2000
+    seconds: float = 30.0
+
 
 class HeadMode(enum.Enum):
     """How a pipeline runs the LM head and its loss (each searched with pp >= 2)."""
@@ -84,12 +100,25 @@ class LayoutSearch:
     """How compute was priced: timed here at the layouts' shapes, or the cost model."""
     notes: tuple[str, ...] = ()
     """Shapes whose timing failed (priced by the cost model instead)."""
+    pruned: int = 0
+    """Layouts not priced: their lower bound exceeded the best price (``stopped ==
+    "bound"``, they cannot win), or the budget ran out (``"budget"``, they might)."""
+    stopped: str = ""
+    cached: str = ""
+    """Where the search was read from when it was not run (``planner/layout_cache.py``)."""
 
     def table(self, top: int = 5) -> str:
         """The leading layouts, one line each, and why the winner beats the runner-up."""
-        lines = [f"layout search over {len(self.ranked) + len(self.refused)} layouts of {self.world_size} "
-                 f"ranks ({self.seconds:.1f} s; {self.costs or 'cost model'}): predicted step, largest rank's "
-                 f"memory, bubble"] + [f"note: {n}" for n in self.notes]
+        lines = [f"layout search over {len(self.ranked) + len(self.refused) + self.pruned} layouts of "
+                 f"{self.world_size} ranks ({self.seconds:.1f} s; {self.costs or 'cost model'}): predicted step, "
+                 f"largest rank's memory, bubble"] + [f"note: {n}" for n in self.notes]
+        if self.cached:
+            lines.insert(0, f"layout search cached: {self.cached} (no layout priced this run)")
+        if self.stopped == "bound":
+            lines.append(f"{self.pruned} layouts not priced: their lower bound exceeds the best price")
+        elif self.stopped == "budget":
+            lines.append(f"{self.pruned} layouts not priced: the search's budget ran out (the choice is the "
+                         f"best of those priced)")
         for i, p in enumerate(self.ranked[:top]):
             mark = "->" if i == 0 else "  "
             lines.append(f"{mark} {p.describe():<42} {1e3 * p.step_s:9.2f} ms  {p.memory_bytes / 2**20:9.1f} MiB  "
@@ -161,7 +190,8 @@ def memory_savers(config: ParallelConfig, fixed: frozenset[str]) -> list[Paralle
 def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: int, *,
                   loss_fn: Callable[..., torch.Tensor] | None = None, base: ParallelConfig | None = None,
                   pinned: Mapping[str, Any] = {}, threads: int | None = None,
-                  concurrent: int | None = None,
+                  concurrent: int | None = None, exhaustive: bool = False,
+                  budget: SearchBudget = SearchBudget(), cache: bool = False,
                   progress: Callable[[int, int], None] | None = None) -> LayoutSearch:
     """The fastest layout of ``world_size`` ranks for ``model`` on the global ``batch`` that
     fits ``base.memory_limit_gb`` (module docstring). ``base``: every field the search does
@@ -169,7 +199,15 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
     Under ``base.costs == "measure"`` (the default) and a model with weights, each layout's
     compute is timed here at its shard shapes with ``threads`` threads (default: this
     process's), as each rank will run; ``concurrent``: as ``price``; ``progress(done,
-    total)``: called as layouts are priced (``report_progress`` prints it)."""
+    total)``: called as layouts are priced (``report_progress`` prints it).
+
+    Layouts are priced in order of a lower bound on their price (``layout_bound.py``) and
+    the search stops at the first whose bound exceeds the best price: the choice is the
+    one pricing all of them makes. ``exhaustive``: price every layout (``ranked`` then
+    holds all that fit). ``budget``: at most that many layouts and seconds of pricing
+    (what it left unpriced is counted in ``LayoutSearch.pruned``). ``cache``: read the
+    result from disk where this very search ran before, and write it there after
+    (``planner/layout_cache.py``)."""
     start = time.perf_counter()
     base = base or ParallelConfig()
     batch = tuple(batch) if not isinstance(batch, torch.Tensor) else (batch,)
@@ -186,20 +224,42 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
     base = dataclasses.replace(base, **{f: pinned[f] for f in MEMORY_FIELDS if f in pinned})
     fixed = frozenset(pinned)
     measure = base.costs == "measure" and not any(p.is_meta for p in model.parameters())
-    costs = CaptureCosts(model, batch, base, loss_fn, measure, threads)
+    costs = CaptureCosts(model, batch, base, loss_fn, measure, threads,
+                         None if progress is None else lambda what: print(
+                             f"fxpipe: layout search: timed {what} ({time.perf_counter() - start:.1f} s)",
+                             file=sys.stderr, flush=True))
     priced, refused, needs_over_limit = [], [], []
     limit = base.memory_limit_bytes
     # m = rows / dp is always a candidate: the one-row capture is needed anyway.
     experts = grouped_experts(costs.program(1))
+    if cache:
+        key = layout_cache.search_key(costs.program(1), [(t.shape, str(t.dtype)) for t in batch], world_size,
+                                      base, pinned, threads, concurrent)
+        path = layout_cache.cache_dir() / f"{layout_cache._digest(key)}.json"
+        found = _from_cache(path, key, base, world_size, rows, pinned, start)
+        if found is not None:
+            return found
     candidates = list(candidate_layouts(world_size, rows, base, pinned, experts))
+    bounds = {} if exhaustive else _bounds(candidates, rows, costs, fixed, limit, concurrent, refused)
+    order = sorted((i for i in range(len(candidates)) if exhaustive or i in bounds),
+                   key=lambda i: (bounds.get(i, 0.0), i))
     heads_cut: dict[tuple, bool] = {}
-    for index, config in enumerate(candidates):
+    best, stopped, pricing = float("inf"), "", time.perf_counter()
+    done = 0
+    for done, index in enumerate(order):
+        config = candidates[index]
+        if not exhaustive and bounds[index] > best:
+            stopped = "bound"
+            break
+        if priced and (done >= budget.max_layouts or time.perf_counter() - pricing > budget.seconds):
+            stopped = "budget"  # never before one layout is priced: a search always answers
+            break
         if progress is not None:
-            progress(index, len(candidates))
+            progress(done, len(order))
         b = rows // (config.replicas * config.num_microbatches)
         tries = memory_savers(config, fixed) if limit is not None else [config]
         # The blockwise loss needs a head the compile cut into blocks: known from the whole
-        # head's layout, compiled just before it (candidate_layouts' order).
+        # head's layout where it was compiled first.
         shape = (config.tp, config.pp, config.dp, config.num_microbatches, config.schedule, config.chunks, config.ep)
         if config.split_loss and heads_cut.get(shape) is False:
             refused.append((describe(config), _NOT_CUT))
@@ -209,7 +269,7 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
             try:
                 fast = dataclasses.replace(attempt, partition=Method.DP, memory_limit_gb=None,
                                            costs="measure" if measure else "model")
-                compiled = compile_program(costs.program(b), fast, hooks=costs.hooks(attempt, b))
+                compiled = costs.compile(fast, b)
                 if not attempt.split_loss and not attempt.vocab_passes:
                     heads_cut[shape] = bool(compiled.program.matmul_splits)
                 if attempt.split_loss and not compiled.program.loss_splits:
@@ -222,12 +282,15 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
             layout = dataclasses.replace(layout, config=attempt)
             if limit is None or layout.memory_bytes <= limit:
                 priced.append(layout)
+                best = min(best, layout.step_s)
                 break
             needs_over_limit.append(layout.memory_bytes)
             refused.append((name, f"needs {layout.memory_bytes / 2**30:.2f} GiB per rank, over the limit "
                                   f"{limit / 2**30:.2f} GiB"))
+    else:
+        done = len(order)
     if progress is not None:
-        progress(len(candidates), len(candidates))
+        progress(len(order), len(order))
     if not priced:
         raise ValueError(_nothing_fits(world_size, rows, pinned, refused, needs_over_limit, limit))
     ranked = sorted(priced, key=lambda p: (p.step_s, p.memory_bytes, p.config.pp, p.config.num_microbatches))
@@ -237,11 +300,67 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
            else f"cost model ({base.hardware})")
     if concurrent is not None and concurrent < world_size:
         how += f", {concurrent} rank(s) computing at once"
-    return LayoutSearch(world_size=world_size, chosen=ranked[0], ranked=tuple(ranked), refused=tuple(refused),
-                        seconds=time.perf_counter() - start, costs=how, notes=tuple(costs.notes))
+    found = LayoutSearch(world_size=world_size, chosen=ranked[0], ranked=tuple(ranked), refused=tuple(refused),
+                         seconds=time.perf_counter() - start, costs=how, notes=tuple(costs.notes),
+                         pruned=len(order) - done, stopped=stopped)
+    if cache and stopped != "budget":  # a search cut short is not the answer to remember
+        layout_cache.save(path, key, found)
+    return found
+
+
+def _from_cache(path, key: dict, base: ParallelConfig, world_size: int, rows: int, pinned: Mapping[str, Any],
+                start: float) -> LayoutSearch | None:
+    """The search read from ``path`` (``layout_cache.load``), its layouts checked against the
+    world, the batch and the pins; None (warned) where they do not hold."""
+    got = layout_cache.load(path, key, base)
+    if got is None:
+        return None
+    rows_, body = got
+    wanted = {k: ScheduleKind.parse(v) if k == "schedule" else v for k, v in pinned.items()}
+    for config, *_ in rows_:
+        if config.tp * config.pp * config.replicas != world_size or rows % (config.replicas * config.num_microbatches) \
+                or any(getattr(config, k) != v for k, v in wanted.items()):
+            warnings.warn(f"fxpipe: ignoring the layout search cache {path} (its layout {describe(config)} is not one "
+                          f"of this search); searching again", stacklevel=3)
+            return None
+    ranked = tuple(PricedLayout(config=c, memory_bytes=m, step_s=s, bubble=b, allreduce_s=a) for c, m, s, b, a in rows_)
+    return LayoutSearch(world_size=world_size, chosen=ranked[0], ranked=ranked, refused=(),
+                        seconds=time.perf_counter() - start, costs=body["costs"],
+                        pruned=body["priced"] + body["refused"] + body["pruned"] - len(ranked),
+                        cached=f"{path} (searched in {body['seconds']:.1f} s)")
+
+
+def _bounds(candidates: Sequence[ParallelConfig], rows: int, costs: CaptureCosts, fixed: frozenset[str],
+            limit: int | None, concurrent: int | None, refused: list) -> dict[int, float]:
+    """Each candidate's lower bound (``layout_bound.py``), by index; 0 where none is known
+    (expert parallelism, or a memory saver that changes the timed shapes: sequence
+    parallelism); a layout whose shape cannot be compiled is refused here."""
+    out: dict[int, float] = {}
+    for i, config in enumerate(candidates):
+        tries = memory_savers(config, fixed) if limit is not None else [config]
+        if config.ep > 1 or any(t.sp != config.sp for t in tries):
+            out[i] = 0.0
+            continue
+        b = rows // (config.replicas * config.num_microbatches)
+        try:
+            work = costs.work(config, b)
+        except (ValueError, PartitionError) as exc:
+            refused.append((describe(config), " ".join(str(exc).split())[:200]))
+            continue
+        schedule = config.schedule_ir()
+        hw = config.partition_config(schedule).hardware
+        out[i] = lower_bound_s(config, work, hw, num_stages=schedule.num_stages,
+                               splits_backward=schedule.splits_backward, concurrent=concurrent)
+    return out
 
 
 _NOT_CUT = "the head is not cut into blocks at this layout: its blockwise loss is the whole head's"
+
+
+def cache_enabled() -> bool:
+    """Whether ``fxpipe run`` and ``fxpipe compile`` remember their searches on disk
+    (``FXPIPE_LAYOUT_CACHE=0`` turns it off; ``FXPIPE_CACHE_DIR`` moves it)."""
+    return os.environ.get("FXPIPE_LAYOUT_CACHE", "1") != "0"
 
 
 def report_progress(done: int, total: int) -> None:

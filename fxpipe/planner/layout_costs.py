@@ -1,7 +1,9 @@
-"""The layout search's shared measurements: per micro-batch size the capture, per
-(tp, micro-batch size) one tp rank's compute timed at those shard shapes
-(``fxpipe/costs/local.py``), per vocabulary block its S and T — each once, shared by
-every layout that needs it."""
+"""The layout search's shared work: per micro-batch size the capture; per (tp, sp, ep,
+micro-batch size) the compile's prefix (capture to the cost pass: what the tensor- and
+expert-parallel passes make does not depend on the pipeline), one tp rank's compute timed
+at those shard shapes (``fxpipe/costs/local.py``) and the body's work for the search's
+lower bound (``planner/layout_bound.py``); per vocabulary block its S and T — each once,
+shared by every layout that needs it."""
 from __future__ import annotations
 
 import contextlib
@@ -17,8 +19,21 @@ from fxpipe.compiler.pipeline import capture_for, compile_program
 from fxpipe.costs.local import LocalTimes, measure_locally, node_times_for, time_vocab_passes
 from fxpipe.ir.artifact import CompiledPipeline
 from fxpipe.ir.parallel_config import ParallelConfig
+from fxpipe.ir.pass_results import ModelStats
 from fxpipe.ir.program import Program
 from fxpipe.params.rank_state import ShardBuilder
+from fxpipe.partition import PartitionError
+from fxpipe.passes.assign_stages import build_problem_graph
+from fxpipe.passes.vocab_head import head_nodes
+from fxpipe.planner.layout_bound import ShapeWork
+from fxpipe.planner.layout_price import tp_collective_times
+
+PREFIX_END = "cost"
+"""The last pass of the prefix layouts share; a layout's compile resumes after it."""
+RESUME_AT = "device"
+ENOUGH_S = 0.5
+"""Seconds of recorded timing after which a shape is not timed again (``time_groups``'s
+``enough_s``): the search times a dozen shapes, and the large ones are steady in one repeat."""
 
 
 class CaptureCosts:
@@ -26,12 +41,16 @@ class CaptureCosts:
     shapes (``fxpipe/costs/local.py``) — once, shared by every layout that needs them."""
 
     def __init__(self, model: nn.Module, batch: tuple[torch.Tensor, ...], base: ParallelConfig,
-                 loss_fn: Callable | None, measure: bool, threads: int | None) -> None:
+                 loss_fn: Callable | None, measure: bool, threads: int | None,
+                 progress: Callable[[str], None] | None = None) -> None:
         self.model, self.batch, self.base, self.loss_fn = model, batch, base, loss_fn
+        self.progress = progress
         self.measure, self.threads = measure, threads
         self.programs: dict[int, Program] = {}
         self.timed: dict[tuple[int, bool, int], LocalTimes | None] = {}
         self.passes: dict[tuple, tuple[float, float]] = {}
+        self.prefixes: dict[tuple, Program | Exception] = {}
+        self.works: dict[tuple, ShapeWork | Exception] = {}
         self.notes: list[str] = []
 
     def program(self, rows: int) -> Program:
@@ -39,6 +58,70 @@ class CaptureCosts:
             self.programs[rows] = capture_for(self.model, tuple(t[:rows] for t in self.batch), self.base,
                                               self.loss_fn)
         return self.programs[rows]
+
+    def prefix(self, config: ParallelConfig, rows: int) -> Program:
+        """The capture of ``rows`` rows through the passes up to ``PREFIX_END``, for
+        ``config``'s tensor and expert parallelism; its model FLOPs are ``config``'s
+        (``model_stats`` counts them for m·dp microbatches)."""
+        ctx = CompileContext.of(config)
+        key = (rows, ctx.tensor_parallel, ctx.expert_parallel)
+        if isinstance(self.prefixes.get(key), Exception):
+            raise self.prefixes[key]  # a shape the passes refuse is refused once, not once per layout
+        if key not in self.prefixes:
+            try:
+                first = compile_program(self.program(rows), dataclasses.replace(config, costs="model"),
+                                        until=PREFIX_END).program
+            except (ValueError, PartitionError) as exc:
+                self.prefixes[key] = exc
+                raise
+            per = first.model_stats.flops_per_step // (config.num_microbatches * config.replicas)
+            self.prefixes[key] = first.replace(model_stats=dataclasses.replace(first.model_stats, flops_per_step=per))
+        program = self.prefixes[key]
+        stats = program.model_stats
+        return program.replace(model_stats=ModelStats(
+            num_parameters=stats.num_parameters,
+            flops_per_step=stats.flops_per_step * config.num_microbatches * config.replicas))
+
+    def compile(self, config: ParallelConfig, rows: int) -> CompiledPipeline:
+        """``config`` compiled from the shared prefix, as far as pricing needs: a layout with
+        vocabulary passes to its plan (the passes are placed on it), the others to the
+        partition (the split into stage graphs prices nothing)."""
+        return compile_program(self.prefix(config, rows), config, hooks=self.hooks(config, rows),
+                               resume=RESUME_AT, until=None if config.vocab_passes else "coalesce_blocks")
+
+    def work(self, config: ParallelConfig, rows: int) -> ShapeWork:
+        """The body's work at ``config``'s shape, for the search's bound (``layout_bound.py``)."""
+        key = (config.tp, config.sp, config.ep, rows)
+        if isinstance(self.works.get(key), Exception):
+            raise self.works[key]  # a shape that does not compile fails once, not once per layout
+        if key not in self.works:
+            try:
+                self.works[key] = self._work(config, rows)
+            except (ValueError, PartitionError) as exc:
+                self.works[key] = exc
+                raise
+        return self.works[key]
+
+    def _work(self, config: ParallelConfig, rows: int) -> ShapeWork:
+        """``work``'s computation: the body's node times summed, its collectives, its parameters."""
+        bare = dataclasses.replace(config, zero=0, recompute="none")
+        program = self.prefix(bare, rows)
+        pconfig = CompileContext.of(bare).partition
+        head = head_nodes(program)
+        fine = build_problem_graph(program, dataclasses.replace(pconfig, node_times=None))
+        timed = self._timed(bare, rows)
+        body = [n for n in fine.nodes if n not in head]
+        if timed is not None:
+            fused = [timed.fused.get(n, (fine.nodes[n]["fwd"] * timed.scale[0],
+                                         fine.nodes[n]["bwd"] * timed.scale[1])) for n in body]
+            split = [timed.split.get(n, f) for n, f in zip(body, fused)]
+        else:
+            fused = split = [(fine.nodes[n]["fwd"], fine.nodes[n]["bwd"]) for n in body]
+        hw = pconfig.hardware
+        comm_f, comm_b = tp_collective_times(program, config.tp, hw, 1, skip=head)
+        return ShapeWork(forward_s=sum(f for f, _ in fused), backward_s=sum(b for _, b in fused),
+                         backward_split_s=sum(b for _, b in split), tp_comm_s=comm_f[0] + comm_b[0],
+                         params=sum(fine.nodes[n]["params"] for n in body))
 
     def hooks(self, config: ParallelConfig, rows: int) -> CompileHooks:
         if not self.measure:
@@ -49,14 +132,23 @@ class CaptureCosts:
         # rows as a replica holding every expert (its E/ep experts, every rank's tokens for
         # them), and its dispatch cannot run without its peers. Sequence parallelism
         # changes the shard shapes: timed on its own.
-        key = (config.tp, config.sp, rows)
-        if key not in self.timed:
-            self.timed[key] = self._time(dataclasses.replace(config, ep=1, zero=0, recompute="none"), rows)
-        timed = self.timed[key]
+        timed = self._timed(config, rows)
         if timed is None:
             return CompileHooks()
         return CompileHooks(node_times=lambda program, pconfig, ctx: node_times_for(
             program, pconfig, timed, ctx.schedule.splits_backward))
+
+    def _timed(self, config: ParallelConfig, rows: int) -> LocalTimes | None:
+        """One tp rank's compute at ``config``'s shard shapes (None: not measuring, or the
+        timing failed)."""
+        if not self.measure:
+            return None
+        key = (config.tp, config.sp, rows)
+        if key not in self.timed:
+            self.timed[key] = self._time(dataclasses.replace(config, ep=1, zero=0, recompute="none"), rows)
+            if self.progress is not None:
+                self.progress(f"tp={config.tp}{' sp' if config.sp else ''} b={rows}, shape {len(self.timed)}")
+        return self.timed[key]
 
     def vocab_passes(self, compiled: CompiledPipeline) -> tuple[float, float] | None:
         """S and T of this layout's vocabulary block, timed here (None: not measuring, or
@@ -82,13 +174,14 @@ class CaptureCosts:
             torch.set_num_threads(threads)
 
     def _time(self, config: ParallelConfig, rows: int) -> LocalTimes | None:
-        program = compile_program(self.program(rows), dataclasses.replace(config, costs="model"), until="cost").program
+        program = self.prefix(config, rows)
         shards = ShardBuilder(program, program.tp_specs, self.model, tp_rank=0, device=torch.device("cpu"),
                               seed=self.base.seed)
         try:
             with self._threads():
                 return measure_locally(program, program.partition_config or CompileContext.of(config).partition,
-                                       tuple(t[:rows] for t in self.batch), shards.tensors, tp=config.tp)
+                                       tuple(t[:rows] for t in self.batch), shards.tensors, tp=config.tp,
+                                       enough_s=ENOUGH_S)
         except Exception as exc:  # noqa: BLE001 - a graph that cannot run alone keeps the cost model
             self.notes.append(f"tp={config.tp}{' sp' if config.sp else ''} b={rows}: timing failed ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0][:120] if str(exc) else ''}), cost model used")

@@ -68,15 +68,18 @@ _TP_BACKWARD = {"copy_to_tp": (Collective.ALL_REDUCE, False), "gather_seq": (Col
 _LOSS_STATISTICS = 3
 
 
-def tp_collective_times(program: Program, tp: int, hw: Hardware, num_stages: int) -> tuple[list[float], list[float]]:
+def tp_collective_times(program: Program, tp: int, hw: Hardware, num_stages: int,
+                        skip: frozenset[str] = frozenset()) -> tuple[list[float], list[float]]:
     """Per stage, the seconds one microbatch's tensor-parallel collectives take forward and
-    backward on the hardware's links (the cost pass prices compute, not these)."""
+    backward on the hardware's links (the cost pass prices compute, not these); the nodes
+    in ``skip`` left out (the search's bound: the head's)."""
     fwd, bwd = [0.0] * num_stages, [0.0] * num_stages
     if tp == 1:
         return fwd, bwd
     per_node = hw.members_per_node(tp, 1)
     for node in program.graph.nodes:
-        if node.op != "call_function" or getattr(node.target, "namespace", None) != "fxpipe_tp":
+        if node.op != "call_function" or getattr(node.target, "namespace", None) != "fxpipe_tp" \
+                or node.name in skip:
             continue
         name, stage = node.target._schema.name.split("::")[1], program.stages.get(node.name, 0)
         out = program.costs[node.name].out_bytes if node.name in program.costs else 0

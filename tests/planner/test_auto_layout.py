@@ -67,7 +67,7 @@ def test_search_returns_the_fastest_fitting_layout_and_honours_pins(tiny):
     # The cost model, so that two searches price a layout alike (timing has noise).
     base = ParallelConfig(costs="model")
     batch = tuple(t[:4] for t in tiny.example_inputs)
-    found = search_layout(tiny.model, batch, 2, loss_fn=tiny.loss_fn, base=base)
+    found = search_layout(tiny.model, batch, 2, loss_fn=tiny.loss_fn, base=base, exhaustive=True)
     steps = [p.step_s for p in found.ranked]
     assert found.chosen is found.ranked[0] and steps == sorted(steps) and len(found.ranked) > 20
     assert "->" in found.table() and "faster than" in found.table()
@@ -78,7 +78,7 @@ def test_search_returns_the_fastest_fitting_layout_and_honours_pins(tiny):
     needs = sorted(p.memory_bytes for p in found.ranked)
     limit = needs[len(needs) // 2]
     capped = search_layout(tiny.model, batch, 2, loss_fn=tiny.loss_fn,
-                           base=ParallelConfig(costs="model", memory_limit_gb=limit / 2**30))
+                           base=ParallelConfig(costs="model", memory_limit_gb=limit / 2**30), exhaustive=True)
     assert all(p.memory_bytes <= limit for p in capped.ranked)
     assert any("over the limit" in why for _, why in capped.refused)
     # Every layout that fitted is still there; ZeRO-1 may make more of them fit.

@@ -99,7 +99,7 @@ def test_oversubscribed_cores_price_every_ranks_compute(tiny):
 def test_the_search_is_the_fastest_of_every_layout_priced_one_by_one(tiny):
     base = ParallelConfig(costs="model", hardware="cpu")
     batch = tuple(t[:4] for t in tiny.example_inputs)  # 4 rows: every layout of them, by hand
-    found = search_layout(tiny.model, batch, 2, loss_fn=tiny.loss_fn, base=base)
+    found = search_layout(tiny.model, batch, 2, loss_fn=tiny.loss_fn, base=base, exhaustive=True)
     brute, programs, skipped = {}, {}, 0
     rows = batch[0].shape[0]
     for tp, pp, dp in ((1, 1, 2), (1, 2, 1), (2, 1, 1)):
@@ -132,7 +132,7 @@ def test_the_search_on_measured_costs_times_each_shape_once(tiny):
     # (tp, micro-batch rows): tp=1 with 8, 4, 2, 1 rows (dp=1) and 4, 2, 1 (dp=2); tp=2 with 8, 4, 2, 1.
     assert "timed here at each layout's shard shapes (8 shapes, 1 thread(s))" in found.table()
     steps = [p.step_s for p in found.ranked]
-    assert steps == sorted(steps) and len(found.ranked) + len(found.refused) == 67
+    assert steps == sorted(steps) and len(found.ranked) + len(found.refused) + found.pruned == 67
 
 
 def test_captured_shape_is_the_registry_shape_and_reads_other_models():

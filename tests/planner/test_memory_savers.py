@@ -92,7 +92,7 @@ def _moe(rows=8):
 
 def test_expert_parallelism_is_a_layout_of_moe_graphs_only(tiny):
     model, batch = _moe()
-    found = search_layout(model, batch, 2, base=ParallelConfig(costs="model"), pinned={"pp": 1})
+    found = search_layout(model, batch, 2, base=ParallelConfig(costs="model"), pinned={"pp": 1}, exhaustive=True)
     by_name = {p.describe(): p for p in found.ranked}
     with_ep, without = by_name["tp=1 pp=1 dp=2 m=1 ep=2"], by_name["tp=1 pp=1 dp=2 m=1"]
     # E/ep experts per rank: less state and a smaller all-reduce; the dispatch's all-to-alls on top.
