@@ -7,6 +7,7 @@ over the executor, and the gathers that rebuild full tensors.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -33,6 +34,25 @@ class StepStats:
     """Most (stage, microbatch) activations this rank held at once in the last step."""
     events: tuple
     """(action, start, end) of every action this rank ran in the last step (perf_counter s)."""
+    exposed: "ExposedComm | None" = None
+    """Time this rank blocked waiting for communication in the last step."""
+
+
+@dataclass(frozen=True)
+class ExposedComm:
+    """Communication a step waited for (the rest ran behind compute), seconds."""
+    pipeline_s: float
+    """Waiting for pipeline receives (activations, gradients, vocabulary passes' transfers)
+    and, at the step's end, for its sends."""
+    gradients_s: float
+    """Waiting for the gradient reduction after the last backward (buckets not yet done,
+    tied and row sums, what is reduced after the backward)."""
+    parameters_s: float = 0.0
+    """ZeRO-1: the owners' parameters broadcast before the first forward."""
+
+    @property
+    def total_s(self) -> float:
+        return self.pipeline_s + self.gradients_s + self.parameters_s
 
 
 @dataclass
@@ -217,7 +237,10 @@ class ParallelModel:
         check_token_ids(batch, self.token_inputs)
         for t in self.parameters():
             t.grad = None
+        start = time.perf_counter()
         self.sync_parameters()
+        parameters_s = time.perf_counter() - start if self.zero is not None else 0.0
+        self.grad_sync.start_step()
         if self.master is not None:
             for runner in self.executor.runners.values():
                 runner.loss_scale = self.master.loss_scale / self.num_microbatches
@@ -229,7 +252,9 @@ class ParallelModel:
         if self.master is not None:
             # fp16: gradients unscaled, or dropped when any rank overflowed.
             self.last_step_skipped = not self.master.finish()
-        self.last_stats = StepStats(self.executor.peak_in_flight, tuple(self.executor.events))
+        self.last_stats = StepStats(self.executor.peak_in_flight, tuple(self.executor.events),
+                                    ExposedComm(self.executor.transport.waited_s, self.grad_sync.waited_s,
+                                                parameters_s))
         return self._mean_loss()
 
     def _check_open(self, what: str) -> None:

@@ -55,6 +55,9 @@ class PipelineExecutor:
         self._send_listed = listed
         self.peak_in_flight = 0
         self.events: list[tuple[Action, float, float]] = []
+        self.reduction: Any = None
+        """``grad_buckets.OverlappedReduction``: told where each action starts and ends, so
+        it arms its gradient hooks for the actions that finish gradients."""
 
     # ---- one step ----------------------------------------------------------------------
     def run(self, microbatches: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -64,6 +67,7 @@ class PipelineExecutor:
         self.to_send: dict[tuple[K, int, int], list[tuple[str, int, torch.Tensor]]] = {}
         self.posted: dict[tuple[K, int, int], list[tuple[Any, str, torch.Tensor]]] = {}
         self.events = []
+        self.transport.waited_s = 0.0
         handlers = {K.F: self._forward, K.B: self._backward, K.I: self._backward,
                     K.W: self._weight, K.SEND_F: self._send, K.SEND_B: self._send,
                     K.RECV_F: self._post_recv_fwd, K.RECV_B: self._post_recv_bwd,
@@ -78,7 +82,11 @@ class PipelineExecutor:
                 self.lookups.before(index)
             self._compute_start = None
             start = time.perf_counter()
+            if self.reduction is not None:
+                self.reduction.before_action(index)
             handlers[action.kind](action)
+            if self.reduction is not None:
+                self.reduction.after_action(index)
             # A compute action's event starts after its receives arrived: waiting is bubble.
             self.events.append((action, self._compute_start or start, time.perf_counter()))
         if self.lookups is not None:
