@@ -43,9 +43,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="send whole stage boundaries from every TP rank (SC21 §4.1 off)")
     p.add_argument("--fused-attention", action="store_true",
                    help="price flash attention (no s×s activations) instead of the paper's kernels")
-    p.add_argument("--dp-overlap", choices=[k.value for k in DPOverlap], default="none",
-                   help="data-parallel all-reduce after the backward or overlapped with the last "
-                        "microbatch's (default: %(default)s)")
+    p.add_argument("--dp-overlap", choices=[k.value for k in DPOverlap], default="backward",
+                   help="data-parallel all-reduce after the backward or in buckets overlapped with the "
+                        "last microbatch's, as fxpipe's runtime runs it (default: %(default)s)")
     p.add_argument("--balance", choices=[k.value for k in LayerBalance], default="fxpipe",
                    help="layer split: fxpipe (any l) or megatron (l %% (p·v) == 0) (default: %(default)s)")
     p.add_argument("--vocab-passes", choices=[k.value for k in VocabPasses], default="off",

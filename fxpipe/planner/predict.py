@@ -22,6 +22,7 @@ from typing import Mapping
 import numpy as np
 
 from fxpipe.base.hardware import Collective
+from fxpipe.planner.dp_overlap import DEFAULT_BUCKET_MB, exposed_reduction_s
 from fxpipe.planner.layer_cost import CostModel
 from fxpipe.planner.memory_model import (RankMemory, embedding_activation_bytes, final_norm_activation_bytes,
                                          head_activation_bytes, layer_activation_bytes, lookup_activation_bytes,
@@ -99,10 +100,11 @@ def rank_memory(model: CostModel, cfg: CandidateLayout, stages: StagePlan,
 def _sync_s(model: CostModel, cfg: CandidateLayout, stages: StagePlan, r: int, params: float) -> float:
     """Exposed gradient synchronisation of pipeline rank r."""
     hw, opts, shape = model.hw, model.options, model.shape
-    dp = hw.collective_s(Collective.ALL_REDUCE, params * opts.grad_bytes, cfg.dp,
-                         hw.members_per_node(cfg.dp, cfg.tp))
-    if opts.dp_overlap is DPOverlap.BACKWARD:
-        dp = max(0.0, dp - float(stages.backward[r]))  # hidden behind its last backward
+    ring = lambda nbytes: hw.collective_s(Collective.ALL_REDUCE, nbytes, cfg.dp,  # noqa: E731
+                                          hw.members_per_node(cfg.dp, cfg.tp))
+    # DPOverlap.BACKWARD: buckets behind the last backward, as the runtime runs them.
+    dp = exposed_reduction_s(params * opts.grad_bytes, float(stages.backward[r]), ring,
+                             DEFAULT_BUCKET_MB if opts.dp_overlap is DPOverlap.BACKWARD else 0.0)
     # Megatron's embedding group: first and last rank. Vocabulary passes hold each row once.
     if cfg.pp > 1 and r in (0, cfg.pp - 1) and not cfg.vocab_passes:
         vocab = shape.padded_vocab(cfg.tp) * shape.hidden / cfg.tp
