@@ -237,9 +237,12 @@ class ParallelModel:
         check_token_ids(batch, self.token_inputs)
         for t in self.parameters():
             t.grad = None
-        start = time.perf_counter()
-        self.sync_parameters()
-        parameters_s = time.perf_counter() - start if self.zero is not None else 0.0
+        if self.master is not None:
+            self.master.refresh()
+        # ZeRO-1: the owners' parameters, waited for only before the first forward computes.
+        gather = self.zero.start_broadcast({n: self.state[n] for n in self.zero.owner}) \
+            if self.zero is not None else None
+        self.executor.before_forward = gather.wait if gather is not None else None
         self.grad_sync.start_step()
         if self.master is not None:
             for runner in self.executor.runners.values():
@@ -254,7 +257,7 @@ class ParallelModel:
             self.last_step_skipped = not self.master.finish()
         self.last_stats = StepStats(self.executor.peak_in_flight, tuple(self.executor.events),
                                     ExposedComm(self.executor.transport.waited_s, self.grad_sync.waited_s,
-                                                parameters_s))
+                                                gather.waited_s if gather is not None else 0.0))
         return self._mean_loss()
 
     def _check_open(self, what: str) -> None:
