@@ -157,7 +157,11 @@ class OverlappedReduction:
 
     def start_step(self) -> None:
         """Zero the buckets and make every gradient a view into its bucket."""
-        assert not self._works, "the last step's buckets were never waited for"
+        # A step refused after its backward (train_step's batch check) left its buckets in
+        # flight: every replica launched the same ones, so they complete; drop them.
+        for work in self._works:
+            work.wait(self.timeout) if self._buffers[0].device.type == "cpu" else work.wait()
+        self._works, self._action = [], None
         if not self._buffers:
             device = next(iter(self.like.values())).device
             self._buffers = [torch.empty(b.numel, dtype=b.dtype, device=device) for b in self.plan.buckets]
