@@ -139,6 +139,7 @@ class OverlappedReduction:
         self._buffers: list[torch.Tensor] = []
         self._works: list[Any] = []
         self._missing: list[int] = []
+        self._done: set[str] = set()
         self._next = 0
         self._action: int | None = None
         self._hooks = [self.like[n].register_post_accumulate_grad_hook(self._hook(n)) for n in self._bucket_of]
@@ -173,7 +174,7 @@ class OverlappedReduction:
                 self.holders[n].grad = buf.narrow(0, start, shape.numel()).view(shape)
                 start += shape.numel()
         self._missing = [len(b.names) for b in self.plan.buckets]
-        self._done: set[str] = set()
+        self._done = set()
         self._next = 0
         self.launched_at = []
         self.waited_s = 0.0
