@@ -214,6 +214,7 @@ def main() -> None:
                 lines.append(f"| {what} | {1e3 * a:.0f} | {1e3 * b:.0f} | {a / b:.3f} | {1e3 * ea:.0f} | "
                              f"{1e3 * eb:.0f} |")
             lines.append(f"\nworld 4: {time.time() - start:.0f} s")
+    lines.append(f"load average at the end (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     text = "\n".join(lines) + "\n"
     print(text)
     (Path(__file__).parent / "results" / "bench_data_parallel.txt").write_text(text)
