@@ -7,7 +7,6 @@ over the executor, and the gathers that rebuild full tensors.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
