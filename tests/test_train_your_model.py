@@ -132,6 +132,9 @@ def test_your_model_on_your_data(job):
     assert [r["step"] for r in records if "val_loss" in r] == [10, 20]
     assert [r["mfu"] for r in steps] == pytest.approx([r["tflops_per_process"] / 0.5 for r in steps], rel=1e-6)
     assert re.search(r"\| MFU [0-9.]+% \|", stdout) and "MFU" in stdout.split("done:")[1]
+    # Each rank's time blocked in waits (pipeline transfers, the gradient reduction) per step.
+    waits = re.search(r"exposed communication ([0-9.]+) ms/iter \(per rank: ([0-9., ]+)\)", stdout.split("done:")[1])
+    assert waits and len(waits.group(2).split(",")) == 4 and float(waits.group(1)) > 0, stdout
     # TensorBoard's own reader finds every scalar of every logged step, and the validations.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -68,9 +68,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     attention.add_argument("--unfused-attention", action="store_true",
                            help="price the SC21 paper's unfused kernels (s×s scores, softmax and dropout kept) "
                                 "whatever the model calls")
-    p.add_argument("--dp-overlap", choices=[k.value for k in DPOverlap], default="none",
-                   help="data-parallel all-reduce after the backward or overlapped with the last "
-                        "microbatch's (default: %(default)s)")
+    p.add_argument("--dp-overlap", choices=[k.value for k in DPOverlap], default="backward",
+                   help="data-parallel all-reduce after the backward or in buckets overlapped with the "
+                        "last microbatch's, as fxpipe's runtime runs it (default: %(default)s)")
     p.add_argument("--balance", choices=[k.value for k in LayerBalance], default="fxpipe",
                    help="layer split: fxpipe (any l) or megatron (l %% (p·v) == 0) (default: %(default)s)")
     p.add_argument("--vocab-passes", choices=[k.value for k in VocabPasses], default="off",

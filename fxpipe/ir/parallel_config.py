@@ -57,6 +57,10 @@ class ParallelConfig:
     """Fail (``ValueError`` naming them) when tensor parallelism leaves weight matrices whole."""
     zero: int = 0
     """1: ZeRO stage 1 over data parallel (``runtime/zero.py``)."""
+    bucket_mb: float = 25.0
+    """Data parallel: MB of gradients per bucket, each reduced as soon as the last backward
+    finishes it, behind the rest of the backward (``runtime/grad_buckets.py``; torch DDP's
+    ``bucket_cap_mb``). 0: one reduction after the last backward (nothing overlapped)."""
     ep: int = 1
     """Expert parallelism (``ir/pass_configs.py``): each grouped MoE's experts owned by
     ep consecutive data-parallel ranks, E/ep each, tokens exchanged by all-to-all; must
@@ -184,6 +188,9 @@ def check_layout(values: Mapping[str, Any], *, flag: Callable[[str], str] | None
         raise ValueError(f"{name('dp')} must be >= 1, got {dp!r}" if flags else
                          f"dp must be a positive integer or None (world / (tp·pp)), got {dp!r}")
     tp, pp, ep = get("tp", 1), get("pp", 1), get("ep", 1)
+    bucket_mb = get("bucket_mb", 0.0)
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb >= 0:
+        raise ValueError(f"{name('bucket_mb')} must be a number of MB >= 0 (0: no overlap), got {bucket_mb!r}")
     if flags and "partition" in values:  # ParallelConfig parses it first, by its field's name
         try:
             Method.parse(values["partition"])

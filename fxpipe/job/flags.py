@@ -40,6 +40,11 @@ def positive_float(text: str) -> float:
     return _number(text, float, lambda v: math.isfinite(v) and v > 0, "a number > 0", "a finite number > 0")
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type: a number >= 0."""
+    return _number(text, float, lambda v: v >= 0, "a number", ">= 0")
+
+
 def fraction(text: str) -> float:
     """argparse type: a number in [0, 1)."""
     return _number(text, float, lambda v: 0 <= v < 1, "a number in [0, 1)", "in [0, 1)")
@@ -107,6 +112,8 @@ LAYOUT_FLAGS = _flags(
          None, Kind.SWITCH),
     Flag("zero", "1: ZeRO stage 1 - shard optimizer state and fp32 masters over the --dp replicas "
          "(gradients reduced to each tensor's owner, parameters broadcast)", int, choices=(0, 1)),
+    Flag("bucket_mb", "MB of gradients per data-parallel bucket, each reduced during the last backward "
+         "as soon as it is final (0: one reduction after the backward)", non_negative_float, metavar="MB"),
     Flag("ep", "expert parallelism: each grouped MoE's experts owned by EP consecutive --dp ranks (E/EP "
          "each), tokens exchanged by all-to-all; must divide dp (with tp=1; not with --zero, --compile, --recompute)",
          positive_int, metavar="EP"),

@@ -57,17 +57,20 @@ def write_timeline(pm: "ParallelModel", config: TrainConfig, imbalance: float = 
     if config.timeline is None:
         return
 
-    events = [None] * config.parallel.pp
-    dist.all_gather_object(events, pm.last_stats.events, group=pm.groups.pp_group)
+    gathered = [None] * config.parallel.pp
+    dist.all_gather_object(gathered, (pm.last_stats.events, pm.last_stats.exposed), group=pm.groups.pp_group)
     if dist.get_rank() != 0:
         return
+    events = [e for e, _ in gathered]
+    waited = ", ".join(f"{1e3 * x.total_s:.1f}" for _, x in gathered)
     t0 = min(s for rank in events for _, s, _ in rank)
     per_rank = [[(a, (s - t0) * 1e3, (e - t0) * 1e3) for a, s, e in rank if a.kind.is_compute]
                 for rank in events]
     timeline = Timeline.from_events(per_rank, unit="ms", num_chunks=pm.schedule.num_chunks,
                                     title=f"measured {config.parallel.schedule.value} p={config.parallel.pp} "
                                           f"m={config.parallel.num_microbatches}, "
-                                          f"stage imbalance {imbalance:.2f}")
+                                          f"stage imbalance {imbalance:.2f}, exposed communication per "
+                                          f"rank {waited} ms")
     render_trace(timeline, config.timeline + ".json")
     render_gantt(timeline, config.timeline + ".png")
     print(f"timeline of the last step: {config.timeline}.json (Perfetto), {config.timeline}.png", flush=True)

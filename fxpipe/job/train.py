@@ -77,7 +77,7 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
               f"{layout.num_microbatches} microbatches × {config.micro_batch_size} × {config.seq} tokens, "
               f"{config.steps} steps; data: {source.train.stream.source}, {source.train.count} windows"
               + (f", validation {source.val.count}" if source.val is not None else ""), flush=True)
-    times, losses, bubbles = [], [], []
+    times, losses, bubbles, exposed = [], [], [], []
     meter = BalanceMeter()
     t_start = time.perf_counter()
     stop = stop if stop is not None else StopSignal()
@@ -100,6 +100,7 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
         bubble = torch.tensor([bubble_share(pm.last_stats.events, t0, t1)], dtype=torch.float64)
         dist.all_reduce(bubble)
         times.append(t1 - t0)
+        exposed.append(pm.last_stats.exposed.total_s)
         losses.append(loss)
         bubbles.append(float(bubble) / dist.get_world_size())
         if rank == 0:
@@ -146,13 +147,16 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
         if rank == 0:
             print(f"the checkpoint is at step {start_step} >= --steps {config.steps}: nothing to train", flush=True)
         return dict(steps_done=start_step)
+    # Time each rank blocked waiting for communication (runtime/api.py ExposedComm), median per step.
+    waits: list = [None] * dist.get_world_size()
+    dist.all_gather_object(waits, statistics.median(exposed))
     imbalance = report_balance(pm, meter)
     write_timeline(pm, config, imbalance)
     summary = dict(imbalance=imbalance, first_loss=losses[0], final_loss=losses[-1], median_ms=statistics.median(times) * 1e3,
                    tokens_per_s=tokens_per_step / statistics.median(times),
                    tflops_per_process=flops_per_step / statistics.median(times) / dist.get_world_size() / 1e12,
                    bubble=statistics.median(bubbles), wall_s=time.perf_counter() - t_start,
-                   parameter_share=pm.parameter_share)
+                   parameter_share=pm.parameter_share, exposed_comm_ms=[1e3 * w for w in waits])
     if peak:
         summary["mfu"] = mfu(flops_per_step, statistics.median(times), dist.get_world_size(), peak)
     if rank == 0:
@@ -161,7 +165,9 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
               f"{summary['tokens_per_s']:.0f} tokens/s, {summary['tflops_per_process']:.3g} TFLOP/s/process, "
               + (f"MFU {summary['mfu']:.1%} of {peak:g} TFLOP/s, " if peak else "") +
               f"bubble {summary['bubble']:.1%}, stage imbalance {imbalance:.3f}, parameter share per tp rank "
-              f"{pm.parameter_share:.2f} (ideal {1 / layout.tp:.2f})", flush=True)
+              f"{pm.parameter_share:.2f} (ideal {1 / layout.tp:.2f}), exposed communication "
+              f"{max(summary['exposed_comm_ms']):.1f} ms/iter (per rank: "
+              f"{', '.join(f'{w:.1f}' for w in summary['exposed_comm_ms'])})", flush=True)
     tokens = pm.tokens_per_expert()  # collective under expert parallelism; {} without
     if tokens:
         summary["tokens_per_expert"] = tokens

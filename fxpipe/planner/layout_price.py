@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -21,6 +22,7 @@ from fxpipe.ep.dispatch import ep_combine, ep_dispatch
 from fxpipe.ir.artifact import CompiledPipeline
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.program import Program
+from fxpipe.planner.dp_overlap import exposed_reduction_s
 from fxpipe.schedules.simulate import StageDurations, simulate
 
 
@@ -117,10 +119,11 @@ def ep_collective_times(program: Program, hw: Hardware, num_stages: int, stride:
     return fwd, bwd
 
 
-def gradient_allreduce_s(compiled: CompiledPipeline, hw: Hardware) -> float:
+def gradient_allreduce_s(compiled: CompiledPipeline, hw: Hardware, backward_s: Sequence[float] | None = None) -> float:
     """The data-parallel gradient all-reduce of the largest pipeline rank, in fp32: every
     replica sums the gradients of what it holds; under expert parallelism an expert's
-    gradient only over the dp/ep replicas that hold that expert."""
+    gradient only over the dp/ep replicas that hold that expert. ``backward_s``: each
+    rank's last backward, behind which the dense buckets run (``dp_overlap.py``)."""
     config, program = compiled.config, compiled.program
     stages = program.partition.stages
     params = [sum(c.params for c in stages if c.rank == r) for r in range(config.pp)]
@@ -134,10 +137,13 @@ def gradient_allreduce_s(compiled: CompiledPipeline, hw: Hardware) -> float:
                 stage = next((program.stages[u.name] for u in nodes[p.node].users if u.name in program.stages), 0)
                 experts[ranks[stage]] += p.numel // ep.ep
     members = config.replicas
-    return max(hw.collective_s(Collective.ALL_REDUCE, 4 * (p - e), members, hw.members_per_node(members, config.tp))
+    dense = lambda nbytes: hw.collective_s(Collective.ALL_REDUCE, nbytes, members,  # noqa: E731
+                                           hw.members_per_node(members, config.tp))
+    hidden = backward_s if backward_s is not None and members > 1 else [None] * config.pp
+    return max((dense(4 * (p - e)) if b is None else exposed_reduction_s(4 * (p - e), b, dense, config.bucket_mb))
                + hw.collective_s(Collective.ALL_REDUCE, 4 * e, members // config.ep,
                                  hw.members_per_node(members // config.ep, config.tp * config.ep))
-               for p, e in zip(params, experts))
+               for p, e, b in zip(params, experts, hidden))
 
 
 def with_action_overhead(d: StageDurations, overhead: float, split: bool) -> StageDurations:
@@ -189,7 +195,9 @@ def price(compiled: CompiledPipeline, hardware: Hardware | None = None, *,
     if concurrent is not None and concurrent < world:
         # Every tp rank and replica runs the pipeline's compute: the machine does all of it.
         makespan = max(makespan, sum(sim.busy) * config.tp * config.replicas / concurrent)
-    allreduce = gradient_allreduce_s(compiled, hw)
+    ranks = compiled.schedule.stage_ranks  # each rank's last backward hides its buckets
+    allreduce = gradient_allreduce_s(compiled, hw, [sum(b for b, r in zip(durations.backward, ranks) if r == rank)
+                                                    for rank in range(config.pp)])
     bubble = sim.max_bubble_fraction if config.pp > 1 else 0.0
     return PricedLayout(config=config, step_s=makespan + allreduce, memory_bytes=max(result.rank_memory_bytes),
                         bubble=bubble, allreduce_s=allreduce)

@@ -37,10 +37,11 @@ class LayerBalance(enum.Enum):
 class DPOverlap(enum.Enum):
     """When the data-parallel gradient all-reduce runs."""
     NONE = "none"
-    """After the rank's last backward (fxpipe's GradSync; Megatron's ``DDP=local``)."""
+    """After the rank's last backward (``bucket_mb=0``; Megatron's ``DDP=local``)."""
     BACKWARD = "backward"
-    """Bucketed during the last microbatch's backward (``torch`` DDP; Megatron's
-    ``DDP=torch``): only what outlasts that backward is exposed."""
+    """Bucketed during the last microbatch's backward (fxpipe's runtime by default, torch
+    DDP; Megatron's ``DDP=torch``): only what outlasts that backward is exposed
+    (``dp_overlap.py``)."""
 
 
 class VocabPasses(enum.Enum):

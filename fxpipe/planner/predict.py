@@ -22,6 +22,7 @@ from typing import Mapping
 import numpy as np
 
 from fxpipe.base.hardware import Collective
+from fxpipe.planner.dp_overlap import DEFAULT_BUCKET_MB, exposed_reduction_s
 from fxpipe.planner.layer_cost import CostModel
 from fxpipe.planner.memory_model import (RankMemory, embedding_activation_bytes, final_norm_activation_bytes,
                                          head_activation_bytes, layer_activation_bytes, lookup_activation_bytes,
@@ -103,18 +104,23 @@ def _sync_s(model: CostModel, cfg: CandidateLayout, stages: StagePlan, r: int, p
     """Exposed gradient synchronisation of pipeline rank r."""
     hw, opts, shape = model.hw, model.options, model.shape
     per_node = hw.members_per_node(cfg.dp, cfg.tp)
+    # DPOverlap.BACKWARD: the gradients reduced in buckets behind the last backward, as the
+    # runtime runs them (``dp_overlap.py``); NONE: the whole reduction after it.
+    bucket_mb = DEFAULT_BUCKET_MB if opts.dp_overlap is DPOverlap.BACKWARD else 0.0
     if cfg.zero:
         # ZeRO-1 / the distributed optimizer: the gradients reduce-scattered to their owners,
         # the updated weights (compute dtype) all-gathered back; with overlap the gather runs
         # behind the next iteration's first forward (Megatron's --overlap-param-gather).
-        dp = hw.collective_s(Collective.REDUCE_SCATTER, params * opts.grad_bytes, cfg.dp, per_node)
+        scatter = lambda nbytes: hw.collective_s(Collective.REDUCE_SCATTER, nbytes, cfg.dp,  # noqa: E731
+                                                 per_node)
+        dp = exposed_reduction_s(params * opts.grad_bytes, float(stages.backward[r]), scatter, bucket_mb)
         gather = hw.collective_s(Collective.ALL_GATHER, params * opts.dtype_bytes, cfg.dp, per_node)
+        if opts.dp_overlap is DPOverlap.BACKWARD:
+            gather = max(0.0, gather - float(stages.forward[r]))
     else:
-        dp = hw.collective_s(Collective.ALL_REDUCE, params * opts.grad_bytes, cfg.dp, per_node)
+        ring = lambda nbytes: hw.collective_s(Collective.ALL_REDUCE, nbytes, cfg.dp, per_node)  # noqa: E731
+        dp = exposed_reduction_s(params * opts.grad_bytes, float(stages.backward[r]), ring, bucket_mb)
         gather = 0.0
-    if opts.dp_overlap is DPOverlap.BACKWARD:
-        dp = max(0.0, dp - float(stages.backward[r]))  # hidden behind its last backward
-        gather = max(0.0, gather - float(stages.forward[r]))
     dp += gather
     # Megatron's embedding group: first and last rank. Vocabulary passes hold each row once.
     if cfg.pp > 1 and r in (0, cfg.pp - 1) and not cfg.vocab_passes:

@@ -33,6 +33,25 @@ class StepStats:
     """Most (stage, microbatch) activations this rank held at once in the last step."""
     events: tuple
     """(action, start, end) of every action this rank ran in the last step (perf_counter s)."""
+    exposed: "ExposedComm | None" = None
+    """Time this rank blocked waiting for communication in the last step."""
+
+
+@dataclass(frozen=True)
+class ExposedComm:
+    """Communication a step waited for (the rest ran behind compute), seconds."""
+    pipeline_s: float
+    """Waiting for pipeline receives (activations, gradients, vocabulary passes' transfers)
+    and, at the step's end, for its sends."""
+    gradients_s: float
+    """Waiting for the gradient reduction after the last backward (buckets not yet done,
+    tied and row sums, what is reduced after the backward)."""
+    parameters_s: float = 0.0
+    """ZeRO-1: the owners' parameters broadcast before the first forward."""
+
+    @property
+    def total_s(self) -> float:
+        return self.pipeline_s + self.gradients_s + self.parameters_s
 
 
 @dataclass
@@ -217,7 +236,13 @@ class ParallelModel:
         check_token_ids(batch, self.token_inputs)
         for t in self.parameters():
             t.grad = None
-        self.sync_parameters()
+        if self.master is not None:
+            self.master.refresh()
+        # ZeRO-1: the owners' parameters, waited for only before the first forward computes.
+        gather = self.zero.start_broadcast({n: self.state[n] for n in self.zero.owner}) \
+            if self.zero is not None else None
+        self.executor.before_forward = gather.wait if gather is not None else None
+        self.grad_sync.start_step()
         if self.master is not None:
             for runner in self.executor.runners.values():
                 runner.loss_scale = self.master.loss_scale / self.num_microbatches
@@ -229,7 +254,9 @@ class ParallelModel:
         if self.master is not None:
             # fp16: gradients unscaled, or dropped when any rank overflowed.
             self.last_step_skipped = not self.master.finish()
-        self.last_stats = StepStats(self.executor.peak_in_flight, tuple(self.executor.events))
+        self.last_stats = StepStats(self.executor.peak_in_flight, tuple(self.executor.events),
+                                    ExposedComm(self.executor.transport.waited_s, self.grad_sync.waited_s,
+                                                gather.waited_s if gather is not None else 0.0))
         return self._mean_loss()
 
     def _check_open(self, what: str) -> None:

@@ -55,6 +55,12 @@ class PipelineExecutor:
         self._send_listed = listed
         self.peak_in_flight = 0
         self.events: list[tuple[Action, float, float]] = []
+        self.before_forward: Callable[[], None] | None = None
+        """Called once, before the step's first forward computes (after its inputs arrived):
+        ZeRO-1's parameter broadcast is waited for here."""
+        self.reduction: Any = None
+        """``grad_buckets.OverlappedReduction``: told where each action starts and ends, so
+        it arms its gradient hooks for the actions that finish gradients."""
 
     # ---- one step ----------------------------------------------------------------------
     def run(self, microbatches: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -64,6 +70,7 @@ class PipelineExecutor:
         self.to_send: dict[tuple[K, int, int], list[tuple[str, int, torch.Tensor]]] = {}
         self.posted: dict[tuple[K, int, int], list[tuple[Any, str, torch.Tensor]]] = {}
         self.events = []
+        self.transport.waited_s = 0.0
         handlers = {K.F: self._forward, K.B: self._backward, K.I: self._backward,
                     K.W: self._weight, K.SEND_F: self._send, K.SEND_B: self._send,
                     K.RECV_F: self._post_recv_fwd, K.RECV_B: self._post_recv_bwd,
@@ -72,13 +79,20 @@ class PipelineExecutor:
                     K.ALLREDUCE_S: lambda a: self.vocab.allreduce_s(a.microbatch),
                     K.T: lambda a: self.vocab.t(a.microbatch), K.REDUCE_G: self._reduce_g}
         if self.lookups is not None:
+            if self.before_forward is not None:  # the owners look their rows up right away
+                self.before_forward()
+                self.before_forward = None
             self.lookups.start(microbatches)
         for index, action in enumerate(self.actions):
             if self.lookups is not None:
                 self.lookups.before(index)
             self._compute_start = None
             start = time.perf_counter()
+            if self.reduction is not None:
+                self.reduction.before_action(index)
             handlers[action.kind](action)
+            if self.reduction is not None:
+                self.reduction.after_action(index)
             # A compute action's event starts after its receives arrived: waiting is bubble.
             self.events.append((action, self._compute_start or start, time.perf_counter()))
         if self.lookups is not None:
@@ -86,6 +100,9 @@ class PipelineExecutor:
         if self.vocab is not None:
             self.vocab.finish()
         self.transport.flush_sends()
+        if self.before_forward is not None:  # a rank without a forward still gets the parameters
+            self.before_forward()
+            self.before_forward = None
         assert not self.to_send and not self.posted, "every transfer of the step completed"
         assert self.vocab is None or self.vocab.idle, "every vocabulary pass of the step ran"
         leftover = {s: r.in_flight for s, r in self.runners.items() if r.in_flight}
@@ -99,6 +116,9 @@ class PipelineExecutor:
         received.update(self._wait((K.RECV_F, s, mb)))
         if self.lookups is not None:
             received.update(self.lookups.inputs(s, mb))
+        if self.before_forward is not None:
+            self.before_forward()
+            self.before_forward = None
         self._compute_start = time.perf_counter()
         outs = self.runners[s].forward(mb, self.mb[mb], received)
         head = self.plan.vocab_head

@@ -13,10 +13,15 @@
    sum, then divide); with ZeRO-1, reduced onto its owner only (``zero.py``).
    Expert-parallel stacks (``runtime/experts.py``) are summed over the ranks holding
    the same experts only, and divided by dp.
-Gradients are flattened into one buffer per collective to pay latency once.
+Data-parallel reductions run in buckets started during the step's last backward
+(``grad_buckets.py``); what cannot start early — tied copies and row-shared tensors
+(their group sum must come first), expert stacks (their own groups), the LM head's
+blocks and row-split tables (accumulated outside the stages' B/W actions) — is
+flattened into one buffer per collective after the last backward, as before.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -27,6 +32,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.runtime.experts import sync_expert_grads
+from fxpipe.runtime.grad_buckets import OverlappedReduction, final_actions, plan_buckets
 from fxpipe.runtime.mesh import MeshGroups, subgroup
 from fxpipe.schedules.schedule import Schedule
 
@@ -60,11 +66,16 @@ class GradSync:
     """A ``ZeroPartition``: reduce each gradient onto its data-parallel owner."""
     experts: Any = None
     """``ExpertGroups``: expert-parallel parameters and the ranks holding the same experts."""
+    overlap: OverlappedReduction | None = None
+    """The buckets reduced during the last backward; None: everything after it."""
+    waited_s: float = 0.0
+    """Time the last ``sync`` blocked in collectives (the exposed reduction)."""
 
     @staticmethod
     def build(plan: PipelinePlan, schedule: Schedule, groups: MeshGroups,
               state: dict[str, Any], timeout: timedelta, like: dict[str, torch.Tensor] | None = None,
-              zero: Any = None, experts: Any = None) -> "GradSync":
+              zero: Any = None, experts: Any = None, actions: Any = None,
+              bucket_mb: float = 0.0) -> "GradSync":
         mesh = groups.mesh
         tied = []
         # Every rank creates every group in the same order (new_group is collective).
@@ -92,7 +103,15 @@ class GradSync:
                     local = tuple((shard.offset(groups.pp_rank, a), b - a) for a, b in segments)
                     rows.append((name, local, group))
         like = like if like is not None else {n: t for n, t in state.items() if isinstance(t, torch.Tensor)}
-        return GradSync(groups, state, like, tied, rows, zero, experts)
+        sync = GradSync(groups, state, like, tied, rows, zero, experts)
+        if mesh.dp > 1 and bucket_mb > 0 and actions is not None:
+            sync.overlap = _overlapped(sync, plan, schedule, actions, timeout, bucket_mb)
+        return sync
+
+    def start_step(self) -> None:
+        """Before the step's first action: the buckets zeroed, the gradients their views."""
+        if self.overlap is not None:
+            self.overlap.start_step()
 
     def _grad(self, name: str) -> torch.Tensor:
         holder = self.state[name]
@@ -105,6 +124,11 @@ class GradSync:
         return holder.dtype if isinstance(holder, torch.Tensor) else torch.float32
 
     def sync(self) -> None:
+        start = time.perf_counter()
+        self._sync()
+        self.waited_s = time.perf_counter() - start
+
+    def _sync(self) -> None:
         for name, group in self.tied:
             _all_reduce_flat([self._grad(name)], group)
         for name, pieces, group in self.rows:
@@ -112,10 +136,14 @@ class GradSync:
             _all_reduce_flat([grad.narrow(0, start, length) for start, length in pieces], group)
         if self.groups.mesh.dp == 1:
             return
-        trainable = [n for n, h in self.state.items() if not isinstance(h, torch.Tensor) or h.requires_grad]
+        if self.overlap is not None:
+            self.overlap.finish()
+        bucketed = self.overlap.names if self.overlap is not None else frozenset()
+        trainable = [n for n, h in self.state.items() if (not isinstance(h, torch.Tensor) or h.requires_grad)
+                     and n not in bucketed]
         if self.zero is not None:
             grads = {n: self._grad(n) for n in trainable}
-            owned = self.zero.reduce_gradients(grads, grads)
+            owned = self.zero.reduce_gradients(grads, grads) if grads else {}
             for n in trainable:
                 self.state[n].grad = owned.get(n)  # None on the replicas that do not own it
             return
@@ -124,3 +152,29 @@ class GradSync:
                          1.0 / self.groups.mesh.dp)
         if self.experts is not None:
             sync_expert_grads([self._grad(n) for n in trainable if n in owned], self.experts, self.groups.mesh.dp)
+
+
+def _overlapped(sync: GradSync, plan: PipelinePlan, schedule: Schedule, actions: Any, timeout: timedelta,
+                bucket_mb: float) -> OverlappedReduction | None:
+    """The bucketed reduction of this rank's tensors that only its stages' B/W actions
+    accumulate into (module docstring)."""
+    groups = sync.groups
+    late = {n for n, _ in sync.tied} | {n for n, _, _ in sync.rows} | set(plan.row_shards)
+    late |= set(sync.experts.params) if sync.experts is not None else set()
+    late |= set(plan.vocab_head.params) if plan.vocab_head is not None else set()
+    late |= {lk.table for lk in plan.lookups}
+    stage_params = {s: [n for n in plan.stage_params(s) if n in sync.state and n not in late]
+                    for s in schedule.stages_of_rank(groups.pp_rank)}
+    final_at, order = final_actions(actions.actions[groups.pp_rank], stage_params)
+    final_at = {n: i for n, i in final_at.items()
+                if sync.like[n].requires_grad and (not isinstance(sync.state[n], torch.Tensor)
+                                                    or sync.state[n].requires_grad)}
+    if not final_at:
+        return None
+    dtype = {n: sync._dtype(sync.state[n], n) for n in final_at}
+    owner = dict(sync.zero.owner) if sync.zero is not None else None
+    buckets = plan_buckets(final_at, order, {n: sync.like[n].numel() for n in final_at}, dtype,
+                           bucket_mb * 2**20, owner)
+    mesh = groups.mesh
+    return OverlappedReduction(buckets, sync.state, sync.like, groups.dp_group, mesh.dp, groups.dp_rank, timeout,
+                               lambda d: mesh.rank(pp=groups.pp_rank, dp=d, tp=groups.tp_rank), owner)

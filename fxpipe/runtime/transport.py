@@ -15,6 +15,7 @@ interleaving) never match the wrong message.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -70,6 +71,8 @@ class Transport:
     """With tensor parallelism (SC21 §4.1): a value replicated over the tp group is sent
     as this rank's 1/t chunk and all-gathered over the group on arrival."""
     _sends: list[Any] = field(default_factory=list)
+    waited_s: float = 0.0
+    """Time blocked in ``wait`` since the executor last reset it (exposed communication)."""
 
     def _chunked(self, value: StageValue) -> bool:
         return self.scatter_gather is not None and value.tp_replicated
@@ -110,6 +113,13 @@ class Transport:
         return buf
 
     def wait(self, pending: Pending) -> None:
+        start = time.perf_counter()
+        try:
+            self._wait(pending)
+        finally:
+            self.waited_s += time.perf_counter() - start
+
+    def _wait(self, pending: Pending) -> None:
         # Gloo honours a per-call timeout; a peer that died never completes its send.
         try:
             if self.device.type == "cpu":

@@ -17,11 +17,15 @@ Per step, with ``dp`` replicas of a stage:
   only those, so ``torch.optim.AdamW(pm.parameters())`` holds a 1/dp share of the
   state: the user's optimizer class, unchanged);
 - before the next forward, owners broadcast their updated parameters (in the compute
-  precision) to the other replicas — the all-gather of parameters.
+  precision) to the other replicas — the all-gather of parameters — started at the
+  step's start and waited for just before its first forward computes: behind the wait
+  for the first activation on every pipeline rank but the first (docs/ARCHITECTURE.md,
+  "Communication behind compute", says why not behind the forward itself).
 Collectives are coalesced into one flat buffer per owner.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -85,10 +89,34 @@ class ZeroPartition:
     @torch.no_grad()
     def broadcast_parameters(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Every replica receives the owners' current values (in the tensors' dtype)."""
+        self.start_broadcast(tensors).wait()
+
+    @torch.no_grad()
+    def start_broadcast(self, tensors: Mapping[str, torch.Tensor]) -> "PendingBroadcast":
+        """``broadcast_parameters`` started asynchronously: ``wait()`` before reading them
+        (``train_step`` waits just before the step's first forward computes, so on a
+        pipeline rank after the first the broadcast runs while it waits for its input)."""
+        pending = []
         for rank, names in self._by_owner(tensors):
             parts = [tensors[n] for n in names]
             flat = _flatten_dense_tensors(parts)
-            dist.broadcast(flat, src=self._global(rank), group=self.groups.dp_group)
-            if rank != self.groups.dp_rank:
-                for t, new in zip(parts, _unflatten_dense_tensors(flat, parts)):
-                    t.copy_(new)
+            work = dist.broadcast(flat, src=self._global(rank), group=self.groups.dp_group, async_op=True)
+            pending.append((work, parts if rank != self.groups.dp_rank else [], flat))
+        return PendingBroadcast(pending)
+
+
+@dataclass
+class PendingBroadcast:
+    pending: list
+    """(work, the tensors to overwrite — none on the owner —, the flat buffer) per owner."""
+    waited_s: float = 0.0
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        start = time.perf_counter()
+        for work, parts, flat in self.pending:
+            work.wait()  # the dp group's timeout bounds it
+            for t, new in zip(parts, _unflatten_dense_tensors(flat, parts)):
+                t.copy_(new)
+        self.pending = []
+        self.waited_s += time.perf_counter() - start

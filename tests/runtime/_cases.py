@@ -82,7 +82,8 @@ def _train_case(parallelize, simulate, rank: int, case: dict) -> dict:
                      # The matrix checks the runtime on fixed cuts; measured costs move
                      # the cuts run to run (they have their own tests and cases below).
                      costs=case.get("costs", "model"), split_loss=case.get("split_loss", False),
-                     ep=case.get("ep", 1), vocab_passes=case.get("vocab_passes", False))
+                     ep=case.get("ep", 1), vocab_passes=case.get("vocab_passes", False),
+                     bucket_mb=case.get("bucket_mb", 25.0))
     losses, grads, norm = train(pm, w)
     # The schedule's own peak, from the simulator (independent of the executor).
     durations = None
@@ -101,6 +102,12 @@ def _train_case(parallelize, simulate, rank: int, case: dict) -> dict:
                   held={n: tuple(t.shape) for n, t in pm.state.items() if n in pm.plan.row_shards},
                   pp_rank=pm.groups.pp_rank,
                   lookup_peak=pm.executor.lookups.peak_parts if pm.executor.lookups is not None else 0)
+    overlap = pm.grad_sync.overlap
+    if overlap is not None:  # when each bucket's reduction started, against the step's last backward
+        last = max((e for e in pm.last_stats.events if e[0].kind.name in ("B", "W")), key=lambda e: e[2])
+        result["buckets"] = dict(launched=list(overlap.launched_at), last_backward=(last[1], last[2]),
+                                 last_microbatch=last[0].microbatch, stages=len(set(pm.schedule.stages_of_rank(
+                                     pm.groups.pp_rank))))
     full = pm.full_state_dict()
     if rank == 0:
         result["params"] = full

@@ -11,9 +11,12 @@ from tests.runtime._reuse_capture import reusing_captures
 STEP_RANGE = range(STEPS)
 
 
-def _run(zero: int, *, pp: int, dp: int, tp: int = 1, precision: str = "fp32") -> dict:
-    pm, w, opt, sched = build("gpt-tiny", pp=pp, dp=dp, tp=tp, zero=zero, precision=precision)
+def _run(zero: int, *, pp: int, dp: int, tp: int = 1, precision: str = "fp32", bucket_mb: float = 25.0) -> dict:
+    pm, w, opt, sched = build("gpt-tiny", pp=pp, dp=dp, tp=tp, zero=zero, precision=precision, bucket_mb=bucket_mb)
     losses = train(pm, w, opt, sched, STEP_RANGE)
+    overlap = pm.grad_sync.overlap
+    last = max((e for e in pm.last_stats.events if e[0].kind.name in ("B", "W")), key=lambda e: e[2])
+    buckets = dict(launched=list(overlap.launched_at), last_backward=(last[1], last[2]))
     pm.sync_parameters()
     params = pm.full_state_dict() if pm.master is None else None
     masters = {n: t.detach().clone() for n, t in pm.named_parameters()}
@@ -23,7 +26,7 @@ def _run(zero: int, *, pp: int, dp: int, tp: int = 1, precision: str = "fp32") -
     return dict(losses=losses, params=params, masters=masters, state_elems=state_elems, clip=clip,
                 replicas=(pm.groups.pp_rank, pm.groups.tp_rank),
                 owned=sorted(n for n, _ in pm.named_parameters()),
-                trainable=sorted(n for n, t in pm.state.items() if t.requires_grad))
+                trainable=sorted(n for n, t in pm.state.items() if t.requires_grad), buckets=buckets)
 
 
 @reusing_captures
@@ -34,13 +37,14 @@ def world_zero(rank: int, world: int, root: str) -> dict:
     from fxpipe.checkpoint.dcp import load_checkpoint, save_checkpoint
 
     out = {}
-    for key, kwargs in (("dp2pp2", dict(pp=2, dp=2)), ("tp2dp2", dict(pp=1, dp=2, tp=2))):
+    # dp2pp2 in buckets of ~10 KB (each a few tensors: some of one owner, some of both).
+    for key, kwargs in (("dp2pp2", dict(pp=2, dp=2, bucket_mb=0.01)), ("tp2dp2", dict(pp=1, dp=2, tp=2))):
         out[(key, 0)] = _run(0, **kwargs)
         out[(key, 1)] = _run(1, **kwargs)
     pm, w, _, _ = build("gpt-tiny", pp=2, tp=2)
     out["clip_tp2pp2"] = clip_check(pm, w, 0)
-    out[("bf16", 0)] = _run(0, pp=2, dp=2, precision="bf16")
-    out[("bf16", 1)] = _run(1, pp=2, dp=2, precision="bf16")
+    out[("bf16", 0)] = _run(0, pp=2, dp=2, precision="bf16", bucket_mb=0.01)
+    out[("bf16", 1)] = _run(1, pp=2, dp=2, precision="bf16", bucket_mb=0.01)
 
     # Save under ZeRO-1 at SAVE_AT; resume into plain dp=2 × pp=2 and into ZeRO-1 at dp=4.
     directory = Path(root) / "zero"

@@ -102,9 +102,10 @@ def _world4_cases():
     # summed over the two ranks holding the same experts (runtime/experts.py); and under a
     # pipeline (dp=2 × pp=2), the experts' stage dispatching in every microbatch's F and B.
     experts = [dict(model=EXPERTS, pp=1, ep=2, schedule="1f1b"), dict(model=EXPERTS, pp=2, ep=2, schedule="1f1b")]
-    # dp=2 × pp=2: the gradient all-reduce over replicas does not depend on the family.
-    return pp4 + [dict(model="gpt-tiny", pp=2, schedule="1f1b")] + _tp_cases() + _zoo_cases(2, 2) + rows \
-        + experts
+    # dp=2 × pp=2: the gradient all-reduce over replicas does not depend on the family; in
+    # ~10 KB buckets each reduced as soon as its last W (zero-bubble: B split) finished it.
+    return pp4 + [dict(model="gpt-tiny", pp=2, schedule="zb-h1", bucket_mb=0.01)] + _tp_cases() \
+        + _zoo_cases(2, 2) + rows + experts
 
 
 def _id(c):
@@ -226,6 +227,19 @@ def test_pp2(world2, references, index):
 def test_world4(world4, references, index):
     """pp=4 schedules, dp=2 × pp=2, and tensor parallelism (with dp, pp, sp)."""
     _check(world4, index, references)
+
+
+@pytest.mark.slow
+def test_dp_buckets_reduced_during_the_last_weight_pass(world4):
+    """dp=2 × pp=2 under ZB-H1: the buckets' all-reduces start inside each rank's last
+    W, not after the step's backward (runtime/grad_buckets.py)."""
+    from tests.runtime.test_zero import _launched_in_last_backward
+
+    index = next(i for i, c in enumerate(_world4_cases()) if c.get("bucket_mb"))
+    for rank_results in world4:
+        buckets = rank_results[index]["buckets"]
+        _launched_in_last_backward(buckets)
+        assert len(buckets["launched"]) > 2
 
 
 @pytest.mark.slow

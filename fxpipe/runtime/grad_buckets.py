@@ -1,0 +1,234 @@
+"""The data-parallel gradient reduction in buckets, started while backward still runs.
+
+As torch's DistributedDataParallel (Li et al., VLDB 2020, §3.2.3) and Megatron-LM's
+``--overlap-grad-reduce``: the trainable tensors are grouped into buckets of about
+``bucket_mb`` MB in the order the step's backward finishes them; a bucket's
+collective starts asynchronously as soon as every gradient in it is final, and the
+step waits for the buckets only at its end, before the optimizer.
+
+When a gradient is final: the executor runs a fixed action list, so the last action
+that accumulates into a tensor is known before the step — the last B (or W, under
+zero-bubble schedules, where B is split into I and W) of every stage of this rank
+that reads it. Only during that action is the tensor's post-accumulate hook armed
+(earlier microbatches' accumulations are not final); a tensor that got no gradient in
+it (unused by the last microbatch) is final when the action returns. Buckets are
+launched strictly in order, so every replica issues the same collectives in the same
+order whatever order its hooks fire in.
+
+Memory: each gradient *is* a view into its bucket's flat buffer (DDP's
+``gradient_as_bucket_view``): autograd and the fp32-master hooks accumulate into it
+in place and the collective reduces it in place — no second copy of the gradients.
+Under mixed precision the buffers hold the fp32 master (or ZeRO holder) gradients:
+the hooks here are registered after ``MasterWeights``' on the same compute leaves, so
+they see the master's gradient complete.
+
+With ZeRO-1 (``zero.py``) a bucket is laid out by owner, and each owner's run of it is
+reduced onto that owner (the bytes of a reduce-scatter) instead of all-reduced.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.schedules.actions import Action, ActionKind
+
+DEFAULT_BUCKET_MB = 25.0
+"""torch DDP's ``bucket_cap_mb``."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    names: tuple[str, ...]
+    """Canonical names, in buffer order (grouped by owner under ZeRO-1)."""
+    runs: tuple[tuple[int, int, int], ...]
+    """(owner's data-parallel rank or -1 for all, start, length) of each collective's slice."""
+    numel: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    buckets: tuple[Bucket, ...]
+    final_at: Mapping[str, int]
+    """Canonical name -> index of the action (in this rank's action list) whose end
+    makes its gradient final."""
+
+
+def final_actions(actions: Sequence[Action], stage_params: Mapping[int, Sequence[str]]) -> tuple[dict[str, int], dict[str, int]]:
+    """(name -> index of the last action accumulating into it, name -> its order within
+    that action's stage: later-read tensors first, as backward reaches them first)."""
+    last: dict[int, int] = {}
+    for i, a in enumerate(actions):
+        if a.kind in (ActionKind.B, ActionKind.W) and a.stage in stage_params:
+            last[a.stage] = i
+    final_at: dict[str, int] = {}
+    order: dict[str, int] = {}
+    for stage, names in stage_params.items():
+        if stage not in last:
+            continue
+        for position, n in enumerate(names):
+            if last[stage] >= final_at.get(n, -1):
+                final_at[n], order[n] = last[stage], -position
+    return final_at, order
+
+
+def plan_buckets(final_at: Mapping[str, int], order: Mapping[str, int], numel: Mapping[str, int],
+                 dtype: Mapping[str, torch.dtype], bucket_bytes: float,
+                 owner: Mapping[str, int] | None = None) -> BucketPlan:
+    """Buckets of at most ``bucket_bytes`` (one tensor alone may exceed it) in the
+    order the gradients become final: by action, then by ``order`` (smaller first:
+    backward reaches a stage's last-used tensors first)."""
+    names = sorted(final_at, key=lambda n: (final_at[n], order[n], n))
+    groups: list[list[str]] = []
+    size = 0.0
+    for n in names:
+        nbytes = numel[n] * dtype[n].itemsize
+        if not groups or size + nbytes > bucket_bytes or dtype[groups[-1][0]] != dtype[n]:
+            groups.append([])
+            size = 0.0
+        groups[-1].append(n)
+        size += nbytes
+    buckets = []
+    for group in groups:
+        if owner is not None:  # one contiguous run per owner
+            group = sorted(group, key=lambda n: owner[n])  # stable: keeps the finishing order per owner
+        runs, start = [], 0
+        for n in group:
+            who = owner[n] if owner is not None else -1
+            if runs and runs[-1][0] == who:
+                runs[-1][2] += numel[n]
+            else:
+                runs.append([who, start, numel[n]])
+            start += numel[n]
+        buckets.append(Bucket(tuple(group), tuple(tuple(r) for r in runs), start, dtype[group[0]]))
+    return BucketPlan(tuple(buckets), dict(final_at))
+
+
+@dataclass
+class OverlappedReduction:
+    """One rank's buckets at run time (module docstring)."""
+    plan: BucketPlan
+    holders: Mapping[str, Any]
+    """Canonical name -> what holds its gradient in ``.grad`` (``GradSync.state``)."""
+    like: Mapping[str, torch.Tensor]
+    """Canonical name -> its compute leaf (shape, device; its hooks are registered here)."""
+    group: Any
+    dp: int
+    dp_rank: int
+    timeout: timedelta
+    global_rank: Callable[[int], int]
+    """Data-parallel rank -> global rank (ZeRO-1's reduce destinations)."""
+    owner: Mapping[str, int] | None = None
+    """ZeRO-1: canonical name -> the data-parallel rank that owns it."""
+    launched_at: list[float] = field(default_factory=list)
+    """perf_counter of each bucket's launch in the last step (tests check it falls
+    inside the backward)."""
+    waited_s: float = 0.0
+    """Time the last step blocked waiting for the buckets (exposed reduction)."""
+
+    def __post_init__(self) -> None:
+        self._bucket_of = {n: i for i, b in enumerate(self.plan.buckets) for n in b.names}
+        self._by_action: dict[int, list[str]] = {}
+        for n, index in self.plan.final_at.items():
+            self._by_action.setdefault(index, []).append(n)
+        self._buffers: list[torch.Tensor] = []
+        self._works: list[Any] = []
+        self._missing: list[int] = []
+        self._done: set[str] = set()
+        self._next = 0
+        self._action: int | None = None
+        self._hooks = [self.like[n].register_post_accumulate_grad_hook(self._hook(n)) for n in self._bucket_of]
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self._bucket_of)
+
+    def _hook(self, name: str):
+        final = self.plan.final_at[name]
+
+        def hook(_: torch.Tensor) -> None:
+            if self._action == final:
+                self._final(name)
+        return hook
+
+    def start_step(self) -> None:
+        """Zero the buckets and make every gradient a view into its bucket."""
+        # A step refused after its backward (train_step's batch check) left its buckets in
+        # flight: every replica launched the same ones, so they complete; drop them.
+        for work in self._works:
+            work.wait(self.timeout) if self._buffers[0].device.type == "cpu" else work.wait()
+        self._works, self._action = [], None
+        if not self._buffers:
+            device = next(iter(self.like.values())).device
+            self._buffers = [torch.empty(b.numel, dtype=b.dtype, device=device) for b in self.plan.buckets]
+        for bucket, buf in zip(self.plan.buckets, self._buffers):
+            buf.zero_()
+            start = 0
+            for n in bucket.names:
+                shape = self.like[n].shape
+                self.holders[n].grad = buf.narrow(0, start, shape.numel()).view(shape)
+                start += shape.numel()
+        self._missing = [len(b.names) for b in self.plan.buckets]
+        self._done = set()
+        self._next = 0
+        self.launched_at = []
+        self.waited_s = 0.0
+
+    def before_action(self, index: int) -> None:
+        self._action = index
+
+    def after_action(self, index: int) -> None:
+        self._action = None
+        for n in self._by_action.get(index, ()):
+            self._final(n)  # no gradient reached it in its last action: final all the same
+
+    def _final(self, name: str) -> None:
+        if name in self._done:
+            return
+        self._done.add(name)
+        self._missing[self._bucket_of[name]] -= 1
+        while self._next < len(self._missing) and self._missing[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, i: int) -> None:
+        buf = self._buffers[i]
+        for who, start, length in self.plan.buckets[i].runs:
+            part = buf.narrow(0, start, length)
+            if who < 0:
+                self._works.append(dist.all_reduce(part, group=self.group, async_op=True))
+            else:
+                self._works.append(dist.reduce(part, dst=self.global_rank(who), group=self.group, async_op=True))
+        self.launched_at.append(time.perf_counter())
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Launch what is left, wait for every bucket, average; under ZeRO-1 drop the
+        gradients this replica does not own."""
+        for n in self.plan.final_at:
+            self._final(n)
+        start = time.perf_counter()
+        works, self._works = self._works, []
+        for i, work in enumerate(works):
+            try:
+                # Gloo honours a per-call timeout; NCCL's work objects take the group's.
+                work.wait(self.timeout) if self._buffers[0].device.type == "cpu" else work.wait()
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"rank {dist.get_rank()}: the data-parallel gradient reduction ({i + 1} of {len(works)} "
+                    f"collectives) did not complete within {self.timeout.total_seconds():g} s: a data-parallel "
+                    f"replica stopped or is far slower (--timeout sets the wait)") from exc
+        self.waited_s = time.perf_counter() - start
+        for bucket, buf in zip(self.plan.buckets, self._buffers):
+            for who, at, length in bucket.runs:
+                if who < 0 or who == self.dp_rank:
+                    buf.narrow(0, at, length).mul_(1.0 / self.dp)
+        if self.owner is not None:
+            for n in self._bucket_of:
+                if self.owner[n] != self.dp_rank:
+                    self.holders[n].grad = None  # reduced onto its owner; the bucket keeps the bytes
