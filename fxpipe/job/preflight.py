@@ -56,12 +56,13 @@ META_ABOVE_PARAMS = 3e8
 """Registry GPTs larger than this are captured on the meta device."""
 
 
-def check_run(config: "TrainConfig", *, model: bool = True) -> "CompiledPipeline | None":
+def check_run(config: "TrainConfig", *, model: bool = True,
+              config_file: str | None = None) -> "CompiledPipeline | None":
     """The file-system and model checks, cheapest first (``check_flags`` runs on the flags,
     before the config exists); ``model=False`` skips capturing the model. Returns what
     the model check compiled (tensor-parallel, costed), or None."""
 
-    resume = check_paths(config)
+    resume = check_paths(config, config_file)
     data = check_data(config)
     return check_model(config, resume, data) if model else None
 
@@ -145,9 +146,9 @@ def check_world(world: int) -> None:
 
 
 # ---- 2. the file system (fxpipe/job/preflight_files.py) -----------------------------------------
-def check_paths(config: "TrainConfig") -> Path | None:
+def check_paths(config: "TrainConfig", config_file: str | None = None) -> Path | None:
     """Returns the checkpoint a resume will start from (digests verified), else None."""
-    check_outputs(config)  # no output on an input or through a link (fxpipe/job/output_paths.py)
+    check_outputs(config, config_file)  # no output on an input or through a link (fxpipe/job/output_paths.py)
     resume = None
     if config.init_from is not None:
         try:  # the files alone (names, shapes and dtypes against the model: ``check_model``)
