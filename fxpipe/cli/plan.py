@@ -76,6 +76,7 @@ counts grow with the microbatch count, and at 10^7 one search took 49 s and 0.9 
 
 def run_plan(args: argparse.Namespace) -> int:
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
+    from fxpipe.job.preflight_sizes import check_shape
     from fxpipe.planner.explain import explain, plan_table, search_summary
     from fxpipe.planner.captured import captured_shape
     from fxpipe.planner.search import plan
@@ -84,6 +85,7 @@ def run_plan(args: argparse.Namespace) -> int:
                                                                  MAX_GLOBAL_BATCH)):
         if not 1 <= value <= limit:
             raise ValueError(f"{flag} must be in [1, {limit}], got {value}")
+    check_shape(args.model)  # layers, width, vocabulary bounded before the capture (10^6 layers: gigabytes)
     captured = captured_shape(args.model, seq=args.seq)
     print(f"fxpipe plan: {captured.describe()}")
     shape = captured.shape

@@ -29,10 +29,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_prepare(args: argparse.Namespace) -> int:
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.data import load_tokenizer, open_corpus, tokenized
+    from fxpipe.job.preflight import GIB_PER_WORKER, WORKERS_PER_CORE, local_worker_limit
     from tqdm import tqdm
 
-    if args.workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {args.workers}")
+    limit, cores, free_gib = local_worker_limit()
+    if not 1 <= args.workers <= limit:  # the cap `fxpipe run` puts on its workers: 1,000 forks only thrash
+        raise ValueError(f"--workers must be in [1, {limit}] on this machine ({cores} CPU cores × "
+                         f"{WORKERS_PER_CORE}, {free_gib:.1f} GiB free at {GIB_PER_WORKER} GiB each), got "
+                         f"{args.workers}; the default is one per core ({os.cpu_count() or 1})")
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     for path in args.data:
         corpus = open_corpus(path, args.text_column)

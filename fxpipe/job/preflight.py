@@ -44,6 +44,7 @@ from fxpipe.job.output_paths import check_outputs
 from fxpipe.job.preflight_data import DataFacts, check_data
 from fxpipe.job.preflight_files import (PreflightError, check_owner, check_resume, check_weights, check_writable_dir,
                                         check_writable_file, resume_path)
+from fxpipe.job.preflight_sizes import check_shape, check_state_bound
 from fxpipe.job.prepare import weights_dir
 from fxpipe.models.hf_dir import is_model_dir, load_config
 from fxpipe.models.registry import GPT_CONFIGS, build_workload
@@ -63,8 +64,20 @@ def check_run(config: "TrainConfig", *, model: bool = True,
     the model check compiled (tensor-parallel, costed), or None."""
 
     resume = check_paths(config, config_file)
+    shape = check_shape(config.model)  # sizes from the config alone, before data, search or capture
+    check_state_bound(config.model, shape, _ranks(config))
     data = check_data(config)
     return check_model(config, resume, data) if model else None
+
+
+def _ranks(config: "TrainConfig") -> int:
+    """The most ranks the run may spread its state over (the searched world, the layout
+    given, torchrun's world, the GPUs here): the state bound must never overestimate."""
+    import torch
+
+    layout = config.parallel
+    return max(config.world or 1, layout.tp * layout.pp * layout.dp, int(os.environ.get("WORLD_SIZE", 1)),
+               torch.cuda.device_count())
 
 
 # ---- 1. flags --------------------------------------------------------------------------------
@@ -119,6 +132,14 @@ GIB_PER_WORKER = 0.4
 """A lower bound on one worker's memory (torch, fxpipe and a tiny model imported)."""
 
 
+def local_worker_limit() -> tuple[int, int, float]:
+    """(the most worker processes this machine may start, its cores, its free GiB):
+    ``WORKERS_PER_CORE`` per core, ``GIB_PER_WORKER`` each (``prepare-data --workers`` too)."""
+    cores = os.cpu_count() or 1
+    free_gib = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return min(WORKERS_PER_CORE * cores, max(1, int(free_gib / GIB_PER_WORKER))), cores, free_gib
+
+
 def check_world(world: int) -> None:
     """tp·pp·dp local workers must be startable here (launched by fxpipe, not torchrun,
     which places processes on nodes itself): one GPU each on a GPU machine, else within
@@ -135,9 +156,7 @@ def check_world(world: int) -> None:
             raise PreflightError(f"tp·pp·dp = {world} workers, but this machine has {gpus} GPUs (one "
                                  f"worker each); use at most {gpus}, or start the job across nodes with torchrun")
         return
-    cores = os.cpu_count() or 1
-    free_gib = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    limit = min(WORKERS_PER_CORE * cores, max(1, int(free_gib / GIB_PER_WORKER)))
+    limit, cores, free_gib = local_worker_limit()
     if world > limit:
         raise PreflightError(
             f"tp·pp·dp = {world} worker processes, but this machine can start at most {limit} ({cores} CPU "
