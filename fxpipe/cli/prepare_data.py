@@ -26,7 +26,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(fn=run_prepare)
 
 
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT while tokenizing: unwinds like Ctrl-C, so the cache writer's
+    ``abort`` removes its temporary file (``data/corpus.py``), and is reported."""
+
+
 def run_prepare(args: argparse.Namespace) -> int:
+    import signal
+
+    def stop(signum, frame):
+        raise _Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _prepare(args)
+    except _Stopped as exc:
+        name = signal.Signals(exc.args[0]).name
+        print(f"fxpipe prepare-data: stopped by {name}; the partial token cache was removed (no temporary file is "
+              f"left); run it again to prepare the data", file=sys.stderr, flush=True)
+        return 128 + exc.args[0]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _prepare(args: argparse.Namespace) -> int:
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.data import load_tokenizer, open_corpus, tokenized
     from fxpipe.job.preflight import GIB_PER_WORKER, WORKERS_PER_CORE, local_worker_limit

@@ -50,6 +50,33 @@ def dataset_files(path: Path) -> list[Path]:
     return [f for f in out if not f.is_symlink()]
 
 
+def check_dataset_dir(path: Path) -> None:
+    """A dataset directory is read whole by pyarrow or ``datasets``, which follow links: one
+    holding a link is refused naming it (text directories never read theirs either:
+    ``text.skipped_links``); and one holding dataset and text files both is refused, since
+    reading it as a dataset would silently leave the text out."""
+    if not path.is_dir():
+        return
+    found: dict[str, list[str]] = {"link": [], "data": [], "text": []}
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for n in sorted(filenames + [d for d in dirnames if (Path(dirpath) / d).is_symlink()]):
+            f = Path(dirpath) / n
+            if n.startswith("."):
+                continue
+            kind = "link" if f.is_symlink() else "data" if f.suffix in DATASET_SUFFIXES else \
+                "text" if f.suffix in (".txt", ".jsonl") else None
+            if kind is not None:
+                found[kind].append(str(f.relative_to(path)))
+    if found["link"]:
+        raise ValueError(f"{path}: the dataset directory holds symbolic links ({', '.join(found['link'][:4])}); a "
+                         f"dataset is read whole and a link could lead outside it: copy the files in instead")
+    if found["data"] and found["text"] and not any((path / m).is_file() for m in SAVED_MARKS):
+        raise ValueError(f"{path} holds dataset files ({', '.join(found['data'][:3])}) and text files "
+                         f"({', '.join(found['text'][:3])}); fxpipe reads a directory as one or the other, never "
+                         f"half of it: put each kind in its own directory")
+
+
 @dataclass(frozen=True)
 class DatasetRows:
     """The rows of one dataset split, read a record batch at a time."""

@@ -96,6 +96,10 @@ def check_flags(args: Any) -> None:
         raise PreflightError(f"--seed must be in [0, 2**63), got {args.seed}")
     world = getattr(args, "world", None)
     check_world(world if world is not None else args.tp * args.pp * args.dp)
+    peak = getattr(args, "peak_tflops", None)
+    if peak is not None and not MIN_PEAK_TFLOPS <= peak <= MAX_PEAK_TFLOPS:  # 1e-300 printed a 300-digit MFU
+        raise PreflightError(f"--peak-tflops must be a device's peak in [{MIN_PEAK_TFLOPS:g}, {MAX_PEAK_TFLOPS:g}] "
+                             f"TFLOP/s, got {peak:g}; e.g. 989 for an H100's bf16, or leave it out")
     if not math.isfinite(args.lr) or args.lr <= 0:
         raise PreflightError(f"--lr must be a positive finite number, got {args.lr} (default 2e-3)")
     if args.costs not in ("measure", "model"):
@@ -124,6 +128,9 @@ def check_flags(args: Any) -> None:
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
 
+
+MIN_PEAK_TFLOPS, MAX_PEAK_TFLOPS = 1e-3, 1e5
+"""A device's peak dense TFLOP/s: from a slow CPU core (~0.01) to beyond any accelerator (B200: ~2,250)."""
 
 WORKERS_PER_CORE = 16
 """Local CPU workers beyond this many per core are refused: each is a process of its own

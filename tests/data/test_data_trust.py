@@ -1,0 +1,115 @@
+"""Trust, round four, for the data path: nothing silent, nothing half-written. An
+unwritable cache is refused naming the path and errno (or, beside read-only data, said
+aloud); a manifest's numbers are range-checked; a corpus of empty rows, a directory of
+Parquet and text, a dataset directory holding a link are refused; SIGTERM during
+``prepare-data`` removes its temporary file and says so. All in this process."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from fxpipe import cli
+from fxpipe.data import ByteTokenizer
+from fxpipe.data.corpus import open_corpus, tokenized
+from tests.data._corpus import write_corpus
+
+
+def _parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": rows}), path)
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "/proc"])
+def test_prepare_data_refuses_a_cache_it_cannot_write_naming_path_and_errno(tmp_path, capsys, where):
+    write_corpus(tmp_path / "texts")
+    (tmp_path / "f").write_text("x")
+    cache = {"a file": tmp_path / "f", "under a file": tmp_path / "f" / "sub", "/proc": "/proc/fxpipe-cache"}[where]
+    assert cli.main(["prepare-data", str(tmp_path / "texts"), "--data-cache", str(cache), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"--data-cache {cache}" in err and "the token cache cannot be written there (" in err, err
+    assert any(name in err for name in ("EEXIST", "ENOTDIR", "ENOENT", "EACCES", "EROFS")), err
+    assert (tmp_path / "f").read_text() == "x"
+
+
+def test_read_only_data_without_a_cache_dir_is_tokenized_in_memory_and_said_so(tmp_path, capsys, monkeypatch):
+    write_corpus(tmp_path / "texts")
+    import fxpipe.data.corpus as corpus
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(corpus, "CacheWriter", refuse)  # as a read-only directory answers (root writes anywhere)
+    stream, _ = tokenized(open_corpus(tmp_path / "texts"), ByteTokenizer())
+    assert len(stream.tokens) > 0
+    err = capsys.readouterr().err
+    assert "cannot be written beside it" in err and "EACCES: Permission denied" in err and "--data-cache DIR" in err
+
+
+@pytest.mark.parametrize("field, value", [("largest", -1), ("documents", -5), ("documents", 0), ("largest", 10**9)])
+def test_a_manifest_out_of_range_is_no_cache(tmp_path, field, value):
+    write_corpus(tmp_path / "texts")
+    _, cache = tokenized(open_corpus(tmp_path / "texts"), ByteTokenizer())
+    manifest = cache.with_suffix(".json")
+    doc = json.loads(manifest.read_text())
+    doc[field] = value
+    manifest.write_text(json.dumps(doc))
+    from fxpipe.data.token_cache import open_cache
+
+    assert open_cache(cache.with_suffix(""), "texts") is None
+
+
+def test_a_dataset_of_empty_rows_is_refused(tmp_path):
+    _parquet(tmp_path / "empty.parquet", ["", "", ""])
+    with pytest.raises(ValueError, match=r"empty.parquet holds 3 documents but no tokens besides their end-of-text "
+                                         r"markers"):
+        tokenized(open_corpus(tmp_path / "empty.parquet"), ByteTokenizer())
+
+
+def test_a_directory_of_parquet_and_text_is_refused_not_half_read(tmp_path):
+    d = tmp_path / "mixed"
+    d.mkdir()
+    _parquet(d / "a.parquet", ["some rows of text"])
+    (d / "b.txt").write_text("text that would have been dropped")
+    with pytest.raises(ValueError, match=r"holds dataset files \(a.parquet\) and text files \(b.txt\); fxpipe reads "
+                                         r"a directory as one or the other, never half of it"):
+        open_corpus(d)
+
+
+def test_a_dataset_directory_holding_a_link_is_refused_naming_it(tmp_path):
+    d = tmp_path / "ds"
+    d.mkdir()
+    _parquet(tmp_path / "outside.parquet", ["secret"])
+    _parquet(d / "a.parquet", ["rows"])
+    (d / "b.parquet").symlink_to(tmp_path / "outside.parquet")
+    with pytest.raises(ValueError, match=r"the dataset directory holds symbolic links \(b.parquet\)"):
+        open_corpus(d)
+
+
+def test_sigterm_during_prepare_data_removes_the_temporary_file_and_says_so(tmp_path, capsys, monkeypatch):
+    from fxpipe.data import token_cache
+
+    write_corpus(tmp_path / "texts", docs=40, words=300)
+    append = token_cache.CacheWriter.append
+
+    def append_then_term(self, ids):
+        append(self, ids)
+        assert self.tmp.exists()
+        os.kill(os.getpid(), signal.SIGTERM)  # as `kill` would, mid-write
+
+    monkeypatch.setattr(token_cache.CacheWriter, "append", append_then_term)
+    code = cli.main(["prepare-data", str(tmp_path / "texts"), "--workers", "1", "--quiet"])
+    assert code == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM; the partial token cache was removed" in capsys.readouterr().err
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], list(tmp_path.iterdir())
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the handler is put back"
+
+
+def test_peak_tflops_out_of_range_is_refused(monkeypatch, capsys):
+    from tests.test_preflight_trust import RUN, _refused
+
+    _refused(RUN + ["--peak-tflops", "1e-300"], monkeypatch, capsys,
+             "--peak-tflops must be a device's peak in [0.001, 100000] TFLOP/s, got 1e-300")
