@@ -8,7 +8,6 @@ seconds: the refusals come from the config alone."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -36,7 +35,7 @@ def _with_model(d) -> list:
 
 
 def _searched(*args, **kwargs):
-    raise AssertionError("the layout search started although the size was refusable from the config")
+    raise AssertionError("a search, build or capture started although the size was refusable from the config")
 
 
 @pytest.mark.parametrize("fields, expected", [
@@ -46,12 +45,16 @@ def _searched(*args, **kwargs):
 ])
 def test_a_config_too_large_to_capture_is_refused_at_once_by_run_and_plan(tmp_path, monkeypatch, capsys,
                                                                           fields, expected):
+    import fxpipe.models.hf_dir
+    import fxpipe.planner.captured
+
     d = _config_dir(tmp_path / "m", **fields)
-    start = time.perf_counter()
+    # Refused from the config alone: building or capturing the model fails the test.
+    monkeypatch.setattr(fxpipe.models.hf_dir, "build_model", _searched)
+    monkeypatch.setattr(fxpipe.planner.captured, "captured_shape", _searched)
     _refused(_with_model(d), monkeypatch, capsys, expected, "use a smaller config")
     assert cli.main(["plan", "--model", str(d), "--gpus", "8", "--global-batch", "8"]) == 2
     assert expected in capsys.readouterr().err
-    assert time.perf_counter() - start < 10
 
 
 def test_compile_refuses_a_million_layers_before_building(capsys):
@@ -75,12 +78,10 @@ def test_a_model_whose_state_cannot_fit_is_refused_before_the_layout_search(tmp_
 def test_schedule_generators_refuse_sizes_they_cannot_build_quickly():
     from fxpipe.schedules.registry import MAX_PAIRS, generate
 
-    start = time.perf_counter()
     for name in ("interleaved", "1f1b", "zb-v"):
         with pytest.raises(ValueError, match=r"--pp 1000 × --microbatches 1000 × \d chunk\(s\) = [\d]+ stage-microbatch "
                                              rf"pairs; fxpipe draws a schedule of at most {MAX_PAIRS}"):
             generate(name, 1000, 1000)
-    assert time.perf_counter() - start < 1
 
 
 def test_prepare_data_workers_are_capped_like_runs(tmp_path, capsys):

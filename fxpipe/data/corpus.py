@@ -57,20 +57,35 @@ def open_corpus(path: str | os.PathLike, column: str = DEFAULT_COLUMN) -> Corpus
 
 def tokenized(corpus: Corpus, tokenizer: "ByteTokenizer | HFTokenizer | None", *,
               cache_dir: str | os.PathLike | None = None, workers: int = 1,
-              progress: Callable[[int, str, int], None] | None = None) -> tuple[TokenStream, Path]:
+              progress: Callable[[int, str, int], None] | None = None,
+              verify: bool = False) -> tuple[TokenStream, Path]:
     """The corpus's token stream and its cache file: found by key, or tokenized now by
     ``workers`` processes and written. ``tokenizer`` None: the byte tokenizer for text; a
     dataset's id rows are taken as they are (no EOS added). ``progress(done,
-    unit, total)`` is called as batches finish (units: bytes of text, or rows)."""
+    unit, total)`` is called as batches finish (units: bytes of text, or rows).
+
+    The cache is found by a key of each file's path, size, mtime and *sampled* bytes
+    (``token_cache.fingerprint``: a stat and a few reads per file, so a found cache costs
+    no pass over the data); an edit between the samples that restores size and mtime is
+    not seen. ``verify``: tokenize every byte again whatever is found, and replace the
+    cache with the result (``prepare-data --verify``)."""
+    if tokenizer is None and not corpus.dataset:
+        tokenizer = ByteTokenizer()
+    base = cache_path(corpus, tokenizer, cache_dir)
+    found = None if verify else open_cache(base, str(corpus.path))
+    if found is not None:
+        return found, base.with_name(base.name + ".bin")
+    return _tokenize(corpus, tokenizer, base, workers, progress, explicit=cache_dir is not None)
+
+
+def cache_path(corpus: Corpus, tokenizer: "ByteTokenizer | HFTokenizer | None",
+               cache_dir: str | os.PathLike | None) -> Path:
+    """Where ``corpus``'s token cache is (without ``.bin``/``.json``), by its sampled key."""
     if tokenizer is None and not corpus.dataset:
         tokenizer = ByteTokenizer()
     key = fingerprint(corpus.files, corpus.root, f"{tokenizer.digest if tokenizer else 'none'}\0"
                       f"{corpus.column if corpus.dataset else ''}")
-    base = cache_base(corpus.path, key, cache_dir)
-    found = open_cache(base, str(corpus.path))
-    if found is not None:
-        return found, base.with_name(base.name + ".bin")
-    return _tokenize(corpus, tokenizer, base, workers, progress, explicit=cache_dir is not None)
+    return cache_base(corpus.path, key, cache_dir)
 
 
 def _documents(corpus: Corpus, tokenizer: "ByteTokenizer | HFTokenizer | None") -> tuple[Iterator, int, str, bool]:

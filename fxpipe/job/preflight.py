@@ -30,6 +30,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fxpipe.base.local_workers import GIB_PER_WORKER, WORKERS_PER_CORE, local_worker_limit
 from fxpipe.checkpoint.lock import CheckpointLockError, check_free
 from fxpipe.compiler.pipeline import compile_pipeline
 from fxpipe.costs import CostProfile, ProfileError, probe_groups
@@ -131,20 +132,6 @@ def check_flags(args: Any) -> None:
 
 MIN_PEAK_TFLOPS, MAX_PEAK_TFLOPS = 1e-3, 1e5
 """A device's peak dense TFLOP/s: from a slow CPU core (~0.01) to beyond any accelerator (B200: ~2,250)."""
-
-WORKERS_PER_CORE = 16
-"""Local CPU workers beyond this many per core are refused: each is a process of its own
-(torch alone is ~0.3 GiB), and hundreds of them on a few cores only thrash."""
-GIB_PER_WORKER = 0.4
-"""A lower bound on one worker's memory (torch, fxpipe and a tiny model imported)."""
-
-
-def local_worker_limit() -> tuple[int, int, float]:
-    """(the most worker processes this machine may start, its cores, its free GiB):
-    ``WORKERS_PER_CORE`` per core, ``GIB_PER_WORKER`` each (``prepare-data --workers`` too)."""
-    cores = os.cpu_count() or 1
-    free_gib = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    return min(WORKERS_PER_CORE * cores, max(1, int(free_gib / GIB_PER_WORKER))), cores, free_gib
 
 
 def check_world(world: int) -> None:

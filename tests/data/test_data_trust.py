@@ -113,3 +113,33 @@ def test_peak_tflops_out_of_range_is_refused(monkeypatch, capsys):
 
     _refused(RUN + ["--peak-tflops", "1e-300"], monkeypatch, capsys,
              "--peak-tflops must be a device's peak in [0.001, 100000] TFLOP/s, got 1e-300")
+
+
+def test_an_edit_between_the_sampled_bytes_is_announced_and_caught_by_verify(tmp_path, capsys, monkeypatch):
+    """The cache key samples each file (size, mtime and a few blocks): an edit between the
+    samples that restores size and mtime finds the old cache — said where it is found —
+    and ``prepare-data --verify`` re-reads every byte and replaces the stale cache."""
+    from fxpipe.data import token_cache
+
+    monkeypatch.setattr(token_cache, "SAMPLE", 16)  # small samples: a small file has gaps between them
+    monkeypatch.setattr(token_cache, "SAMPLES", 2)
+    text = tmp_path / "a.txt"
+    text.write_text("abcdefgh " * 400)
+    argv = ["prepare-data", str(text), "--workers", "1", "--quiet"]
+    assert cli.main(argv) == 0
+    st = text.stat()
+    edited = bytearray(text.read_bytes())
+    edited[1000:1003] = b"XYZ"  # between the samples at 0, ~1184 and the end
+    text.write_bytes(bytes(edited))
+    os.utime(text, ns=(st.st_atime_ns, st.st_mtime_ns))
+    capsys.readouterr()
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert ": found " in out and "found by the files' sizes, mtimes and sampled bytes, not every byte; --verify" in out
+    assert cli.main(argv + ["--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "verified every byte: the cache found was stale (its blocks differ) and was replaced" in out, out
+    stream, _ = tokenized(open_corpus(text), ByteTokenizer())
+    assert bytes(stream.read(1000, 1003).astype("uint8")) == b"XYZ"
+    assert cli.main(argv + ["--verify"]) == 0
+    assert "verified every byte: the cache matched" in capsys.readouterr().out
