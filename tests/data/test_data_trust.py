@@ -143,3 +143,11 @@ def test_an_edit_between_the_sampled_bytes_is_announced_and_caught_by_verify(tmp
     assert bytes(stream.read(1000, 1003).astype("uint8")) == b"XYZ"
     assert cli.main(argv + ["--verify"]) == 0
     assert "verified every byte: the cache matched" in capsys.readouterr().out
+
+
+def test_run_refuses_an_unwritable_data_cache_before_workers(tmp_path, monkeypatch, capsys):
+    from tests.test_preflight_trust import RUN, _refused
+
+    write_corpus(tmp_path / "texts")
+    _refused(RUN + ["--data", tmp_path / "texts", "--data-cache", "/proc/fxpipe-cache"], monkeypatch, capsys,
+             "--data-cache /proc/fxpipe-cache: the token cache cannot be written there (")
