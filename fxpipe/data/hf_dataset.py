@@ -110,14 +110,24 @@ def _resolve_column(path: Path, names: list[str], column: str, types: dict[str, 
         kind = types[column]
         if "string" in kind:
             return column, False
-        if "list" in kind and "int" in kind:
+        if _is_id_list(kind):
             return column, True
         raise ValueError(f"{path}: column {column!r} holds {kind}, not text (string) or token ids (a list of "
                          f"integers); choose another with --text-column ({', '.join(names)})")
-    if column == "text" and IDS_COLUMN in names and "int" in types[IDS_COLUMN]:
-        return IDS_COLUMN, True
+    if column == "text" and IDS_COLUMN in names:
+        if _is_id_list(types[IDS_COLUMN]):
+            return IDS_COLUMN, True
+        raise ValueError(f"{path} has no column 'text', and its {IDS_COLUMN!r} holds {types[IDS_COLUMN]}, not token "
+                         f"ids (one flat list of integers per row); give token ids as integers, or name a text "
+                         f"column with --text-column ({', '.join(names)})")
     raise ValueError(f"{path} has no column {column!r} (its columns: {', '.join(names) or 'none'}); name the text "
                      f"column with --text-column")
+
+
+def _is_id_list(kind: str) -> bool:
+    """An Arrow type of one flat list of integers per row ("list<item: int64>"): not floats,
+    not lists of lists."""
+    return kind.count("list") == 1 and "int" in kind and "float" not in kind and "double" not in kind
 
 
 def open_rows(path: Path, column: str = "text") -> DatasetRows:
@@ -138,9 +148,10 @@ def _saved(path: Path, column: str) -> DatasetRows:
     except ImportError:
         raise ValueError(f"{path} is a Hugging Face dataset directory: reading it needs the datasets package "
                          f"(pip install datasets)") from None
-    state = path / "state.json"
-    if state.is_file() and read_json_object(state, 1 << 24).get("_data_files") == []:
-        raise ValueError(f"{path} holds no rows; give a dataset (split) with documents")  # load_from_disk fails on it
+    # load_from_disk fails on a split without files (IndexError): said in words first.
+    for state, where in ((path / "state.json", ""), (path / TRAIN_SPLIT / "state.json", f" in its {TRAIN_SPLIT!r} split")):
+        if state.is_file() and not state.is_symlink() and read_json_object(state, 1 << 24).get("_data_files") == []:
+            raise ValueError(f"{path} holds no rows{where}; give a dataset (split) with documents")
     try:
         ds = datasets.load_from_disk(str(path), keep_in_memory=False)
     except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:  # damaged or partial directories

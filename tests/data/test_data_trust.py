@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -151,3 +152,23 @@ def test_run_refuses_an_unwritable_data_cache_before_workers(tmp_path, monkeypat
     write_corpus(tmp_path / "texts")
     _refused(RUN + ["--data", tmp_path / "texts", "--data-cache", "/proc/fxpipe-cache"], monkeypatch, capsys,
              "--data-cache /proc/fxpipe-cache: the token cache cannot be written there (")
+
+
+def test_a_dataset_dict_with_an_empty_train_split_is_refused_in_words(tmp_path):
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": []}),
+                          "test": datasets.Dataset.from_dict({"text": ["x"]})}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ValueError, match=r"holds no rows in its 'train' split"):
+        tokenized(open_corpus(tmp_path / "dd"), ByteTokenizer())
+
+
+@pytest.mark.parametrize("rows, kind", [([[1.0, 2.0]], "list<element: double>"), ([[[1, 2]]], "list<element: list<element: int64>>")])
+def test_input_ids_that_are_not_flat_integers_are_named(tmp_path, rows, kind):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"input_ids": rows}), tmp_path / "ids.parquet")
+    with pytest.raises(ValueError, match=rf"has no column 'text', and its 'input_ids' holds {re.escape(kind)}.*not "
+                                         rf"token ids \(one flat list of integers per row\)"):
+        tokenized(open_corpus(tmp_path / "ids.parquet"), None)
