@@ -1,8 +1,10 @@
-"""A checkpoint of every way a model arrives resumes in another layout: a zoo model,
-a Hugging Face config directory with and without weights, and a Mixtral directory
-(the registry, ``hf:`` and ``module:fn`` sources resume across layouts in
-test_checkpoint.py's worlds: gpt-tiny, hf:gpt2, tests.runtime._wide_vocab:workload).
-One spawned world of 2 runs every source (_source_resume.py)."""
+"""A checkpoint of every way a model arrives resumes in another layout: a Hugging Face
+config directory with and without weights, and a Mixtral directory, each built on the
+meta device as `fxpipe run` builds them (the materialised sources resume across
+layouts in test_checkpoint.py's worlds: the registry's gpt-tiny, hf:gpt2 and
+tests.runtime._wide_vocab:workload as module:fn; a zoo model is materialised the same
+way and saves every buffer it holds). One spawned world of 2 runs every source
+(_source_resume.py) (three models, three captures per rank)."""
 from __future__ import annotations
 
 import pytest
@@ -40,7 +42,7 @@ def test_every_model_source_resumes_in_another_layout(tmp_path):
     must not expect it (it was refused as "missing: model.rotary_emb.original_inv_freq")."""
     bare, full = _llama_dir(tmp_path / "llama", False), _llama_dir(tmp_path / "llama_w", True)
     mixtral = _mixtral_dir(tmp_path / "mixtral")
-    sources = [("zoo:llama3", None), (bare, None), (full, full), (mixtral, mixtral)]
+    sources = [(bare, None), (full, full), (mixtral, mixtral)]
     ranks = run_world(2, world_sources, str(tmp_path), sources)
     for (name, weights), (saved, loaded, fresh) in zip(sources, ranks[0]):
         assert loaded == pytest.approx(saved, abs=1e-5), name  # dp=2 reduces in another order
