@@ -36,7 +36,7 @@ from fxpipe.planner.auto_layout import SEARCHED, report_progress, search_layout
 from fxpipe.planner.layout_price import ranks_at_once
 from fxpipe.runtime.api import ParallelModel
 from fxpipe.runtime.build import build_runtime
-from fxpipe.runtime.launch import init_distributed
+from fxpipe.runtime.launch import init_distributed, rank0_decides
 from fxpipe.runtime.rank_mesh import RankMesh
 
 
@@ -116,18 +116,16 @@ def choose_layout(model: nn.Module, config: ParallelConfig | None, layout: dict[
     if config is not None:  # a whole config with some fields "auto": the others are pinned
         pinned = {f: getattr(base, f) for f in SEARCHED if f not in {LAYOUT_KEYWORDS[k] for k in auto}} | pinned
     device = init_distributed(timedelta(seconds=base.timeout_s), device)
-    # The search may outlast the collectives' timeout: the others wait on a group of its own.
-    group = dist.new_group(backend="gloo", timeout=timedelta(hours=2))
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
+
+    def search() -> tuple[dict, str]:
         world = dist.get_world_size()
         found = search_layout(model, example_inputs, world, loss_fn=loss_fn, base=base, pinned=pinned,
                               concurrent=ranks_at_once(world, device), progress=report_progress)
-        box = [({f: getattr(found.chosen.config, f) for f in SEARCHED}, found.table())]
-        print(box[0][1], flush=True)
-    dist.broadcast_object_list(box, src=0, group=group)
-    dist.destroy_process_group(group)
-    fields, table = box[0]
+        print(found.table(), flush=True)
+        return {f: getattr(found.chosen.config, f) for f in SEARCHED}, found.table()
+
+    # A pin nothing fits is refused on rank 0 and heard by every rank (runtime/launch.py).
+    fields, table = rank0_decides(search)
     return dataclasses.replace(base, **fields), table
 
 

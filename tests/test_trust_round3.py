@@ -411,8 +411,10 @@ def test_a_model_whose_state_cannot_fit_is_refused_before_workers(tmp_path, monk
                       num_attention_heads=32, num_key_value_heads=32)
     argv = [a for a in RUN if a != "gpt-tiny"]
     argv.insert(argv.index("--model") + 1, str(d))
-    err = _refused(argv, monkeypatch, capsys, "parameters need", "GiB of training state (16 bytes each",
-                   "GiB free on this machine (2 rank(s) here)")
+    # Refused from the config's sizes before the capture (job/preflight_sizes.py; the exact
+    # per-layout check after the capture is check_state_fits).
+    err = _refused(argv, monkeypatch, capsys, "parameters (2 layers, width 65536, vocabulary 300)",
+                   "training state needs at least", "(16 bytes each", "GiB free on this machine")
     assert "use a smaller model, more ranks" in err
 
 

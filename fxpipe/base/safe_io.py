@@ -126,10 +126,14 @@ def refuse_remote_code(doc: object, path: str | os.PathLike) -> None:
                               f"builds itself, or remove 'auto_map'")
 
 
-def open_output(path: str | os.PathLike, *, append: bool = False, line_buffered: bool = True):
+def open_output(path: str | os.PathLike, *, append: bool = False, line_buffered: bool = True,
+                forbidden: frozenset[tuple[int, int]] = frozenset()):
     """A text file opened for writing at ``path`` without following a link there (an
     output never lands on a link's target) and refused unless it is, or becomes, a
-    regular file (a FIFO would block the writer, a device swallow or corrupt the output)."""
+    regular file (a FIFO would block the writer, a device swallow or corrupt the output).
+    ``forbidden``: (st_dev, st_ino) of the run's inputs (``job/input_registry.py``); the
+    opened file is refused, before a byte is truncated or written, when it is one of them
+    (a hard link, or a name swapped after the launcher's check)."""
     import fcntl
 
     flags = (os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -143,10 +147,14 @@ def open_output(path: str | os.PathLike, *, append: bool = False, line_buffered:
         if exc.errno == errno.ENXIO:  # a FIFO with no reader
             raise UnsafeFileError(f"{path} is a FIFO, not a regular file") from None
         raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise UnsafeFileError(f"{path} is {_kind(mode)}, not a regular file")
+        raise UnsafeFileError(f"{path} is {_kind(st.st_mode)}, not a regular file")
+    if (st.st_dev, st.st_ino) in forbidden:
+        os.close(fd)
+        raise UnsafeFileError(f"{path} is a file this run reads (the same file: device {st.st_dev}, inode "
+                              f"{st.st_ino}); fxpipe writes no output over an input")
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     if not append:
         os.ftruncate(fd, 0)

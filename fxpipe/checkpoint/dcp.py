@@ -274,7 +274,8 @@ def load_checkpoint(pm: "ParallelModel", optimizer: torch.optim.Optimizer | None
     read_dcp({**{k: t for k, (t, _) in model.items()}, **{k: t for k, (t, _) in optim.items()}, **rng}, path)
     with torch.no_grad():
         for name, t in live.items():
-            t.copy_(model[f"model.{name}"][1]())  # casts (an fp32 checkpoint into bf16 buffers, and back)
+            if f"model.{name}" in model:  # a non-persistent buffer not saved keeps its init's value
+                t.copy_(model[f"model.{name}"][1]())  # casts (an fp32 checkpoint into bf16 buffers, and back)
     if pm.master is not None:
         pm.master.refresh()  # train_step does it too; now the compute copies match at once
         scaler, saved_scaler = pm.master.scaler, meta.get("loss_scaler")

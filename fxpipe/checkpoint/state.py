@@ -20,12 +20,14 @@ from fxpipe.ir.state_mismatch import full_shapes, raise_if_mismatched
 from fxpipe.runtime.api import ParallelModel
 
 # ---- what is saved ---------------------------------------------------------------------------
-
-
-# ---- what is saved ---------------------------------------------------------------------------
 def _is_persistent(info: Any) -> bool:
     """In the model's ``state_dict()``: parameters and persistent buffers."""
     return info.kind is ParamKind.PARAMETER or info.persistent
+
+
+def optional_names(program: Program) -> set[str]:
+    """Canonical names a checkpoint may lack: the non-persistent buffers."""
+    return {p.canonical for p in program.params if p.kind is ParamKind.BUFFER and not p.persistent}
 
 
 def state_dict_names(program: Program) -> dict[str, str]:
@@ -180,12 +182,17 @@ def _scaler_state(pm: "ParallelModel") -> dict | None:
 # ---- load ------------------------------------------------------------------------------------
 def _check_model(program: Program, specs: Mapping[str, ShardSpec], saved: Mapping[str, Any], path: Path) -> None:
     """The checkpoint must hold exactly this model's tensors, by name and full shape
-    (after the TP pass ``ParamInfo.shape`` is the local shape: ``full_shape`` from the spec)."""
+    (after the TP pass ``ParamInfo.shape`` is the local shape: ``full_shape`` from the spec).
+    A non-persistent buffer (``persistent=False``: a Llama's ``rotary_emb.original_inv_freq``)
+    is not in ``state_dict()`` and is rebuilt by the model's own init: it may be absent (a
+    model built on meta never materialises one no stage reads, so it is not saved), and
+    when present it is checked and loaded like the rest."""
     expected = full_shapes(program, specs)
+    optional = optional_names(program)
     found = {k[len("model."):]: tuple(md.size) for k, md in saved.items() if k.startswith("model.")}
     raise_if_mismatched(
         f"checkpoint {path} does not match this model ({program.source})",
-        sorted(set(expected) - set(found)), sorted(set(found) - set(expected)),
+        sorted(set(expected) - set(found) - optional), sorted(set(found) - set(expected)),
         [f"{n}: checkpoint {found[n]} vs model {expected[n]}"
          for n in sorted(set(expected) & set(found)) if tuple(found[n]) != tuple(expected[n])])
 

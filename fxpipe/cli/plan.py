@@ -133,6 +133,7 @@ def sizes_from_args(args: argparse.Namespace, pins: LayoutPins) -> tuple[int, in
 
 def run_plan(args: argparse.Namespace) -> int:
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
+    from fxpipe.job.preflight_sizes import check_shape
     from fxpipe.planner.explain import breakdown, explain, plan_table, search_summary
     from fxpipe.planner.captured import captured_shape
     from fxpipe.planner.predict import predict
@@ -144,6 +145,7 @@ def run_plan(args: argparse.Namespace) -> int:
                                                                  MAX_GLOBAL_BATCH)):
         if not 1 <= value <= limit:
             raise ValueError(f"{flag} must be in [1, {limit}], got {value}")
+    check_shape(args.model)  # layers, width, vocabulary bounded before the capture (10^6 layers: gigabytes)
     captured = captured_shape(args.model, seq=args.seq)
     print(f"fxpipe plan: {captured.describe()}")
     shape = captured.shape

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         # loaded when the command runs, not on import: `fxpipe --help` stays quick
         from fxpipe.job.layout_choice import choose_run_layout
 
-        check_run(config, model=False)
+        check_run(config, model=False, config_file=args.config)
         config = choose_run_layout(config, *search)
-    check_run(config, model=not under_torchrun)
+    check_run(config, model=not under_torchrun, config_file=args.config)
     return launch(config, debug=args.debug)

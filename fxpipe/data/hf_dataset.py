@@ -50,6 +50,33 @@ def dataset_files(path: Path) -> list[Path]:
     return [f for f in out if not f.is_symlink()]
 
 
+def check_dataset_dir(path: Path) -> None:
+    """A dataset directory is read whole by pyarrow or ``datasets``, which follow links: one
+    holding a link is refused naming it (text directories never read theirs either:
+    ``text.skipped_links``); and one holding dataset and text files both is refused, since
+    reading it as a dataset would silently leave the text out."""
+    if not path.is_dir():
+        return
+    found: dict[str, list[str]] = {"link": [], "data": [], "text": []}
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for n in sorted(filenames + [d for d in dirnames if (Path(dirpath) / d).is_symlink()]):
+            f = Path(dirpath) / n
+            if n.startswith("."):
+                continue
+            kind = "link" if f.is_symlink() else "data" if f.suffix in DATASET_SUFFIXES else \
+                "text" if f.suffix in (".txt", ".jsonl") else None
+            if kind is not None:
+                found[kind].append(str(f.relative_to(path)))
+    if found["link"]:
+        raise ValueError(f"{path}: the dataset directory holds symbolic links ({', '.join(found['link'][:4])}); a "
+                         f"dataset is read whole and a link could lead outside it: copy the files in instead")
+    if found["data"] and found["text"] and not any((path / m).is_file() for m in SAVED_MARKS):
+        raise ValueError(f"{path} holds dataset files ({', '.join(found['data'][:3])}) and text files "
+                         f"({', '.join(found['text'][:3])}); fxpipe reads a directory as one or the other, never "
+                         f"half of it: put each kind in its own directory")
+
+
 @dataclass(frozen=True)
 class DatasetRows:
     """The rows of one dataset split, read a record batch at a time."""
@@ -83,14 +110,24 @@ def _resolve_column(path: Path, names: list[str], column: str, types: dict[str, 
         kind = types[column]
         if "string" in kind:
             return column, False
-        if "list" in kind and "int" in kind:
+        if _is_id_list(kind):
             return column, True
         raise ValueError(f"{path}: column {column!r} holds {kind}, not text (string) or token ids (a list of "
                          f"integers); choose another with --text-column ({', '.join(names)})")
-    if column == "text" and IDS_COLUMN in names and "int" in types[IDS_COLUMN]:
-        return IDS_COLUMN, True
+    if column == "text" and IDS_COLUMN in names:
+        if _is_id_list(types[IDS_COLUMN]):
+            return IDS_COLUMN, True
+        raise ValueError(f"{path} has no column 'text', and its {IDS_COLUMN!r} holds {types[IDS_COLUMN]}, not token "
+                         f"ids (one flat list of integers per row); give token ids as integers, or name a text "
+                         f"column with --text-column ({', '.join(names)})")
     raise ValueError(f"{path} has no column {column!r} (its columns: {', '.join(names) or 'none'}); name the text "
                      f"column with --text-column")
+
+
+def _is_id_list(kind: str) -> bool:
+    """An Arrow type of one flat list of integers per row ("list<item: int64>"): not floats,
+    not lists of lists."""
+    return kind.count("list") == 1 and "int" in kind and "float" not in kind and "double" not in kind
 
 
 def open_rows(path: Path, column: str = "text") -> DatasetRows:
@@ -111,9 +148,10 @@ def _saved(path: Path, column: str) -> DatasetRows:
     except ImportError:
         raise ValueError(f"{path} is a Hugging Face dataset directory: reading it needs the datasets package "
                          f"(pip install datasets)") from None
-    state = path / "state.json"
-    if state.is_file() and read_json_object(state, 1 << 24).get("_data_files") == []:
-        raise ValueError(f"{path} holds no rows; give a dataset (split) with documents")  # load_from_disk fails on it
+    # load_from_disk fails on a split without files (IndexError): said in words first.
+    for state, where in ((path / "state.json", ""), (path / TRAIN_SPLIT / "state.json", f" in its {TRAIN_SPLIT!r} split")):
+        if state.is_file() and not state.is_symlink() and read_json_object(state, 1 << 24).get("_data_files") == []:
+            raise ValueError(f"{path} holds no rows{where}; give a dataset (split) with documents")
     try:
         ds = datasets.load_from_disk(str(path), keep_in_memory=False)
     except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:  # damaged or partial directories

@@ -171,6 +171,13 @@ def open_cache(base: Path, source: str) -> TokenStream | None:
             or not isinstance(blocks, list) or len(blocks) != -(-count // block_tokens)
             or not all(isinstance(d, str) for d in blocks) or size != count * np.dtype(dtype).itemsize):
         return None
+    # Ranges: the largest id is what the preflight checks the vocabulary against, so a
+    # manifest's "largest": -1 or an id past its own vocabulary or dtype is no cache at all;
+    # every document adds at least one id.
+    documents = manifest.get("documents")
+    if (not 0 <= largest <= np.iinfo(np.dtype(dtype)).max or (vocab_size is not None and largest >= vocab_size)
+            or type(documents) is not int or not 1 <= documents <= count):
+        return None
     tokens = np.memmap(payload, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
     return TokenStream(tokens, source, vocab_size, largest=largest,
                        blocks=ManifestBlocks(payload, blocks, block_tokens))

@@ -222,8 +222,10 @@ def check_layout(values: Mapping[str, Any], *, flag: Callable[[str], str] | None
         raise ValueError(f"{name('timeout_s') if flags else 'timeout'} must be a positive number of seconds, "
                          f"got {timeout}; it bounds every transfer and collective (default 60)")
     limit = get("memory_limit_gb")
-    if limit is not None and not limit > 0:
-        raise ValueError(f"{name('memory_limit_gb')} must be positive, got {limit}")
+    # Finite and below any device (2^20 GiB): inf or 1e300 overflowed the search's integer bytes.
+    if limit is not None and not 0 < limit <= MAX_MEMORY_LIMIT_GB:
+        raise ValueError(f"{name('memory_limit_gb')} must be a number of GiB per rank in (0, {MAX_MEMORY_LIMIT_GB:,}], "
+                         f"got {limit}; leave it out for no limit")
     spec = get_spec(ScheduleKind.parse(get("schedule", ScheduleKind.ONE_F_ONE_B)))
     chunks = spec.default_chunks if get("chunks") is None else get("chunks")
     # Flags: the preflight generates the schedule itself, whose generator names the rule.
@@ -241,6 +243,9 @@ def check_layout(values: Mapping[str, Any], *, flag: Callable[[str], str] | None
             if bad:
                 raise ValueError(f"{on('vocab_passes')} with {why}")
 
+
+MAX_MEMORY_LIMIT_GB = 2**20
+"""1 PiB per rank: above any device; a larger limit means none."""
 
 _dataclass_init = ParallelConfig.__init__
 

@@ -81,8 +81,10 @@ class MetricsWriter:
     """One JSON object per line (rank 0 only) and, when the ``tensorboard`` package is
     installed and a directory given, the same scalars as TensorBoard events."""
 
-    def __init__(self, path: str | None, tensorboard_dir: str | None) -> None:
-        self.file = open_output(path, append=True) if path else None  # closed in close()
+    def __init__(self, path: str | None, tensorboard_dir: str | None,
+                 forbidden: frozenset[tuple[int, int]] = frozenset()) -> None:
+        # ``forbidden``: the run's inputs by identity (job/input_registry.py), checked on the opened file
+        self.file = open_output(path, append=True, forbidden=forbidden) if path else None  # closed in close()
         self.tb = None
         if tensorboard_dir:
             try:

@@ -17,14 +17,13 @@ from datetime import timedelta
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 
 from fxpipe.data import DataStream
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.prepare import build_job
 from fxpipe.planner.auto_layout import SEARCHED, cache_enabled, report_progress, search_layout
 from fxpipe.planner.layout_price import local_world
-from fxpipe.runtime.launch import init_distributed
+from fxpipe.runtime.launch import init_distributed, rank0_decides
 
 
 def default_world() -> int:
@@ -49,14 +48,7 @@ def choose_run_layout(config: TrainConfig, world: int, pinned: Mapping[str, Any]
             raise ValueError(f"--world {world}, but torchrun started {launched} ranks; give --world {launched} "
                              f"or leave it out")
         init_distributed(timedelta(seconds=config.parallel.timeout_s))
-        # The search may outlast the collectives' timeout: the others wait on a group of its own.
-        group = dist.new_group(backend="gloo", timeout=timedelta(hours=2))
-        box: list[Any] = [None]
-        if dist.get_rank() == 0:
-            box = [_search(config, world, pinned)]
-        dist.broadcast_object_list(box, src=0, group=group)
-        dist.destroy_process_group(group)
-        return box[0]
+        return rank0_decides(lambda: _search(config, world, pinned))  # a refusal heard by every rank
     return _search(config, world, pinned)
 
 
@@ -70,8 +62,12 @@ def _search(config: TrainConfig, world: int, pinned: Mapping[str, Any]) -> Train
     print(f"fxpipe run: searching the layouts of {world} ranks for {config.model} (global batch {config.batch} "
           f"× {config.seq} tokens" + (f"; pinned: {', '.join(f'{k}={v}' for k, v in pinned.items())}" if pinned
                                        else "") + ")", flush=True)
-    found = search_layout(w.model, batch, world, loss_fn=w.loss_fn, base=config.parallel, pinned=pinned,
-                          threads=threads, concurrent=concurrent, progress=report_progress, cache=cache_enabled())
+    try:
+        found = search_layout(w.model, batch, world, loss_fn=w.loss_fn, base=config.parallel, pinned=pinned,
+                              threads=threads, concurrent=concurrent, progress=report_progress,
+                              cache=cache_enabled())
+    except ValueError as exc:  # the search speaks the API's names; a CLI user gives flags
+        raise ValueError(str(exc).replace("memory_limit_gb", "--memory-limit")) from None
     print(found.table(), flush=True)
     chosen = found.chosen.config
     parallel = dataclasses.replace(config.parallel, **{f: getattr(chosen, f) for f in SEARCHED})

@@ -30,6 +30,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fxpipe.base.local_workers import GIB_PER_WORKER, WORKERS_PER_CORE, local_worker_limit
 from fxpipe.checkpoint.lock import CheckpointLockError, check_free
 from fxpipe.compiler.pipeline import compile_pipeline
 from fxpipe.costs import CostProfile, ProfileError, probe_groups
@@ -44,6 +45,7 @@ from fxpipe.job.output_paths import check_outputs
 from fxpipe.job.preflight_data import DataFacts, check_data
 from fxpipe.job.preflight_files import (PreflightError, check_owner, check_resume, check_weights, check_writable_dir,
                                         check_writable_file, resume_path)
+from fxpipe.job.preflight_sizes import check_shape, check_state_bound
 from fxpipe.job.prepare import weights_dir
 from fxpipe.models.hf_dir import is_model_dir, load_config
 from fxpipe.models.registry import GPT_CONFIGS, build_workload
@@ -56,14 +58,27 @@ META_ABOVE_PARAMS = 3e8
 """Registry GPTs larger than this are captured on the meta device."""
 
 
-def check_run(config: "TrainConfig", *, model: bool = True) -> "CompiledPipeline | None":
+def check_run(config: "TrainConfig", *, model: bool = True,
+              config_file: str | None = None) -> "CompiledPipeline | None":
     """The file-system and model checks, cheapest first (``check_flags`` runs on the flags,
     before the config exists); ``model=False`` skips capturing the model. Returns what
     the model check compiled (tensor-parallel, costed), or None."""
 
-    resume = check_paths(config)
+    resume = check_paths(config, config_file)
+    shape = check_shape(config.model)  # sizes from the config alone, before data, search or capture
+    check_state_bound(config.model, shape, _ranks(config))
     data = check_data(config)
     return check_model(config, resume, data) if model else None
+
+
+def _ranks(config: "TrainConfig") -> int:
+    """The most ranks the run may spread its state over (the searched world, the layout
+    given, torchrun's world, the GPUs here): the state bound must never overestimate."""
+    import torch
+
+    layout = config.parallel
+    return max(config.world or 1, layout.tp * layout.pp * layout.dp, int(os.environ.get("WORLD_SIZE", 1)),
+               torch.cuda.device_count())
 
 
 # ---- 1. flags --------------------------------------------------------------------------------
@@ -82,6 +97,10 @@ def check_flags(args: Any) -> None:
         raise PreflightError(f"--seed must be in [0, 2**63), got {args.seed}")
     world = getattr(args, "world", None)
     check_world(world if world is not None else args.tp * args.pp * args.dp)
+    peak = getattr(args, "peak_tflops", None)
+    if peak is not None and not MIN_PEAK_TFLOPS <= peak <= MAX_PEAK_TFLOPS:  # 1e-300 printed a 300-digit MFU
+        raise PreflightError(f"--peak-tflops must be a device's peak in [{MIN_PEAK_TFLOPS:g}, {MAX_PEAK_TFLOPS:g}] "
+                             f"TFLOP/s, got {peak:g}; e.g. 989 for an H100's bf16, or leave it out")
     if not math.isfinite(args.lr) or args.lr <= 0:
         raise PreflightError(f"--lr must be a positive finite number, got {args.lr} (default 2e-3)")
     if args.costs not in ("measure", "model"):
@@ -111,11 +130,8 @@ def check_flags(args: Any) -> None:
         raise PreflightError(str(exc)) from None
 
 
-WORKERS_PER_CORE = 16
-"""Local CPU workers beyond this many per core are refused: each is a process of its own
-(torch alone is ~0.3 GiB), and hundreds of them on a few cores only thrash."""
-GIB_PER_WORKER = 0.4
-"""A lower bound on one worker's memory (torch, fxpipe and a tiny model imported)."""
+MIN_PEAK_TFLOPS, MAX_PEAK_TFLOPS = 1e-3, 1e5
+"""A device's peak dense TFLOP/s: from a slow CPU core (~0.01) to beyond any accelerator (B200: ~2,250)."""
 
 
 def check_world(world: int) -> None:
@@ -134,9 +150,7 @@ def check_world(world: int) -> None:
             raise PreflightError(f"tp·pp·dp = {world} workers, but this machine has {gpus} GPUs (one "
                                  f"worker each); use at most {gpus}, or start the job across nodes with torchrun")
         return
-    cores = os.cpu_count() or 1
-    free_gib = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    limit = min(WORKERS_PER_CORE * cores, max(1, int(free_gib / GIB_PER_WORKER)))
+    limit, cores, free_gib = local_worker_limit()
     if world > limit:
         raise PreflightError(
             f"tp·pp·dp = {world} worker processes, but this machine can start at most {limit} ({cores} CPU "
@@ -145,9 +159,9 @@ def check_world(world: int) -> None:
 
 
 # ---- 2. the file system (fxpipe/job/preflight_files.py) -----------------------------------------
-def check_paths(config: "TrainConfig") -> Path | None:
+def check_paths(config: "TrainConfig", config_file: str | None = None) -> Path | None:
     """Returns the checkpoint a resume will start from (digests verified), else None."""
-    check_outputs(config)  # no output on an input or through a link (fxpipe/job/output_paths.py)
+    check_outputs(config, config_file)  # no output on an input or through a link (fxpipe/job/output_paths.py)
     resume = None
     if config.init_from is not None:
         try:  # the files alone (names, shapes and dtypes against the model: ``check_model``)

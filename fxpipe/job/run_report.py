@@ -8,6 +8,7 @@ import sys
 import torch.distributed as dist
 
 from fxpipe.job.config import TrainConfig
+from fxpipe.job.input_registry import InputRegistry
 from fxpipe.passes.recompute import regions_of
 from fxpipe.runtime.api import ParallelModel
 from fxpipe.runtime.balance import BalanceMeter, balance, balance_table
@@ -71,6 +72,6 @@ def write_timeline(pm: "ParallelModel", config: TrainConfig, imbalance: float = 
                                           f"m={config.parallel.num_microbatches}, "
                                           f"stage imbalance {imbalance:.2f}, exposed communication per "
                                           f"rank {waited} ms")
-    render_trace(timeline, config.timeline + ".json")
+    render_trace(timeline, config.timeline + ".json", InputRegistry.of(config).identities())
     render_gantt(timeline, config.timeline + ".png")
     print(f"timeline of the last step: {config.timeline}.json (Perfetto), {config.timeline}.png", flush=True)

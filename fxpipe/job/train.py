@@ -23,6 +23,7 @@ from fxpipe.data import DataStream
 from fxpipe.job.components import MetricsWriter, lr_scheduler, param_groups, peak_memory_gib, validate
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.config_file import SAVED_NAME, to_toml
+from fxpipe.job.input_registry import InputRegistry
 from fxpipe.job.preflight_files import check_schedule
 from fxpipe.job.prepare import build_job, weights_dir
 from fxpipe.job.run_report import bubble_share, progress_bar, recomputed_flops, report_balance, write_timeline
@@ -67,7 +68,8 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
     hw_flops_per_step = flops_per_step + recomputed_flops(pm) * layout.num_microbatches * layout.dp
     tokens_per_step = config.batch * config.seq
     peak = run_peak_tflops(config)
-    metrics = MetricsWriter(config.metrics_file, config.tensorboard_dir) if rank == 0 else None
+    metrics = MetricsWriter(config.metrics_file, config.tensorboard_dir,
+                            InputRegistry.of(config).identities()) if rank == 0 else None
     if rank == 0:
         print("config: " + ", ".join(to_toml(config).splitlines()), flush=True)  # the resolved run, in its keys
         print(f"fxpipe run: {config.model}, {pm.model_stats.num_parameters / 1e6:.2f}M parameters, "

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from fxpipe.base.safe_io import read_json_object, refuse_remote_code
+from fxpipe.models.config_values import check_size_fields, declared_shape
 from fxpipe.models.losses import next_token_loss
 from fxpipe.models.workload import Workload, _token_batch
 from fxpipe.params.hf_weights import INDEX, MAX_CONFIG_BYTES, SINGLE
@@ -57,11 +58,12 @@ def load_config(directory: str):
     if not isinstance(doc.get("model_type"), str):
         raise ValueError(f"{path} has no 'model_type'; it must be a Hugging Face config.json (save_pretrained)")
     refuse_remote_code(doc, path)
+    check_size_fields(doc, path)  # naming the field, before transformers' own checks
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
-    except (ValueError, KeyError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001  (strict dataclasses raise TypeError, StrictDataclassError, ...)
         raise ValueError(f"--model {directory}: transformers cannot read its config.json "
-                         f"({' '.join(str(exc).split())[:200]})") from None
+                         f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
     if type(config) not in AutoModelForCausalLM._model_mapping:
         raise ValueError(f"--model {directory}: config.json is a {doc['model_type']!r} model "
                          f"({type(config).__name__}), not a causal language model; fxpipe run trains models "
@@ -105,6 +107,9 @@ def build_model(directory: str, device: torch.device | str = "meta", *,
     try:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001  (a value the family's code cannot build: ZeroDivisionError, ...)
+        raise ValueError(f"--model {directory}: transformers cannot build a model from its config.json "
+                         f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
     finally:
         hf_logging.set_verbosity(level)
     # fp32 parameters whatever the files store (a bf16 checkpoint widens on load):
@@ -120,3 +125,12 @@ def dir_workload(directory: str, *, batch: int, seq: int, device: torch.device |
     x = _token_batch(batch, seq + 1, vocab, device, seed)
     return Workload(model, (x[:, :-1].contiguous(), x[:, 1:].contiguous()), next_token_loss, None,
                     vocab_size=vocab)
+
+
+def declared_dir_shape(directory: str):
+    """The shape a model directory's config.json declares (``models/config_values.py``),
+    its size fields checked, without building the model or asking transformers."""
+    path = Path(directory) / "config.json"
+    doc = read_json_object(path, MAX_CONFIG_BYTES)
+    check_size_fields(doc, path)
+    return declared_shape(doc)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -54,3 +55,32 @@ def init_distributed(timeout: timedelta, device: torch.device | None = None) -> 
     else:
         dist.init_process_group(backend, timeout=timeout)
     return device
+
+
+def rank0_decides(decide: Callable[[], Any], *, timeout: timedelta = timedelta(hours=2)) -> Any:
+    """``decide()`` on global rank 0, its result broadcast to every rank — and so is its
+    refusal: when rank 0 raises, every other rank raises the same message (a
+    ``ValueError``/``TypeError`` as rank 0's is, else ``RuntimeError``) instead of dying
+    in the next collective with gloo's "Connection closed by peer". Rank 0 re-raises its
+    own exception. The others wait on a group of their own, with ``timeout``, because a
+    decision (the layout search) may outlast the collectives' timeout."""
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    box: list[Any] = [None]
+    failure: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            box = [(True, decide())]
+        except Exception as exc:  # noqa: BLE001  (every rank must hear it, whatever it is)
+            failure = exc
+            kind = "TypeError" if isinstance(exc, TypeError) else "ValueError" if isinstance(exc, ValueError) \
+                else "RuntimeError"
+            box = [(False, (kind, f"{exc}" if kind != "RuntimeError" else f"rank 0 failed: {type(exc).__name__}: {exc}"))]
+    dist.broadcast_object_list(box, src=0, group=group)
+    dist.destroy_process_group(group)
+    ok, value = box[0]
+    if failure is not None:
+        raise failure
+    if not ok:
+        kind, message = value
+        raise {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)(message)
+    return value

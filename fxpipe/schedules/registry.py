@@ -75,7 +75,11 @@ def generate(
     ['0F0', '0F1', '0B0', '0F2', '0B1', '0B2']
     """
     spec = get_spec(name)
-    return spec.build(num_ranks, num_microbatches, spec.default_chunks if num_chunks is None else num_chunks)
+    chunks = spec.default_chunks if num_chunks is None else num_chunks
+    # Every generator's time and memory grow with p·v·m (``MAX_PAIRS`` builds in seconds); beyond
+    # it a caller (the layout search pricing p=1000) would wait minutes for one candidate.
+    check_size(num_ranks, num_microbatches, chunks)
+    return spec.build(num_ranks, num_microbatches, chunks)
 
 
 MAX_PAIRS = 100_000

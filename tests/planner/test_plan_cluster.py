@@ -27,7 +27,7 @@ def _subparser(name: str) -> argparse.ArgumentParser:
 
 def test_no_abbreviations_and_dp_is_dp():
     args = build_parser().parse_args(["plan", "--model", "m", "--dp", "4"])
-    assert args.dp == 4 and args.dp_overlap == "none"
+    assert args.dp == 4 and args.dp_overlap == "backward"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["plan", "--model", "m", "--dp-o", "backward"])
 

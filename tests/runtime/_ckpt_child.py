@@ -10,9 +10,10 @@ state dict (no model: cheap to start), for the fault tests. Usage:
 """
 from __future__ import annotations
 
+import os
 import sys
-import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,10 +30,21 @@ def state(step: int) -> dict[str, torch.Tensor]:
 
 
 def main(mode: str, directory: str, *steps: str) -> None:
+    # The rendezvous file beside the test's directory (inside its tmp_path, never /tmp);
+    # the group destroyed before exit: gloo's threads alive at interpreter exit abort the
+    # process ("terminate called without an active exception", SIGABRT).
+    store = Path(directory).absolute().parent / f".gloo-store-{os.getpid()}"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        run(mode, directory, *steps)
+    finally:
+        dist.destroy_process_group()
+        store.unlink(missing_ok=True)
+
+
+def run(mode: str, directory: str, *steps: str) -> None:
     from fxpipe.checkpoint.dcp import write_checkpoint
 
-    store = tempfile.mktemp()
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     if mode == "hold":
         write_checkpoint(state(1), directory, 1, dict(META, step=1), keep_last=None)
         print("HELD", flush=True)

@@ -85,8 +85,10 @@ def trace_events(timeline: Timeline) -> list[dict]:
     return events
 
 
-def render_trace(timeline: Timeline, path: str | os.PathLike) -> None:
-    """Write the trace JSON (``{"traceEvents": [...]}``) to ``path``."""
-    with open_output(path, line_buffered=False) as f:
+def render_trace(timeline: Timeline, path: str | os.PathLike,
+                 forbidden: frozenset[tuple[int, int]] = frozenset()) -> None:
+    """Write the trace JSON (``{"traceEvents": [...]}``) to ``path`` (never over a file of
+    identity in ``forbidden``: ``base/safe_io.open_output``)."""
+    with open_output(path, line_buffered=False, forbidden=forbidden) as f:
         json.dump({"traceEvents": trace_events(timeline), "displayTimeUnit": "ms",
                    "otherData": {"title": timeline.title, "unit": timeline.unit}}, f)
