@@ -52,3 +52,12 @@ def test_the_searchs_refusal_names_the_cli_flag(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert code == 2, err
     assert "raise --memory-limit to 0.01" in err and "memory_limit_gb" not in err, err
+
+
+def test_memory_in_a_refusal_keeps_the_digits_to_act_on():
+    """A tiny limit or need is not rounded to 0.00 GiB, and the limit suggested fits."""
+    from fxpipe.planner.auto_layout import _gib
+
+    assert _gib(1e-6 * 2**30) == "1e-06"
+    assert _gib(0.0123451 * 2**30, up=True) == "0.01235" and _gib(0.0123451 * 2**30) == "0.01235"
+    assert _gib(12.3401 * 2**30, up=True) == "12.35" and float(_gib(80 * 2**30, up=True)) == 80

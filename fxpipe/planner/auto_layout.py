@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 import sys
 import time
@@ -285,8 +286,8 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
                 best = min(best, layout.step_s)
                 break
             needs_over_limit.append(layout.memory_bytes)
-            refused.append((name, f"needs {layout.memory_bytes / 2**30:.2f} GiB per rank, over the limit "
-                                  f"{limit / 2**30:.2f} GiB"))
+            refused.append((name, f"needs {_gib(layout.memory_bytes)} GiB per rank, over the limit "
+                                  f"{_gib(limit)} GiB"))
     else:
         done = len(order)
     if progress is not None:
@@ -369,6 +370,16 @@ def report_progress(done: int, total: int) -> None:
         print(f"fxpipe: layout search: {done}/{total} layouts priced", file=sys.stderr, flush=True)
 
 
+def _gib(nbytes: float, up: bool = False) -> str:
+    """GiB to four significant digits, so a tiny limit or need is not printed as 0.00; ``up``:
+    rounded up, so the limit it suggests does fit."""
+    x = nbytes / 2**30
+    if up and x > 0:
+        step = 10.0 ** (math.floor(math.log10(x)) - 3)
+        x = math.ceil(x / step) * step
+    return f"{x:.4g}"
+
+
 def _nothing_fits(world_size: int, rows: int, pinned: Mapping[str, Any], refused: list, needs: list[int],
                   limit: int | None) -> str:
     """The refusal: what was asked, the closest layout and the change that makes it fit."""
@@ -377,9 +388,9 @@ def _nothing_fits(world_size: int, rows: int, pinned: Mapping[str, Any], refused
         return (f"no layout of {world_size} ranks honours {asked} for a batch of {rows} rows; dp must divide "
                 f"the rows and tp·pp·dp equal the world: unpin a field or change the world size")
     if needs and limit is not None:
-        least = min(needs) / 2**30
-        return (f"no layout of {world_size} ranks with {asked} fits {limit / 2**30:.2f} GiB per rank; the "
-                f"smallest needs {least:.2f} GiB: raise memory_limit_gb to {least:.2f}, unpin a field, or use "
-                f"more ranks")
+        least = min(needs)
+        return (f"no layout of {world_size} ranks with {asked} fits {_gib(limit)} GiB per rank; the "
+                f"smallest needs {_gib(least)} GiB: raise memory_limit_gb to {_gib(least, up=True)}, unpin a "
+                f"field, or use more ranks")
     name, why = refused[0]
     return f"no layout of {world_size} ranks with {asked} compiles for this model; e.g. {name}: {why}"
