@@ -20,7 +20,9 @@ from fxpipe.checkpoint.export import export_consolidated
 from fxpipe.checkpoint.files import write_atomic
 from fxpipe.checkpoint.size import checkpoint_size
 from fxpipe.data import DataStream
-from fxpipe.job.components import MetricsWriter, lr_scheduler, param_groups, peak_memory_gib, validate
+from fxpipe.job.metrics import MetricsWriter, peak_memory_gib
+from fxpipe.job.optimizer import lr_scheduler, param_groups
+from fxpipe.job.validation import report_validation
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.config_file import SAVED_NAME, to_toml
 from fxpipe.job.input_registry import InputRegistry
@@ -125,7 +127,7 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
                                    memory_gib=peak_memory_gib()))
         if source.val is not None and config.eval_interval and (
                 (step + 1) % config.eval_interval == 0 or step + 1 == config.steps):
-            validate(pm, w, source.val, config, step + 1, metrics)
+            report_validation(pm, w, source.val, config, step + 1, metrics)
         if config.save_interval and (step + 1) % config.save_interval == 0:
             last_saved = _save(pm, opt, sched, stream, step + 1, config)
     stopped = stop.agreed()  # again: a signal during the last step must stop every rank alike

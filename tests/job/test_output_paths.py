@@ -61,7 +61,7 @@ def test_two_outputs_on_one_path_are_refused(tmp_path, monkeypatch, capsys):
 
 def test_the_writers_do_not_follow_a_link_made_after_the_check(tmp_path):
     from fxpipe.base.safe_io import open_output
-    from fxpipe.job.components import MetricsWriter
+    from fxpipe.job.metrics import MetricsWriter
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fxpipe.models import build_workload
-from fxpipe.job.components import lr_factor, param_groups
+from fxpipe.job.optimizer import lr_factor, param_groups
 from fxpipe.job.config import LRSchedule
 
 LR, MIN_LR, WARMUP, STEPS = 1e-3, 1e-4, 10, 110
@@ -67,7 +67,7 @@ def test_evaluation_leaves_the_loss_scale_and_written_buffers_as_it_found_them()
 
     from fxpipe.ir.program import ParamKind
     from fxpipe.runtime.mixed_precision import LossScaler
-    from fxpipe.job.components import evaluate
+    from fxpipe.job.validation import evaluate
 
     weight = torch.nn.Parameter(torch.ones(2))
     state = {"w": weight, "running": torch.zeros(2)}

@@ -79,7 +79,7 @@ def _reference(root: Path, argv: list[str], steps: int) -> tuple[list[float], li
     from fxpipe.data import DataStream
     from fxpipe.models.losses import next_token_loss
     from fxpipe.job.prepare import build_job
-    from fxpipe.job.components import lr_scheduler, param_groups
+    from fxpipe.job.optimizer import lr_scheduler, param_groups
 
     config = resolve(build_parser().parse_args(["run", *argv]))
     _, source = build_job(config)
