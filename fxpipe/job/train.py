@@ -77,7 +77,7 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
         print(f"fxpipe run: {config.model}, {pm.model_stats.num_parameters / 1e6:.2f}M parameters, "
               f"tp={layout.tp}{' (sp)' if layout.sp else ''} pp={layout.pp} dp={layout.dp}, "
               f"schedule {layout.schedule.value}, {layout.precision.value}, recompute {layout.recompute.value}, "
-              f"{'compiled (Inductor), ' if layout.compile else ''}"
+              f"{'compiled (Inductor), ' if layout.inductor else ''}"
               f"{layout.num_microbatches} microbatches × {config.micro_batch_size} × {config.seq} tokens, "
               f"{config.steps} steps; data: {source.train.stream.source}, {source.train.count} windows"
               + (f", validation {source.val.count}" if source.val is not None else ""), flush=True)

@@ -88,7 +88,7 @@ def build_runtime(compiled: CompiledPipeline, mesh: RankMesh, shards: ShardBuild
     runners = {s: StageRunner(plan, plan.stages[s], state, loss_scale=1.0 / config.num_microbatches,
                               context=context) for s in my_stages}
     compiled_stages = _compile_runners(runners, plan, compiled.schedule, state, groups, context, device) \
-        if config.compile else ()
+        if config.inductor else ()
     value_ids = {n: i for i, n in enumerate(sorted(plan.values) + sorted(wire_name(lk.name) for lk in plan.lookups))}
     transport = Transport(device=device, timeout=timeout, value_ids=value_ids, num_values=max(1, len(value_ids)),
                           scatter_gather=tp_group if config.scatter_gather else None)

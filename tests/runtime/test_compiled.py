@@ -1,4 +1,4 @@
-"""``compile=True``: stages compiled by AOTAutograd + Inductor train exactly like eager ones.
+"""``inductor=True``: stages compiled by AOTAutograd + Inductor train exactly like eager ones.
 
 Tolerance: fp32 losses within 1e-5 relative and gradients within rtol 1e-4 / atol 1e-5
 of the same run without compile. Inductor fuses and reorders fp32 reductions (layer
