@@ -8,7 +8,7 @@ from fxpipe.passes.split_loss import split_loss_pass
 import fxpipe.passes.split_matmul as split_matmul_module
 from fxpipe.passes import lint_program
 from fxpipe.passes.split_matmul import split_matmul_pass
-from tests.passes.test_split_loss import H, LOSSES, _batch, _loss_and_grads, _program
+from tests.passes._split_loss_cases import H, LOSSES, _batch, _loss_and_grads, _program
 
 aten = torch.ops.aten
 # Blocks 0-3 on stage 0, 5-7 and 9-11 on stage 1; blocks 4 and 8 have their matmul on
@@ -114,7 +114,7 @@ def test_blocks_joined_by_a_cat_merge_exactly():
     takes the merged pieces."""
     import torch.nn.functional as F
 
-    from tests.passes.test_split_loss import V, _shifted
+    from tests.passes._split_loss_cases import V, _shifted
 
     program = _program(lambda out, y: F.cross_entropy(*_shifted(out, y), label_smoothing=0.1))
     split = split_matmul_pass(program, 2)

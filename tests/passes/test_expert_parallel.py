@@ -13,7 +13,7 @@ from fxpipe.ir.shard_spec import ShardKind, shard_state
 from fxpipe.tp import run_emulated
 
 pytest.importorskip("transformers.integrations.moe")
-from tests.tensor_parallel.test_tp_rules_experts import T, V, StackedExperts  # noqa: E402
+from tests.passes.tensor_parallel._tp_models import T, V, StackedExperts  # noqa: E402
 
 ROWS = 4
 
