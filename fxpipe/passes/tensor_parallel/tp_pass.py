@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.pass_configs import TPConfig, tp_config_of
 from fxpipe.ir.program import ParamKind, Program
 from fxpipe.ir.sizes import carry_hints
@@ -29,18 +30,18 @@ from fxpipe.passes.tensor_parallel.rewrite import rewrite
 from fxpipe.passes.tensor_parallel.sequence import plan_sequence_parallel
 
 
-def tensor_parallel_pass(program: Program, config: object = None) -> Program:
-    """Shard ``program`` for ``config.tp`` ranks (see the module docstring).
+def tensor_parallel_pass(program: Program, ctx: CompileContext | TPConfig | None = None) -> Program:
+    """Shard ``program`` for ``tp`` ranks (see the module docstring).
 
-    ``config``: a :class:`TPConfig`, or a driver config with a ``tensor_parallel``
-    TPConfig (``ParallelConfig``, the pipeline's context); tp=1 returns the program unchanged::
+    ``ctx``: the pipeline's ``CompileContext`` (its ``tensor_parallel`` TPConfig), or, used
+    on its own, a :class:`TPConfig`; tp=1 returns the program unchanged::
 
         prog = tensor_parallel_pass(canonicalize_pass(capture(model, batch)), TPConfig(tp=2))
         specs = prog.tensor_parallel.specs
         with tp_group_context(group):
             loss = prog.run(shard_state(prog.state, specs, group.rank), *batch)
     """
-    cfg = tp_config_of(config)
+    cfg = tp_config_of(ctx)
     if cfg.tp == 1:
         return program
     if program.tensor_parallel is not None:
