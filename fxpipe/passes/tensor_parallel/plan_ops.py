@@ -195,11 +195,17 @@ def einsum_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any,
                    out_subs[d] in sub else None, grad)
 
 
+def _sharded_dim(plan: TPPlan, node: fx.Node, index: int) -> tuple[Layout, int | None]:
+    """The input's layout, and the op's ``dim`` argument (at ``index``) when it is sharded."""
+    x = plan.layouts[node.args[0].name]
+    dim = norm_dim(arg(node, index, "dim", 0), len(x.full))
+    return x, dim if dim in x.sharded else None
+
+
 def split_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any,
                grad: frozenset[str], where: str) -> None:
-    x = plan.layouts[node.args[0].name]
-    dim = norm_dim(arg(node, 2, "dim", 0), len(x.full))
-    if dim not in x.sharded:
+    x, dim = _sharded_dim(plan, node, 2)
+    if dim is None:
         return
     sizes, start = [], 0
     for v in G.val(node):
@@ -215,9 +221,8 @@ def split_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any,
 
 def slice_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any,
                grad: frozenset[str], where: str) -> None:
-    x = plan.layouts[node.args[0].name]
-    dim = norm_dim(arg(node, 1, "dim", 0), len(x.full))
-    if dim not in x.sharded:
+    x, dim = _sharded_dim(plan, node, 1)
+    if dim is None:
         return
     step = arg(node, 4, "step", 1)
     start, stop, _ = slice(arg(node, 2, "start"), arg(node, 3, "end")).indices(x.full[dim])
