@@ -31,7 +31,7 @@ from fxpipe.costs.profile import CostProfile, device_name
 from fxpipe.ir.pass_configs import PartitionConfig
 from fxpipe.ir.program import Program
 from fxpipe.passes.assign_stages import build_problem_graph
-from fxpipe.passes.split import split_pass
+from fxpipe.passes.split import split_program
 from fxpipe.runtime.head_blocks import block_gradient, block_statistics
 from fxpipe.tp import DropoutRNG, ShapesOnlyGroup, tp_group_context
 
@@ -65,7 +65,7 @@ def measure_locally(program: Program, config: PartitionConfig, batch: Sequence[t
     fine, probe = probe_groups(program, config)
     n = len(probe.members)
     timed = program.replace(stages=probe.expand({g: g for g in range(n)}))
-    plan = split_pass(timed, dict(timed.stages), num_stages=n)
+    plan = split_program(timed, dict(timed.stages), num_stages=n)
     names = list(dict.fromkeys(p for g in range(n) for p in plan.stage_params(g)))
     group, rng = ShapesOnlyGroup(tp), DropoutRNG(seed=0, tp_rank=0)
     context = (lambda: tp_group_context(group, rng)) if tp > 1 else contextlib.nullcontext

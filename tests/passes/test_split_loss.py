@@ -6,8 +6,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxpipe.passes import lint_program
-from fxpipe.passes.split_loss import split_loss_pass
-from fxpipe.passes.split_matmul import split_matmul_pass
+from fxpipe.passes.split_loss import blockwise_loss
+from fxpipe.passes.split_matmul import split_matmuls
 from tests.passes._split_loss_cases import Head, LOSSES, V, _batch, _loss_and_grads, _program, _shifted
 
 aten = torch.ops.aten
@@ -30,7 +30,7 @@ class ScaledHead(Head):
 def test_blockwise_loss_is_exact(name, bias, head):
     loss_fn, ignored = LOSSES[name]
     program = _program(loss_fn, ignored, bias, head)
-    blocked = split_loss_pass(split_matmul_pass(program, 2))
+    blocked = blockwise_loss(split_matmuls(program, 2))
     lint_program(blocked, after="split_loss")
     (rewrite,) = blocked.loss_splits
     assert len(rewrite.blocks) == len(blocked.matmul_splits[0].blocks) > 2
@@ -44,7 +44,7 @@ def test_blockwise_loss_is_exact(name, bias, head):
 
 
 def test_no_node_reads_the_whole_vocabulary():
-    blocked = split_loss_pass(split_matmul_pass(_program(LOSSES["mean"][0]), 2))
+    blocked = blockwise_loss(split_matmuls(_program(LOSSES["mean"][0]), 2))
     for node in blocked.graph.nodes:
         if node.op != "call_function":
             continue
@@ -59,7 +59,7 @@ def test_no_node_reads_the_whole_vocabulary():
 
 
 def test_other_losses_are_left_alone():
-    smoothed = split_matmul_pass(_program(lambda out, y: F.cross_entropy(*_shifted(out, y), label_smoothing=0.1)), 2)
-    assert split_loss_pass(smoothed) is smoothed
-    weighted = split_matmul_pass(_program(lambda out, y: F.cross_entropy(*_shifted(out, y), weight=torch.ones(V))), 2)
-    assert split_loss_pass(weighted) is weighted
+    smoothed = split_matmuls(_program(lambda out, y: F.cross_entropy(*_shifted(out, y), label_smoothing=0.1)), 2)
+    assert blockwise_loss(smoothed) is smoothed
+    weighted = split_matmuls(_program(lambda out, y: F.cross_entropy(*_shifted(out, y), weight=torch.ones(V))), 2)
+    assert blockwise_loss(weighted) is weighted

@@ -4,7 +4,7 @@ import pytest
 from fxpipe.compiler.driver import run_passes
 
 from fxpipe.compiler.pass_list import DEFAULT_PASSES
-from fxpipe.passes.node_cost import total_cost
+from fxpipe.passes.cost import total_cost
 from fxpipe.passes.tensor_parallel import TPConfig, TPResult, tensor_parallel_pass
 from fxpipe.tp.ops import OPS
 from tests.passes.tensor_parallel._tp_helpers import captured, reference

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from fxpipe.base.dtypes import itemsize
 from fxpipe.base.op_cost import NodeCost
+from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.op_tables import VIEW_OPS
 from fxpipe.ir.program import ParamKind, Program
 from fxpipe.ir.sizes import concrete, numel
@@ -107,7 +108,7 @@ def node_cost(node: fx.Node, hints: Mapping[str, int] = {}  # noqa: B006 (read o
     return 0, 0, other, out_bytes, traffic
 
 
-def cost_pass(program: Program, config: object = None) -> Program:
+def cost_pass(program: Program, ctx: CompileContext | None = None) -> Program:
     """Annotate every node with a :class:`NodeCost`; parameters' bytes go to their first reader."""
     param_bytes = {p.node: p.nbytes for p in program.params if p.kind is ParamKind.PARAMETER}
     seen: set[str] = set()

@@ -1,7 +1,8 @@
-"""Layout rules: for ops that mix or write channels (conv1d, along-dim ops, matmul,
-repeat, select_scatter, index_put) and for attention, einsum, split and slice, the
-operands' layouts and conversions a sharded node needs (``node_layouts._node_rule``
-dispatches here)."""
+"""Plan rules for ops that mix or write channels (conv1d, along-dim ops, matmul,
+repeat, select_scatter, index_put) and for attention, einsum, split and slice: the
+operands' layouts and conversions a sharded node needs (``plan.RULES`` maps each op to
+its rule; every rule is ``rule(plan, prov, node, lay, grad, where)``), and ``narrow``,
+how a replicated operand meets a sharded consumer."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -12,16 +13,17 @@ import torch.fx as fx
 from fxpipe.ir.tp_result import CollectiveKind
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.attention_forms import strided_blocks
+from fxpipe.passes.tensor_parallel.channel_ids import Provenance
 from fxpipe.passes.tensor_parallel.graph_ops import arg, norm_dim, shape
-from fxpipe.passes.tensor_parallel.layout import Layout, local_range
+from fxpipe.passes.tensor_parallel.layout import Layout, is_sharded, local_range
 from fxpipe.passes.tensor_parallel.mixers import _FULL_SIZE, ALONG, CONV1D
 from fxpipe.passes.tensor_parallel.param_shards import Narrowing
-from fxpipe.passes.tensor_parallel.tp_plan import Conversion, TPPlan, _Refuse, is_sharded
+from fxpipe.passes.tensor_parallel.plan_record import Conversion, Refuse, TPPlan
 from fxpipe.passes.tensor_parallel.writes import _indexed_dims
 
 
-def narrow(plan: Any, consumer: fx.Node, a: fx.Node, lay: Any, dim_of: Callable[[int], int | None],
-           grad: set[str], refuse: type[Exception]) -> None:
+def narrow(plan: TPPlan, consumer: fx.Node, a: fx.Node, lay: Any, dim_of: Callable[[int], int | None],
+           grad: frozenset[str]) -> None:
     """A replicated operand of a sharded consumer: ``dim_of(d)`` is the operand's dim that
     indexes the positions of the consumer's sharded dim d (None: it has none). Each rank
     takes its block there (scatter; the backward all-gathers), or, indexing none, the
@@ -44,10 +46,10 @@ def narrow(plan: Any, consumer: fx.Node, a: fx.Node, lay: Any, dim_of: Callable[
             else:  # not each rank's block: only a parameter split alike can give it (param_shards)
                 pending = Narrowing(consumer.name, a.name, ad, tuple(lay.held(d, r) for r in range(plan.tp)))
             continue
-        raise refuse(f"replicated input {a.name} cannot be narrowed to the shard")
+        raise Refuse(f"replicated input {a.name} cannot be narrowed to the shard")
     if pending is not None:
         if scatter_dim is not None:
-            raise refuse(f"replicated input {a.name} cannot be narrowed to the shard")
+            raise Refuse(f"replicated input {a.name} cannot be narrowed to the shard")
         plan.pending.append(pending)
         return
     if scatter_dim is not None:
@@ -56,28 +58,31 @@ def narrow(plan: Any, consumer: fx.Node, a: fx.Node, lay: Any, dim_of: Callable[
         plan.conversions[(consumer.name, a.name)] = [Conversion(CollectiveKind.F)]
 
 
-def conv1d_rule(plan: Any, node: fx.Node, lay: Any, grad: set[str], refuse: type[Exception]) -> None:
+def conv1d_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any,
+                grad: frozenset[str], where: str) -> None:
     """Each rank convolves its own channels with its own rows of the kernel and bias;
     ``groups`` becomes the local channel count."""
     xl = plan.layouts[node.args[0].name]
     if xl.sharded != (1,) or lay.sharded != (1,):
-        raise refuse("a depthwise conv1d split along another dim than its channels")
+        raise Refuse("a depthwise conv1d split along another dim than its channels")
     args = [node.args[0], node.args[1], arg(node, 2, "bias"), arg(node, 3, "stride", [1]),
             arg(node, 4, "padding", [0]), arg(node, 5, "dilation", [1]), lay.shape[1]]
     plan.new_target[node.name] = CONV1D
     plan.new_args[node.name] = tuple(args)
     for a in args[1:3]:
         if isinstance(a, fx.Node):
-            narrow(plan, node, a, lay, lambda d: 0 if d == 1 else None, grad, refuse)
+            narrow(plan, node, a, lay, lambda d: 0 if d == 1 else None, grad)
 
 
-def along_rule(plan: Any, node: fx.Node, lay: Any, grad: set[str], refuse: type[Exception]) -> None:
+def along_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any,
+               grad: frozenset[str], where: str) -> None:
     x = plan.layouts[node.args[0].name]
     if set(ALONG[node.target](node, len(x.full))) & set(x.sharded):
-        raise refuse("scans or masks along a sharded dim")
+        raise Refuse("scans or masks along a sharded dim")
 
 
-def matmul_rule(plan: Any, node: fx.Node, lay: Any, grad: set[str], refuse: type[Exception]) -> None:
+def matmul_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any,
+                grad: frozenset[str], where: str) -> None:
     """x @ y split along batch dims (heads), rows of x or columns of y (a recurrence's
     state whose rows are channels, times a replicated vector), never the contracted
     dim: the same op on smaller operands. A replicated operand takes its block of a
@@ -88,10 +93,10 @@ def matmul_rule(plan: Any, node: fx.Node, lay: Any, grad: set[str], refuse: type
     xl, yl = plan.layouts[x.name], plan.layouts[y.name]
     nd = len(lay.full)
     if len(xl.full) - 1 in xl.sharded or len(yl.full) - 2 in yl.sharded:
-        raise refuse("a batched matmul split along its contracted dim")
+        raise Refuse("a batched matmul split along its contracted dim")
     if (nd - 2 in lay.sharded) != (len(xl.full) - 2 in xl.sharded) or \
             (nd - 1 in lay.sharded) != (len(yl.full) - 1 in yl.sharded):
-        raise refuse("a batched matmul whose output is split unlike its operands' rows and columns")
+        raise Refuse("a batched matmul whose output is split unlike its operands' rows and columns")
     for a, own in ((x, nd - 2), (y, nd - 1)):
         na = len(shape(a))
 
@@ -103,15 +108,16 @@ def matmul_rule(plan: Any, node: fx.Node, lay: Any, grad: set[str], refuse: type
         al = plan.layouts[a.name]
         if is_sharded(al):
             if any(ad + nd - na not in lay.sharded for ad in al.sharded):
-                raise refuse("a batched matmul's operands are split unlike its output")
+                raise Refuse("a batched matmul's operands are split unlike its output")
             continue
-        narrow(plan, node, a, lay, dim_of, grad, refuse)
+        narrow(plan, node, a, lay, dim_of, grad)
     if iadd is not None:
         a = node.args[iadd]
-        narrow(plan, node, a, lay, lambda d, na=len(shape(a)): d - (nd - na), grad, refuse)
+        narrow(plan, node, a, lay, lambda d, na=len(shape(a)): d - (nd - na), grad)
 
 
-def repeat_rule(plan: Any, node: fx.Node, lay: Any, grad: set[str], refuse: type[Exception]) -> None:
+def repeat_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any,
+                grad: frozenset[str], where: str) -> None:
     """Along a sharded dim each rank repeats its own block (key heads r·k/t.. give value
     heads r·v/t..): the same op, its ``output_size`` the local one."""
     xl = plan.layouts[node.args[0].name]
@@ -119,21 +125,23 @@ def repeat_rule(plan: Any, node: fx.Node, lay: Any, grad: set[str], refuse: type
     if dim not in xl.sharded and dim not in lay.sharded:
         return
     if not (dim in xl.blocks and dim in lay.blocks and lay.shape[dim] == xl.shape[dim] * node.args[1]):
-        raise refuse("repeats a sharded dim into another rank's part")
+        raise Refuse("repeats a sharded dim into another rank's part")
     if node.kwargs.get("output_size") is not None:
         plan.new_kwargs[node.name] = {**node.kwargs, "output_size": lay.shape[dim]}
 
 
-def select_scatter_rule(plan: Any, node: fx.Node, lay: Any, grad: set[str], refuse: type[Exception]) -> None:
+def select_scatter_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any,
+                        grad: frozenset[str], where: str) -> None:
     dim = norm_dim(node.args[2], len(lay.full))
     if dim in lay.sharded:
-        raise refuse("writes one index of a sharded dim")
-    narrow(plan, node, node.args[0], lay, lambda d: d, grad, refuse)
+        raise Refuse("writes one index of a sharded dim")
+    narrow(plan, node, node.args[0], lay, lambda d: d, grad)
     narrow(plan, node, node.args[1], lay, lambda d: None if d == dim else (d if d < dim else d - 1),
-           grad, refuse)
+           grad)
 
 
-def like_rule(plan: Any, node: fx.Node, refuse: type[Exception]) -> None:
+def like_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any,
+              grad: frozenset[str], where: str) -> None:
     """zeros_like/ones_like/... of a sharded tensor: a constant. When every reader is
     sharded it takes the input's layout (the local op makes the local shape; each rank's
     part of a constant is that constant); else it is spelled with its full size
@@ -145,7 +153,7 @@ def like_rule(plan: Any, node: fx.Node, refuse: type[Exception]) -> None:
         return
     lay = plan.layouts[node.name]
     if is_sharded(lay) or min(lay.full) < 0:
-        raise refuse("a tensor shaped like a shard of data-dependent size, read by replicated ops")
+        raise Refuse("a tensor shaped like a shard of data-dependent size, read by replicated ops")
     target, extra = _FULL_SIZE[node.target]
     plan.new_target[node.name] = target
     plan.new_args[node.name] = (node.args[0], list(lay.full), *node.args[1:1 + extra])
@@ -153,59 +161,68 @@ def like_rule(plan: Any, node: fx.Node, refuse: type[Exception]) -> None:
                                   if k in ("dtype", "layout", "device", "pin_memory")}
 
 
-def _operand(plan: TPPlan, consumer: fx.Node, a: fx.Node, ref: Layout, grad: set[str]) -> None:
+def operand(plan: TPPlan, consumer: fx.Node, a: fx.Node, ref: Layout, grad: frozenset[str]) -> None:
     """An input of a sharded consumer, aligned to it by broadcasting."""
     off = len(ref.full) - len(shape(a))
-    narrow(plan, consumer, a, ref, lambda d: d - off, grad, _Refuse)
+    narrow(plan, consumer, a, ref, lambda d: d - off, grad)
 
 
-def _attention(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None:
+def attention_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any,
+                   grad: frozenset[str], where: str) -> None:
     q = plan.layouts[node.args[0].name]
     if not q.is_sharded:
-        raise _Refuse("keys/values are sharded but queries are not")
+        raise Refuse("keys/values are sharded but queries are not")
     if q.sharded != (1,) or lay.sharded != (1,):
-        raise _Refuse("attention must be split by heads only")
+        raise Refuse("attention must be split by heads only")
     for a in node.all_input_nodes[1:]:
         # Keys/values whose channels another reader splits otherwise (Doge's values, read
         # by a projection over all heads, split in tp blocks smaller than a head).
         if is_sharded(plan.layouts[a.name]) and plan.layouts[a.name].sharded != (1,):
-            raise _Refuse("attention must be split by heads only")
-        _operand(plan, node, a, lay, grad)
+            raise Refuse("attention must be split by heads only")
+        operand(plan, node, a, lay, grad)
 
 
-def _einsum(plan: TPPlan, node: fx.Node, lay: Layout, grad: set[str]) -> None:
+def einsum_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any,
+                grad: frozenset[str], where: str) -> None:
     """Like a batched matmul: split letters must be kept in the output (never summed)."""
     subs, out_subs = G.einsum_letters(node)
-    for sub, operand in zip(subs, node.args[1]):
-        al = plan.layouts[operand.name]
+    for sub, x in zip(subs, node.args[1]):
+        al = plan.layouts[x.name]
         if any(sub[d] not in out_subs for d in al.sharded):
-            raise _Refuse("an einsum sums over a sharded dim")
+            raise Refuse("an einsum sums over a sharded dim")
         if not al.is_sharded:  # its part of each split letter (scatter), or f
-            narrow(plan, node, operand, lay, lambda d, sub=sub: sub.find(out_subs[d]) if
-                          out_subs[d] in sub else None, grad, _Refuse)
+            narrow(plan, node, x, lay, lambda d, sub=sub: sub.find(out_subs[d]) if
+                   out_subs[d] in sub else None, grad)
 
 
-def _split(plan: TPPlan, node: fx.Node, where: str) -> None:
+def _sharded_dim(plan: TPPlan, node: fx.Node, index: int) -> tuple[Layout, int | None]:
+    """The input's layout, and the op's ``dim`` argument (at ``index``) when it is sharded."""
     x = plan.layouts[node.args[0].name]
-    dim = norm_dim(arg(node, 2, "dim", 0), len(x.full))
-    if dim not in x.sharded:
+    dim = norm_dim(arg(node, index, "dim", 0), len(x.full))
+    return x, dim if dim in x.sharded else None
+
+
+def split_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any,
+               grad: frozenset[str], where: str) -> None:
+    x, dim = _sharded_dim(plan, node, 2)
+    if dim is None:
         return
     sizes, start = [], 0
     for v in G.val(node):
         n = int(v.shape[dim])
         a, b = local_range(x, dim, start, start + n, where, np.zeros(0))
         if a != sum(sizes):
-            raise _Refuse("split pieces are not consecutive in the shard")
+            raise Refuse("split pieces are not consecutive in the shard")
         sizes.append(b - a)
         start += n
     plan.new_target[node.name] = G.aten.split_with_sizes.default
     plan.new_args[node.name] = (node.args[0], sizes, dim)
 
 
-def _slice(plan: TPPlan, node: fx.Node, where: str) -> None:
-    x = plan.layouts[node.args[0].name]
-    dim = norm_dim(arg(node, 1, "dim", 0), len(x.full))
-    if dim not in x.sharded:
+def slice_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any,
+               grad: frozenset[str], where: str) -> None:
+    x, dim = _sharded_dim(plan, node, 1)
+    if dim is None:
         return
     step = arg(node, 4, "step", 1)
     start, stop, _ = slice(arg(node, 2, "start"), arg(node, 3, "end")).indices(x.full[dim])
@@ -220,21 +237,22 @@ def _slice(plan: TPPlan, node: fx.Node, where: str) -> None:
         inside = np.flatnonzero(np.isin(held, np.arange(start, stop, step)))
         if len(inside) == 0 or not np.array_equal(
                 inside, np.arange(inside[0], inside[0] + step * len(inside), step)):
-            raise _Refuse("a strided slice takes an irregular part of the shard")
+            raise Refuse("a strided slice takes an irregular part of the shard")
         found.add((int(inside[0]), len(inside)))
     if len(found) != 1 or x.vocab:
-        raise _Refuse("a strided slice takes different parts of the shard on different ranks")
+        raise Refuse("a strided slice takes different parts of the shard on different ranks")
     a, n = found.pop()
     plan.new_args[node.name] = (node.args[0], dim, a, a + step * (n - 1) + 1, step)
 
 
-def index_put_rule(plan, node: fx.Node, lay, grad: set[str]) -> None:
-    """Operands aligned to the written tensor's layout (``node_layouts._node_rule`` for
-    ``INDEX_PUT``): a scalar written at a mask that addresses no sharded dim."""
+def index_put_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any,
+                   grad: frozenset[str], where: str) -> None:
+    """Operands aligned to the written tensor's layout: a scalar written at a mask that
+    addresses no sharded dim."""
     if _indexed_dims(node) & set(lay.sharded):
-        raise _Refuse("index_put along a sharded dim")
+        raise Refuse("index_put along a sharded dim")
     values = node.args[2]
     if values.meta["val"].numel() != 1:
-        raise _Refuse("index_put of values that span the sharded dims")
+        raise Refuse("index_put of values that span the sharded dims")
     for a in (node.args[0], values):
-        _operand(plan, node, a, lay, grad)
+        operand(plan, node, a, lay, grad)

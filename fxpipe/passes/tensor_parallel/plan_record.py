@@ -1,14 +1,39 @@
-"""The TP plan under construction: per node its layout and the conversions its inputs
-need (``node_layouts.build_plan`` fills it; the rules in ``layout_rules.py`` read it)."""
+"""The records the TP planner works on: what the pass read off the graph
+(``GraphFacts``, the input of the layout search) and the plan under construction
+(``TPPlan``: per node its layout and the conversions its inputs need; ``plan.build_plan``
+fills it, the op rules in ``plan_rules.py`` read and extend it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
+import torch.fx as fx
+
+from fxpipe.ir.program import Program
 from fxpipe.ir.tp_result import CollectiveKind
 from fxpipe.passes.tensor_parallel.attention_forms import SharedChannels
 from fxpipe.passes.tensor_parallel.graph_ops import Projection
-from fxpipe.passes.tensor_parallel.layout import Layout
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    """What the pass finds in the captured graph before any layout is planned, by
+    structure only (``graph_ops``); every reading of the search plans from it."""
+    program: Program
+    """The program with its no-grad / autocast regions opened (``regions.open_regions``)."""
+    projections: dict[str, Projection]
+    """Node -> the projection it is (linear, matmul by a weight, ...)."""
+    embeddings: dict[str, str]
+    """Token-embedding node -> its weight placeholder (vocabulary-parallel candidates)."""
+    grad: frozenset[str]
+    """Nodes whose value carries a gradient (where f is needed, and where it is not)."""
+    tp: int
+    describe: Callable[[str], str]
+    """Node -> where it is in the model, for messages ("layer 3 (h.3.attn)")."""
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.program.graph
 
 
 @dataclass(frozen=True)
@@ -65,12 +90,5 @@ class TPPlan:
     rank's share of the whole (local/full count for a mean); g follows it."""
 
 
-def is_sharded(lay: Any) -> bool:
-    """A Layout (or a list of them, for split-like nodes) that differs between ranks."""
-    if isinstance(lay, list):
-        return any(l.is_sharded for l in lay)
-    return isinstance(lay, Layout) and lay.is_sharded
-
-
-class _Refuse(Exception):
-    pass
+class Refuse(Exception):
+    """An op rule's refusal of a node's layouts: its channels are replicated (``plan.build_plan``)."""
