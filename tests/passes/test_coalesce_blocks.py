@@ -7,13 +7,8 @@ from fxpipe.passes.split import side_values, split_program
 from fxpipe.passes.split_loss import blockwise_loss
 import fxpipe.passes.split_matmul as split_matmul_module
 from fxpipe.passes import lint_program
-<<<<<<< HEAD
-from fxpipe.passes.split_matmul import split_matmul_pass
-from tests.passes._split_loss_cases import H, LOSSES, _batch, _loss_and_grads, _program
-=======
 from fxpipe.passes.split_matmul import split_matmuls
-from tests.passes.test_split_loss import H, LOSSES, _batch, _loss_and_grads, _program
->>>>>>> h43b
+from tests.passes._split_loss_cases import H, LOSSES, _batch, _loss_and_grads, _program
 
 aten = torch.ops.aten
 # Blocks 0-3 on stage 0, 5-7 and 9-11 on stage 1; blocks 4 and 8 have their matmul on
