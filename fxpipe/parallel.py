@@ -31,9 +31,11 @@ from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.program import Program
 from fxpipe.ir.token_inputs import check_token_ids
 from fxpipe.params.rank_state import ShardBuilder
+from fxpipe.partition import PartitionError
 from fxpipe.passes.assign_stages import partition_pass
-from fxpipe.planner.auto_layout import SEARCHED, report_progress, search_layout
+from fxpipe.planner.auto_layout import SEARCHED
 from fxpipe.planner.layout_price import ranks_at_once
+from fxpipe.planner.resolve import resolve_layout
 from fxpipe.runtime.api import ParallelModel
 from fxpipe.runtime.build import build_runtime
 from fxpipe.runtime.launch import init_distributed, rank0_decides
@@ -116,17 +118,11 @@ def choose_layout(model: nn.Module, config: ParallelConfig | None, layout: dict[
     if config is not None:  # a whole config with some fields "auto": the others are pinned
         pinned = {f: getattr(base, f) for f in SEARCHED if f not in {LAYOUT_KEYWORDS[k] for k in auto}} | pinned
     device = init_distributed(timedelta(seconds=base.timeout_s), device)
-
-    def search() -> tuple[dict, str]:
-        world = dist.get_world_size()
-        found = search_layout(model, example_inputs, world, loss_fn=loss_fn, base=base, pinned=pinned,
-                              concurrent=ranks_at_once(world, device), progress=report_progress)
-        print(found.table(), flush=True)
-        return {f: getattr(found.chosen.config, f) for f in SEARCHED}, found.table()
-
+    world = dist.get_world_size()
     # A pin nothing fits is refused on rank 0 and heard by every rank (runtime/launch.py).
-    fields, table = rank0_decides(search)
-    return dataclasses.replace(base, **fields), table
+    chosen = resolve_layout(base, pinned, world, lambda: (model, example_inputs, loss_fn),
+                            concurrent=ranks_at_once(world, device))
+    return chosen.config, chosen.table
 
 
 def report_and_place_experts(compiled: CompiledPipeline, mesh: RankMesh) -> RankMesh:
@@ -191,18 +187,17 @@ class MeshHooks:
     def solve(self, program, pconfig):
         # Rank 0 solves and everyone takes its answer: a time-limited solver need not
         # return the same assignment on every rank, and ranks must agree exactly.
-        solved = partition_pass(program, pconfig) if dist.get_rank() == 0 else None
-        box = [(dict(solved.stages), solved.partition) if solved is not None else None]
-        dist.broadcast_object_list(box, src=0)
-        assignment, result = box[0]
+        def solve() -> tuple[dict, Any]:
+            solved = partition_pass(program, pconfig)
+            return dict(solved.stages), solved.partition
+
+        assignment, result = rank0_decides(solve, as_raised=(PartitionError,))  # heard by every rank as itself
         return program.replace(stages=assignment, partition=result)
 
     def agree(self, value):
         # Rank 0's value everywhere: what the vocabulary passes are placed on decides the
         # order of their collectives, which must be one order on every rank.
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return rank0_decides(lambda: value)
 
     def check(self, program):
         # Token ids past the vocabulary: refused before costs are measured or solved for.

@@ -53,6 +53,7 @@ from fxpipe.params.hf_weights import WeightsDir
 from fxpipe.partition import Method, PartitionError
 from fxpipe.passes.causality import attention_is_causal
 from fxpipe.schedules.registry import check_size, generate, get_spec
+from fxpipe.runtime.launch import launched_world, local_world_size, under_torchrun
 
 META_ABOVE_PARAMS = 3e8
 """Registry GPTs larger than this are captured on the meta device."""
@@ -77,7 +78,7 @@ def _ranks(config: "TrainConfig") -> int:
     import torch
 
     layout = config.parallel
-    return max(config.world or 1, layout.tp * layout.pp * layout.dp, int(os.environ.get("WORLD_SIZE", 1)),
+    return max(config.world or 1, layout.tp * layout.pp * layout.dp, launched_world() or 1,
                torch.cuda.device_count())
 
 
@@ -138,9 +139,7 @@ def check_world(world: int) -> None:
     """tp·pp·dp local workers must be startable here (launched by fxpipe, not torchrun,
     which places processes on nodes itself): one GPU each on a GPU machine, else within
     WORKERS_PER_CORE per core and the free memory at GIB_PER_WORKER each."""
-    import os
-
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if under_torchrun():
         return
     import torch
 
@@ -287,7 +286,7 @@ def check_state_fits(program: Program, layout: ParallelConfig) -> None:
         where = f"one GPU's {have / 2**30:.1f} GiB"
     else:
         world = layout.tp * layout.pp * layout.replicas
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local = local_world_size(world)
         need = params * per_param * layout.replicas * local / world
         have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         where = f"the {have / 2**30:.1f} GiB free on this machine ({local} rank(s) here)"

@@ -18,6 +18,7 @@ from fxpipe.job.preflight_files import PreflightError
 from fxpipe.models.config_values import DeclaredShape
 from fxpipe.models.hf_dir import declared_dir_shape, is_model_dir
 from fxpipe.models.registry import GPT_CONFIGS
+from fxpipe.runtime.launch import local_world_size
 
 MAX_LAYERS = 1024
 """Capture and the per-layer passes grow with the layer count (a 10^6-layer graph is
@@ -76,7 +77,7 @@ def check_state_bound(model: str, shape: DeclaredShape | None, world: int) -> No
         need, have = total / world, torch.cuda.get_device_properties(0).total_memory
         where = f"one GPU's {have / 2**30:,.1f} GiB (the state spread over all {world} ranks)"
     else:  # under torchrun across nodes each node holds its ranks' share
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local = local_world_size(world)
         need = total * min(local, world) / world
         have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         where = f"the {have / 2**30:,.1f} GiB free on this machine"
