@@ -46,15 +46,14 @@ def run(args: argparse.Namespace) -> int:
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.compiler.compile_report import compile_summary
     from fxpipe.compiler.pipeline import CompileHooks, compile_pipeline
-    from fxpipe.job.preflight import capture_device
     from fxpipe.job.preflight_sizes import check_shape
-    from fxpipe.models.registry import build_workload
+    from fxpipe.models.registry import build_device, build_workload
     from fxpipe.passes.tensor_parallel import render_sharding_report
 
     target = CompileTarget(**given(args, TARGET))
     layout = with_layout(DEFAULT_LAYOUT, given(args, LAYOUT_FLAGS))
     check_shape(target.model, target.layers)  # layers, width, vocabulary bounded before the build and capture
-    device = target.device or capture_device(target.model)
+    device = target.device or build_device(target.model)
     workload = build_workload(target.model, batch=target.batch, seq=target.seq, device=device,
                               layers=target.layers)
     example = workload.example_inputs
