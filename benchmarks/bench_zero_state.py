@@ -10,7 +10,6 @@ without ZeRO). Writes benchmarks/results/zero_state.md.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from datetime import timedelta
 from pathlib import Path
