@@ -31,7 +31,6 @@ import dataclasses
 import os
 import platform
 import random
-import socket
 import statistics
 import sys
 import time
@@ -39,7 +38,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -48,6 +46,7 @@ from fxpipe.ir.parallel_config import ParallelConfig  # noqa: E402
 from fxpipe.models.registry import build_workload  # noqa: E402
 from fxpipe.models.workload import Workload  # noqa: E402
 from fxpipe.planner.auto_layout import SEARCHED, search_layout  # noqa: E402
+from fxpipe.runtime.local_world import run_local_world  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_auto_layout.txt")
 MODELS = ("gpt-tiny", "deep-narrow", "wide-vocab", "zoo:moe", "zoo:llama3", "hf:gpt2")
@@ -75,17 +74,7 @@ def workload(name: str, batch: int, seq: int) -> Workload:
     return build_workload(name, batch=batch, seq=seq, seed=0)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, args, layouts: list[dict], out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+def _worker(rank: int, world: int, args, layouts: list[dict]) -> list[float] | None:
     import fxpipe
 
     w = workload(args.model, args.rows, args.seq)
@@ -105,11 +94,9 @@ def _worker(rank: int, world: int, port: int, args, layouts: list[dict], out: di
                 start = time.perf_counter()
                 models[i].train_step(w.example_inputs)
                 times[i].append(time.perf_counter() - start)
-    if rank == 0:
-        out["times"] = [statistics.median(t) for t in times]
     for pm in models:
         pm.close()
-    dist.destroy_process_group()
+    return [statistics.median(t) for t in times] if rank == 0 else None
 
 
 def _search(args, w: Workload, memory_limit_gb: float | None = None):
@@ -149,11 +136,7 @@ def bench(args) -> tuple[list[str], dict]:
                                                                                                len(rest))))
     layouts = [{f: getattr(ranked[i].config, f) for f in SEARCHED} for i in picked]
     layouts = [dict(f, microbatches=f.pop("num_microbatches")) for f in layouts]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_worker, args=(args.world, _port(), args, layouts, out), nprocs=args.world,
-                           start_method="spawn")
-        measured = list(out["times"])
+    measured = run_local_world(args.world, _worker, args, layouts, timeout=timedelta(seconds=600), threads=1)[0]
     predicted = [ranked[i].step_s for i in picked]
     best = min(range(len(measured)), key=measured.__getitem__)
     stats = dict(ratio=measured[0] / measured[best], error=median_relative_error(predicted, measured),

@@ -30,15 +30,16 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from fxpipe.runtime.local_world import run_local_world
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 CPU_CASES = {  # name: (workload args, micro-batch size)
@@ -99,13 +100,10 @@ def _train(w, compile: bool, steps: int, sync=lambda: None, **kw) -> dict:
                 compile={r.stage: (r.seconds, r.reason) for r in pm.compiled_stages})
 
 
-def _cpu_worker(rank: int, world: int, port: int, steps: int, cache: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), TORCHINDUCTOR_CACHE_DIR=cache)
-    torch.set_num_threads(1)
+def _cpu_worker(rank: int, world: int, steps: int, cache: str, out: str) -> None:
+    os.environ.update(TORCHINDUCTOR_CACHE_DIR=cache)
     import warnings
     warnings.filterwarnings("ignore", category=FutureWarning)  # gloo collective renames
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     rows = {}
     for label, (args, mb) in CPU_CASES.items():
         runs = {}
@@ -189,11 +187,8 @@ def ceiling_table(steps: int) -> list[str]:
 
 
 def cpu(steps: int) -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as cache:
-        mp.start_processes(_cpu_worker, args=(4, port, steps, cache, out), nprocs=4, start_method="spawn")
+        run_local_world(4, _cpu_worker, steps, cache, out, timeout=timedelta(minutes=30), threads=1)
         per_rank = [torch.load(os.path.join(out, f"{r}.pt")) for r in range(4)]
     lines = [f"Machine: {_machine()} — a shared 2-core VM (other jobs may run beside it), "
              f"torch {torch.__version__}, Inductor's C++ backend (gcc). tp=2 × pp=2 on 4 processes "

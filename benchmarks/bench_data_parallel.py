@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -28,7 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from fxpipe.runtime.local_world import run_local_world
 
 MODELS = {  # name: (vocab, width, layers, heads, global batch, seq)
     "compute-bound": (8192, 256, 6, 4, 16, 128),
@@ -130,8 +130,7 @@ def _timed(systems: dict, rounds: int, steps: int) -> dict[str, tuple[float, flo
     return out
 
 
-def _world2(rank: int, world: int, port: int, outdir: str, rounds: int, steps: int) -> None:
-    _init(rank, world, port)
+def _world2(rank: int, world: int, outdir: str, rounds: int, steps: int) -> None:
     rows = []
     for name in MODELS:
         for m in (1, 4):
@@ -152,8 +151,7 @@ def _world2(rank: int, world: int, port: int, outdir: str, rounds: int, steps: i
     dist.destroy_process_group()
 
 
-def _world4(rank: int, world: int, port: int, outdir: str, rounds: int, steps: int) -> None:
-    _init(rank, world, port)
+def _world4(rank: int, world: int, outdir: str, rounds: int, steps: int) -> None:
     rows = []
     for layout in (dict(tp=2), dict(pp=2)):
         systems = {f"bucket_mb={b}": _Fxpipe("gradient-bound", 2, bucket_mb=b, **layout) for b in (25, 0)}
@@ -165,17 +163,8 @@ def _world4(rank: int, world: int, port: int, outdir: str, rounds: int, steps: i
     dist.destroy_process_group()
 
 
-def _init(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=900))
-
-
 def _launch(fn, world: int, outdir: str, rounds: int, steps: int) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(fn, args=(world, port, outdir, rounds, steps), nprocs=world, start_method="spawn")
+    run_local_world(world, fn, outdir, rounds, steps, timeout=timedelta(seconds=900), threads=1)
 
 
 def main() -> None:

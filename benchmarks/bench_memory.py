@@ -20,23 +20,17 @@ import json
 import os
 import platform
 import resource
-import socket
 import statistics
 import sys
 import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
+
+from fxpipe.runtime.local_world import run_local_world
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_LAYOUTS = ["1,1,1", "2,1,1", "1,2,1", "2,2,1", "1,1,2", "1,1,2,zero"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch(vocab: int, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,9 +39,8 @@ def _batch(vocab: int, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]
     return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
 
-def _worker(rank: int, world: int, port: int, out: str, layout: dict, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), CUDA_VISIBLE_DEVICES="")  # host memory, gloo, also on a GPU machine
+def _worker(rank: int, world: int, out: str, layout: dict, args: argparse.Namespace) -> None:
+    os.environ.update(CUDA_VISIBLE_DEVICES="")  # host memory, gloo, also on a GPU machine
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     import fxpipe
     import fxpipe.runtime.api  # noqa: F401  (what every process loads before it builds anything)
@@ -87,8 +80,7 @@ def _worker(rank: int, world: int, port: int, out: str, layout: dict, args: argp
 def _run(layout: dict, args: argparse.Namespace) -> list[dict]:
     world = layout["tp"] * layout["pp"] * layout["dp"]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_worker, args=(world, _free_port(), out, layout, args), nprocs=world,
-                           join=True, start_method="spawn")
+        run_local_world(world, _worker, out, layout, args)
         return [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(world)]
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import time
@@ -47,8 +46,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+
+from fxpipe.runtime.local_world import run_local_world
 
 M, B_MICRO, SEQ, LAYERS, HIDDEN, HEADS, VOCAB = 8, 2, 128, 8, 256, 4, 50257
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -139,11 +139,8 @@ def placement(pm, unit_model=None) -> dict:
     return dict(differ=pm.schedule.actions != unit.actions, placed_ms=span(pm.schedule), unit_ms=span(unit))
 
 
-def worker(rank: int, world: int, port: int, steps: int, out: str, schedule: str | None,
+def worker(rank: int, world: int, steps: int, out: str, schedule: str | None,
            vocab_passes: bool = False, unit_placement: bool = False) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     import fxpipe
     from fxpipe.runtime.balance import BalanceMeter
     from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
@@ -303,14 +300,9 @@ def main() -> None:
     machine = (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
                f"{args.pp} processes x 1 thread, gloo")
     print(f"machine: {machine}")
-    with tempfile.TemporaryDirectory() as out, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        mp.start_processes(worker, args=(args.pp, port, args.steps, out, args.schedule, args.vocab_passes,
-                                                   args.unit_placement),
-                           nprocs=args.pp,
-                           start_method="spawn")
+    with tempfile.TemporaryDirectory() as out:
+        run_local_world(args.pp, worker, args.steps, out, args.schedule, args.vocab_passes, args.unit_placement,
+                        timeout=timedelta(seconds=300), threads=1)
         res = [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(args.pp)]
     times = res[0]["times"]  # barrier-bounded: every rank measured the same spans
     med = {k: statistics.median(v) for k, v in times.items()}

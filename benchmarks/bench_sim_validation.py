@@ -24,24 +24,21 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import statistics
 import tempfile
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from fxpipe.runtime.local_world import run_local_world
 
 from bench_runtime import LAYERS, M, SEQ, workload, write_result
 
 SCHEDULES = [("1f1b", None), ("interleaved", 2), ("zb-h1", None)]
 
 
-def worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+def worker(rank: int, world: int, steps: int, out: str) -> None:
     import fxpipe
 
     results = {}
@@ -110,11 +107,8 @@ def main() -> None:
     machine = (f"{platform.machine()}, {cores} cores, torch {torch.__version__}; {args.pp} processes x 1 "
                f"thread, gloo" + (" (more processes than cores: ranks share cores)" if args.pp > cores else ""))
     print(f"machine: {machine}")
-    with tempfile.TemporaryDirectory() as out, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        mp.start_processes(worker, args=(args.pp, port, args.steps, out), nprocs=args.pp, start_method="spawn")
+    with tempfile.TemporaryDirectory() as out:
+        run_local_world(args.pp, worker, args.steps, out, timeout=timedelta(seconds=300), threads=1)
         res = torch.load(os.path.join(out, "results.pt"), weights_only=False)
     lines = ["# Simulator validation: a held-out step predicted from the other steps", "",
              f"Machine: {machine}. HF GPT-2 {LAYERS} layers h=256 s={SEQ} V=50257, p={args.pp}, m={M}, "

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -24,7 +23,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from fxpipe.runtime.local_world import run_local_world
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,10 +36,7 @@ def _busy(pm) -> float:
     return sum(end - start for action, start, end in pm.last_stats.events if action.kind in (K.F, K.B, K.I, K.W))
 
 
-def worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+def worker(rank: int, world: int, steps: int, out: str) -> None:
     import fxpipe
     import fxpipe.compiler.pass_list as compiler  # the pipeline reads its PIPELINE at each compile
     from bench_runtime import M, workload
@@ -95,11 +92,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--pp", type=int, default=2)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as out, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        mp.start_processes(worker, args=(args.pp, port, args.steps, out), nprocs=args.pp, start_method="spawn")
+    with tempfile.TemporaryDirectory() as out:
+        run_local_world(args.pp, worker, args.steps, out, timeout=timedelta(seconds=600), threads=1)
         res = torch.load(os.path.join(out, "result.pt"), weights_only=False)
     times, busy = res["times"], res["busy"]
     print(f"pp={args.pp}, m=8, 1F1B, ILP on the cost model; rows owned: {res['rows']}")

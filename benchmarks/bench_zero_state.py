@@ -10,15 +10,14 @@ without ZeRO). Writes benchmarks/results/zero_state.md.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import tempfile
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from fxpipe.runtime.local_world import run_local_world
 
 BATCH_PER_DP, SEQ, MICROBATCHES = 4, 64, 4
 
@@ -28,13 +27,10 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                if isinstance(v, torch.Tensor))
 
 
-def _worker(rank: int, world: int, port: int, model: str, outdir: str) -> None:
+def _worker(rank: int, world: int, model: str, outdir: str) -> None:
     from fxpipe.models import build_workload
     from fxpipe.parallel import parallelize
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     rows = []
     for precision in ("fp32", "bf16"):
         for zero in (0, 1):
@@ -58,12 +54,8 @@ def main() -> None:
     ap.add_argument("--model", default="gpt-small")
     ap.add_argument("--dp", type=int, default=2)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_worker, args=(args.dp, port, args.model, outdir), nprocs=args.dp,
-                           start_method="spawn")
+        run_local_world(args.dp, _worker, args.model, outdir, timeout=timedelta(seconds=300), threads=1)
         rows = sorted(r for k in range(args.dp) for r in torch.load(Path(outdir) / f"{k}.pt"))
     lines = [f"# Optimizer state per process, {args.model}, dp={args.dp} (tp = pp = 1)", "",
              "| precision | zero | rank | first loss | AdamW state MB | fp32 masters MB | total MB |",

@@ -1,7 +1,7 @@
 """Run many jobs in one spawned gloo world, with a time limit per job.
 
 Starting a world costs each process a torch + transformers import, so one world
-runs every family of a world size (as ``tests/runtime/_dist.py`` does for tests).
+runs every family of a world size.
 Each rank writes one result file per job; the parent watches them. A job that
 does not finish in time, or that ends differently on different ranks (some
 failed, others did not: the process groups may hold stale messages), ends the
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import sys
 import tempfile
 import time
@@ -21,21 +20,17 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fxpipe.runtime.local_world import free_port
 
 
 def _worker(rank: int, world: int, port: int, outdir: str, fn: Callable, jobs: list) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    from fxpipe.runtime.local_world import join_local_world
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    join_local_world(rank, world, port, timeout=timedelta(seconds=600))
     # Our own group for the after-job handshake: independent of whatever the job's
     # groups are still waiting for.
     control = dist.new_group(backend="gloo")
@@ -85,7 +80,7 @@ def run_jobs(world: int, fn: Callable, jobs: list[tuple], timeout_s: float,
     while start < len(jobs):
         pending = jobs[start:]
         with tempfile.TemporaryDirectory() as outdir:
-            port = _free_port()
+            port = free_port()
             procs = [ctx.Process(target=_worker, args=(r, world, port, outdir, fn, pending), daemon=True)
                      for r in range(world)]
             for p in procs:

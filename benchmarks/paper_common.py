@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -120,15 +119,10 @@ def predict_run(run: Run, hw):
     return predict(shape, cfg, opts)
 
 
-def _worker(rank: int, world: int, port: int, runs: list, steps: int, out: str) -> None:
+def _worker(rank: int, world: int, runs: list, steps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
-    from datetime import timedelta
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     from fxpipe.models.gpt import GPT, GPTConfig
     from fxpipe.passes.recompute import RecomputeMode, apply_recompute
     from fxpipe.parallel import parallelize
@@ -175,21 +169,20 @@ def _worker(rank: int, world: int, port: int, runs: list, steps: int, out: str) 
 def measure(runs: Sequence[Run], steps: int = 3) -> dict[str, dict]:
     """Run every configuration (grouped by world size: one process group each) and return
     the median step time per label."""
+    from datetime import timedelta
+
     import torch
-    import torch.multiprocessing as mp
+
+    from fxpipe.runtime.local_world import run_local_world
 
     by_world: dict[int, list[Run]] = {}
     for r in runs:
         by_world.setdefault(r.world, []).append(r)
     out: dict[str, dict] = {}
     for world, group in sorted(by_world.items()):
-        with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            s.close()
+        with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "res.pt")
-            mp.start_processes(_worker, args=(world, port, list(group), steps, path), nprocs=world,
-                               start_method="spawn")
+            run_local_world(world, _worker, list(group), steps, path, timeout=timedelta(seconds=300), threads=1)
             for res in torch.load(path, weights_only=False):
                 out[res["label"]] = res
     return out

@@ -31,8 +31,10 @@ from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.program import Program
 from fxpipe.ir.token_inputs import check_token_ids
 from fxpipe.params.rank_state import ShardBuilder
-from fxpipe.planner.auto_layout import SEARCHED, report_progress, search_layout
+from fxpipe.partition import PartitionError
+from fxpipe.planner.auto_layout import SEARCHED
 from fxpipe.planner.layout_price import ranks_at_once
+from fxpipe.planner.resolve import resolve_layout
 from fxpipe.runtime.api import ParallelModel
 from fxpipe.runtime.build import build_runtime
 from fxpipe.runtime.launch import init_distributed, rank0_decides
@@ -115,17 +117,11 @@ def choose_layout(model: nn.Module, config: ParallelConfig | None, layout: dict[
     if config is not None:  # a whole config with some fields "auto": the others are pinned
         pinned = {f: getattr(base, f) for f in SEARCHED if f not in {LAYOUT_KEYWORDS[k] for k in auto}} | pinned
     device = init_distributed(timedelta(seconds=base.timeout_s), device)
-
-    def search() -> tuple[dict, str]:
-        world = dist.get_world_size()
-        found = search_layout(model, example_inputs, world, loss_fn=loss_fn, base=base, pinned=pinned,
-                              concurrent=ranks_at_once(world, device), progress=report_progress)
-        print(found.table(), flush=True)
-        return {f: getattr(found.chosen.config, f) for f in SEARCHED}, found.table()
-
+    world = dist.get_world_size()
     # A pin nothing fits is refused on rank 0 and heard by every rank (runtime/launch.py).
-    fields, table = rank0_decides(search)
-    return dataclasses.replace(base, **fields), table
+    chosen = resolve_layout(base, pinned, world, lambda: (model, example_inputs, loss_fn),
+                            concurrent=ranks_at_once(world, device))
+    return chosen.config, chosen.table
 
 
 def report_and_place_experts(compiled: CompiledPipeline, mesh: RankMesh) -> RankMesh:
@@ -190,10 +186,9 @@ class MeshHooks:
     def decide(self, fn):
         # Rank 0 computes and every rank takes its answer: what the ranks must hold
         # identically (the partition: a time-limited solver need not agree with itself;
-        # the vocabulary passes' times: one collective order on every rank).
-        box = [fn() if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        # the vocabulary passes' times: one collective order on every rank). A partition
+        # refusal is heard by every rank as itself.
+        return rank0_decides(fn, as_raised=(PartitionError,))
 
     def check(self, program):
         # Token ids past the vocabulary: refused before costs are measured or solved for.

@@ -50,6 +50,7 @@ from fxpipe.checkpoint.state import (_SCALER_FIELDS, _check_model, _install_opti
                                      _model_tensors, _optimizer_names, _optimizer_state, _rng_state, _scaler_state,
                                      _set_rng, _targets, read_dcp, state_dict_names)
 from fxpipe.runtime.api import ParallelModel
+from fxpipe.runtime.launch import rank0_decides
 
 __all__ = ["CheckpointFallbackWarning", "CorruptCheckpointError", "latest_checkpoint",
            "list_checkpoints", "load_checkpoint", "save_checkpoint", "state_dict_names", "step_dirname"]
@@ -94,20 +95,15 @@ def write_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: 
     Collective."""
     rank, root = dist.get_rank(), Path(directory)
     final = root / step_dirname(step)
-    status: list[Any] = [None, None]
-    if rank == 0:
-        try:  # the job's lock on the directory, then its own temporary
-            acquire(root)
-            remove_debris(root)  # only killed saves' and prunes' leftovers: we hold the lock
-            tmp = temporary(final)
-            tmp.mkdir()
-            status = [None, str(tmp)]
-        except (CheckpointLockError, OSError) as exc:
-            status = [exc, None]
-    dist.broadcast_object_list(status, src=0)  # every rank fails alike, none waits in a barrier
-    if status[0] is not None:
-        raise status[0]
-    tmp = Path(status[1])
+    def prepare() -> str:  # the job's lock on the directory, then its own temporary
+        acquire(root)
+        remove_debris(root)  # only killed saves' and prunes' leftovers: we hold the lock
+        tmp = temporary(final)
+        tmp.mkdir()
+        return str(tmp)
+
+    # Every rank fails alike, none waits in a barrier.
+    tmp = Path(rank0_decides(prepare, as_raised=(CheckpointLockError, OSError)))
     # DCP returns on every rank only after rank 0 wrote .metadata (its "finish" step).
     try:
         dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
@@ -219,25 +215,20 @@ def choose_intact(directory: str | os.PathLike, step: int | None) -> tuple[Path,
     file verified once, shared out over the ranks. Takes the directory's lock (this job
     will save there). Collective."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    status: list[Any] = [None, None, None]
-    if rank == 0:
-        try:
-            acquire(directory)
-            paths, notes = candidates(directory, step)
-            status = [None, [str(p) for p in paths], notes]
-        except (CheckpointLockError, FileNotFoundError) as exc:
-            status = [exc, None, None]
-    dist.broadcast_object_list(status, src=0)  # every rank fails alike, and tries the same paths
-    if status[0] is not None:
-        raise status[0]
+    def listed() -> tuple[list[str], Any]:
+        acquire(directory)
+        paths, notes = candidates(directory, step)
+        return [str(p) for p in paths], notes
+
+    # Every rank fails alike, and tries the same paths.
+    paths, notes = rank0_decides(listed, as_raised=(CheckpointLockError, FileNotFoundError))
 
     def shared_problems(path: Path) -> list[str]:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, local_problems(path, (rank, world)))
         return sorted({p for part in gathered for p in part})
 
-    path, skipped = pick_intact([Path(p) for p in status[1]], shared_problems, strict=step is not None,
-                                notes=status[2])
+    path, skipped = pick_intact([Path(p) for p in paths], shared_problems, strict=step is not None, notes=notes)
     if skipped and rank == 0:
         warnings.warn(f"resuming from {path}, skipping: " + "; ".join(skipped), CheckpointFallbackWarning,
                       stacklevel=3)

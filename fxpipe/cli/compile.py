@@ -46,15 +46,14 @@ def run(args: argparse.Namespace) -> int:
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.compiler.compile_report import compile_summary
     from fxpipe.compiler.pipeline import CompileHooks, compile_pipeline
-    from fxpipe.job.preflight import capture_device
     from fxpipe.job.preflight_sizes import check_shape
-    from fxpipe.models.registry import build_workload
+    from fxpipe.models.registry import build_device, build_workload
     from fxpipe.passes.tensor_parallel import render_sharding_report
 
     target = CompileTarget(**given(args, TARGET))
     layout = with_layout(DEFAULT_LAYOUT, given(args, LAYOUT_FLAGS))
     check_shape(target.model, target.layers)  # layers, width, vocabulary bounded before the build and capture
-    device = target.device or capture_device(target.model)
+    device = target.device or build_device(target.model)
     workload = build_workload(target.model, batch=target.batch, seq=target.seq, device=device,
                               layers=target.layers)
     example = workload.example_inputs
@@ -89,22 +88,19 @@ def run(args: argparse.Namespace) -> int:
 def _searched(layout: ParallelConfig, args: argparse.Namespace, workload) -> tuple[ParallelConfig, tuple]:
     """The layout the search chooses for ``--world`` ranks on the whole ``--batch`` (the layout
     flags given pin it), and one microbatch of one replica of it to compile."""
-    import dataclasses
-
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
-    from fxpipe.planner.auto_layout import SEARCHED, cache_enabled, report_progress, search_layout
+    from fxpipe.planner.auto_layout import SEARCHED, cache_enabled
     from fxpipe.planner.layout_price import local_world
+    from fxpipe.planner.resolve import resolve_layout
 
     pinned = {f: getattr(layout, f) for f in given(args, LAYOUT_FLAGS) if f in SEARCHED}
     threads, concurrent = local_world(args.world)  # as fxpipe run would start the ranks here
-    found = search_layout(workload.model, workload.example_inputs, args.world, loss_fn=workload.loss_fn,
-                          base=layout, pinned=pinned, threads=threads, concurrent=concurrent,
-                          progress=report_progress, cache=cache_enabled())
-    print(found.table())
+    batch = workload.example_inputs
+    chosen = resolve_layout(layout, pinned, args.world, lambda: (workload.model, batch, workload.loss_fn),
+                            threads=threads, concurrent=concurrent, cache=cache_enabled())
     print()
-    chosen = dataclasses.replace(layout, **{f: getattr(found.chosen.config, f) for f in SEARCHED})
-    rows = workload.example_inputs[0].shape[0] // (chosen.replicas * chosen.num_microbatches)
-    return chosen, tuple(t[:rows] for t in workload.example_inputs)
+    rows = chosen.microbatch_rows(batch[0].shape[0])
+    return chosen.config, tuple(t[:rows] for t in batch)
 
 
 def _measured_config(program, config, ctx, workload, layout: ParallelConfig, target: CompileTarget):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
-import os
 
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.flags import LAYOUT_FLAGS, TRAIN_FLAGS, add_flags, given, with_layout
@@ -27,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _given(args: argparse.Namespace) -> dict:
-    """The fields the config file and the flags give (the flags win)."""
+    """The fields the config file and the flags give (the flags win): the file read once."""
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.job.config_file import read_config
 
@@ -37,7 +36,7 @@ def _given(args: argparse.Namespace) -> dict:
     return fields
 
 
-def searched_layout(args: argparse.Namespace) -> tuple[int, dict] | None:
+def searched_layout(fields: dict) -> tuple[int, dict] | None:
     """(ranks, pinned fields) when the run's layout is to be searched: ``--world`` given,
     or no layout field given at all (then the default world; a memory saver given, such
     as ``--recompute full``, is kept); None: the layout as given."""
@@ -45,7 +44,6 @@ def searched_layout(args: argparse.Namespace) -> tuple[int, dict] | None:
     from fxpipe.job.layout_choice import default_world
     from fxpipe.planner.auto_layout import LAYOUT_FIELDS, SEARCHED
 
-    fields = _given(args)
     pinned = {k: v for k, v in fields.items() if k in SEARCHED}
     if fields.get("world") is not None:
         return fields["world"], pinned
@@ -54,9 +52,15 @@ def searched_layout(args: argparse.Namespace) -> tuple[int, dict] | None:
 
 def resolve(args: argparse.Namespace) -> TrainConfig:
     """Defaults, then the config file, then the flags given."""
+    return _resolve(args)[0]
+
+
+def _resolve(args: argparse.Namespace) -> tuple[TrainConfig, tuple[int, dict] | None]:
+    """The run's one ``TrainConfig`` and, when its layout is to be searched, (ranks, pins)."""
     fields = _given(args)
+    search = searched_layout(fields)
     layout = {k: fields.pop(k) for k in list(fields) if k in LAYOUT_FLAGS}
-    if fields.get("global_batch") and "micro_batch_size" not in fields and searched_layout(args) is not None:
+    if fields.get("global_batch") and "micro_batch_size" not in fields and search is not None:
         # The search splits the global batch into dp·m·b: until it has, one microbatch of all
         # the rows per replica (dp and m as pinned, else 1) stands in for its choice.
         dp, m = layout.setdefault("dp", 1), layout.setdefault("num_microbatches", 1)
@@ -64,35 +68,34 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
             fields["micro_batch_size"] = fields["global_batch"] // (dp * m)
     check_flags_by_name({**vars(DEFAULT.parallel), "chunks": None, **vars(DEFAULT), **layout, **fields})
     # val_fraction is derived from eval_interval when not given: resolved again, as chunks is.
-    return dataclasses.replace(DEFAULT, parallel=with_layout(DEFAULT.parallel, layout),
-                               **{"val_fraction": None, **fields})
+    config = dataclasses.replace(DEFAULT, parallel=with_layout(DEFAULT.parallel, layout),
+                                 **{"val_fraction": None, **fields})
+    return config, search
 
 
 def check_flags_by_name(values: dict) -> None:
-    """``preflight.check_flags`` reads the flags by their names (messages name the flag)."""
+    """``preflight.check_flags`` on the settings by field name, enums by their names
+    (as flags give them: messages name the flag)."""
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.job.preflight import check_flags
 
-    names = {f.field: f.key.replace("-", "_") for f in {**TRAIN_FLAGS, **LAYOUT_FLAGS}.values()}
-    plain = lambda v: v.value if isinstance(v, enum.Enum) else v  # noqa: E731 (flags hold names)
-    check_flags(argparse.Namespace(**{names.get(k, k): plain(v) for k, v in values.items()}))
+    check_flags({k: v.value if isinstance(v, enum.Enum) else v for k, v in values.items()})
 
 
 def run(args: argparse.Namespace) -> int:
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.job.launcher import launch
     from fxpipe.job.preflight import check_run
+    from fxpipe.runtime.launch import under_torchrun
 
-    config = resolve(args)
+    config, search = _resolve(args)
     # Everything checkable is checked here, before a worker starts (fxpipe/job/preflight.py).
     # Under torchrun every rank is a worker already: the model is captured by each anyway.
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    search = searched_layout(args)
     if search is not None:  # files and data first: a bad path before minutes of search
         # loaded when the command runs, not on import: `fxpipe --help` stays quick
         from fxpipe.job.layout_choice import choose_run_layout
 
         check_run(config, model=False, config_file=args.config)
         config = choose_run_layout(config, *search)
-    check_run(config, model=not under_torchrun, config_file=args.config)
+    check_run(config, model=not under_torchrun(), config_file=args.config)
     return launch(config, debug=args.debug)

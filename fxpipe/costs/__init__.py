@@ -24,6 +24,7 @@ from fxpipe.partition import Coarsening, coarsen
 from fxpipe.passes.assign_stages import build_problem_graph
 from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass, split_block_keys
 from fxpipe.passes.split import split_program
+from fxpipe.runtime.launch import rank0_decides
 
 __all__ = ["CostProfile", "ProfileError", "apply_profile", "measured_profile",
            "parse_costs", "probe_groups"]
@@ -72,21 +73,24 @@ def measured_profile(program, config, source: str, *, device: torch.device,
         _log(f"costs: using {source} ({n} groups measured on {profile.device})")
         return profile, probe, fine
     distributed = dist.is_initialized()
-    box: list = [None]
     path = cache_path(key)
-    if use_cache and (not distributed or dist.get_rank() == 0) and path.exists():
+
+    def cached() -> CostProfile | None:
+        if not (use_cache and path.exists()):
+            return None
         try:
-            cached = CostProfile.load(path)
-            check_usable(cached, key, dev, n, f"cached profile {path}")
-            check_plausible(cached, probe, f"cached profile {path}")
-            box = [cached]
+            found = CostProfile.load(path)
+            check_usable(found, key, dev, n, f"cached profile {path}")
+            check_plausible(found, probe, f"cached profile {path}")
+            return found
         except ProfileError as e:  # stale, foreign or damaged: measure again
             _log(f"costs: ignoring {e}")
-    if distributed:
-        dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
+            return None
+
+    reused = rank0_decides(cached)  # every rank measures, or none does
+    if reused is not None:
         _log(f"costs: reusing {path} ({n} groups)")
-        return box[0], probe, fine
+        return reused, probe, fine
 
     # One probe group per stage; blocks of a split matmul in one group run as one block.
     timed = coalesce_blocks_pass(program.replace(stages=probe.expand({g: g for g in range(n)})))

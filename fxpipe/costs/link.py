@@ -14,6 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from fxpipe.runtime.launch import rank0_decides
+
 SMALL, LARGE = 1, 2 * 2**20  # float32 elements: 4 B and 8 MiB
 
 
@@ -41,13 +43,12 @@ def probe_link(peer_of_rank0: int | None, device: torch.device, repeats: int = 5
     if peer_of_rank0 is None:
         return 0.0, math.inf
     rank = dist.get_rank()
-    box: list = [None]
+    measured = None
     if rank in (0, peer_of_rank0):
         first = rank == 0
         other = peer_of_rank0 if first else 0
         small = _round_trip(other, first, SMALL, device, repeats) / 2
         large = _round_trip(other, first, LARGE, device, repeats) / 2
         bandwidth = LARGE * 4 / max(large - small, 1e-9)
-        box = [(small, bandwidth)]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+        measured = (small, bandwidth)
+    return rank0_decides(lambda: measured)  # rank 0's numbers on every rank

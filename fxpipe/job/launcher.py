@@ -22,6 +22,7 @@ import torch.distributed as dist
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.stop_signal import StopSignal
 from fxpipe.job.train import worker
+from fxpipe.runtime.launch import launched_rank, under_torchrun
 
 
 def _elastic_entry(config: TrainConfig) -> dict[str, Any]:
@@ -31,7 +32,7 @@ def _elastic_entry(config: TrainConfig) -> dict[str, Any]:
         return worker(config, stop)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:  # the error report would need disk space too: say it here
-            print(f"fxpipe run: rank {os.environ.get('RANK', '?')}: ENOSPC: {exc.strerror}: {exc.filename}",
+            print(f"fxpipe run: rank {launched_rank()}: ENOSPC: {exc.strerror}: {exc.filename}",
                   file=sys.stderr, flush=True)
         raise
     finally:
@@ -58,7 +59,7 @@ def launch(config: TrainConfig, *, debug: bool = False) -> int:
     also torch's own report with every failed rank's traceback)."""
     # A run stopped by a signal exits 128 + its number (130 Ctrl-C, 143 SIGTERM), as a
     # shell reports a signalled process, after saving when --checkpoint-dir is set.
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if under_torchrun():
         summary = _elastic_entry(config)
         return 128 + summary["signal"] if "signal" in summary else 0
     from torch.distributed.elastic.multiprocessing import SignalException

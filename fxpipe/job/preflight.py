@@ -26,9 +26,8 @@ without a traceback and exits 2, as argparse does for a bad flag).
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from fxpipe.base.local_workers import GIB_PER_WORKER, WORKERS_PER_CORE, local_worker_limit
 from fxpipe.checkpoint.lock import CheckpointLockError, check_free
@@ -45,18 +44,15 @@ from fxpipe.job.output_paths import check_outputs
 from fxpipe.job.preflight_data import DataFacts, check_data
 from fxpipe.job.preflight_files import (PreflightError, check_owner, check_resume, check_weights, check_writable_dir,
                                         check_writable_file, resume_path)
-from fxpipe.job.preflight_sizes import check_shape, check_state_bound
-from fxpipe.job.prepare import weights_dir
+from fxpipe.job.preflight_sizes import check_shape, check_state_bound, memory_here
+from fxpipe.job.prepare import job_workload, weights_dir
 from fxpipe.models.hf_dir import is_model_dir, load_config
-from fxpipe.models.registry import GPT_CONFIGS, build_workload
+from fxpipe.models.registry import GPT_CONFIGS, build_device
 from fxpipe.params.hf_weights import WeightsDir
 from fxpipe.partition import Method, PartitionError
 from fxpipe.passes.causality import attention_is_causal
 from fxpipe.schedules.registry import check_size, generate, get_spec
-
-META_ABOVE_PARAMS = 3e8
-"""Registry GPTs larger than this are captured on the meta device."""
-
+from fxpipe.runtime.launch import launched_world, local_world_size, under_torchrun
 
 def check_run(config: "TrainConfig", *, model: bool = True,
               config_file: str | None = None) -> "CompiledPipeline | None":
@@ -77,55 +73,56 @@ def _ranks(config: "TrainConfig") -> int:
     import torch
 
     layout = config.parallel
-    return max(config.world or 1, layout.tp * layout.pp * layout.dp, int(os.environ.get("WORLD_SIZE", 1)),
+    return max(config.world or 1, layout.tp * layout.pp * layout.dp, launched_world() or 1,
                torch.cuda.device_count())
 
 
 # ---- 1. flags --------------------------------------------------------------------------------
-def check_flags(args: Any) -> None:
-    """``fxpipe run``'s flags (an argparse namespace) checked by name, so every message
-    says which flag to change: the layout by the rules ``ParallelConfig`` checks its fields
-    with (``check_layout``), then what only a run has."""
+def check_flags(values: Mapping[str, Any]) -> None:
+    """``fxpipe run``'s settings by field name (the defaults, the config file and the
+    flags merged; enums by their names), checked so that every message says which flag
+    to change: the layout by the rules ``ParallelConfig`` checks its fields with
+    (``check_layout``), then what only a run has."""
 
-    layout = {f.field: getattr(args, f.key.replace("-", "_")) for f in LAYOUT_FLAGS.values()
-              if hasattr(args, f.key.replace("-", "_"))}
+    v = values
+    layout = {f.field: v[f.field] for f in LAYOUT_FLAGS.values() if f.field in v}
     try:  # the layout's own rules (ir/parallel_config.py), messages naming the flags
         check_layout(layout, flag=lambda field: LAYOUT_FLAGS[field].option)
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
-    if not 0 <= args.seed < 2**63:  # torch, numpy and the data order all take it
-        raise PreflightError(f"--seed must be in [0, 2**63), got {args.seed}")
-    world = getattr(args, "world", None)
-    check_world(world if world is not None else args.tp * args.pp * args.dp)
-    peak = getattr(args, "peak_tflops", None)
+    if not 0 <= v["seed"] < 2**63:  # torch, numpy and the data order all take it
+        raise PreflightError(f"--seed must be in [0, 2**63), got {v['seed']}")
+    world = v.get("world")
+    check_world(world if world is not None else v["tp"] * v["pp"] * v["dp"])
+    peak = v.get("peak_tflops")
     if peak is not None and not MIN_PEAK_TFLOPS <= peak <= MAX_PEAK_TFLOPS:  # 1e-300 printed a 300-digit MFU
         raise PreflightError(f"--peak-tflops must be a device's peak in [{MIN_PEAK_TFLOPS:g}, {MAX_PEAK_TFLOPS:g}] "
                              f"TFLOP/s, got {peak:g}; e.g. 989 for an H100's bf16, or leave it out")
-    if not math.isfinite(args.lr) or args.lr <= 0:
-        raise PreflightError(f"--lr must be a positive finite number, got {args.lr} (default 2e-3)")
-    if args.costs not in ("measure", "model"):
+    if not math.isfinite(v["lr"]) or v["lr"] <= 0:
+        raise PreflightError(f"--lr must be a positive finite number, got {v['lr']} (default 2e-3)")
+    if v["costs"] not in ("measure", "model"):
         try:
-            CostProfile.load(args.costs)
+            CostProfile.load(v["costs"])
         except ProfileError as e:
-            raise PreflightError(f"--costs {args.costs}: {e}; use --costs measure (times the graph on "
+            raise PreflightError(f"--costs {v['costs']}: {e}; use --costs measure (times the graph on "
                                  f"the workers and caches it) or --costs model") from None
-    if args.sp and args.seq % args.tp:
-        raise PreflightError(f"--sp splits the sequence over tp={args.tp} ranks: --seq {args.seq} "
-                             f"is not a multiple of {args.tp}; use --seq "
-                             f"{args.seq - args.seq % args.tp or args.tp}")
-    cfg = GPT_CONFIGS.get(args.model)
-    if cfg is not None and args.seq > cfg.block_size:
-        raise PreflightError(f"--seq {args.seq} exceeds {args.model}'s block size {cfg.block_size}")
-    if is_model_dir(args.model):
-        positions = getattr(load_config(args.model).get_text_config(), "max_position_embeddings", None)
-        if isinstance(positions, int) and args.seq > positions:
-            raise PreflightError(f"--seq {args.seq} exceeds the {positions} positions of {args.model} "
+    model, seq, tp = v["model"], v["seq"], v["tp"]
+    if v["sp"] and seq % tp:
+        raise PreflightError(f"--sp splits the sequence over tp={tp} ranks: --seq {seq} "
+                             f"is not a multiple of {tp}; use --seq {seq - seq % tp or tp}")
+    cfg = GPT_CONFIGS.get(model)
+    if cfg is not None and seq > cfg.block_size:
+        raise PreflightError(f"--seq {seq} exceeds {model}'s block size {cfg.block_size}")
+    if is_model_dir(model):
+        positions = getattr(load_config(model).get_text_config(), "max_position_embeddings", None)
+        if isinstance(positions, int) and seq > positions:
+            raise PreflightError(f"--seq {seq} exceeds the {positions} positions of {model} "
                                  f"(max_position_embeddings in its config.json); use --seq <= {positions}")
     try:
-        spec = get_spec(args.schedule)
-        chunks = args.chunks if args.chunks is not None else spec.default_chunks
-        check_size(args.pp, args.microbatches, chunks)  # generating it must fit in memory
-        generate(args.schedule, args.pp, args.microbatches, chunks)
+        spec = get_spec(v["schedule"])
+        chunks = v["chunks"] if v["chunks"] is not None else spec.default_chunks
+        check_size(v["pp"], v["num_microbatches"], chunks)  # generating it must fit in memory
+        generate(v["schedule"], v["pp"], v["num_microbatches"], chunks)
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
 
@@ -138,9 +135,7 @@ def check_world(world: int) -> None:
     """tp·pp·dp local workers must be startable here (launched by fxpipe, not torchrun,
     which places processes on nodes itself): one GPU each on a GPU machine, else within
     WORKERS_PER_CORE per core and the free memory at GIB_PER_WORKER each."""
-    import os
-
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if under_torchrun():
         return
     import torch
 
@@ -199,16 +194,6 @@ def check_paths(config: "TrainConfig", config_file: str | None = None) -> Path |
 
 
 # ---- 3. the model ----------------------------------------------------------------------------
-def capture_device(model: str) -> str:
-    """Meta (no weights allocated) for registry GPTs above ~300M parameters and Hugging
-    Face model directories (each rank loads its shards), else cpu."""
-
-    if is_model_dir(model):
-        return "meta"
-    cfg = GPT_CONFIGS.get(model)
-    return "meta" if cfg is not None and cfg.num_params > META_ABOVE_PARAMS else "cpu"
-
-
 def check_model(config: "TrainConfig", resume: Path | None = None, data: "DataFacts | None" = None) -> "CompiledPipeline":
     """Capture and compile the model as the workers will, through the cheap passes (a
     non-ILP partition too; the ILP and measured costs are left to the workers)."""
@@ -216,8 +201,8 @@ def check_model(config: "TrainConfig", resume: Path | None = None, data: "DataFa
 
     if data is None:
         data = check_data(config)
-    device = capture_device(config.model)
-    w = _workload(config, device)
+    device = build_device(config.model)  # where job_workload builds it
+    w = _workload(config)
     if w.vocab_size is not None:
         _check_vocab(config.model, w.vocab_size, "the rows of its embedding", data)
     # The batch the workers build from the data's windows, with its largest id as every
@@ -281,16 +266,14 @@ def check_state_fits(program: Program, layout: ParallelConfig) -> None:
     stats = program.model_stats
     params = stats.num_parameters if stats is not None else program.num_parameters()
     per_param = 4 * layout.state_bytes_per_param_byte  # fp32 masters and their state
+    have, where = memory_here()
     if torch.cuda.is_available():
         need = params * per_param / (layout.tp * layout.pp)
-        have = torch.cuda.get_device_properties(0).total_memory
-        where = f"one GPU's {have / 2**30:.1f} GiB"
     else:
         world = layout.tp * layout.pp * layout.replicas
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local = local_world_size(world)
         need = params * per_param * layout.replicas * local / world
-        have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        where = f"the {have / 2**30:.1f} GiB free on this machine ({local} rank(s) here)"
+        where += f" ({local} rank(s) here)"
     if need > have:
         raise PreflightError(f"the model's {params:,} parameters need {need / 2**30:.1f} GiB of training state "
                              f"({per_param:g} bytes each: fp32 weights, gradients and Adam's moments"
@@ -313,13 +296,12 @@ def _check_vocab(model: str, vocab: int, where: str, data: "DataFacts") -> None:
                              f"{data.largest_id + 1}, or re-tokenize the data with the model's tokenizer")
 
 
-def _workload(config: "TrainConfig", device: str):
-    """``build_workload``, with a user function's own failure (any exception, or a result
+def _workload(config: "TrainConfig"):
+    """``job_workload`` with one microbatch, with a user function's own failure (any exception, or a result
     that is not a workload) reported as one line naming it."""
 
     try:
-        return build_workload(config.model, batch=config.micro_batch_size, seq=config.seq, device=device,
-                              seed=config.parallel.seed)
+        return job_workload(config, batch=config.micro_batch_size)
     except (ValueError, TypeError) as exc:
         raise PreflightError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001  (a user model function's own failure, reported as theirs)

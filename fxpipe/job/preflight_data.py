@@ -6,7 +6,6 @@ are returned for the model check, which names both against the model's vocabular
 (ids are never clamped)."""
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +15,13 @@ from fxpipe.data.text import skipped_links
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.preflight_files import PreflightError
 from fxpipe.job.prepare import corpus_options, tokenizer_path
+from fxpipe.runtime.launch import threads_per_rank
 
 
 def tokenizing_workers() -> int:
     """Processes that tokenize an uncached corpus here: the cores, shared among the local
     ranks when torchrun runs this check in each of them."""
-    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return threads_per_rank()
 
 
 class _Progress:

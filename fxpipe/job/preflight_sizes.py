@@ -18,6 +18,7 @@ from fxpipe.job.preflight_files import PreflightError
 from fxpipe.models.config_values import DeclaredShape
 from fxpipe.models.hf_dir import declared_dir_shape, is_model_dir
 from fxpipe.models.registry import GPT_CONFIGS
+from fxpipe.runtime.launch import local_world_size
 
 MAX_LAYERS = 1024
 """Capture and the per-layer passes grow with the layer count (a 10^6-layer graph is
@@ -62,6 +63,18 @@ def check_shape(model: str, layers: int | None = None) -> DeclaredShape | None:
     return shape
 
 
+def memory_here() -> tuple[int, str]:
+    """What one rank's training state must fit in, in bytes and in words: one GPU's
+    memory, or on CPUs the memory free on this machine now (shared by its local ranks)."""
+    import torch
+
+    if torch.cuda.is_available():
+        have = torch.cuda.get_device_properties(0).total_memory
+        return have, f"one GPU's {have / 2**30:,.1f} GiB"
+    have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return have, f"the {have / 2**30:,.1f} GiB free on this machine"
+
+
 def check_state_bound(model: str, shape: DeclaredShape | None, world: int) -> None:
     """The least training state any layout of ``world`` ranks needs, against what it will
     have: per GPU 1/world of it, on CPUs all of it in this machine's free memory (local
@@ -72,14 +85,12 @@ def check_state_bound(model: str, shape: DeclaredShape | None, world: int) -> No
         return
     params = shape.min_params
     total = params * STATE_BYTES_PER_PARAM
+    have, where = memory_here()
     if torch.cuda.is_available():
-        need, have = total / world, torch.cuda.get_device_properties(0).total_memory
-        where = f"one GPU's {have / 2**30:,.1f} GiB (the state spread over all {world} ranks)"
+        need = total / world
+        where += f" (the state spread over all {world} ranks)"
     else:  # under torchrun across nodes each node holds its ranks' share
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        need = total * min(local, world) / world
-        have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        where = f"the {have / 2**30:,.1f} GiB free on this machine"
+        need = total * min(local_world_size(world), world) / world
     if need > have:
         raise PreflightError(f"--model {model} has at least {params:,} parameters ({shape.layers} layers, width "
                              f"{shape.hidden}, vocabulary {shape.vocab}), whose training state needs at least "

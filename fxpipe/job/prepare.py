@@ -1,21 +1,27 @@
-"""What ``fxpipe run`` builds before it trains, the same in the launcher's checks and
-in every rank: the workload (a Hugging Face directory on the meta device), the data,
-the tokenizer and the weights a run takes by default."""
+"""What ``fxpipe run`` builds before it trains, the same in the launcher's checks, the
+layout search and every rank: the workload (``job_workload``: on the device
+``models.registry.build_device`` chooses, the meta device for Hugging Face directories
+and large registry GPTs), the data, the tokenizer and the weights a run takes by default."""
 from __future__ import annotations
 
 from fxpipe.data import CorpusOptions, open_data
 from fxpipe.job.config import TrainConfig
-from fxpipe.models import build_workload
+from fxpipe.models.registry import build_device, build_workload
+from fxpipe.models.workload import Workload
 from fxpipe.models.hf_dir import check_weights_readable, has_weights, is_model_dir
 
 
-def build_job(config: "TrainConfig"):
-    """(workload, data source) of the run, as every rank and the launcher's checks build
-    them. A Hugging Face model directory is built on the meta device: each rank takes
-    only its shards (``weights_dir``) or initialises them itself."""
+def job_workload(config: "TrainConfig", batch: int | None = None) -> Workload:
+    """The run's workload with an example batch of ``batch`` rows (default: the global
+    batch), as every process of the run builds it. On the meta device (``build_device``)
+    each rank takes only its shards (``weights_dir``) or initialises them itself."""
+    return build_workload(config.model, batch=config.batch if batch is None else batch, seq=config.seq,
+                          seed=config.parallel.seed, device=build_device(config.model))
 
-    device = "meta" if is_model_dir(config.model) else "cpu"
-    w = build_workload(config.model, batch=config.batch, seq=config.seq, seed=config.parallel.seed, device=device)
+
+def build_job(config: "TrainConfig"):
+    """(workload, data source) of the run, as the layout search and every rank build them."""
+    w = job_workload(config)
     source = open_data(config.data, seq=config.seq, val_data=config.val_data, val_fraction=config.val_fraction,
                        tokenizer=tokenizer_path(config), dtype=config.data_dtype.value, options=corpus_options(config))
     return w, source

@@ -5,7 +5,6 @@ prints and draws what they measured.
 """
 from __future__ import annotations
 
-import os
 import signal
 import statistics
 import time
@@ -33,6 +32,7 @@ from fxpipe.job.stop_signal import StopSignal
 from fxpipe.parallel import parallelize
 from fxpipe.runtime.balance import BalanceMeter
 from fxpipe.runtime.grad_norm import clip_grad_norm, global_grad_norm
+from fxpipe.runtime.launch import threads_per_rank
 
 
 def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, Any]:
@@ -43,7 +43,7 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
     seed, layout = config.parallel.seed, config.parallel
     torch.manual_seed(seed)
     if not torch.cuda.is_available():  # share the cores between the local workers
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        torch.set_num_threads(threads_per_rank())
     w, source = build_job(config)
     # Every rank passes the same global batch as the example (train_step's contract).
     first = w.batch_from_tokens(DataStream(source.train, config.batch, seed=seed).next_batch())

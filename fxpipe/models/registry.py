@@ -50,6 +50,20 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
 HF_TINY = dict(layers=2, hidden=64, heads=4, vocab=128, seq=64)
 
 
+META_ABOVE_PARAMS = 3e8
+"""Registry GPTs larger than this are built on the meta device by default (``build_device``)."""
+
+
+def build_device(name: str) -> str:
+    """Where ``fxpipe run`` and ``fxpipe compile`` build the named model: on the meta
+    device (no weights allocated; a rank then makes only its own shards) for Hugging Face
+    model directories and registry GPTs above ~300M parameters, else on the CPU."""
+    if is_model_dir(name):
+        return "meta"
+    cfg = GPT_CONFIGS.get(name)
+    return "meta" if cfg is not None and cfg.num_params > META_ABOVE_PARAMS else "cpu"
+
+
 def model_names() -> list[str]:
     """Every name ``build_workload`` can build here (a zoo model whose optional package
     is missing is left out; building it says which extra to install)."""

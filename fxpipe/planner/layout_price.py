@@ -23,6 +23,7 @@ from fxpipe.ir.artifact import CompiledPipeline
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.program import Program
 from fxpipe.planner.dp_overlap import exposed_reduction_s
+from fxpipe.runtime.launch import local_world_size
 from fxpipe.schedules.simulate import StageDurations, simulate
 
 
@@ -209,7 +210,7 @@ def ranks_at_once(world_size: int, device: torch.device | str = "cpu") -> int | 
     of its own, or on GPUs)."""
     if torch.device(device).type != "cpu":
         return None
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    per_node = local_world_size(world_size)
     at_once = max(1, (os.cpu_count() or 1) // torch.get_num_threads())
     return at_once * max(1, world_size // per_node) if per_node > at_once else None
 

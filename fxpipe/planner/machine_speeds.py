@@ -28,7 +28,6 @@ import dataclasses
 import datetime
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import time
@@ -49,6 +48,7 @@ from fxpipe.planner.options import CandidateLayout, PlannerOptions
 from fxpipe.planner.predict import predict
 from fxpipe.planner.shapes import TransformerShape
 from fxpipe.runtime.build import build_runtime
+from fxpipe.runtime.local_world import free_port, join_local_world
 from fxpipe.runtime.rank_mesh import RankMesh
 
 SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
@@ -229,9 +229,7 @@ def _gloo_worker(rank: int, port: int, out: str, threads: int) -> None:
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    join_local_world(rank, 2, port, timeout=datetime.timedelta(seconds=60))
     dist.barrier()
     compute = measure_compute(threads)
     warm = torch.zeros(SIZES[-1] // 4)
@@ -277,10 +275,8 @@ def measure_gloo(threads: int) -> dict[str, Any]:
     import subprocess
     import sys
 
-    with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
         code = "import sys; from fxpipe.planner.machine_speeds import _gloo_worker as w; " \
                "w(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))"
         procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port), tmp, str(threads)])

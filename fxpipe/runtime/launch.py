@@ -36,7 +36,7 @@ def init_distributed(timeout: timedelta, device: torch.device | None = None) -> 
         keep_freed_blocks()  # a step's large temporaries reused, not re-faulted (base/cpu_memory.py)
     if dist.is_initialized():
         return device
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local = local_world_size()
     if device.type == "cuda" and local > torch.cuda.device_count():
         # NCCL refuses two ranks on one GPU ("Duplicate GPU detected") after a long start.
         raise ValueError(f"{local} processes on this node but {torch.cuda.device_count()} GPU(s): one "
@@ -57,13 +57,21 @@ def init_distributed(timeout: timedelta, device: torch.device | None = None) -> 
     return device
 
 
-def rank0_decides(decide: Callable[[], Any], *, timeout: timedelta = timedelta(hours=2)) -> Any:
+def rank0_decides(decide: Callable[[], Any], *, timeout: timedelta = timedelta(hours=2),
+                  as_raised: tuple[type[BaseException], ...] = ()) -> Any:
     """``decide()`` on global rank 0, its result broadcast to every rank — and so is its
     refusal: when rank 0 raises, every other rank raises the same message (a
     ``ValueError``/``TypeError`` as rank 0's is, else ``RuntimeError``) instead of dying
-    in the next collective with gloo's "Connection closed by peer". Rank 0 re-raises its
-    own exception. The others wait on a group of their own, with ``timeout``, because a
-    decision (the layout search) may outlast the collectives' timeout."""
+    in the next collective with gloo's "Connection closed by peer"; an exception of a type
+    in ``as_raised`` reaches them as itself (a checkpoint's lock held, a full disk). Rank 0
+    re-raises its own exception. The others wait on a group of their own, with
+    ``timeout``, because a decision (the layout search, the partition solve) may outlast
+    the collectives' timeout. Without a process group, simply ``decide()``.
+
+    Other ranks' work that rank 0's decision needs (the far end of a measured link) is
+    done before the call; ``decide`` on rank 0 returns what is to be shared."""
+    if not dist.is_initialized():
+        return decide()
     group = dist.new_group(backend="gloo", timeout=timeout)
     box: list[Any] = [None]
     failure: BaseException | None = None
@@ -72,15 +80,50 @@ def rank0_decides(decide: Callable[[], Any], *, timeout: timedelta = timedelta(h
             box = [(True, decide())]
         except Exception as exc:  # noqa: BLE001  (every rank must hear it, whatever it is)
             failure = exc
-            kind = "TypeError" if isinstance(exc, TypeError) else "ValueError" if isinstance(exc, ValueError) \
-                else "RuntimeError"
-            box = [(False, (kind, f"{exc}" if kind != "RuntimeError" else f"rank 0 failed: {type(exc).__name__}: {exc}"))]
+            box = [(False, _heard(exc, as_raised))]
     dist.broadcast_object_list(box, src=0, group=group)
     dist.destroy_process_group(group)
     ok, value = box[0]
     if failure is not None:
         raise failure
     if not ok:
+        if isinstance(value, BaseException):
+            raise value
         kind, message = value
         raise {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)(message)
     return value
+
+
+def _heard(exc: Exception, as_raised: tuple[type[BaseException], ...]) -> Any:
+    """What the other ranks receive of rank 0's exception: itself when its type is one
+    to pass on as raised, else (kind, message)."""
+    if isinstance(exc, as_raised):
+        return exc
+    kind = "TypeError" if isinstance(exc, TypeError) else "ValueError" if isinstance(exc, ValueError) \
+        else "RuntimeError"
+    return kind, f"{exc}" if kind != "RuntimeError" else f"rank 0 failed: {type(exc).__name__}: {exc}"
+
+
+def under_torchrun() -> bool:
+    """Whether torchrun (or a launcher setting its variables) started this process."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launched_world() -> int | None:
+    """The ranks torchrun started (WORLD_SIZE), or None outside torchrun."""
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+
+
+def launched_rank() -> str:
+    """This process's global rank as torchrun named it, "?" outside torchrun (for messages)."""
+    return os.environ.get("RANK", "?")
+
+
+def local_world_size(default: int = 1) -> int:
+    """Ranks started on this machine (torchrun's LOCAL_WORLD_SIZE), else ``default``."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
+
+
+def threads_per_rank() -> int:
+    """A CPU rank's share of this machine's cores: the cores over the ranks started here."""
+    return max(1, (os.cpu_count() or 1) // local_world_size())

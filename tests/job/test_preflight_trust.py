@@ -296,7 +296,7 @@ def test_gpt2_medium_passes_the_preflight_on_meta(monkeypatch, capsys):
     """`fxpipe run --model gpt2-medium` captured on meta in the launcher (was: .max() of a meta tensor)."""
     config = launched(["run", "--model", "gpt2-medium", "--steps", "2", "--seq", "64", "--micro-batch-size", "1",
                         "--microbatches", "4", "--costs", "model", "--timeline", "none"], monkeypatch, capsys)
-    assert config.model == "gpt2-medium" and fxpipe.job.preflight.capture_device("gpt2-medium") == "meta"
+    assert config.model == "gpt2-medium" and fxpipe.models.registry.build_device("gpt2-medium") == "meta"
 
 
 def test_every_registry_model_passes_or_is_refused_in_one_line(monkeypatch):
@@ -309,10 +309,13 @@ def test_every_registry_model_passes_or_is_refused_in_one_line(monkeypatch):
     from fxpipe.models import registry
     from fxpipe.job.config import TrainConfig
 
-    devices = {n: preflight.capture_device(n) for n in registry.model_names()}
+    devices = {n: registry.build_device(n) for n in registry.model_names()}
     for name, cfg in list(registry.GPT_CONFIGS.items()):
         monkeypatch.setitem(registry.GPT_CONFIGS, name, dataclasses.replace(cfg, n_layer=1))
-    monkeypatch.setattr(preflight, "capture_device", devices.__getitem__)
+    import fxpipe.job.prepare as prepare
+
+    monkeypatch.setattr(preflight, "build_device", devices.__getitem__)
+    monkeypatch.setattr(prepare, "build_device", devices.__getitem__)
     outcomes = {}
     for name in registry.model_names():
         config = TrainConfig(model=name, parallel=ParallelConfig(tp=1, pp=1, dp=1, microbatches=1, costs="model"),

@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-import fxpipe.job.layout_choice
+import fxpipe.job.launcher
+import fxpipe.planner.resolve
 from fxpipe import cli
 from fxpipe.ir.parallel_config import ParallelConfig
 from tests.runtime._dist import run_world
@@ -45,7 +46,7 @@ def test_the_searchs_refusal_names_the_cli_flag(monkeypatch, capsys):
     def refuse(*args, **kwargs):
         raise ValueError("no layout of 2 ranks with no pinned field fits 0.00 GiB per rank; the smallest needs "
                          "0.01 GiB: raise memory_limit_gb to 0.01, unpin a field, or use more ranks")
-    monkeypatch.setattr(fxpipe.job.layout_choice, "search_layout", refuse)
+    monkeypatch.setattr(fxpipe.planner.resolve, "search_layout", refuse)
     monkeypatch.setattr(fxpipe.job.launcher, "launch", lambda *a, **k: pytest.fail("a worker was spawned"))
     code = cli.main(["run", "--model", "gpt-tiny", "--world", "2", "--seq", "16", "--steps", "1", "--timeline", "none",
                      "--costs", "model"])
