@@ -156,6 +156,11 @@ def predict(shape: TransformerShape, cfg: CandidateLayout, options: PlannerOptio
     parts: dict[Component, float] = {}
     for c, v in stages.rank_work(crit).total().items():
         parts[c] = v * cfg.num_microbatches
+    # The runtime's fixed cost per action (``with_action_overhead``) is in the simulated
+    # busy time but in no layer's work: counted with the element-wise kernels' launches.
+    actions = timing.busy[crit] - sum(parts.values())
+    if actions > 0:
+        parts[Component.ELEMENTWISE] = parts.get(Component.ELEMENTWISE, 0.0) + actions
     parts[Component.BUBBLE] = max(0.0, timing.finish[crit] - timing.busy[crit])
     parts[Component.VOCAB_LOOKUP] = lookup
     parts[Component.DP_SYNC] = sync[crit]
