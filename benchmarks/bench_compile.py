@@ -1,4 +1,4 @@
-"""Eager vs Inductor-compiled pipeline stages (``parallelize(compile=True)``).
+"""Eager vs Inductor-compiled pipeline stages (``parallelize(inductor=True)``).
 
     .venv/bin/python benchmarks/bench_compile.py [--steps 8]          # CPU, 4 processes
     python3 benchmarks/bench_compile.py --device cuda [--steps 10]     # one GPU
@@ -72,7 +72,7 @@ def _train(w, compile: bool, steps: int, sync=lambda: None, **kw) -> dict:
 
     start = time.perf_counter()
     pm = parallelize(w.model, microbatches=M, example_inputs=w.example_inputs, loss_fn=w.loss_fn,
-                     partition="uniform", compile=compile, **kw)
+                     partition="uniform", inductor=inductor, **kw)
     setup = time.perf_counter() - start
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
 

@@ -30,15 +30,15 @@ def main() -> None:
     import fxpipe
     from bench_runtime import LAYERS, SEQ, workload
     from fxpipe.compiler.driver import run_passes
-    from fxpipe.passes.assign_stages import PartitionConfig, partition_pass
-    from fxpipe.passes.split import split_pass
+    from fxpipe.passes.assign_stages import PartitionConfig, assign_stages
+    from fxpipe.passes.split import split_program
     from fxpipe.runtime.stage_runner import StageRunner
 
     model, batch, loss_fn = workload()
     mb = tuple(t[:2] for t in batch)
     program, _ = run_passes(fxpipe.capture(model, mb, loss_fn))
     cfg = PartitionConfig(num_stages=2, stage_to_rank=(0, 1), inflight=(2, 1))
-    plan = split_pass(partition_pass(program, cfg), num_stages=2)
+    plan = split_program(assign_stages(program, cfg), num_stages=2)
     state = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in program.state.items()}
     runners = [StageRunner(plan, s, state) for s in plan.stages]
     sent = runners[0].forward(0, mb, {})

@@ -23,7 +23,7 @@ from compat_families import NotBuildable, build, family_names, tiny_config  # no
 from fxpipe.ep import expert_group_context  # noqa: E402
 from fxpipe.models.losses import causal_lm_loss  # noqa: E402
 from fxpipe.passes import canonicalize_pass  # noqa: E402
-from fxpipe.passes.expert_parallel import EPConfig, expert_parallel_pass  # noqa: E402
+from fxpipe.passes.expert_parallel import EPConfig, shard_experts  # noqa: E402
 from fxpipe.ir.shard_spec import shard_state  # noqa: E402
 from fxpipe.tp import run_emulated  # noqa: E402
 
@@ -44,7 +44,7 @@ def check(model_type: str) -> tuple[str, int]:
     model, (ids, targets) = fam.model, fam.batch
     rows = ids.shape[0] // EP
     base = canonicalize_pass(fxpipe.capture(model, (ids[:rows], targets[:rows]), causal_lm_loss))
-    program = expert_parallel_pass(base, EPConfig(ep=EP, dp=EP))
+    program = shard_experts(base, EPConfig(ep=EP, dp=EP))
     result = program.expert_parallel
     left = "; ".join(result.skipped) or "-"
     if not result.layers:

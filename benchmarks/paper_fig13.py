@@ -6,7 +6,7 @@ Paper scale (run_figure_13.sh): 32 layers, h=20480, 128 heads, b=1, full recompu
 1F1B, (t, p) = (32, 2) … (2, 32), batch 32 and 128. The paper's takeaway: tensor
 parallelism up to the GPUs of a node (t=8), pipeline parallelism across nodes.
 No measured counterpart: at paper scale the comparison needs 64 GPUs; the runtime runs
-tensor parallelism (tests/tensor_parallel, `fxpipe run --tp`), but a 2-core CPU says nothing
+tensor parallelism (tests/passes/tensor_parallel, `fxpipe run --tp`), but a 2-core CPU says nothing
 about NVLink-bound all-reduces.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ Paper scale (run_figure_15.sh): 32 layers, h=3840, 32 heads, p=1, b=1, full reco
 (t, d) with t·d = 64, t = 2 … 32, batch 32, 128, 512. The paper: throughput falls as t
 grows (all-reduces every layer, across nodes beyond t=8, and smaller GEMMs).
 No measured counterpart: at paper scale the comparison needs 64 GPUs; the runtime runs
-tensor parallelism (tests/tensor_parallel, `fxpipe run --tp`), but a 2-core CPU says nothing
+tensor parallelism (tests/passes/tensor_parallel, `fxpipe run --tp`), but a 2-core CPU says nothing
 about NVLink-bound all-reduces.
 """
 from __future__ import annotations

@@ -31,7 +31,6 @@ from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.program import Program
 from fxpipe.ir.token_inputs import check_token_ids
 from fxpipe.params.rank_state import ShardBuilder
-from fxpipe.passes.assign_stages import partition_pass
 from fxpipe.planner.auto_layout import SEARCHED, report_progress, search_layout
 from fxpipe.planner.layout_price import ranks_at_once
 from fxpipe.runtime.api import ParallelModel
@@ -168,7 +167,7 @@ class MeshHooks:
         self.first_mb = first_microbatch(self.example, self.mesh.config)
 
     def compile_hooks(self) -> CompileHooks:
-        return CompileHooks(measure=self.measure, solve=self.solve, check=self.check, agree=self.agree)
+        return CompileHooks(measure=self.measure, check=self.check, decide=self.decide)
 
     def shards(self, program: Program) -> ShardBuilder:
         """This rank's parameter builder, made once the tensor-parallel pass has set the
@@ -188,19 +187,11 @@ class MeshHooks:
             mesh_groups=mesh.groups, context=mesh.context, state_for=self.shards(program).tensors)
         return apply_profile(pconfig, profile, probe, fine, ctx.schedule.splits_backward)
 
-    def solve(self, program, pconfig):
-        # Rank 0 solves and everyone takes its answer: a time-limited solver need not
-        # return the same assignment on every rank, and ranks must agree exactly.
-        solved = partition_pass(program, pconfig) if dist.get_rank() == 0 else None
-        box = [(dict(solved.stages), solved.partition) if solved is not None else None]
-        dist.broadcast_object_list(box, src=0)
-        assignment, result = box[0]
-        return program.replace(stages=assignment, partition=result)
-
-    def agree(self, value):
-        # Rank 0's value everywhere: what the vocabulary passes are placed on decides the
-        # order of their collectives, which must be one order on every rank.
-        box = [value]
+    def decide(self, fn):
+        # Rank 0 computes and every rank takes its answer: what the ranks must hold
+        # identically (the partition: a time-limited solver need not agree with itself;
+        # the vocabulary passes' times: one collective order on every rank).
+        box = [fn() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 

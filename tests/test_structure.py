@@ -54,7 +54,7 @@ def test_pass_results_are_typed_fields_not_string_keys():
     fields = {f.name for f in dataclasses.fields(Program)}
     assert "extra" not in fields
     assert {"tensor_parallel", "matmul_splits", "loss_splits", "partition", "partition_config",
-            "model_stats", "token_inputs", "recompute_regions"} <= fields
+            "model_stats", "token_inputs"} <= fields
     # And nothing reads one back by its old key.
     readers = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
                if any(isinstance(n, ast.Attribute) and n.attr == "extra"

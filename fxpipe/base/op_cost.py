@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class NodeCost:
-    """Cost of one node from shapes alone (see ``fxpipe.passes.node_cost``)."""
+    """Cost of one node from shapes alone (see ``fxpipe.passes.cost``)."""
     fwd_flops: int
     """Matrix-multiply FLOPs of the forward (2·M·N·K), the FLOPs of model-FLOPs formulas."""
     bwd_flops: int

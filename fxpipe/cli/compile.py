@@ -22,7 +22,7 @@ class CompileTarget:
 
 DEFAULT_LAYOUT = ParallelConfig(num_microbatches=8)
 """One rank by default; 8 microbatches size the in-flight activations of a pipelined plan."""
-SKIPPED = frozenset({"compile", "timeout_s"})
+SKIPPED = frozenset({"inductor", "timeout_s"})
 """Layout fields that only a running job uses."""
 TARGET = {"model": TRAIN_FLAGS["model"], "seq": TRAIN_FLAGS["seq"], **TARGET_FLAGS}
 

@@ -1,6 +1,6 @@
 """The pass driver: runs an ordered list of passes.
 
-A pass is a plain function ``name_pass(program, config) -> program``. The driver
+A pass is a plain function ``name_pass(ir, ctx) -> ir`` (``compiler/pass_list.py``). The driver
 runs them in order, can skip one by name, times each, and in debug mode lints
 every graph a pass returns and checks the Program's invariants after every pass —
 after the split, every stage graph and the regions outlined in it — naming the
@@ -16,6 +16,8 @@ from typing import Any, Iterable, Sequence
 
 from fxpipe.compiler.pass_list import DEFAULT_PASSES, PassSpec, pass_names
 from fxpipe.ir.artifact import PassTiming
+from fxpipe.ir.compile_context import CompileContext
+from fxpipe.ir.pass_configs import TPConfig
 from fxpipe.ir.program import Program
 from fxpipe.passes.lint import lint_plan, lint_program
 
@@ -34,10 +36,12 @@ def _size(obj: Any) -> int:
     return sum(len(s.graph_module.graph.nodes) for s in obj.stages)  # a PipelinePlan
 
 
-def run_passes(program: Program, config: object = None, *,
+def run_passes(program: Program, ctx: CompileContext | TPConfig | None = None, *,
                passes: Sequence[PassSpec] = DEFAULT_PASSES, skip: Iterable[str] = (),
                debug: bool = False) -> tuple[Any, list[PassTiming]]:
-    """Run ``passes`` in order, except those named in ``skip``; return the result and timings."""
+    """Run ``passes`` in order, except those named in ``skip``; return the result and timings.
+    ``ctx``: the compile pipeline's context; the default graph passes also run on a
+    ``TPConfig`` alone, or on nothing (tp=1)."""
     skip = set(skip)
     unknown = skip - set(pass_names(passes))
     if unknown:
@@ -50,7 +54,7 @@ def run_passes(program: Program, config: object = None, *,
         if spec.name in skip:
             continue
         start = time.perf_counter()
-        program = spec.fn(program, config)
+        program = spec.fn(program, ctx)
         elapsed = time.perf_counter() - start
         if debug:
             _lint(program, spec.name)

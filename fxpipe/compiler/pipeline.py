@@ -4,11 +4,12 @@ One ordered list of passes (``compiler/pass_list.py``), run by the pass driver (
 skippable by name, linted after every pass in debug mode — and used by all three
 front ends: ``fxpipe.parallelize`` (every rank), ``fxpipe compile`` (prints what it
 made) and ``fxpipe run``'s preflight (stops after the cheap passes). What differs
-between them is not the pipeline but two hooks: how costs are measured (the ranks
-of a mesh together, this process alone, or not at all) and how the partition is
-solved (rank 0 solves and broadcasts, so that ranks agree exactly) — plus a check of
-the caller's input once the model's facts are known (``parallelize``: the batch's
-token ids against the vocabulary, before anything is measured).
+between them is not the pipeline but its hooks (``CompileHooks``, ``ir/compile_context.py``):
+how costs are measured (the ranks of a mesh together, this process alone, or not at
+all), the one collective (``decide``: rank 0 computes what every rank must hold
+identically — the partition, the vocabulary passes' times — and broadcasts it), and a
+check of the caller's input once the model's facts are known (``parallelize``: the
+batch's token ids against the vocabulary, before anything is measured).
 
     capture                 torch.export -> Program (fxpipe/compiler/capture.py)
     canonicalize            drop asserts and dead values
@@ -20,7 +21,7 @@ token ids against the vocabulary, before anything is measured).
     split_matmul            cut ops heavier than half a stage's share into blocks
     split_loss              the cross-entropy over such blocks, block by block (opt-in)
     measure_costs           time the graph's groups on the devices (hook; costs='measure' or a profile)
-    partition               stage of every node (ILP by default; hook: who solves)
+    partition               stage of every node (ILP by default; rank 0 solves: ``decide``)
     coalesce_blocks         a split's neighbouring blocks on one stage back into one
     split                   Program -> PipelinePlan: one GraphModule per stage, values between them
     vocab_head              the LM head + loss cut off the last stage for the vocabulary passes (opt-in)
@@ -29,8 +30,8 @@ token ids against the vocabulary, before anything is measured).
     (place)                 vocab_passes: the S/T passes re-placed on the stages' costs (``compiler/vocab_placement.py``)
     (lower)                 the schedule with SEND/RECV placed, per rank (``schedules/lowering.py``)
 
-Every pass takes the one ``CompileContext``; what a pass finds that is not per node
-is a typed field of the Program it returns (``Program.tensor_parallel``,
+Every pass is ``name_pass(ir, ctx) -> ir``, ``ctx`` the one ``CompileContext``; what a pass
+finds that is not per node is a typed field of the Program it returns (``Program.tensor_parallel``,
 ``.partition``, ...), and ``CompiledPipeline`` (``fxpipe/ir/artifact.py``) exposes them.
 """
 from __future__ import annotations
@@ -93,9 +94,7 @@ def compile_program(program: Program, config: ParallelConfig, *, device: torch.d
         # The partition and split are known: place the passes on the stages' own times,
         # rank 0's on every rank (one collective order; compiler/vocab_placement.py).
         start = time.perf_counter()
-        timing = vocab_timing(plan, config, last_program.partition_config or ctx.partition)
-        if hooks.agree is not None:
-            timing = hooks.agree(timing)
+        timing = hooks.on_rank0(lambda: vocab_timing(plan, config, last_program.partition_config or ctx.partition))
         schedule = placed_schedule(config, timing)
         timings.append(PassTiming("vocab_placement", time.perf_counter() - start,
                                   sum(len(s.graph_module.graph.nodes) for s in plan.stages)))

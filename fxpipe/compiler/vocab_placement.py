@@ -17,7 +17,7 @@ partition's memory hold for the placed schedule too.
 Every rank must walk the same collective order, so every rank must place on the same
 numbers: the stage times come from the partition result global rank 0 solved and
 broadcast, and the compiler passes the whole ``VocabTiming`` through
-``CompileHooks.agree`` (rank 0's copy everywhere) before placing; the search itself
+``CompileHooks.decide`` (rank 0's copy everywhere) before placing; the search itself
 is deterministic.
 """
 from __future__ import annotations

@@ -23,7 +23,7 @@ from fxpipe.ir.parallel_config import parse_costs
 from fxpipe.partition import Coarsening, coarsen
 from fxpipe.passes.assign_stages import build_problem_graph
 from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass, split_block_keys
-from fxpipe.passes.split import split_pass
+from fxpipe.passes.split import split_program
 
 __all__ = ["CostProfile", "ProfileError", "apply_profile", "measured_profile",
            "parse_costs", "probe_groups"]
@@ -90,7 +90,7 @@ def measured_profile(program, config, source: str, *, device: torch.device,
 
     # One probe group per stage; blocks of a split matmul in one group run as one block.
     timed = coalesce_blocks_pass(program.replace(stages=probe.expand({g: g for g in range(n)})))
-    plan = split_pass(timed, dict(timed.stages), num_stages=n)
+    plan = split_program(timed, dict(timed.stages), num_stages=n)
     weights = [sum(probe.graph.nodes[g][k] for k in ("fwd", "bwd")) for g in range(n)]
     cells = dims[1] * dims[2]
     cell = mesh_groups.pp_rank * dims[1] + mesh_groups.dp_rank if mesh_groups is not None else 0

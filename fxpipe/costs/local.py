@@ -36,7 +36,7 @@ from fxpipe.costs.profile import CostProfile, device_name
 from fxpipe.ir.pass_configs import PartitionConfig
 from fxpipe.ir.program import Program
 from fxpipe.passes.assign_stages import build_problem_graph
-from fxpipe.passes.split import split_pass
+from fxpipe.passes.split import split_program
 from fxpipe.runtime.head_blocks import block_gradient, block_statistics
 from fxpipe.tp import DropoutRNG, ShapesOnlyGroup, tp_group_context
 
@@ -79,7 +79,7 @@ def measure_locally(program: Program, config: PartitionConfig, batch: Sequence[t
             stages += 1
         stage_of.append(stages - 1)
     timed = program.replace(stages=probe.expand(stage_of))
-    plan = split_pass(timed, dict(timed.stages), num_stages=stages)
+    plan = split_program(timed, dict(timed.stages), num_stages=stages)
     mine = [stage_of[g] for g in range(n) if same[g] == g]
     names = list(dict.fromkeys(p for s in mine for p in plan.stage_params(s)))
     group, rng = ShapesOnlyGroup(tp), DropoutRNG(seed=0, tp_rank=0)

@@ -81,7 +81,7 @@ class ParallelConfig:
     seed: int = 0
     timeout_s: float = 60.0
     """Bound on every transfer and collective."""
-    compile: bool = False
+    inductor: bool = False
     """Compile each stage with AOTAutograd + TorchInductor (``runtime/compiled.py``)."""
     hardware: str = "cpu"
     """The cost model's hardware preset (``fxpipe/base/hardware.py``) when costs are not measured."""
@@ -211,7 +211,7 @@ def check_layout(values: Mapping[str, Any], *, flag: Callable[[str], str] | None
     if ep > 1:
         # compile: Inductor would trace the dispatch's all-to-all with fake tensors;
         # recompute: a recomputed dispatch would count its tokens twice.
-        for field, ok in (("tp", 1), ("zero", 0), ("compile", False), ("recompute", RecomputeMode.NONE)):
+        for field, ok in (("tp", 1), ("zero", 0), ("inductor", False), ("recompute", RecomputeMode.NONE)):
             value = get(field, ok)
             if field == "recompute" and not isinstance(value, RecomputeMode):
                 value = RecomputeMode.parse(value)
@@ -240,7 +240,7 @@ def check_layout(values: Mapping[str, Any], *, flag: Callable[[str], str] | None
         # by the compiler, passes/vocab_head.py).
         for bad, why in ((pp < 2, f"pp={pp}: they split the head over pipeline ranks, use pp >= 2"),
                          (get("split_loss"), "split_loss=True: both split the head; pick one"),
-                         (get("compile"), "compile=True: the head's blocks run eagerly; use compile=False"),
+                         (get("inductor"), "inductor=True: the head's blocks run eagerly; use inductor=False"),
                          (ep > 1, f"ep={ep}: not built with expert parallelism, use ep=1")):
             if bad:
                 raise ValueError(f"{on('vocab_passes')} with {why}")

@@ -24,7 +24,7 @@ import torch.fx as fx
 from fxpipe.base.dtypes import _itemsize
 from fxpipe.base.op_cost import NodeCost
 from fxpipe.ir.pass_configs import PartitionConfig
-from fxpipe.ir.pass_results import BlockwiseLoss, EPResult, MatmulSplit, ModelStats, RecomputeRegion, TokenInput
+from fxpipe.ir.pass_results import BlockwiseLoss, EPResult, MatmulSplit, ModelStats, TokenInput
 from fxpipe.ir.shard_spec import ShardSpec
 from fxpipe.ir.tp_result import TPResult
 from fxpipe.partition.result import PartitionResult
@@ -128,9 +128,6 @@ class Program:
     and link (``measure_costs``)."""
     partition: "PartitionResult | None" = None
     """The solver's result: per-stage times, memory, optimality gap (``partition``)."""
-    recompute_regions: tuple["RecomputeRegion", ...] = ()
-    """Regions outlined by ``recompute_pass`` on a whole Program (stage graphs carry theirs
-    as submodules, ``regions_of``)."""
 
     def replace(self, **changes: Any) -> "Program":
         frozen = {k: MappingProxyType(dict(v)) if isinstance(v, dict) else v

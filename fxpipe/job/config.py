@@ -70,7 +70,7 @@ class TrainConfig:
     lr: float = 2e-3
     """Peak AdamW learning rate (betas 0.9, 0.95)."""
     lr_schedule: str = "constant"
-    """After warm-up: constant, cosine or linear decay to min_lr at the last step (``fxpipe/job/components.py``)."""
+    """After warm-up: constant, cosine or linear decay to min_lr at the last step (``fxpipe/job/optimizer.py``)."""
     warmup: int = 5
     """Linear learning-rate warm-up steps."""
     min_lr: float = 0.0

@@ -115,7 +115,7 @@ LAYOUT_FLAGS = _flags(
     Flag("bucket_mb", "MB of gradients per data-parallel bucket, each reduced during the last backward "
          "as soon as it is final (0: one reduction after the backward)", non_negative_float, metavar="MB"),
     Flag("ep", "expert parallelism: each grouped MoE's experts owned by EP consecutive --dp ranks (E/EP "
-         "each), tokens exchanged by all-to-all; must divide dp (with tp=1; not with --zero, --compile, --recompute)",
+         "each), tokens exchanged by all-to-all; must divide dp (with tp=1; not with --zero, --inductor, --recompute)",
          positive_int, metavar="EP"),
     Flag("costs", "what the partition balances: forward/backward times of the graph measured on this "
          "machine's ranks (cached on disk; compile measures in its own process and falls back to the "
@@ -127,7 +127,7 @@ LAYOUT_FLAGS = _flags(
          "owns a block of the head's rows (of its TP shard under tp > 1; pp >= 2; docs/schedules.md)", None, Kind.SWITCH),
     Flag("seed", "model init, dropout and data order seed", int),
     Flag("timeout_s", "seconds before a collective or p2p transfer gives up", float, name="timeout"),
-    Flag("compile", "compile each pipeline stage with AOTAutograd + TorchInductor before the first step "
+    Flag("inductor", "compile each pipeline stage with AOTAutograd + TorchInductor before the first step "
          "(C++ kernels on CPU, Triton on GPU; a stage that cannot be compiled runs eagerly with a warning; "
          "Inductor's disk cache is reused)", None, Kind.SWITCH),
     Flag("hardware", "cost model preset: cpu, a100"),

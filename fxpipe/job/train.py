@@ -20,7 +20,9 @@ from fxpipe.checkpoint.export import export_consolidated
 from fxpipe.checkpoint.files import write_atomic
 from fxpipe.checkpoint.size import checkpoint_size
 from fxpipe.data import DataStream
-from fxpipe.job.components import MetricsWriter, lr_scheduler, param_groups, peak_memory_gib, validate
+from fxpipe.job.metrics import MetricsWriter, peak_memory_gib
+from fxpipe.job.optimizer import lr_scheduler, param_groups
+from fxpipe.job.validation import report_validation
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.config_file import SAVED_NAME, to_toml
 from fxpipe.job.input_registry import InputRegistry
@@ -75,7 +77,7 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
         print(f"fxpipe run: {config.model}, {pm.model_stats.num_parameters / 1e6:.2f}M parameters, "
               f"tp={layout.tp}{' (sp)' if layout.sp else ''} pp={layout.pp} dp={layout.dp}, "
               f"schedule {layout.schedule.value}, {layout.precision.value}, recompute {layout.recompute.value}, "
-              f"{'compiled (Inductor), ' if layout.compile else ''}"
+              f"{'compiled (Inductor), ' if layout.inductor else ''}"
               f"{layout.num_microbatches} microbatches × {config.micro_batch_size} × {config.seq} tokens, "
               f"{config.steps} steps; data: {source.train.stream.source}, {source.train.count} windows"
               + (f", validation {source.val.count}" if source.val is not None else ""), flush=True)
@@ -125,7 +127,7 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
                                    memory_gib=peak_memory_gib()))
         if source.val is not None and config.eval_interval and (
                 (step + 1) % config.eval_interval == 0 or step + 1 == config.steps):
-            validate(pm, w, source.val, config, step + 1, metrics)
+            report_validation(pm, w, source.val, config, step + 1, metrics)
         if config.save_interval and (step + 1) % config.save_interval == 0:
             last_saved = _save(pm, opt, sched, stream, step + 1, config)
     stopped = stop.agreed()  # again: a signal during the last step must stop every rank alike

@@ -1,4 +1,5 @@
-"""Partition pass: assign every node of a Program to a pipeline stage.
+"""Stage assignment: every node of a Program given a pipeline stage (the partition
+pass's solve, ``passes/partition.py``).
 
 Builds the graph-independent problem of ``fxpipe.partition`` from the Program
 (one fine node per compute op; side values that every stage recomputes are left
@@ -139,6 +140,7 @@ def over_limit_message(result: PartitionResult) -> str:
             f"(fxpipe compile --allow-over-limit) to see this plan anyway")
 
 
-def partition_pass(program: Program, config: PartitionConfig) -> Program:
+def assign_stages(program: Program, config: PartitionConfig) -> Program:
+    """``program`` with its stages and the solver's result (``solve_partition``)."""
     assignment, result = solve_partition(program, config)
     return program.replace(stages=assignment, partition=result)

@@ -15,6 +15,7 @@ import copy
 
 import torch
 
+from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.program import Program
 
 aten = torch.ops.aten
@@ -27,7 +28,7 @@ _ASSERTS = frozenset({
 })
 
 
-def canonicalize_pass(program: Program, config: object = None) -> Program:
+def canonicalize_pass(program: Program, ctx: CompileContext | None = None) -> Program:
     gm = copy.deepcopy(program.graph_module)
     graph = gm.graph
     for node in list(graph.nodes):

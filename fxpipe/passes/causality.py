@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe.ir.program import Program
-from fxpipe.passes.device import retarget_device_pass
+from fxpipe.passes.device import retarget_device
 
 MAX_EVAL_BYTES = 64 << 20
 """Inputs a mask may need to be evaluated (an embedding read for its dtype costs its table)."""
@@ -65,7 +65,7 @@ def _evaluate(program: Program, mask: fx.Node) -> torch.Tensor | None:
             return None
         args.append(torch.zeros(val.shape, dtype=val.dtype))
     gm.recompile()
-    gm = retarget_device_pass(program.replace(graph_module=gm), torch.device("cpu")).graph_module
+    gm = retarget_device(program.replace(graph_module=gm), torch.device("cpu")).graph_module
     with torch.no_grad():
         return gm(*args)[0]
 

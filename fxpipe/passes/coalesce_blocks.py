@@ -21,8 +21,9 @@ import dataclasses
 import torch
 import torch.fx as fx
 
+from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.program import Program
-from fxpipe.passes.node_cost import cost_pass
+from fxpipe.passes.cost import cost_pass
 from fxpipe.passes.split import side_values
 from fxpipe.passes.split_loss import BlockwiseLoss, build_loss_block
 from fxpipe.passes.split_matmul import MatmulSplit, block_key, build_block, fake
@@ -71,14 +72,16 @@ def split_block_keys(program: Program) -> dict[str, str]:
     return keys
 
 
-def coalesce_blocks_pass(program: Program) -> Program:
+def coalesce_blocks_pass(program: Program, ctx: CompileContext | None = None) -> Program:
     """Merge the split-matmul blocks (and their loss blocks) each stage holds in a
     contiguous run into one (module docstring). Needs ``program.stages``; returns the
     rewritten Program with its assignment, records and costs updated."""
     splits = program.matmul_splits
+    if not splits:
+        return program  # nothing was split: nothing to merge
     losses = {b.logits: loss for loss in program.loss_splits for b in loss.blocks}
     if not program.stages:
-        raise ValueError("coalesce_blocks_pass needs a partitioned Program (run partition_pass first)")
+        raise ValueError("coalesce_blocks_pass needs a partitioned Program (run the partition pass first)")
     stages = dict(program.stages)
     plans = [(split, losses.get(split.blocks[0].output)) for split in splits]
     plans = [(split, loss, _runs(split, loss, stages)) for split, loss in plans]

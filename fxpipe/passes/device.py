@@ -21,6 +21,7 @@ import copy
 import torch
 
 from fxpipe.base.op_cost import NodeCost
+from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.program import Program
 
 aten = torch.ops.aten
@@ -55,7 +56,13 @@ def _float_histc(graph: torch.fx.Graph, costs: dict[str, NodeCost]) -> int:
     return count
 
 
-def retarget_device_pass(program: Program, device: torch.device) -> Program:
+def device_pass(program: Program, ctx: CompileContext) -> Program:
+    """Device constants captured on cpu/meta -> the device the stages run on (``ctx.device``)."""
+    return retarget_device(program, ctx.device)
+
+
+def retarget_device(program: Program, device: torch.device) -> Program:
+    """The rewrite itself, for any device (``causality`` reads a meta capture on the cpu)."""
     device = torch.device(device)
     gm = copy.deepcopy(program.graph_module)
     costs = dict(program.costs)

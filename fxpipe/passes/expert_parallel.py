@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe.ep.dispatch import ep_combine, ep_dispatch
+from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.pass_configs import EPConfig
 from fxpipe.ir.pass_results import EPResult, ExpertLayer
 from fxpipe.ir.program import ParamKind, Program
@@ -124,13 +125,26 @@ def _grouped_mms(graph: fx.Graph, params: dict[str, str]) -> dict[fx.Node, list[
 
 
 def grouped_experts(program: Program) -> tuple[int, ...]:
-    """Experts of each grouped MoE, in graph order: the MoEs ``expert_parallel_pass`` may
+    """Experts of each grouped MoE, in graph order: the MoEs ``shard_experts`` may
     own over ep ranks (empty: none; whether each can be is its own check)."""
     params = {p.node: p.canonical for p in program.params if p.kind is ParamKind.PARAMETER}
     return tuple(shape(offs)[0] for offs in _grouped_mms(program.graph, params))
 
 
-def expert_parallel_pass(program: Program, config: EPConfig) -> Program:
+def expert_parallel_pass(program: Program, ctx: CompileContext) -> Program:
+    """``config.ep > 1``: every grouped MoE's experts owned by ep ranks (``shard_experts``);
+    a model with none that can be is refused, rather than trained with ep ignored."""
+    if ctx.config.ep == 1:
+        return program
+    out = shard_experts(program, ctx.expert_parallel)
+    if not out.expert_parallel.layers:
+        why = "; ".join(out.expert_parallel.skipped) or "no grouped matmul over stacked (E, ., .) weights"
+        raise ValueError(f"ep={ctx.config.ep} but no MoE in the model can be expert-parallel ({why}); "
+                         f"use ep=1 (expert parallelism needs experts as stacked weights run by grouped_mm)")
+    return out
+
+
+def shard_experts(program: Program, config: EPConfig) -> Program:
     """Wrap every grouped MoE's experts in dispatch / combine over ``config.ep`` ranks
     (see the module docstring); the result is ``program.expert_parallel``."""
     if config.ep == 1:

@@ -23,6 +23,7 @@ region per piece).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 import warnings
 from dataclasses import dataclass
@@ -31,10 +32,11 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from fxpipe.base.recompute_mode import RecomputeMode  # noqa: F401  (re-exported: the mode lives torch-free)
+from fxpipe.base.recompute_mode import RecomputeMode
+from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.pass_results import RecomputeRegion
-from fxpipe.ir.program import NodeCost, Program
 from fxpipe.ir.recompute_region import CheckpointedRegion
+from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.ir.subgraph import boundary, copy_subgraph
 
 aten = torch.ops.aten
@@ -48,17 +50,6 @@ REGION_KEY = "fxpipe_recompute"
 
 class RecomputeWarning(UserWarning):
     """Recomputation was asked for but there is nothing to recompute."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RecomputeConfig:
-    mode: RecomputeMode = RecomputeMode.NONE
-    """Which activations are recomputed in backward instead of being saved."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.mode, RecomputeMode):
-            raise TypeError(f"mode must be a RecomputeMode, got {self.mode!r}; "
-                            f"use RecomputeMode.parse({self.mode!r})")
 
 
 # Matrix multiplies. One with a parameter operand is a projection (a region boundary);
@@ -309,32 +300,13 @@ def regions_of(gm: fx.GraphModule) -> list[RecomputeRegion]:
     return [n.meta[REGION_KEY] for n in gm.graph.nodes if REGION_KEY in n.meta]
 
 
-def recompute_pass(program: Program, config: RecomputeConfig | RecomputeMode | None) -> Program:
-    """Program -> Program on the whole graph (pp=1, ``Program.run``). Run it last:
-    partition and split see a region as one node. With pipeline stages apply
-    :func:`apply_recompute` to each stage's graph after ``split_pass`` instead.
-
-    Region nodes get the layer index in ``layers`` and the summed costs of their
-    nodes; ``Program.recompute_regions`` lists them."""
-    mode = config.mode if isinstance(config, RecomputeConfig) else (config or RecomputeMode.NONE)
-    gm = apply_recompute(program.graph_module, program.layers, mode)
-    if gm is program.graph_module:
-        return program.replace(recompute_regions=())
-    regions = regions_of(gm)
-    live = {n.name for n in gm.graph.nodes}
-    layers = {k: v for k, v in program.layers.items() if k in live}
-    paths = {k: v for k, v in program.module_paths.items() if k in live}
-    costs = {k: v for k, v in program.costs.items() if k in live}
-    prefix = program.layer_container
-    for node in gm.graph.nodes:
-        if LAYER_KEY in node.meta:
-            layers[node.name] = node.meta[LAYER_KEY]
-            paths[node.name] = f"{prefix}.{node.meta[LAYER_KEY]}" if prefix else ""
-    for r in regions:
-        parts = [program.costs[n] for n in r.nodes if n in program.costs]
-        if parts:
-            total = {f: sum(getattr(c, f) for c in parts) for f in NodeCost.__dataclass_fields__}
-            total["out_bytes"] = sum(program.costs[n].out_bytes for n in r.outputs if n in program.costs)
-            costs[r.name] = NodeCost(**total)
-    return program.replace(graph_module=gm, layers=layers, module_paths=paths, costs=costs,
-                           recompute_regions=tuple(regions))
+def recompute_pass(plan: PipelinePlan, ctx: CompileContext) -> PipelinePlan:
+    """``config.recompute``'s regions outlined in every stage graph (``apply_recompute``).
+    Per stage, after the split: the partition and the cost model see the flat graph, and
+    a layer cut across two stages is recomputed piecewise."""
+    mode = ctx.config.recompute
+    if mode is RecomputeMode.NONE:
+        return plan
+    stages = tuple(dataclasses.replace(s, graph_module=apply_recompute(s.graph_module, plan.program.layers, mode))
+                   for s in plan.stages)
+    return dataclasses.replace(plan, stages=stages)

@@ -26,6 +26,7 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
+from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.program import ParamKind, Program, TensorSpec
 from fxpipe.ir.sizes import is_dynamic
 from fxpipe.ir.stage_plan import PipelinePlan, Stage, StageValue
@@ -80,8 +81,13 @@ def normalize_assignment(program: Program, assignment: Mapping[str, int]) -> dic
     return stage
 
 
-def split_pass(program: Program, assignment: Mapping[str, int] | None = None,
-               num_stages: int | None = None) -> PipelinePlan:
+def split_pass(program: Program, ctx: CompileContext) -> PipelinePlan:
+    """The partitioned Program -> one GraphModule per stage of ``ctx.schedule`` (``split_program``)."""
+    return split_program(program, num_stages=ctx.schedule.num_stages)
+
+
+def split_program(program: Program, assignment: Mapping[str, int] | None = None,
+                  num_stages: int | None = None) -> PipelinePlan:
     """Build the :class:`PipelinePlan`. ``assignment`` defaults to ``program.stages``."""
     assignment = normalize_assignment(program, assignment if assignment is not None else program.stages)
     num_stages = num_stages or (max(assignment.values()) + 1 if assignment else 1)

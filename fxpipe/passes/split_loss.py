@@ -50,11 +50,12 @@ import operator
 import torch
 import torch.fx as fx
 
+from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.loss_chain import ChainKind, ChainOp, Reduction, Slot, VocabOperand
 from fxpipe.ir.pass_results import BlockwiseLoss, LossBlock
 from fxpipe.ir.program import ParamKind, Program
 from fxpipe.passes.logit_chain import LossMatch, match_loss
-from fxpipe.passes.node_cost import cost_pass
+from fxpipe.passes.cost import cost_pass
 from fxpipe.passes.split import side_values
 from fxpipe.passes.split_matmul import MatmulSplit, call
 
@@ -177,9 +178,14 @@ def _rewrite(gm: fx.GraphModule, split: MatmulSplit, m: LossMatch, paths: dict, 
     return BlockwiseLoss(chain=m.chain, target=m.target.name, blocks=tuple(blocks))
 
 
-def split_loss_pass(program: Program) -> Program:
+def split_loss_pass(program: Program, ctx: CompileContext) -> Program:
+    """``config.split_loss``: the cross-entropy over split logits block by block (``blockwise_loss``)."""
+    return blockwise_loss(program) if ctx.config.split_loss else program
+
+
+def blockwise_loss(program: Program) -> Program:
     """Rewrite each cross-entropy over the cat of a split matmul's blocks into per-block
-    logsumexp and target picks (module docstring). Run right after ``split_matmul_pass``;
+    logsumexp and target picks (module docstring). Run right after ``split_matmuls``;
     ``Program.loss_splits`` lists the rewrites, and the costs are recomputed."""
     splits = program.matmul_splits
     if not splits:

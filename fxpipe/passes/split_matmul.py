@@ -52,9 +52,10 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.pass_results import MatmulBlock, MatmulSplit
 from fxpipe.ir.program import Program
-from fxpipe.passes.node_cost import cost_pass
+from fxpipe.passes.cost import cost_pass
 
 aten = torch.ops.aten
 MAX_BLOCKS = 32
@@ -142,7 +143,16 @@ def _split_one(graph: fx.Graph, node: fx.Node, k: int, key: str) -> tuple[Matmul
     return MatmulSplit(**{**split.__dict__, "blocks": blocks}), cat
 
 
-def split_matmul_pass(program: Program, num_stages: int) -> Program:
+def split_matmul_pass(program: Program, ctx: CompileContext) -> Program:
+    """Cut the matmuls too heavy for the stages of ``ctx.schedule`` (``split_matmuls``), where
+    there is time to balance: not under vocabulary passes (the head runs whole per block on
+    every rank), nor for a partition that ignores time (uniform, params)."""
+    if ctx.config.vocab_passes or not ctx.config.balances_time:
+        return program
+    return split_matmuls(program, ctx.schedule.num_stages)
+
+
+def split_matmuls(program: Program, num_stages: int) -> Program:
     """Cut every matmul heavier than 1/(2·num_stages) of the model's matmul FLOPs into
     output-feature blocks (module docstring). Needs the cost pass's annotations and
     returns them for the rewritten graph; ``Program.matmul_splits`` lists the splits."""

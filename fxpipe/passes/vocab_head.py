@@ -51,6 +51,7 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
+from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.loss_chain import Reduction
 from fxpipe.ir.program import ParamKind, Program, TensorSpec
 from fxpipe.ir.stage_plan import PipelinePlan, StageValue, VocabHead
@@ -69,7 +70,12 @@ def _refuse(why: str) -> ValueError:
                       f"losses reduced by weights free of the logits (use vocab_passes=False for this model)")
 
 
-def vocab_head_pass(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelinePlan:
+def vocab_head_pass(plan: PipelinePlan, ctx: CompileContext) -> PipelinePlan:
+    """``config.vocab_passes``: the head cut off the last stage (``cut_vocab_head``)."""
+    return cut_vocab_head(plan, ctx.schedule.stage_ranks) if ctx.config.vocab_passes else plan
+
+
+def cut_vocab_head(plan: PipelinePlan, stage_ranks: Sequence[int]) -> PipelinePlan:
     """The plan with the head cut off its last stage (module docstring); raises a
     one-line ValueError when the head cannot be found."""
     pp = max(stage_ranks) + 1

@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.program import ParamKind
 from fxpipe.ir.shard_spec import PipelineRows, ShardKind, ShardSpec, ranges_of
 from fxpipe.ir.stage_plan import PipelinePlan
@@ -116,7 +117,21 @@ def _rebase(plan: PipelinePlan, stage: int, rows: PipelineRows, pp_rank: int) ->
     gm.recompile()
 
 
-def vocab_rows_pass(plan: PipelinePlan, stage_ranks: Sequence[int], specs: Mapping[str, ShardSpec],
+def vocab_rows_pass(plan: PipelinePlan, ctx: CompileContext) -> PipelinePlan:
+    """Each pipeline rank holds only the rows it reads (``hold_vocab_rows``); under the
+    vocabulary passes a head parameter some stage also reads whole is refused, as every
+    rank must hold exactly its block."""
+    out = hold_vocab_rows(plan, ctx.schedule.stage_ranks, plan.program.tp_specs, tp=ctx.config.tp)
+    head = out.vocab_head
+    for name in head.params if head is not None else ():
+        held = out.row_shards[name].ranks if name in out.row_shards else None
+        if held != tuple(((a, b),) for a, b in head.blocks):
+            raise ValueError(f"vocab_passes=True: the head's parameter {name!r} is also read whole by a "
+                             f"stage (rows held per rank: {held}); use vocab_passes=False for this model")
+    return out
+
+
+def hold_vocab_rows(plan: PipelinePlan, stage_ranks: Sequence[int], specs: Mapping[str, ShardSpec],
                     tp: int = 1) -> PipelinePlan:
     """Give every pipeline rank only the rows it reads of each row-sliced parameter
     (module docstring). ``stage_ranks[s]``: the pipeline rank running stage s;

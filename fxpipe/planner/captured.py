@@ -32,7 +32,7 @@ from fxpipe.compiler.pipeline import capture_for
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.program import Program
 from fxpipe.models.registry import build_workload
-from fxpipe.passes.node_cost import cost_pass, total_cost
+from fxpipe.passes.cost import cost_pass, total_cost
 from fxpipe.models.hf_dir import config_layers, is_model_dir, load_config
 from fxpipe.models.registry import GPT_CONFIGS
 from fxpipe.planner.graph_layer import kv_heads, read_layer

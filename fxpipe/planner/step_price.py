@@ -5,7 +5,7 @@ fxpipe prices a layout in two places, and both go through this module:
 - the world-N layout search (``layout_price.price``: ``parallelize``, ``fxpipe run``,
   ``fxpipe compile --world``), on a compiled layout of the captured graph — each stage's
   time is its nodes' times, timed on this machine or modelled (``costs/local.py``,
-  ``passes/node_cost.py``), plus its tensor-parallel collectives found in the graph;
+  ``passes/cost.py``), plus its tensor-parallel collectives found in the graph;
 - ``fxpipe plan`` at cluster scale (``predict.predict``), on the transformer shape read
   off the graph or a config — each stage's time is its layers' (``layer_cost.py``:
   GEMM FLOPs and memory-bound traffic against the hardware profile, Megatron's

@@ -70,7 +70,7 @@ class RankParts:
     master: MasterWeights | None = None
     """Mixed precision: fp32 masters (what the optimizer sees) for ``state``."""
     compiled_stages: tuple = ()
-    """``compile=True``: one ``runtime.compiled.StageCompile`` per stage of this rank."""
+    """``inductor=True``: one ``runtime.compiled.StageCompile`` per stage of this rank."""
     tp_rng: DropoutRNG | None = None
     """The tensor-parallel dropout streams (Megatron's RNG tracker), saved in checkpoints."""
     experts: ExpertGroups | None = None

@@ -30,7 +30,7 @@ from fxpipe.runtime.api import ParallelModel, RankParts
 from fxpipe.runtime.compiled import compile_stages, example_args
 from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.grad_sync import GradSync
-from fxpipe.runtime.head_blocks import VocabPasses
+from fxpipe.runtime.head_blocks import HeadBlock
 from fxpipe.runtime.lookup_exchange import VocabLookups, wire_name
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.mixed_precision import LossScaler, MasterWeights, Precision
@@ -88,7 +88,7 @@ def build_runtime(compiled: CompiledPipeline, mesh: RankMesh, shards: ShardBuild
     runners = {s: StageRunner(plan, plan.stages[s], state, loss_scale=1.0 / config.num_microbatches,
                               context=context) for s in my_stages}
     compiled_stages = _compile_runners(runners, plan, compiled.schedule, state, groups, context, device) \
-        if config.compile else ()
+        if config.inductor else ()
     value_ids = {n: i for i, n in enumerate(sorted(plan.values) + sorted(wire_name(lk.name) for lk in plan.lookups))}
     transport = Transport(device=device, timeout=timeout, value_ids=value_ids, num_values=max(1, len(value_ids)),
                           scatter_gather=tp_group if config.scatter_gather else None)
@@ -97,7 +97,7 @@ def build_runtime(compiled: CompiledPipeline, mesh: RankMesh, shards: ShardBuild
     if plan.vocab_head is not None:  # this rank's block of the LM head (runtime/head_blocks.py)
         last = runners.get(plan.num_stages - 1)
         any_runner = next(iter(runners.values()))
-        vocab = VocabPasses(plan, compiled.schedule, groups, state, device, transport,
+        vocab = HeadBlock(plan, compiled.schedule, groups, state, device, transport,
                             loss_scale=lambda: any_runner.loss_scale, losses=last.losses if last else None)
     executor = PipelineExecutor(plan, compiled.actions, groups.pp_rank, runners, transport, groups.pp_peer,
                                 lookups=lookups, vocab=vocab)

@@ -1,4 +1,4 @@
-"""Compile pipeline stages with TorchInductor (``parallelize(compile=True)``, ``fxpipe run --compile``).
+"""Compile pipeline stages with TorchInductor (``parallelize(inductor=True)``, ``fxpipe run --inductor``).
 
 Each stage's GraphModule is already an ATen graph with static shapes (the plan fixes
 every microbatch shape), so it goes straight to AOTAutograd + Inductor
@@ -42,7 +42,7 @@ What needs care:
   eager replays them from a rewound RNG; compiled code keeps the mask instead (same
   gradients, one mask more of memory per region).
 - Anything Inductor rejects falls back to the eager GraphModule for that stage only,
-  with one warning naming the reason; a run never fails because of ``compile=True``.
+  with one warning naming the reason; a run never fails because of ``inductor=True``.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class CompileFallbackWarning(UserWarning):
 
 @dataclass(frozen=True)
 class StageCompile:
-    """What happened to one stage under ``compile=True``."""
+    """What happened to one stage under ``inductor=True``."""
     stage: int
     compiled: bool
     seconds: float

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fxpipe.ir.stage_plan import PipelinePlan
-from fxpipe.runtime.head_blocks import VocabPasses
+from fxpipe.runtime.head_blocks import HeadBlock
 from fxpipe.runtime.lookup_exchange import VocabLookups
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport, check_spec
@@ -39,7 +39,7 @@ class PipelineExecutor:
     def __init__(self, plan: PipelinePlan, schedule: Schedule, pp_rank: int,
                  runners: dict[int, StageRunner], transport: Transport,
                  global_rank_of_pp: Callable[[int], int], lookups: VocabLookups | None = None,
-                 vocab: VocabPasses | None = None) -> None:
+                 vocab: HeadBlock | None = None) -> None:
         self.plan, self.schedule, self.pp_rank = plan, schedule, pp_rank
         self.vocab = vocab
         """This rank's block of the LM head (``head_blocks.py``), with ``plan.vocab_head``."""

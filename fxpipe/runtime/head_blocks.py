@@ -60,7 +60,7 @@ class _Micro:
     partial: torch.Tensor | None = None
 
 
-class VocabPasses:
+class HeadBlock:
     """This rank's block of the head (module docstring)."""
 
     def __init__(self, plan: PipelinePlan, schedule: Schedule, groups: MeshGroups, state: dict[str, torch.Tensor],

@@ -46,7 +46,7 @@ class StageRunner:
     collectives resolve their tensor-parallel group from it, and recomputed regions
     rerun forward ops (collectives, dropout from its RNG streams) inside backward."""
     compiled: Callable | None = None
-    """The stage compiled by Inductor (``parallelize(compile=True)``); None: the GraphModule.
+    """The stage compiled by Inductor (``parallelize(inductor=True)``); None: the GraphModule.
     Either way the outputs carry an ordinary autograd graph."""
     saved: dict[int, _Saved] = field(default_factory=dict)
     peak_in_flight: int = 0

@@ -23,7 +23,7 @@ Identity forwards return a copy: custom ops may not alias their inputs.
 
 Every backward is itself one of these ops (f <-> g, gather_seq <-> reduce_scatter_seq,
 scatter <-> gather), called with ``ctx.group`` made current: eager backward behaves as
-before, and AOTAutograd (``parallelize(compile=True)``, ``fxpipe/runtime/compiled.py``)
+before, and AOTAutograd (``parallelize(inductor=True)``, ``fxpipe/runtime/compiled.py``)
 traces it into the compiled backward graph as an opaque op that reads the group current
 when that graph runs (the StageRunner enters the TP context around every backward).
 """

@@ -1,4 +1,4 @@
-"""Trust, round four, for the data path: nothing silent, nothing half-written. An
+"""The data path: nothing silent, nothing half-written. An
 unwritable cache is refused naming the path and errno (or, beside read-only data, said
 aloud); a manifest's numbers are range-checked; a corpus of empty rows, a directory of
 Parquet and text, a dataset directory holding a link are refused; SIGTERM during
@@ -110,9 +110,9 @@ def test_sigterm_during_prepare_data_removes_the_temporary_file_and_says_so(tmp_
 
 
 def test_peak_tflops_out_of_range_is_refused(monkeypatch, capsys):
-    from tests.test_preflight_trust import RUN, _refused
+    from tests.job._cli import RUN, refused
 
-    _refused(RUN + ["--peak-tflops", "1e-300"], monkeypatch, capsys,
+    refused(RUN + ["--peak-tflops", "1e-300"], monkeypatch, capsys,
              "--peak-tflops must be a device's peak in [0.001, 100000] TFLOP/s, got 1e-300")
 
 
@@ -147,10 +147,10 @@ def test_an_edit_between_the_sampled_bytes_is_announced_and_caught_by_verify(tmp
 
 
 def test_run_refuses_an_unwritable_data_cache_before_workers(tmp_path, monkeypatch, capsys):
-    from tests.test_preflight_trust import RUN, _refused
+    from tests.job._cli import RUN, refused
 
     write_corpus(tmp_path / "texts")
-    _refused(RUN + ["--data", tmp_path / "texts", "--data-cache", "/proc/fxpipe-cache"], monkeypatch, capsys,
+    refused(RUN + ["--data", tmp_path / "texts", "--data-cache", "/proc/fxpipe-cache"], monkeypatch, capsys,
              "--data-cache /proc/fxpipe-cache: the token cache cannot be written there (")
 
 

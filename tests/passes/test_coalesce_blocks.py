@@ -3,12 +3,12 @@ matmul and loss share; blocks on other stages (or spread over two) stay; exact."
 import torch
 
 from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
-from fxpipe.passes.split import side_values, split_pass
-from fxpipe.passes.split_loss import split_loss_pass
+from fxpipe.passes.split import side_values, split_program
+from fxpipe.passes.split_loss import blockwise_loss
 import fxpipe.passes.split_matmul as split_matmul_module
 from fxpipe.passes import lint_program
-from fxpipe.passes.split_matmul import split_matmul_pass
-from tests.passes.test_split_loss import H, LOSSES, _batch, _loss_and_grads, _program
+from fxpipe.passes.split_matmul import split_matmuls
+from tests.passes._split_loss_cases import H, LOSSES, _batch, _loss_and_grads, _program
 
 aten = torch.ops.aten
 # Blocks 0-3 on stage 0, 5-7 and 9-11 on stage 1; blocks 4 and 8 have their matmul on
@@ -20,7 +20,7 @@ SPREAD = {4, 8}
 def _assigned(monkeypatch):
     monkeypatch.setattr(split_matmul_module, "MAX_BLOCKS", 12)  # the layout below has 12 blocks
     program = _program(LOSSES["mean"][0])
-    blocked = split_loss_pass(split_matmul_pass(program, 2))
+    blocked = blockwise_loss(split_matmuls(program, 2))
     (split,), (loss,) = blocked.matmul_splits, blocked.loss_splits
     assert len(split.blocks) == 12
     side = side_values(blocked)
@@ -61,7 +61,7 @@ def test_same_stage_neighbours_merge_exactly(monkeypatch):
     torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6 * float(g0[n].abs().max()), msg=n)
-    plan = split_pass(merged, dict(merged.stages), num_stages=2)
+    plan = split_program(merged, dict(merged.stages), num_stages=2)
     assert len(plan.stages) == 2
     # Between the stages travel the hidden state and the running (2, tokens) lse and
     # pick; logits only for the block whose loss share was put on the other stage.
@@ -73,7 +73,7 @@ def test_same_stage_neighbours_merge_exactly(monkeypatch):
 
 def test_nothing_to_merge_returns_the_program():
     program = _program(LOSSES["mean"][0])
-    blocked = split_loss_pass(split_matmul_pass(program, 2))
+    blocked = blockwise_loss(split_matmuls(program, 2))
     side = side_values(blocked)
     split = blocked.matmul_splits[0]
     alternate = {n.name: 1 for n in blocked.graph.nodes if n.op == "call_function" and n.name not in side}
@@ -96,7 +96,7 @@ def test_measured_costs_time_a_splits_blocks_together():
     from fxpipe.passes.assign_stages import PartitionConfig
 
     program = _program(LOSSES["mean"][0])
-    blocked = split_loss_pass(split_matmul_pass(program, 2))
+    blocked = blockwise_loss(split_matmuls(program, 2))
     config = PartitionConfig(num_stages=2, stage_to_rank=(0, 1), inflight=(2, 1))
     _, probe = probe_groups(blocked, config)
     split, loss = blocked.matmul_splits[0], blocked.loss_splits[0]
@@ -114,10 +114,10 @@ def test_blocks_joined_by_a_cat_merge_exactly():
     takes the merged pieces."""
     import torch.nn.functional as F
 
-    from tests.passes.test_split_loss import V, _shifted
+    from tests.passes._split_loss_cases import V, _shifted
 
     program = _program(lambda out, y: F.cross_entropy(*_shifted(out, y), label_smoothing=0.1))
-    split = split_matmul_pass(program, 2)
+    split = split_matmuls(program, 2)
     (s,) = split.matmul_splits
     side = side_values(split)
     stages = {n.name: 1 for n in split.graph.nodes if n.op == "call_function" and n.name not in side}

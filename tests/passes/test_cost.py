@@ -6,7 +6,7 @@ import fxpipe
 from fxpipe.models import build_workload
 from fxpipe.passes import cost_pass, total_cost
 from fxpipe.planner.shapes import model_flops_formula
-from fxpipe.passes.node_cost import node_cost
+from fxpipe.passes.cost import node_cost
 
 
 @pytest.mark.parametrize("name,batch,seq", [("gpt2-small", 2, 256), ("gpt-small", 4, 256)])

@@ -51,13 +51,13 @@ def test_debug_lint_checks_every_stage_graph(program):
 
     import torch
 
-    from fxpipe.passes.assign_stages import PartitionConfig, partition_pass
-    from fxpipe.passes.split import split_pass
+    from fxpipe.passes.assign_stages import PartitionConfig, assign_stages
+    from fxpipe.passes.split import split_program
 
     costed, _ = run_passes(program[0])
-    parted = partition_pass(costed, PartitionConfig(num_stages=2, stage_to_rank=(0, 1), inflight=(2, 1),
+    parted = assign_stages(costed, PartitionConfig(num_stages=2, stage_to_rank=(0, 1), inflight=(2, 1),
                                                     method="uniform"))
-    plan = split_pass(parted, num_stages=2)
+    plan = split_program(parted, num_stages=2)
 
     def write_in_place(prog, config):  # a stage-graph rewrite that leaves an in-place op behind
         gm = copy.deepcopy(plan.stages[1].graph_module)

@@ -6,8 +6,8 @@ import torch
 
 import fxpipe
 from fxpipe.compiler.driver import run_passes
-from fxpipe.passes.assign_stages import PartitionConfig, partition_pass
-from fxpipe.passes.split import split_pass
+from fxpipe.passes.assign_stages import PartitionConfig, assign_stages
+from fxpipe.passes.split import split_program
 from fxpipe.compiler.compile_report import compile_summary
 from fxpipe.ir.sizes import is_dynamic, unbacked_symbols
 from tests.passes._inplace_models import DroplessMoE, batch
@@ -67,7 +67,7 @@ def test_partition_never_cuts_a_data_dependent_value(stages):
     prog, _ = run_passes(fxpipe.capture(model, inputs))
     cfg = PartitionConfig(num_stages=stages, stage_to_rank=tuple(range(stages)),
                           inflight=(1,) * stages, method="ilp")  # cuts inside layers too
-    plan = split_pass(partition_pass(prog, cfg), num_stages=stages)
+    plan = split_program(assign_stages(prog, cfg), num_stages=stages)
     by_name = {n.name: n for n in prog.graph.nodes}
     assert not [v for v in plan.values if is_dynamic(by_name[v].meta["val"])]
 
@@ -80,7 +80,7 @@ def test_a_cut_through_a_data_dependent_value_is_refused_by_name():
                if is_dynamic(n.meta.get("val")) and n.target == torch.ops.aten.index.Tensor)
     stages = {n.name: int(i > cut) for i, n in enumerate(nodes)}
     with pytest.raises(ValueError, match=rf"{nodes[cut].name} .* size depends on the data"):
-        split_pass(prog, stages, num_stages=2)
+        split_program(prog, stages, num_stages=2)
 
 
 def test_coarsening_keeps_a_pinned_value_with_its_readers_and_whats_between():
@@ -123,5 +123,5 @@ def test_a_complex_value_is_pinned_inside_its_stage():
                               inflight=(1,) * stages, method="ilp")
         graph = build_problem_graph(prog, cfg)
         assert {n for n in complex_nodes if n in graph} <= {n for n, a in graph.nodes(data=True) if a.get("pinned")}
-        plan = split_pass(partition_pass(prog, cfg), num_stages=stages)
+        plan = split_program(assign_stages(prog, cfg), num_stages=stages)
         assert not [v for v in plan.values if by_name[v].meta["val"].dtype.is_complex]

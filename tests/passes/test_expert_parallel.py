@@ -8,12 +8,12 @@ import torch
 import fxpipe
 from fxpipe.ep import expert_group_context
 from fxpipe.passes import canonicalize_pass
-from fxpipe.passes.expert_parallel import EPConfig, expert_parallel_pass
+from fxpipe.passes.expert_parallel import EPConfig, expert_parallel_pass, shard_experts
 from fxpipe.ir.shard_spec import ShardKind, shard_state
 from fxpipe.tp import run_emulated
 
 pytest.importorskip("transformers.integrations.moe")
-from tests.tensor_parallel.test_tp_rules_experts import T, V, StackedExperts  # noqa: E402
+from tests.passes.tensor_parallel._tp_models import T, V, StackedExperts  # noqa: E402
 
 ROWS = 4
 
@@ -35,7 +35,7 @@ def grouped():
 @pytest.mark.parametrize("ep", [2, 4])
 def test_grouped_moe_equals_eager(grouped, ep):
     model, base, batch = grouped
-    program = expert_parallel_pass(base, EPConfig(ep=ep, dp=ep))
+    program = shard_experts(base, EPConfig(ep=ep, dp=ep))
     result = program.expert_parallel
     assert [layer.params for layer in result.layers] == [("down_w", "gate_up")] and not result.skipped
     assert {n: (s.kind, s.local_shape[0]) for n, s in result.specs.items()} == \
@@ -65,16 +65,15 @@ def test_grouped_moe_equals_eager(grouped, ep):
 
 def test_other_moe_forms_left_alone_and_refusals(grouped):
     from fxpipe.compiler.context import CompileContext
-    from fxpipe.compiler.pass_list import expert_parallel_step
     from fxpipe.ir.parallel_config import ParallelConfig
 
     _, select, _ = _capture("select")  # one expert's matrix picked from the stack: no grouped matmul
-    program = expert_parallel_pass(select, EPConfig(ep=2, dp=2))
+    program = shard_experts(select, EPConfig(ep=2, dp=2))
     assert program.expert_parallel.layers == ()
     config = ParallelConfig(ep=2, dp=2)
     ctx = CompileContext.of(config)
     with pytest.raises(ValueError, match=r"ep=2 but no MoE in the model can be expert-parallel .* use ep=1"):
-        expert_parallel_step(select, ctx)
+        expert_parallel_pass(select, ctx)
     with pytest.raises(ValueError, match=r"4 experts do not split over ep=3 ranks \(down_w, gate_up\): "
                                          r"choose ep among \[1, 2\]"):
-        expert_parallel_pass(grouped[1], EPConfig(ep=3, dp=6))
+        shard_experts(grouped[1], EPConfig(ep=3, dp=6))

@@ -208,7 +208,7 @@ def _with_a_write(prog: fxpipe.Program) -> fxpipe.Program:
 def test_lint_and_split_refuse_an_in_place_op_by_name():
     from fxpipe.passes import lint_program
     from fxpipe.passes.lint import ProgramInvariantError
-    from fxpipe.passes.split import split_pass
+    from fxpipe.passes.split import split_program
 
     torch.manual_seed(0)
     prog = fxpipe.capture(_Write(PATTERNS["slice"]), (torch.randn(4, 6),))
@@ -218,7 +218,7 @@ def test_lint_and_split_refuse_an_in_place_op_by_name():
         lint_program(bad, after="careless")
     stages = {n.name: 0 for n in bad.call_nodes()}
     with pytest.raises(ValueError, match=r"still writes in place \(mul_"):
-        split_pass(bad, stages, num_stages=1)
+        split_program(bad, stages, num_stages=1)
 
 
 def test_every_pass_keeps_the_graph_functional():

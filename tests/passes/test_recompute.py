@@ -22,10 +22,11 @@ from fxpipe.costs.saved_activations import SavedTensorCounter, measure_saved, sa
 from fxpipe.models import build_workload
 from fxpipe.models.gpt import GPT
 from fxpipe.compiler.driver import run_passes
-from fxpipe.passes import lint_program, total_cost
-from fxpipe.passes.recompute import (RecomputeConfig, RecomputeMode, RecomputeWarning, apply_recompute,
-                                     recompute_pass, regions_of)
-from fxpipe.passes.split import split_pass
+from fxpipe.ir.compile_context import CompileContext
+from fxpipe.ir.parallel_config import ParallelConfig
+from fxpipe.passes.lint import lint_plan
+from fxpipe.passes.recompute import RecomputeMode, RecomputeWarning, apply_recompute, recompute_pass, regions_of
+from fxpipe.passes.split import split_program
 from fxpipe.runtime.stage_runner import StageRunner
 from tests.passes._recompute_tp import loss_and_grads_per_rank, saved_bytes_per_rank, tp_program
 
@@ -395,7 +396,7 @@ def test_tp_recompute_keeps_loss_and_gradients_with_tp_dropout(sp, mode):
 def _two_stage_plan(prog, cut_after: str):
     order = [n.name for n in prog.graph.nodes if n.op == "call_function"]
     cut = order.index(cut_after) + 1
-    return split_pass(prog, {n: int(i >= cut) for i, n in enumerate(order)}, num_stages=2)
+    return split_program(prog, {n: int(i >= cut) for i, n in enumerate(order)}, num_stages=2)
 
 
 def _run_stages(plan, batch, split_backward: bool):
@@ -454,16 +455,17 @@ def test_counter_measures_a_stage_forward_as_the_runtime_would():
     assert sum(per_stage) == whole.total
 
 
-# ---- the Program pass and model-agnostic edges ----------------------------------------------
-def test_recompute_pass_keeps_program_invariants_costs_and_loss():
+# ---- the pipeline's pass and model-agnostic edges ---------------------------------------------
+def test_recompute_pass_outlines_every_stage_and_keeps_the_loss():
     prog, batch = _program("gpt-tiny")
-    out = recompute_pass(prog, RecomputeConfig(mode=FULL))
-    lint_program(out, after="recompute")
-    assert len(out.recompute_regions) == 2
-    assert total_cost(out).fwd_flops == total_cost(prog).fwd_flops
+    plan = split_program(prog, {n.name: 0 for n in prog.graph.nodes if n.op == "call_function"}, num_stages=1)
+    out = recompute_pass(plan, CompileContext.of(ParallelConfig(recompute="full")))
+    lint_plan(out, after="recompute")
+    (before,), (after,) = plan.stages, out.stages
+    assert len(regions_of(after.graph_module)) == 2
     state, _ = _args(prog, batch)
-    assert out.run(state, *batch) == prog.run(state, *batch)
-    assert recompute_pass(prog, None).graph_module is prog.graph_module
+    assert after.call(state, plan.canonical, batch, {}) == before.call(state, plan.canonical, batch, {})
+    assert recompute_pass(plan, CompileContext.of(ParallelConfig())) is plan
 
 
 def test_graph_without_layers_is_left_unchanged_with_a_note():
@@ -480,7 +482,7 @@ def test_mode_names_and_errors():
     with pytest.raises(ValueError, match="none, selective, full"):
         RecomputeMode.parse("partial")
     with pytest.raises(TypeError, match="RecomputeMode.parse"):
-        RecomputeConfig(mode="full")
+        apply_recompute(_program("gpt-tiny")[0].graph_module, {}, "full")
 
 
 class _TwistedBlock(nn.Module):

@@ -7,9 +7,9 @@ import torch
 import fxpipe
 from fxpipe.models import build_workload
 from fxpipe.compiler.driver import run_passes
-from fxpipe.passes.assign_stages import PartitionConfig, partition_pass
+from fxpipe.passes.assign_stages import PartitionConfig, assign_stages
 from fxpipe.schedules.inflight import stage_inflight
-from fxpipe.passes.split import side_values, split_pass
+from fxpipe.passes.split import side_values, split_program
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.schedules.registry import generate
 from tests._shared import FIVE_MODELS
@@ -38,7 +38,7 @@ def _plan(name, p, v, method="ilp"):
     sched = generate("interleaved" if v > 1 else "1f1b", p, M, v)
     cfg = PartitionConfig(num_stages=p * v, stage_to_rank=sched.stage_ranks,
                           inflight=stage_inflight(sched), method=method)
-    return w, mbs, split_pass(partition_pass(prog, cfg), num_stages=p * v)
+    return w, mbs, split_program(assign_stages(prog, cfg), num_stages=p * v)
 
 
 def _fresh(state):
@@ -130,7 +130,7 @@ def test_unordered_assignment_is_rejected():
     w, mbs, plan = _plan("gpt-tiny", 2, 1)
     bad = {n: 1 - s for n, s in plan.program.stages.items()}
     with pytest.raises(ValueError, match="not ordered|loss must be"):
-        split_pass(plan.program, bad, 2)
+        split_program(plan.program, bad, 2)
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "hf:llama"])
@@ -154,7 +154,7 @@ def test_every_cut_inside_a_layer_runs_through_the_transport(name):
     tried = 0
     for cut in range(1, len(compute), 1 if name == "gpt-tiny" else 3):  # every cut of one, a third of the other
         try:
-            plan = split_pass(prog, {n: int(i >= cut) for i, n in enumerate(compute)}, num_stages=2)
+            plan = split_program(prog, {n: int(i >= cut) for i, n in enumerate(compute)}, num_stages=2)
         except ValueError:
             continue  # e.g. a cut that would put the loss's inputs after it
         first, last = (StageRunner(plan, s, state) for s in plan.stages)

@@ -8,7 +8,7 @@ import fxpipe
 from fxpipe.compiler.driver import run_passes
 from fxpipe.passes import cost_pass
 from fxpipe.passes.assign_stages import PartitionConfig, solve_partition
-from fxpipe.passes.split_matmul import BLOCKS_PER_SHARE, MAX_BLOCKS, split_matmul_pass
+from fxpipe.passes.split_matmul import BLOCKS_PER_SHARE, MAX_BLOCKS, split_matmuls
 from tests.runtime._wide_vocab import workload
 
 aten = torch.ops.aten
@@ -35,7 +35,7 @@ def wide():
 
 def test_wide_head_is_cut_exactly(wide):
     program, batch = wide
-    split = cost_pass(split_matmul_pass(program, 2))
+    split = cost_pass(split_matmuls(program, 2))
     heads = [n for n in split.graph.nodes if n.target is aten.linear.default
              and split.module_paths.get(n.name, "").startswith("lm_head[")]
     # Blocks: ceil(share · BLOCKS_PER_SHARE · S) for the head's share of the matmul FLOPs;
@@ -57,11 +57,11 @@ def test_wide_head_is_cut_exactly(wide):
 
 def test_small_ops_are_left_alone(wide):
     program, _ = wide
-    assert split_matmul_pass(program, 1) is program  # one stage: nothing to balance
+    assert split_matmuls(program, 1) is program  # one stage: nothing to balance
     from fxpipe.models import build_workload
     w = build_workload("hf:gpt2", batch=2, seq=16)
     tiny = _program(w.model, w.example_inputs, w.loss_fn)
-    assert split_matmul_pass(tiny, 2) is tiny  # no matmul above a quarter of the FLOPs
+    assert split_matmuls(tiny, 2) is tiny  # no matmul above a quarter of the FLOPs
 
 
 class WideMiddle(nn.Module):
@@ -84,7 +84,7 @@ def test_blocks_let_the_partition_balance():
     program = _program(WideMiddle(), (torch.randn(256, 256),))
     config = PartitionConfig(num_stages=2, stage_to_rank=(0, 1), inflight=(2, 1))
     _, whole = solve_partition(program, config)
-    split = cost_pass(split_matmul_pass(program, 2))
+    split = cost_pass(split_matmuls(program, 2))
     assignment, cut = solve_partition(split, config)
     assert whole.balance_ratio > 1.6
     assert cut.balance_ratio < 1.25
@@ -110,7 +110,7 @@ def test_addmm_with_bias_is_cut_exactly():
     torch.manual_seed(0)
     batch = (torch.randn(8, 16), torch.randint(0, 1000, (8,)))
     program = _program(Conv1DHead(), batch)
-    split = cost_pass(split_matmul_pass(program, 2))
+    split = cost_pass(split_matmuls(program, 2))
     assert sum(1 for n in split.graph.nodes if n.target is aten.addmm.default) > 2
     loss0, g0 = _loss_and_grads(program, batch)
     loss1, g1 = _loss_and_grads(split, batch)

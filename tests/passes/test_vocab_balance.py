@@ -12,8 +12,8 @@ from fxpipe.compiler.driver import run_passes
 from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
 from fxpipe.passes.assign_stages import PartitionConfig, build_problem_graph, solve_partition
 from fxpipe.schedules.inflight import stage_inflight
-from fxpipe.passes.split_loss import split_loss_pass
-from fxpipe.passes.split_matmul import split_matmul_pass
+from fxpipe.passes.split_loss import blockwise_loss
+from fxpipe.passes.split_matmul import split_matmuls
 from fxpipe.schedules.registry import generate
 from tests.runtime._wide_vocab import workload
 
@@ -32,9 +32,9 @@ def test_bench_model_balances_to_the_ideal_stage():
     ids = torch.zeros(2, 128, dtype=torch.long, device="meta")
     program, _ = run_passes(fxpipe.capture(model, (ids, ids.clone()), causal_lm_loss))
     config = _config(PP)
-    split = split_matmul_pass(program, PP)
+    split = split_matmuls(program, PP)
     _, whole_loss = solve_partition(split, config)
-    blocked = split_loss_pass(split)
+    blocked = blockwise_loss(split)
     _, result = solve_partition(blocked, config)
     # The ideal: every stage does 1/S of the compute the partitioner balances (the CPU
     # preset's seconds from FLOPs and bytes; a measured profile is not repeatable).
@@ -49,7 +49,7 @@ def test_bench_model_balances_to_the_ideal_stage():
 def test_wide_head_spreads_over_both_stages():
     model, batch, loss_fn = workload(batch=2)
     program, _ = run_passes(fxpipe.capture(model, batch, loss_fn))
-    blocked = split_loss_pass(split_matmul_pass(program, 2))
+    blocked = blockwise_loss(split_matmuls(program, 2))
     assignment, _ = solve_partition(blocked, _config(2))
     merged = coalesce_blocks_pass(blocked.replace(stages=assignment))
     (split,) = merged.matmul_splits

@@ -3,7 +3,7 @@
 In process: the compiled plan of the tied wide-vocabulary model at pp=2, and the
 one-line refusals. Loss and gradients equal to one process are checked in the
 equivalence worlds (tests/runtime/test_equivalence.py), the checkpoint of the blocks in
-tests/runtime/test_checkpoint.py.
+tests/checkpoint/test_checkpoint.py.
 """
 import math
 

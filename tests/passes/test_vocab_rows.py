@@ -91,8 +91,8 @@ def test_an_even_head_split_holds_an_even_share_of_rows():
     here the cut is chosen): each rank's head parameter is within 10% of V·h/S bytes."""
     from fxpipe.compiler.pipeline import compile_program, capture_for
     from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
-    from fxpipe.passes.split import split_pass
-    from fxpipe.passes.vocab_rows import vocab_rows_pass
+    from fxpipe.passes.split import split_program
+    from fxpipe.passes.vocab_rows import hold_vocab_rows
 
     model, batch, loss_fn = _wide_vocab.workload()
     config = ParallelConfig(pp=2, microbatches=4, costs="model", split_loss=True).with_world(2)
@@ -106,15 +106,15 @@ def test_an_even_head_split_holds_an_even_share_of_rows():
         if node.op == "call_function":
             later = node.name in second or any(stages.get(a.name) == 1 for a in node.all_input_nodes)
             stages[node.name] = 1 if later else 0
-    plan = split_pass(coalesce_blocks_pass(program.replace(stages=stages)), num_stages=2)
-    rows = vocab_rows_pass(plan, (0, 1), {}).row_shards["lm_head.weight"]
+    plan = split_program(coalesce_blocks_pass(program.replace(stages=stages)), num_stages=2)
+    rows = hold_vocab_rows(plan, (0, 1), {}).row_shards["lm_head.weight"]
     even = _wide_vocab.VOCAB / 2
     for p in range(2):
         assert abs(rows.local_rows(p) - even) <= 0.1 * even, rows.ranks
     assert rows.ranks == (((0, split.blocks[k // 2].start),), ((split.blocks[k // 2].start, _wide_vocab.VOCAB),))
     # Under tp > 1 a head TP left whole (no spec) is not split by rows: its spec would need
     # one row set per TP rank.
-    assert not vocab_rows_pass(plan, (0, 1), {}, tp=2).row_shards
+    assert not hold_vocab_rows(plan, (0, 1), {}, tp=2).row_shards
 
 
 def test_the_embedding_is_looked_up_by_its_rows_owners(compiled):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.runtime._ckpt_cases import batch, workload
+from tests.checkpoint._ckpt_cases import batch, workload
 
 SHARE = 0.5
 """max_norm as a share of the reference norm: the clip acts."""

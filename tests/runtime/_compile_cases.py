@@ -15,7 +15,7 @@ LAYERS = 2
 layers add trace time but hardly any C++ compilation (the expensive part)."""
 
 
-def _train(case: dict, compile: bool) -> dict:
+def _train(case: dict, inductor: bool) -> dict:
     from fxpipe.parallel import parallelize
 
     w = build_workload(case["model"], batch=BATCH, seq=SEQ, layers=case.get("layers", LAYERS), seed=0)
@@ -23,7 +23,7 @@ def _train(case: dict, compile: bool) -> dict:
                      microbatches=MICROBATCHES, schedule=case.get("schedule", "1f1b"), chunks=case.get("chunks"),
                      example_inputs=w.example_inputs, loss_fn=w.loss_fn, partition="uniform",
                      recompute=case.get("recompute", "none"), precision=case.get("precision", "fp32"),
-                     compile=compile)
+                     inductor=inductor)
     losses, grads, _ = train(pm, w, STEPS)
     return dict(losses=losses, grads=grads, compiled=[(r.stage, r.compiled, r.reason) for r in pm.compiled_stages],
                 split={r.stage: r.split for r in pm.compiled_stages}, collectives=_collectives(pm))
@@ -66,7 +66,7 @@ def reference(case: dict) -> tuple[list[float], dict]:
 
 @reusing_captures
 def compiled_vs_eager(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    """Each case trained eagerly, then with ``compile=True``; both results returned."""
+    """Each case trained eagerly, then with ``inductor=True``; both results returned."""
     import torch._inductor.config as inductor_config
 
     # Scalar C++ kernels: these tests check how stages are compiled (collectives, I/W,
@@ -76,10 +76,10 @@ def compiled_vs_eager(rank: int, world: int, cases: list[dict]) -> list[dict]:
     out = []
     for case in cases:
         start = time.perf_counter()
-        eager = _train(case, compile=False)
+        eager = _train(case, inductor=False)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            compiled = _train(case, compile=True)
+            compiled = _train(case, inductor=True)
         fallbacks = [str(w.message) for w in caught if "fxpipe compile" in str(w.message)]
         out.append(dict(case=case, eager=eager, compiled=compiled, fallbacks=fallbacks,
                         seconds=time.perf_counter() - start, pid=os.getpid()))

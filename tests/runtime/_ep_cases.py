@@ -10,7 +10,7 @@ ROWS, STEPS, LR = 4, 2, 0.1
 def model_and_batch(rows: int = ROWS):
     import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
 
-    from tests.tensor_parallel.test_tp_rules_experts import T, V, StackedExperts
+    from tests.passes.tensor_parallel._tp_models import T, V, StackedExperts
 
     torch.manual_seed(0)
     ids = torch.randint(0, V, (rows, T))

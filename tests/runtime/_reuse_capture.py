@@ -6,7 +6,7 @@ sharing 2 cores), and a world runs the same few models under many layouts. Insid
 dtypes and the batch shapes) is kept pristine; later captures of an identical model
 get a copy of that graph bound to their own parameters and buffers. What is reused is
 exactly what ``capture`` would return again (export is deterministic); the first case
-of each model in each world still captures for real, and tests/test_capture.py checks
+of each model in each world still captures for real, and tests/compiler/test_capture.py checks
 capture itself against eager.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-from tests.runtime._ckpt_cases import SAVE_AT, STEPS, build, no_gather, train
+from tests.checkpoint._ckpt_cases import SAVE_AT, STEPS, build, no_gather, train
 from tests.runtime._clip_cases import clip_check
 from tests.runtime._reuse_capture import reusing_captures
 
@@ -58,3 +58,13 @@ def world_zero(rank: int, world: int, root: str) -> dict:
         sched.load_state_dict(extra["lr_scheduler"])
         out[key] = dict(step=step, losses=train(pm, w, opt, sched, range(step, STEPS)))
     return out
+
+
+def launched_in_last_backward(buckets: dict) -> None:
+    """Every bucket's collective started after the rank's last backward began (its
+    gradients were final) and before it returned (overlapped, not issued after it)."""
+    start, end = buckets["last_backward"]
+    assert buckets["launched"], "no bucket was launched"
+    assert start <= buckets["launched"][0], "a bucket was reduced before its gradients were final"
+    assert buckets["launched"][-1] <= end, (f"the reduction was issued {1e3 * (buckets['launched'][-1] - end):.2f} ms "
+                                            f"after the last backward returned")

@@ -5,14 +5,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fxpipe
-from fxpipe.models import build_workload
-from fxpipe.compiler.driver import run_passes
-from fxpipe.passes.assign_stages import PartitionConfig, partition_pass
-from fxpipe.passes.recompute import RecomputeMode, apply_recompute
-from fxpipe.passes.split import split_pass
+from fxpipe.passes.recompute import RecomputeMode
 from fxpipe.runtime.backward_split import BackwardSplit
 from fxpipe.runtime.stage_runner import StageRunner
+from tests.runtime._stage_plans import stage_plan
 
 
 class Shared(nn.Module):
@@ -79,24 +75,11 @@ def test_split_equals_fused_backward(cls):
         torch.testing.assert_close(split[n], fused[n], rtol=1e-6, atol=1e-7, msg=n)
 
 
-def _stage_plan(name, recompute=RecomputeMode.NONE):
-    w = build_workload(name, batch=2, seq=16, layers=4)
-    prog, _ = run_passes(fxpipe.capture(w.model, w.example_inputs, w.loss_fn))
-    cfg = PartitionConfig(num_stages=2, stage_to_rank=(0, 1), inflight=(2, 1), method="uniform")
-    plan = split_pass(partition_pass(prog, cfg), num_stages=2)
-    if recompute is not RecomputeMode.NONE:
-        import dataclasses
-        plan = dataclasses.replace(plan, stages=tuple(
-            dataclasses.replace(s, graph_module=apply_recompute(s.graph_module, prog.layers, recompute))
-            for s in plan.stages))
-    return w, plan
-
-
 @pytest.mark.parametrize("name,recompute", [("hf:gpt2", RecomputeMode.NONE), ("hf:llama", RecomputeMode.SELECTIVE),
                                             ("gpt-tiny", RecomputeMode.FULL)])
 def test_stage_runner_split_matches_backward(name, recompute):
     """Both stages of a real model, through StageRunner: B versus I + W."""
-    w, plan = _stage_plan(name, recompute)
+    w, plan = stage_plan(name, recompute)
     state = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in plan.program.state.items()}
     results = {}
     for mode in ("fused", "split"):
@@ -127,7 +110,7 @@ def test_weight_half_does_not_rerun_input_work():
     path and did ~1.6x B in all), and W holds the weight-gradient half of it."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    w, plan = _stage_plan("hf:gpt2")
+    w, plan = stage_plan("hf:gpt2")
     state = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in plan.program.state.items()}
     last = StageRunner(plan, plan.stages[1], state)
     sent = StageRunner(plan, plan.stages[0], state).forward(0, w.example_inputs, {})

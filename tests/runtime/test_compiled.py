@@ -1,4 +1,4 @@
-"""``compile=True``: stages compiled by AOTAutograd + Inductor train exactly like eager ones.
+"""``inductor=True``: stages compiled by AOTAutograd + Inductor train exactly like eager ones.
 
 Tolerance: fp32 losses within 1e-5 relative and gradients within rtol 1e-4 / atol 1e-5
 of the same run without compile. Inductor fuses and reorders fp32 reductions (layer
@@ -178,10 +178,10 @@ def test_split_backward_computes_nothing_twice(monkeypatch):
     from fxpipe.runtime.compiled import example_args
     from fxpipe.runtime.compiled_split import count_ops
     from fxpipe.runtime.stage_runner import StageRunner
-    from tests.runtime.test_backward_split import _stage_plan
+    from tests.runtime._stage_plans import stage_plan
 
     monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)  # as _compile_cases
-    w, plan = _stage_plan("gpt-tiny")
+    w, plan = stage_plan("gpt-tiny")
     state = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in plan.program.state.items()}
     stage = plan.stages[1]
     backwards = []

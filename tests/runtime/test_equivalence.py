@@ -65,7 +65,7 @@ def _tp_cases():
     two (the dp reduction does not depend on the family), tp=2 × pp=2 with 1F1B for three
     and interleaved for one, and sequence parallelism (Llama). All five families at tp=2 and
     tp=4 are checked in one process with emulated collectives
-    (tests/tensor_parallel/test_tp_equivalence.py); these cases add gloo's."""
+    (tests/passes/tensor_parallel/test_tp_equivalence.py); these cases add gloo's."""
     cases = [dict(model=m, pp=1, tp=4, schedule="1f1b") for m in ("gpt-tiny", "hf:llama")]
     cases += [dict(model=m, pp=1, tp=2, schedule="1f1b") for m in ("gpt-tiny", "hf:llama")]
     cases += [dict(model=m, pp=2, tp=2, schedule="1f1b") for m in MODELS]
@@ -233,12 +233,12 @@ def test_world4(world4, references, index):
 def test_dp_buckets_reduced_during_the_last_weight_pass(world4):
     """dp=2 × pp=2 under ZB-H1: the buckets' all-reduces start inside each rank's last
     W, not after the step's backward (runtime/grad_buckets.py)."""
-    from tests.runtime.test_zero import _launched_in_last_backward
+    from tests.runtime._zero_cases import launched_in_last_backward
 
     index = next(i for i, c in enumerate(_world4_cases()) if c.get("bucket_mb"))
     for rank_results in world4:
         buckets = rank_results[index]["buckets"]
-        _launched_in_last_backward(buckets)
+        launched_in_last_backward(buckets)
         assert len(buckets["launched"]) > 2
 
 

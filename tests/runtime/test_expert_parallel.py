@@ -49,7 +49,7 @@ def test_ep2_equals_one_process(world):
                        "choose ep among [1, 2, 4]"),
     (dict(ep=2, dp=2, tp=2), "ep=2 with tp=2 is not built yet"),
     (dict(ep=2, dp=2, zero=1), "ep=2 with zero=1 is not built yet"),
-    (dict(ep=2, dp=2, compile=True), "ep=2 with compile=True is not built yet"),
+    (dict(ep=2, dp=2, inductor=True), "ep=2 with inductor=True is not built yet"),
     (dict(ep=2, dp=2, recompute="full"), "ep=2 with recompute=full is not built yet: expert parallelism runs "
                                          "with recompute=none; use ep=1"),
     (dict(ep=0), "ep must be a positive integer"),

@@ -8,6 +8,7 @@ import torch
 from fxpipe.runtime.zero import assign_owners
 from tests.runtime._dist import run_world
 from tests.runtime import _zero_cases as cases
+from tests.runtime._zero_cases import launched_in_last_backward
 
 
 def test_owners_are_balanced_and_deterministic():
@@ -82,16 +83,6 @@ def test_clipping_over_shards_equals_one_process(world4):
             torch.testing.assert_close(g, r["ref"][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def _launched_in_last_backward(buckets: dict) -> None:
-    """Every bucket's collective started after the rank's last backward began (its
-    gradients were final) and before it returned (overlapped, not issued after it)."""
-    start, end = buckets["last_backward"]
-    assert buckets["launched"], "no bucket was launched"
-    assert start <= buckets["launched"][0], "a bucket was reduced before its gradients were final"
-    assert buckets["launched"][-1] <= end, (f"the reduction was issued {1e3 * (buckets['launched'][-1] - end):.2f} ms "
-                                            f"after the last backward returned")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["dp2pp2", "tp2dp2", "bf16"])
 @pytest.mark.parametrize("zero", [0, 1])
@@ -100,6 +91,6 @@ def test_reduction_starts_during_the_last_backward(world4, layout, zero):
     (ZeRO-1) — of the fp32 masters under bf16 — start inside the last B of the step."""
     for rank_results in world4:
         buckets = rank_results[(layout, zero)]["buckets"]
-        _launched_in_last_backward(buckets)
+        launched_in_last_backward(buckets)
         if layout != "tp2dp2":  # ~10 KB buckets: several per rank
             assert len(buckets["launched"]) > 2, buckets

@@ -21,6 +21,7 @@ import torch.fx as fx
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.channel_ids import Provenance, _align
 from fxpipe.passes.tensor_parallel.graph_ops import shape
+from fxpipe.passes.tensor_parallel.plan_record import Refuse, TPPlan
 
 VIEW_AS_COMPLEX = G.aten.view_as_complex.default
 VIEW_AS_REAL = G.aten.view_as_real.default
@@ -37,9 +38,10 @@ def view_ids(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     return ids[..., 0]
 
 
-def view_rule(plan: Any, node: fx.Node, refuse: type[Exception]) -> None:
+def view_rule(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any,
+              grad: frozenset[str], where: str) -> None:
     """The same view of the shard, unless the (real, imaginary) dim is split (never, when
     the pair's union held; a check, not a rewrite)."""
     real = plan.layouts[node.args[0].name] if node.target is VIEW_AS_COMPLEX else plan.layouts[node.name]
     if len(real.full) - 1 in real.sharded:
-        raise refuse("splits the real and imaginary parts of a complex number")
+        raise Refuse("splits the real and imaginary parts of a complex number")

@@ -104,6 +104,21 @@ def is_pointwise(target: Any) -> bool:
     return target in SAME_LAYOUT or target in COMPLEX_ELEMENTWISE or torch.Tag.pointwise in tags
 
 
+GETITEM = operator.getitem
+
+
+def op_table(*entries: tuple[Any, Any]) -> dict[Any, Any]:
+    """A rule table keyed by ATen op (DTensor keeps its sharding strategies the same way,
+    one registered per op): ``entries`` are (op or collection of ops, rule). An op that
+    two entries name keeps the first one's rule, so the order of ``entries`` says which
+    rule an op that belongs to two groups follows."""
+    table: dict[Any, Any] = {}
+    for ops, rule in entries:
+        for op in (ops if isinstance(ops, (frozenset, set, dict, tuple)) else (ops,)):
+            table.setdefault(op, rule)
+    return table
+
+
 def is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 

@@ -48,6 +48,13 @@ class LayoutFailure(Exception):
         self.reason = reason
 
 
+def is_sharded(lay: object) -> bool:
+    """A Layout (or a list of them, for split-like nodes) that differs between ranks."""
+    if isinstance(lay, list):
+        return any(l.is_sharded for l in lay)
+    return isinstance(lay, Layout) and lay.is_sharded
+
+
 def replicated(full: tuple[int, ...]) -> Layout:
     return Layout(full, full)
 

@@ -6,7 +6,7 @@ value heads (``repeat_interleave``), rows of a recurrence written in place
 values broadcast against channels they do not carry (``combine``).
 
 Each rule has a provenance half (``*_ids``, ``combine``), called from provenance.py,
-and a plan half (``*_rule``, ``narrow``), called from node_layouts.py. DTensor shards
+and a plan half (``*_rule``, ``narrow``) in plan_ops.py. DTensor shards
 these ops alike (torch/distributed/tensor/_ops: a pointwise op with one ``Replicate``
 operand keeps the other's ``Shard``; ``mm`` with ``Shard(0)`` x ``Replicate`` gives
 ``Shard(0)``; ``cumsum`` is sharded on any dim but the scanned one; a convolution with
@@ -20,6 +20,7 @@ import numpy as np
 import torch.fx as fx
 
 from fxpipe.passes.tensor_parallel import graph_ops as G
+from fxpipe.passes.tensor_parallel.channel_ids import Provenance, _Unsupported
 from fxpipe.passes.tensor_parallel.graph_ops import arg, norm_dim, shape
 
 CONV1D = G.aten.conv1d.default
@@ -83,29 +84,29 @@ def combine(prov: Any, arrays: list[np.ndarray], node: str,
     return out
 
 
-def conv1d_ids(node: fx.Node, inputs: dict, unsupported: type[Exception]) -> np.ndarray | None:
+def conv1d_ids(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray | None:
     """A depthwise convolution (groups == in == out channels) keeps channels apart:
     output channel c reads input channel c only; the kernel and bias carry none."""
     x, w, b = node.args[0], node.args[1], arg(node, 2, "bias")
     if w.name in inputs or (isinstance(b, fx.Node) and b.name in inputs):
-        raise unsupported("the convolution's kernel carries channels")
+        raise _Unsupported("the convolution's kernel carries channels")
     if x.name not in inputs:
         return None
     xs, ws, groups = shape(x), shape(w), arg(node, 6, "groups", 1)
     if len(xs) != 3 or not (groups == xs[1] == ws[0] == shape(node)[1]) or ws[1] != 1:
-        raise unsupported("a convolution that mixes channels (only a depthwise one keeps them apart)")
+        raise _Unsupported("a convolution that mixes channels (only a depthwise one keeps them apart)")
     ids = inputs[x.name].reshape((1,) * (3 - inputs[x.name].ndim) + inputs[x.name].shape)
     if ids.shape[0] > 1 or ids.shape[2] > 1:
-        raise unsupported("channels vary along the batch or the convolved dim")
+        raise _Unsupported("channels vary along the batch or the convolved dim")
     return ids
 
 
-def along_ids(prov: Any, node: fx.Node, inputs: dict, unsupported: type[Exception]) -> np.ndarray:
+def along_ids(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     """A scan or triangular mask along some dims: element-wise along the others; channels
     along a scanned dim are mixed (united, like a reduction's)."""
     x = node.args[0]
     if x.name not in inputs or len(inputs) > 1:
-        raise unsupported("the scan's other arguments carry channels")
+        raise _Unsupported("the scan's other arguments carry channels")
     nd = len(shape(node))
     ids = inputs[x.name].reshape((1,) * (nd - inputs[x.name].ndim) + inputs[x.name].shape)
     for d in ALONG[node.target](node, nd):
@@ -117,21 +118,21 @@ def along_ids(prov: Any, node: fx.Node, inputs: dict, unsupported: type[Exceptio
     return ids
 
 
-def repeat_ids(node: fx.Node, inputs: dict, unsupported: type[Exception]) -> np.ndarray | None:
+def repeat_ids(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray | None:
     """``repeat_interleave(x, r, dim)``: each index along ``dim`` repeated r times (key
     heads shared by r value heads of a gated delta net, as GQA's repeat_kv)."""
     x, dim = node.args[0], arg(node, 2, "dim")
     if x.name not in inputs:
         return None
     if dim is None:
-        raise unsupported("repeat_interleave of the flattened tensor")
+        raise _Unsupported("repeat_interleave of the flattened tensor")
     nd = len(shape(node))
     ids = inputs[x.name].reshape((1,) * (nd - inputs[x.name].ndim) + inputs[x.name].shape)
     dim = norm_dim(dim, nd)
     return np.repeat(ids, node.args[1], axis=dim) if ids.shape[dim] > 1 else ids
 
 
-def select_scatter_ids(prov: Any, node: fx.Node, inputs: dict) -> np.ndarray:
+def select_scatter_ids(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     """``select_scatter(base, src, dim, i)``: base with index i along ``dim`` replaced by
     src (a functionalized in-place write: a recurrence filling its rows one by one).
     Positions keep their own channels; a part that carries none takes the other's."""

@@ -21,7 +21,7 @@ from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.assign import ALL, Assignment
 from fxpipe.passes.tensor_parallel.attention_forms import split_shared
 from fxpipe.passes.tensor_parallel.layout import LayoutFailure
-from fxpipe.passes.tensor_parallel.node_layouts import TPPlan
+from fxpipe.passes.tensor_parallel.plan_record import TPPlan
 from fxpipe.passes.tensor_parallel.provenance import Provenance
 
 

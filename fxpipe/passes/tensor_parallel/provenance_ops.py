@@ -1,6 +1,6 @@
 """Provenance rules for ops that move or reduce channels as a whole: slices and
 scatters, indexing, reductions, broadcasts, matmuls, einsum, cat/stack and the
-attention core (``provenance._rule`` dispatches here)."""
+attention core (``provenance.RULES`` maps each op to its rule)."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +13,7 @@ from fxpipe.passes.tensor_parallel.graph_ops import arg, norm_dim, shape
 from fxpipe.passes.tensor_parallel.norms import private_norm
 
 
-def _slice_scatter(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
+def slice_scatter_ids(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     """base[..., start:end:step, ...] = src (a functionalized in-place write: MLA's key
     assembled in a new tensor). A part that carries no channels (the new tensor's
     unwritten positions, a replicated src) takes the ids of the other part's first
@@ -46,7 +46,7 @@ def index_dim(node: fx.Node) -> int | None:
     return given[0] if len(given) == 1 else None
 
 
-def _index(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
+def index_ids(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     """x[..., idx, ...] with one index tensor along a dim that carries no channel: the
     output keeps x's channels on the other dims (DTensor shards them alike). Along a dim
     that carries channels, a constant index (Falcon's ``fused[..., [-2], :]``) picks
@@ -69,7 +69,7 @@ def _index(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     return ids.reshape(ids.shape[:p] + (1,) * k + ids.shape[p + 1:])
 
 
-def _reduction(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
+def reduction_ids(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     """A reduction (or a norm, or softmax) mixes every channel along the dims it
     reduces: they are united, so the dims can only stay whole on one rank."""
     x = node.args[0]
@@ -101,7 +101,7 @@ def _reduction(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     return ids if keepdim else np.squeeze(ids, axis=tuple(dims))
 
 
-def _expand(prov: Provenance, node: fx.Node, ids: np.ndarray) -> np.ndarray:
+def expand_ids(prov: Provenance, node: fx.Node, ids: np.ndarray) -> np.ndarray:
     """Broadcast ids; an expand in ``prov.copies`` gives each copy ids of its own."""
     x_shape, out_shape = shape(node.args[0]), shape(node)
     x_shape = (1,) * (len(out_shape) - len(x_shape)) + x_shape
@@ -115,7 +115,7 @@ def _expand(prov: Provenance, node: fx.Node, ids: np.ndarray) -> np.ndarray:
     return prov.fresh(node.name, tuple(size))
 
 
-def _matmul(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
+def matmul_ids(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     """x @ y over batch dims (attention as matmuls: q·kᵀ, then p·v). The contracted
     channels are summed together: united, like a reduction's. The output's batch dims
     carry both operands' channels, united element-wise (head h of q with head h of k,
@@ -144,7 +144,7 @@ def _matmul(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     return mixers.combine(prov, parts, node.name)
 
 
-def _einsum(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
+def einsum_ids(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     """The general form of ``_matmul`` (DTensor's einsum strategy classifies letters the
     same way, torch/distributed/tensor/_ops/_einsum_strategy.py): letters summed away
     unite their channels; letters kept unite the operands' channels element-wise."""
@@ -175,7 +175,7 @@ def _einsum(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     return mixers.combine(prov, parts, node.name, numels=numels)
 
 
-def _cat(prov: Provenance, node: fx.Node, inputs: dict, stack: bool = False) -> np.ndarray:
+def cat_ids(prov: Provenance, node: fx.Node, inputs: dict, stack: bool = False) -> np.ndarray:
     """cat, or stack (= cat of the inputs unsqueezed at ``dim``)."""
     tensors = node.args[0]
     nd = len(shape(node))
@@ -223,7 +223,7 @@ def _heads(ids: np.ndarray, what: str) -> np.ndarray:
     return ids[0, :, 0, :]
 
 
-def _attention(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
+def attention_ids(prov: Provenance, node: fx.Node, inputs: dict) -> np.ndarray:
     q, k, v = node.args[:3]
     mask = arg(node, 3, "attn_mask")
     if isinstance(mask, fx.Node) and mask.name in inputs:

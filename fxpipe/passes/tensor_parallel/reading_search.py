@@ -14,33 +14,30 @@ when it happens. Every reading is planned and measured; each is correct.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
-import torch.fx as fx
 
 from fxpipe.ir.program import ParamKind, Program
 from fxpipe.ir.shard_spec import ShardSpec
 from fxpipe.passes.tensor_parallel.assign import Assignment, assign
 from fxpipe.passes.tensor_parallel.coverage import measure_coverage
 from fxpipe.passes.tensor_parallel.gathered import gathered_projections
-from fxpipe.passes.tensor_parallel.graph_ops import Projection
 from fxpipe.passes.tensor_parallel.layout import LayoutFailure
-from fxpipe.passes.tensor_parallel.node_layouts import Conflict, TPPlan, build_plan
+from fxpipe.passes.tensor_parallel.plan import Conflict, build_plan
+from fxpipe.passes.tensor_parallel.plan_record import GraphFacts, TPPlan
 from fxpipe.passes.tensor_parallel.placement import build_specs
 from fxpipe.passes.tensor_parallel.provenance import Provenance, analyze, shared_copies, split_statistics
 
 
 @dataclass(frozen=True)
 class Layouts:
+    """The reading the search chose: its provenance, channel owners, plan and parameter shards."""
     prov: Provenance
     asg: Assignment
     plan: TPPlan
     specs: dict[str, ShardSpec]
 
 
-def search(program: Program, graph: fx.Graph, projections: dict[str, Projection],
-           embeddings: dict[str, str], grad: set[str], tp: int,
-           describe: Callable[[str], str]) -> Layouts:
+def search(facts: GraphFacts) -> Layouts:
+    program, graph, projections, tp = facts.program, facts.graph, facts.projections, facts.tp
     constants = {p.node: program.state[p.canonical] for p in program.params
                  if p.kind is ParamKind.CONSTANT and p.canonical in program.state}
     first = analyze(graph, projections, constants=constants)
@@ -57,8 +54,7 @@ def search(program: Program, graph: fx.Graph, projections: dict[str, Projection]
         prov = analyze(graph, projections, stats, cp, constants) if stats or cp else first
         for rows in (False, True):
             try:
-                found, conflicted = _layouts(program, graph, prov, projections, embeddings, grad, tp,
-                                             describe, rows)
+                found, conflicted = _layouts(facts, prov, rows)
             except ValueError:
                 if i == 0 and not rows:
                     raise  # heads or FFN sizes that tp does not divide: the user's to fix
@@ -72,20 +68,18 @@ def search(program: Program, graph: fx.Graph, projections: dict[str, Projection]
     return best
 
 
-def _layouts(program: Program, graph: fx.Graph, prov: Provenance, projections: dict[str, Projection],
-             embeddings: dict[str, str], grad: set[str], tp: int, describe: Callable[[str], str],
-             conflict_rows: bool = False) -> tuple[Layouts, bool]:
+def _layouts(facts: GraphFacts, prov: Provenance, conflict_rows: bool = False) -> tuple[Layouts, bool]:
     """The layouts, and whether a projection wanted to be both row- and column-parallel
     (``conflict_rows`` says which side gives way)."""
+    program, tp, describe = facts.program, facts.tp, facts.describe
     replicate: list = []
     conflicted = False
-    params = frozenset(p.node for p in program.params if p.kind is not ParamKind.CONSTANT)
     for _ in range(prov.n_ids + 1):  # each failed round replicates at least one more class
         asg = assign(prov, tp, replicate, describe)
-        gathered = gathered_projections(graph, prov, asg, projections, _weights_2d(program), tp, replicate)
+        gathered = gathered_projections(facts.graph, prov, asg, facts.projections, _weights_2d(program), tp,
+                                        replicate)
         try:
-            plan = build_plan(graph, prov, asg, projections, embeddings, grad, tp, describe, gathered,
-                              params, conflict_rows)
+            plan = build_plan(facts, prov, asg, gathered, conflict_rows)
             specs = build_specs(program, prov, asg, plan, describe)
             return Layouts(prov, asg, plan, specs), conflicted
         except LayoutFailure as failure:

@@ -24,7 +24,8 @@ from fxpipe.ir.program import Program
 from fxpipe.ir.tp_result import CollectiveKind, CollectiveSite
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import arg
-from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan, is_sharded
+from fxpipe.passes.tensor_parallel.layout import is_sharded
+from fxpipe.passes.tensor_parallel.plan_record import Conversion, TPPlan
 from fxpipe.passes.tensor_parallel.regions import MODE, close_regions, refresh as refresh_regions
 from fxpipe.tp.ops import OPS
 
@@ -143,7 +144,7 @@ class _Builder:
         new.meta = copy.copy(node.meta)
         lay = self.plan.layouts.get(node.name)
         # A view between an f and the column-parallel op it serves (f hoisted above the
-        # views, node_layouts.hoist) holds a replicated value whose gradient is partial.
+        # views, plan.hoist) holds a replicated value whose gradient is partial.
         after_f = any(a.target is _OP[CollectiveKind.F] or a.name in self.after_f
                       for a in new.all_input_nodes)
         if after_f and node.op == "call_function" and node.target in G.VIEWS:

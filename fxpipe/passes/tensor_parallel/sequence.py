@@ -27,7 +27,8 @@ from fxpipe.ir.program import Program
 from fxpipe.ir.tp_result import CollectiveKind
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.graph_ops import arg, norm_dim, shape
-from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan, is_sharded
+from fxpipe.passes.tensor_parallel.layout import is_sharded
+from fxpipe.passes.tensor_parallel.plan_record import Conversion, TPPlan
 
 K = CollectiveKind
 

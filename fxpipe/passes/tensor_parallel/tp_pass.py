@@ -1,17 +1,9 @@
 """``tensor_parallel_pass``: Megatron-style TP found and applied by the compiler.
 
-Steps, each in its own module:
-
-0. ``regions``     no-grad / autocast regions inlined, so the rules see their ops;
-1. ``graph_ops``   find projections, token embeddings, grad-carrying values (structure only);
-2. ``provenance``  push channel ids through the graph (docs/tensor_parallel.md);
-3. ``assign``      give channel classes to ranks: heads / FFN channels / vocab blocks;
-4. ``plan``        local layouts, rewritten constants, conversions (f, scatter), g sites;
-5. ``placement``   a ShardSpec per parameter (tied names agree);
-   steps 3-5 repeat, replicating more channels, until every layout is expressible;
-6. ``sequence``    with sp: sequence shards between blocks (Korthikanti et al. 2022);
-7. ``rewrite``     the new graph, identical on every rank, and its collectives
-                   (autocast regions closed again).
+The steps, each in its own module, are listed in the package's ``__init__``:
+regions opened, the graph's facts found (``GraphFacts``), the layout search
+(provenance, then assign / plan / placement until every layout is expressible),
+coverage, sequence parallelism, the rewrite.
 
 Requires: a captured (canonicalized) Program with FakeTensor shapes in
 ``meta["val"]``. Ensures: parameters carry their local shapes; ``Program.state``
@@ -23,32 +15,33 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.pass_configs import TPConfig, tp_config_of
 from fxpipe.ir.program import ParamKind, Program
 from fxpipe.ir.sizes import carry_hints
 from fxpipe.ir.tp_result import CollectiveKind, TPResult
 from fxpipe.passes.tensor_parallel import graph_ops as G
 from fxpipe.passes.tensor_parallel.coverage import measure_coverage
-from fxpipe.passes.tensor_parallel.node_layouts import Conversion, TPPlan
 from fxpipe.passes.tensor_parallel.placement import blocks
+from fxpipe.passes.tensor_parallel.plan_record import Conversion, GraphFacts, TPPlan
 from fxpipe.passes.tensor_parallel.reading_search import search
 from fxpipe.passes.tensor_parallel.regions import open_regions
 from fxpipe.passes.tensor_parallel.rewrite import rewrite
 from fxpipe.passes.tensor_parallel.sequence import plan_sequence_parallel
 
 
-def tensor_parallel_pass(program: Program, config: object = None) -> Program:
-    """Shard ``program`` for ``config.tp`` ranks (see the module docstring).
+def tensor_parallel_pass(program: Program, ctx: CompileContext | TPConfig | None = None) -> Program:
+    """Shard ``program`` for ``tp`` ranks (see the module docstring).
 
-    ``config``: a :class:`TPConfig`, or a driver config with a ``tensor_parallel``
-    TPConfig (``ParallelConfig``, the pipeline's context); tp=1 returns the program unchanged::
+    ``ctx``: the pipeline's ``CompileContext`` (its ``tensor_parallel`` TPConfig), or, used
+    on its own, a :class:`TPConfig`; tp=1 returns the program unchanged::
 
         prog = tensor_parallel_pass(canonicalize_pass(capture(model, batch)), TPConfig(tp=2))
         specs = prog.tensor_parallel.specs
         with tp_group_context(group):
             loss = prog.run(shard_state(prog.state, specs, group.rank), *batch)
     """
-    cfg = tp_config_of(config)
+    cfg = tp_config_of(ctx)
     if cfg.tp == 1:
         return program
     if program.tensor_parallel is not None:
@@ -57,16 +50,18 @@ def tensor_parallel_pass(program: Program, config: object = None) -> Program:
     program = open_regions(program)  # grad-mode / autocast blocks: not walls (regions.py)
     graph = program.graph
     weights = {p.node for p in program.params if p.kind is not ParamKind.CONSTANT}
-    projections = G.find_projections(graph, weights)
-    embeddings = G.token_embeddings(graph, weights, set(program.inputs))
-    grad = G.grad_carrying(graph, {p.node for p in program.params if p.requires_grad})
 
     def describe(node: str) -> str:
         path = program.module_paths.get(node) or node
         layer = program.layers.get(node)
         return path if layer is None else f"layer {layer} ({path})"
 
-    found = search(program, graph, projections, embeddings, grad, cfg.tp, describe)
+    facts = GraphFacts(program, projections=G.find_projections(graph, weights),
+                       embeddings=G.token_embeddings(graph, weights, set(program.inputs)),
+                       grad=frozenset(G.grad_carrying(graph, {p.node for p in program.params if p.requires_grad})),
+                       tp=cfg.tp, describe=describe)
+    grad = facts.grad
+    found = search(facts)
     prov, asg, plan, specs = found.prov, found.asg, found.plan, found.specs
     coverage = measure_coverage(program, specs, cfg.tp)
     if cfg.strict and not coverage.complete:
