@@ -12,6 +12,10 @@ pipeline split, another schedule) its per-node times: nodes of the timed graph k
 theirs; the blocks a split matmul cut share their op's time in proportion to the cost
 model; a node the timed graph did not have takes the cost model's time scaled by what
 measurement found for the rest (measured / modelled).
+
+Groups that repeat — a transformer's layers are the same ops on the same shapes — are
+timed once (``repeated_groups``): each copy takes its representative's times, as the
+runtime runs the same kernels on the same shapes for every layer.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
+import torch.fx as fx
 
 from fxpipe.base.cpu_memory import keep_freed_blocks
 from fxpipe.costs import probe_groups
@@ -64,13 +69,26 @@ def measure_locally(program: Program, config: PartitionConfig, batch: Sequence[t
     keep_freed_blocks()  # as every CPU rank runs (base/cpu_memory.py)
     fine, probe = probe_groups(program, config)
     n = len(probe.members)
-    timed = program.replace(stages=probe.expand({g: g for g in range(n)}))
-    plan = split_program(timed, dict(timed.stages), num_stages=n)
-    names = list(dict.fromkeys(p for g in range(n) for p in plan.stage_params(g)))
+    same = repeated_groups(program, probe.members)
+    same[-1] = n - 1  # the loss's group ends the plan: always a stage of its own
+    # Each group timed is a stage of its own; a run of copies between them is one stage
+    # that is never run (building a stage graph per group costs more than timing it).
+    stage_of, stages = [], 0
+    for g in range(n):
+        if same[g] == g or not g or same[g - 1] == g - 1:
+            stages += 1
+        stage_of.append(stages - 1)
+    timed = program.replace(stages=probe.expand(stage_of))
+    plan = split_program(timed, dict(timed.stages), num_stages=stages)
+    mine = [stage_of[g] for g in range(n) if same[g] == g]
+    names = list(dict.fromkeys(p for s in mine for p in plan.stage_params(s)))
     group, rng = ShapesOnlyGroup(tp), DropoutRNG(seed=0, tp_rank=0)
     context = (lambda: tp_group_context(group, rng)) if tp > 1 else contextlib.nullcontext
-    rows = time_groups(plan, range(n), state_for(names), batch, device, repeats=repeats, context=context,
+    # A group whose predecessor was not timed receives synthetic activations (and gradients
+    # from after it): timing depends on shapes, not values (``time_groups``).
+    rows = time_groups(plan, mine, state_for(names), batch, device, repeats=repeats, context=context,
                        enough_s=enough_s)
+    rows = {g: rows[stage_of[same[g]]] for g in range(n)}
     profile = CostProfile(key="", device=device_name(device), groups=tuple(rows[g] for g in range(n)),
                           latency_s=0.0, bandwidth_bytes_per_s=float("inf"))
     fused, split = profile.node_times(fine, probe, False), profile.node_times(fine, probe, True)
@@ -83,6 +101,44 @@ def measure_locally(program: Program, config: PartitionConfig, batch: Sequence[t
         if at is not None and len(node.args) > at and hasattr(node.args[at], "name"):
             matmuls.setdefault(node.args[at].name, node.name)
     return LocalTimes(fused=fused, split=split, scale=scale, matmuls=matmuls, device=profile.device)
+
+
+def _spec(value: object) -> object:
+    """A node argument as the kernel sees it: a tensor by shape and dtype, a node without a
+    tensor by its kind, anything else as written (dims, scalars, flags)."""
+    if isinstance(value, fx.Node):
+        val = value.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return ("tensor", tuple(val.shape), str(val.dtype))
+        return ("node", value.op, repr(val) if val is not None else None)
+    if isinstance(value, (list, tuple)):
+        return tuple(_spec(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _spec(v)) for k, v in sorted(value.items()))
+    return repr(value)
+
+
+def repeated_groups(program: Program, members: Sequence[Sequence[str]]) -> list[int]:
+    """For each probe group, the first group that runs the same ops on the same shapes,
+    dtypes and arguments in the same order (itself when none does): what is timed once
+    and shared. Which value feeds which op inside the group is part of the signature, so
+    two groups wired differently are not taken for each other."""
+    nodes = {n.name: n for n in program.graph.nodes}
+    first: dict[tuple, int] = {}
+    out = []
+    for g, names in enumerate(members):
+        local = {name: i for i, name in enumerate(names)}
+        key = []
+        for name in names:
+            node = nodes.get(name)
+            if node is None:  # not a graph node: never shared
+                key = [("group", g)]
+                break
+            wiring = tuple(local.get(a.name, -1) for a in node.all_input_nodes)
+            key.append((node.op, str(node.target), _spec(node.args), _spec(node.kwargs), wiring,
+                        _spec(node)))
+        out.append(first.setdefault(tuple(key), g))
+    return out
 
 
 def node_times_for(program: Program, config: PartitionConfig, measured: LocalTimes,

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 from fxpipe.base.hardware import get_hardware
 from fxpipe.base.precision import Precision
 from fxpipe.base.recompute_mode import RecomputeMode
+from fxpipe.base.train_state import state_bytes
 from fxpipe.ir.pass_configs import EPConfig, PartitionConfig, TPConfig
 from fxpipe.partition.result import Method
 from fxpipe.schedules.inflight import stage_inflight
@@ -162,7 +163,8 @@ class ParallelConfig:
         the parameter, its gradient and Adam's two moments — under ZeRO-1 the moments
         split over the dp replicas (``runtime/zero.py``: whole parameters per owner,
         balanced by size, so about 1/dp each)."""
-        return 2.0 + (2.0 / self.replicas if self.zero else 2.0)
+        # Per 4-byte fp32 parameter: weight 4, gradient 4, Adam's moments 8 (base/train_state.py).
+        return sum(state_bytes(4.0, 4.0, 16.0, zero=bool(self.zero), dp=self.replicas)) / 4.0
 
 
 def check_layout(values: Mapping[str, Any], *, flag: Callable[[str], str] | None = None) -> None:

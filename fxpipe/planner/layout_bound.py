@@ -18,9 +18,12 @@ microbatch, so:
   of it;
 - one microbatch's forward passes every stage in turn (a dependency chain), and its
   backward too where the backward is not split (under a split schedule W is off the chain);
-- with fewer cores than ranks (``concurrent``), the tp·dp copies of that work share them;
-- the data-parallel all-reduce moves at least the mean rank's share of the body's
-  parameters (the largest rank's is priced).
+- with fewer cores than ranks (``concurrent``), the tp·dp copies of that work share them
+  and no rank finishes before all of it is done;
+- the step is the latest rank's finish plus its synchronisation and optimizer step
+  (``step_price.step_s``): the rank holding the most parameters — at least the mean
+  share of the body's — finishes after the last forward, then reduces at least those
+  bytes and steps at least its 1/dp of them.
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ from dataclasses import dataclass
 
 from fxpipe.base.hardware import Collective, Hardware
 from fxpipe.ir.parallel_config import ParallelConfig
+from fxpipe.planner.options import PlannerOptions
+from fxpipe.planner.step_price import ADAM_FP32_BYTES, optimizer_step_s, shared_cores_floor
 
 
 @dataclass(frozen=True)
@@ -53,14 +58,22 @@ def lower_bound_s(config: ParallelConfig, work: ShapeWork, hw: Hardware, *, num_
     # F and B per stage and microbatch, each with the runtime's fixed cost; B = I + W carries two.
     overhead = num_stages * (3 if splits_backward else 2) * hw.action_overhead_s
     busy = config.num_microbatches * (work.forward_s + backward + work.tp_comm_s + overhead)
-    chain = work.forward_s + num_stages * hw.action_overhead_s + (0.0 if splits_backward else backward)
-    makespan = max(busy / config.pp, chain)
+    forward_chain = work.forward_s + num_stages * hw.action_overhead_s
+    chain = forward_chain + (0.0 if splits_backward else backward)
     world = config.tp * config.pp * config.replicas
-    if concurrent is not None and concurrent < world:
-        makespan = max(makespan, busy * config.tp * config.replicas / concurrent)
-    allreduce = 0.0
-    if config.ep == 1:
-        members = config.replicas
-        allreduce = hw.collective_s(Collective.ALL_REDUCE, 4 * work.params / config.pp, members,
-                                    hw.members_per_node(members, config.tp))
-    return makespan + allreduce
+    floor = shared_cores_floor((busy,), config.tp * config.replicas, world, concurrent)
+    finish = max(busy / config.pp, chain, floor)  # the last rank to finish
+    if config.ep > 1:
+        return finish
+    # The rank holding the most parameters (at least the mean) finishes after the last
+    # microbatch's forward, then synchronises and steps: its reduction moves at least the
+    # mean share's bytes (a ZeRO-1 reduce and gather, the least of the ways it can run) and
+    # its optimizer steps at least the mean share over the replicas.
+    members, mean = config.replicas, work.params / config.pp
+    per_node = hw.members_per_node(members, config.tp)
+    weight = min(4, config.precision.dtype.itemsize)
+    sync = (hw.collective_s(Collective.REDUCE_SCATTER, 4 * mean, members, per_node)
+            + hw.collective_s(Collective.ALL_GATHER, weight * mean, members, per_node))
+    step = optimizer_step_s(hw, mean, dp=members, zero=True,
+                            traffic_bytes=min(ADAM_FP32_BYTES, PlannerOptions.optimizer_bytes_per_param))
+    return max(finish, max(floor, forward_chain) + sync + step)

@@ -1,5 +1,5 @@
 """The layout search's shared work: per micro-batch size the capture; per (tp, sp, ep,
-micro-batch size) the compile's prefix (capture to the cost pass: what the tensor- and
+micro-batch size) the compile's prefix (capture to the device pass: what the tensor- and
 expert-parallel passes make does not depend on the pipeline), one tp rank's compute timed
 at those shard shapes (``fxpipe/costs/local.py``) and the body's work for the search's
 lower bound (``planner/layout_bound.py``); per vocabulary block its S and T — each once,
@@ -28,9 +28,10 @@ from fxpipe.passes.vocab_head import head_nodes
 from fxpipe.planner.layout_bound import ShapeWork
 from fxpipe.planner.layout_price import tp_collective_times
 
-PREFIX_END = "cost"
-"""The last pass of the prefix layouts share; a layout's compile resumes after it."""
-RESUME_AT = "device"
+PREFIX_END = "device"
+"""The last pass of the prefix layouts share (the device pass reads only the device, the
+same for every layout); a layout's compile resumes after it."""
+RESUME_AT = "split_matmul"
 ENOUGH_S = 0.5
 """Seconds of recorded timing after which a shape is not timed again (``time_groups``'s
 ``enough_s``): the search times a dozen shapes, and the large ones are steady in one repeat."""

@@ -1,11 +1,14 @@
-"""What one layout costs: its predicted step and memory from a compiled pipeline.
+"""What one compiled layout costs: the one price (``step_price.py``) on its captured graph.
 
-``price(compiled)`` runs the schedule simulator (``schedules/simulate.py``) on the
-partition's stage times, with the tensor-parallel collectives and the expert-parallel
-all-to-alls as rings on the links, the runtime's fixed cost per action, the vocabulary
-passes' S and T as timed, the cores the ranks share (``concurrent``), plus the
-data-parallel gradient all-reduce; the memory is the partition's per-rank model. The
-layout search (``planner/auto_layout.py``) ranks layouts by it.
+``price(compiled)`` brings what the graph knows — the partition's stage times (each
+node timed here or modelled), the tensor-parallel collectives and the expert-parallel
+all-to-alls the graph runs (as rings on the links), the vocabulary passes' S and T as
+timed, the stage-boundary transfer, each rank's parameters — and ``step_price`` composes
+the step from them exactly as ``fxpipe plan`` does (the schedule simulated with the
+runtime's fixed cost per action, the cores the ranks share, the data-parallel
+synchronisation as the runtime overlaps it, the optimizer step); the memory is the
+partition's per-rank model. The layout search (``planner/auto_layout.py``) ranks layouts
+by it.
 """
 from __future__ import annotations
 
@@ -22,7 +25,9 @@ from fxpipe.ep.dispatch import ep_combine, ep_dispatch
 from fxpipe.ir.artifact import CompiledPipeline
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.program import Program
-from fxpipe.planner.dp_overlap import exposed_reduction_s
+from fxpipe.planner.options import PlannerOptions
+from fxpipe.planner.step_price import (ADAM_FP32_BYTES, dp_sync_s, optimizer_step_s, rank_finish, shared_cores_floor,
+                                       step_s, with_action_overhead)
 from fxpipe.runtime.launch import local_world_size
 from fxpipe.schedules.simulate import StageDurations, simulate
 
@@ -120,11 +125,15 @@ def ep_collective_times(program: Program, hw: Hardware, num_stages: int, stride:
     return fwd, bwd
 
 
-def gradient_allreduce_s(compiled: CompiledPipeline, hw: Hardware, backward_s: Sequence[float] | None = None) -> float:
-    """The data-parallel gradient all-reduce of the largest pipeline rank, in fp32: every
+def gradient_sync_s(compiled: CompiledPipeline, hw: Hardware,
+                    backward_s: Sequence[float] | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per pipeline rank, (its data-parallel gradient synchronisation, its optimizer step)
+    in seconds (``step_price.dp_sync_s``, ``optimizer_step_s``), fp32 gradients: every
     replica sums the gradients of what it holds; under expert parallelism an expert's
     gradient only over the dp/ep replicas that hold that expert. ``backward_s``: each
-    rank's last backward, behind which the dense buckets run (``dp_overlap.py``)."""
+    rank's last backward, behind which the dense buckets run (None: after it). ZeRO-1's
+    gather of the updated weights is counted whole: with the reduce it replaces the
+    all-reduce's bytes, which the search's bound (``layout_bound.py``) takes."""
     config, program = compiled.config, compiled.program
     stages = program.partition.stages
     params = [sum(c.params for c in stages if c.rank == r) for r in range(config.pp)]
@@ -137,27 +146,23 @@ def gradient_allreduce_s(compiled: CompiledPipeline, hw: Hardware, backward_s: S
                 seen.add(p.canonical)
                 stage = next((program.stages[u.name] for u in nodes[p.node].users if u.name in program.stages), 0)
                 experts[ranks[stage]] += p.numel // ep.ep
-    members = config.replicas
-    dense = lambda nbytes: hw.collective_s(Collective.ALL_REDUCE, nbytes, members,  # noqa: E731
-                                           hw.members_per_node(members, config.tp))
+    members, zero = config.replicas, bool(config.zero)
+    weight = config.precision.dtype.itemsize
+    traffic = ADAM_FP32_BYTES if weight == 4 else PlannerOptions.optimizer_bytes_per_param
     hidden = backward_s if backward_s is not None and members > 1 else [None] * config.pp
-    return max((dense(4 * (p - e)) if b is None else exposed_reduction_s(4 * (p - e), b, dense, config.bucket_mb))
-               + hw.collective_s(Collective.ALL_REDUCE, 4 * e, members // config.ep,
-                                 hw.members_per_node(members // config.ep, config.tp * config.ep))
-               for p, e, b in zip(params, experts, hidden))
-
-
-def with_action_overhead(d: StageDurations, overhead: float, split: bool) -> StageDurations:
-    """Every compute action ``overhead`` seconds longer: F, B (under a split backward I and W
-    each, so B = I + W carries two), S and T."""
-    if overhead <= 0:
-        return d
-    per_b = 2 * overhead if split else overhead
-    return dataclasses.replace(
-        d, forward=tuple(f + overhead for f in d.forward), backward=tuple(b + per_b for b in d.backward),
-        weight=tuple(w + overhead for w in d.weight) if split else d.weight,
-        vocab_forward=tuple(s + overhead for s in d.vocab_forward),
-        vocab_backward=tuple(t + overhead for t in d.vocab_backward))
+    group = members // config.ep
+    sync, step = [], []
+    for p, e, b in zip(params, experts, hidden):
+        dense = dp_sync_s(hw, grad_bytes=4 * (p - e), weight_bytes=weight * (p - e), dp=members,
+                          per_node=hw.members_per_node(members, config.tp), zero=zero,
+                          backward_s=b or 0.0, bucket_mb=config.bucket_mb if b is not None else 0.0)
+        held = dp_sync_s(hw, grad_bytes=4 * e, weight_bytes=weight * e, dp=group,
+                         per_node=hw.members_per_node(group, config.tp * config.ep), zero=False,
+                         backward_s=0.0, bucket_mb=0.0)
+        sync.append(dense + held)
+        step.append(optimizer_step_s(hw, p - e, dp=members, zero=zero, traffic_bytes=traffic)
+                    + optimizer_step_s(hw, e, dp=group, zero=False, traffic_bytes=traffic))
+    return tuple(sync), tuple(step)
 
 
 def price(compiled: CompiledPipeline, hardware: Hardware | None = None, *,
@@ -191,17 +196,17 @@ def price(compiled: CompiledPipeline, hardware: Hardware | None = None, *,
                                         backward=tuple(b + c for b, c in zip(durations.backward, comm_b)))
     durations = with_action_overhead(durations, hw.action_overhead_s, compiled.schedule.splits_backward)
     sim = simulate(compiled.schedule, durations, p2p_latency=p2p, collective_latency=collective)
-    makespan = sim.makespan
-    world = config.tp * config.pp * config.replicas
-    if concurrent is not None and concurrent < world:
-        # Every tp rank and replica runs the pipeline's compute: the machine does all of it.
-        makespan = max(makespan, sum(sim.busy) * config.tp * config.replicas / concurrent)
+    # Every tp rank and replica runs the pipeline's compute: with fewer cores than ranks
+    # the machine does all of it before any rank is done.
+    floor = shared_cores_floor(sim.busy, config.tp * config.replicas, config.tp * config.pp * config.replicas,
+                               concurrent)
     ranks = compiled.schedule.stage_ranks  # each rank's last backward hides its buckets
-    allreduce = gradient_allreduce_s(compiled, hw, [sum(b for b, r in zip(durations.backward, ranks) if r == rank)
-                                                    for rank in range(config.pp)])
+    sync, optimizer = gradient_sync_s(compiled, hw, [sum(b for b, r in zip(durations.backward, ranks) if r == rank)
+                                                     for rank in range(config.pp)])
+    step, critical = step_s(rank_finish(sim, floor), sync, optimizer)
     bubble = sim.max_bubble_fraction if config.pp > 1 else 0.0
-    return PricedLayout(config=config, step_s=makespan + allreduce, memory_bytes=max(result.rank_memory_bytes),
-                        bubble=bubble, allreduce_s=allreduce)
+    return PricedLayout(config=config, step_s=step, memory_bytes=max(result.rank_memory_bytes),
+                        bubble=bubble, allreduce_s=sync[critical])
 
 
 def ranks_at_once(world_size: int, device: torch.device | str = "cpu") -> int | None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from fxpipe.base.hardware import A100, Hardware
 from fxpipe.base.recompute_mode import RecomputeMode
+from fxpipe.base.train_state import state_bytes
 from fxpipe.schedules.registry import ScheduleKind
 
 PLANNED: tuple[ScheduleKind, ...] = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED, ScheduleKind.ZB_H1)
@@ -195,8 +196,7 @@ class PlannerOptions:
         the compute dtype, the gradients as reduced (``grad_bytes``), the rest of
         ``bytes_per_param`` (fp32 masters + Adam moments: 12 of 18) sharded over d by ZeRO-1
         (the ZeRO paper's accounting; Megatron's distributed optimizer: 6 + 12/d)."""
-        optimizer = self.bytes_per_param - self.dtype_bytes - self.grad_bytes
-        return float(self.dtype_bytes), float(self.grad_bytes), optimizer / (dp if zero else 1)
+        return state_bytes(self.dtype_bytes, self.grad_bytes, self.bytes_per_param, zero=bool(zero), dp=dp)
 
     def __post_init__(self) -> None:
         if any(z not in (0, 1) for z in self.zeros) or not self.zeros:

@@ -1,4 +1,6 @@
-"""Predict one layout: iteration time, its breakdown, memory per GPU, TFLOP/s per GPU.
+"""Predict one layout of a transformer shape at any scale (``fxpipe plan``): iteration
+time, its breakdown, memory per GPU, TFLOP/s per GPU — the one price (``step_price.py``)
+on stage times from ``layer_cost.py``'s per-layer work.
 
 Iteration = max over pipeline ranks r of
     finish_r (the simulated schedule, p2p inside the stage times; with vocabulary passes
@@ -22,15 +24,15 @@ from typing import Mapping
 import numpy as np
 
 from fxpipe.base.hardware import Collective
-from fxpipe.planner.dp_overlap import DEFAULT_BUCKET_MB, exposed_reduction_s
 from fxpipe.planner.layer_cost import CostModel
 from fxpipe.planner.memory_model import (RankMemory, embedding_activation_bytes, final_norm_activation_bytes,
                                          head_activation_bytes, layer_activation_bytes, lookup_activation_bytes,
                                          recompute_working_bytes, vocab_block_activation_bytes)
-from fxpipe.planner.options import CandidateLayout, DPOverlap, PlannerOptions
+from fxpipe.planner.options import CandidateLayout, DPOverlap, PlannerOptions, ScheduleKind
 from fxpipe.planner.pipeline_time import PipelineTiming, simulate_pipeline, vocab_in_flight
 from fxpipe.planner.shapes import TransformerShape, model_flops
 from fxpipe.planner.stages import StagePlan, plan_stages
+from fxpipe.planner.step_price import DEFAULT_BUCKET_MB, dp_sync_s, optimizer_step_s, step_s, with_action_overhead
 from fxpipe.planner.work import Component
 
 
@@ -103,25 +105,16 @@ def rank_memory(model: CostModel, cfg: CandidateLayout, stages: StagePlan,
 def _sync_s(model: CostModel, cfg: CandidateLayout, stages: StagePlan, r: int, params: float) -> float:
     """Exposed gradient synchronisation of pipeline rank r."""
     hw, opts, shape = model.hw, model.options, model.shape
-    per_node = hw.members_per_node(cfg.dp, cfg.tp)
     # DPOverlap.BACKWARD: the gradients reduced in buckets behind the last backward, as the
-    # runtime runs them (``dp_overlap.py``); NONE: the whole reduction after it.
-    bucket_mb = DEFAULT_BUCKET_MB if opts.dp_overlap is DPOverlap.BACKWARD else 0.0
-    if cfg.zero:
-        # ZeRO-1 / the distributed optimizer: the gradients reduce-scattered to their owners,
-        # the updated weights (compute dtype) all-gathered back; with overlap the gather runs
-        # behind the next iteration's first forward (Megatron's --overlap-param-gather).
-        scatter = lambda nbytes: hw.collective_s(Collective.REDUCE_SCATTER, nbytes, cfg.dp,  # noqa: E731
-                                                 per_node)
-        dp = exposed_reduction_s(params * opts.grad_bytes, float(stages.backward[r]), scatter, bucket_mb)
-        gather = hw.collective_s(Collective.ALL_GATHER, params * opts.dtype_bytes, cfg.dp, per_node)
-        if opts.dp_overlap is DPOverlap.BACKWARD:
-            gather = max(0.0, gather - float(stages.forward[r]))
-    else:
-        ring = lambda nbytes: hw.collective_s(Collective.ALL_REDUCE, nbytes, cfg.dp, per_node)  # noqa: E731
-        dp = exposed_reduction_s(params * opts.grad_bytes, float(stages.backward[r]), ring, bucket_mb)
-        gather = 0.0
-    dp += gather
+    # runtime runs them (``dp_overlap.py``); NONE: the whole reduction after it. ZeRO-1 /
+    # the distributed optimizer: reduced onto their owners, the updated weights (compute
+    # dtype) gathered back, with overlap behind the next iteration's first forward
+    # (Megatron's --overlap-param-gather).
+    overlap = opts.dp_overlap is DPOverlap.BACKWARD
+    dp = dp_sync_s(hw, grad_bytes=params * opts.grad_bytes, weight_bytes=params * opts.dtype_bytes, dp=cfg.dp,
+                   per_node=hw.members_per_node(cfg.dp, cfg.tp), zero=bool(cfg.zero),
+                   backward_s=float(stages.backward[r]), bucket_mb=DEFAULT_BUCKET_MB if overlap else 0.0,
+                   gather_hidden_s=float(stages.forward[r]) if overlap else 0.0)
     # Megatron's embedding group: first and last rank. Vocabulary passes hold each row once.
     if cfg.pp > 1 and r in (0, cfg.pp - 1) and not cfg.vocab_passes:
         vocab = shape.padded_vocab(cfg.tp) * shape.hidden / cfg.tp
@@ -149,26 +142,29 @@ def predict(shape: TransformerShape, cfg: CandidateLayout, options: PlannerOptio
     hw = options.hardware
     stages = plan_stages(model, cfg)
     collectives = model.vocab_collectives(cfg.tp, cfg.pp, cfg.dp, cfg.micro_batch) if cfg.vocab_passes else None
-    timing = simulate_pipeline(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.chunks, stages.durations(),
+    durations = with_action_overhead(stages.durations(), hw.action_overhead_s,
+                                     cfg.schedule in (ScheduleKind.ZB_H1, ScheduleKind.ZB_V))
+    timing = simulate_pipeline(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.chunks, durations,
                                collectives=collectives, budget=options.simulate_budget)
     lookup = lookup_s(model, cfg)
     rank_params = stages.ranks(stages.params)
-    ends = []
-    for r in range(cfg.pp):
-        params = float(rank_params[r])
-        # Adam is memory bound: its state's bytes / HBM bandwidth, over the 1/d it owns under ZeRO-1
-        owned = params / (cfg.dp if cfg.zero else 1)
-        opt = hw.memory_s(owned * options.optimizer_bytes_per_param, 4) if options.optimizer else 0.0
-        sync = _sync_s(model, cfg, stages, r, params)
-        ends.append((timing.finish[r] + lookup + sync + opt, r, sync, opt))
-    iteration, crit, sync, opt = max(ends)
+    sync = [_sync_s(model, cfg, stages, r, float(rank_params[r])) for r in range(cfg.pp)]
+    opt = [optimizer_step_s(hw, float(rank_params[r]), dp=cfg.dp, zero=bool(cfg.zero),
+                            traffic_bytes=options.optimizer_bytes_per_param) if options.optimizer else 0.0
+           for r in range(cfg.pp)]
+    iteration, crit = step_s(timing.finish, sync, opt, lookup)
     parts: dict[Component, float] = {}
     for c, v in stages.rank_work(crit).total().items():
         parts[c] = v * cfg.num_microbatches
+    # The runtime's fixed cost per action (``with_action_overhead``) is in the simulated
+    # busy time but in no layer's work: counted with the element-wise kernels' launches.
+    actions = timing.busy[crit] - sum(parts.values())
+    if actions > 0:
+        parts[Component.ELEMENTWISE] = parts.get(Component.ELEMENTWISE, 0.0) + actions
     parts[Component.BUBBLE] = max(0.0, timing.finish[crit] - timing.busy[crit])
     parts[Component.VOCAB_LOOKUP] = lookup
-    parts[Component.DP_SYNC] = sync
-    parts[Component.OPTIMIZER] = opt
+    parts[Component.DP_SYNC] = sync[crit]
+    parts[Component.OPTIMIZER] = opt[crit]
     peak = max(rank_memory(model, cfg, stages, timing.in_flight), key=lambda m: m.total)
     busiest = max(timing.busy)
     flops = model_flops(shape, cfg.global_batch, cfg.recompute)
