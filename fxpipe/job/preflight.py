@@ -42,7 +42,7 @@ from fxpipe.ir.token_inputs import TokenRole
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.flags import LAYOUT_FLAGS
 from fxpipe.job.output_paths import check_outputs
-from fxpipe.job.preflight_data import DataFacts, check_data
+from fxpipe.job.preflight_data import DataFacts, check_data, check_position
 from fxpipe.job.preflight_files import (PreflightError, check_owner, check_resume, check_weights, check_writable_dir,
                                         check_writable_file, resume_path)
 from fxpipe.job.preflight_sizes import check_shape, check_state_bound
@@ -68,6 +68,8 @@ def check_run(config: "TrainConfig", *, model: bool = True,
     shape = check_shape(config.model)  # sizes from the config alone, before data, search or capture
     check_state_bound(config.model, shape, _ranks(config))
     data = check_data(config)
+    if resume is not None:  # the checkpoint's data position against this run's data
+        check_position(resume, config, data)
     return check_model(config, resume, data) if model else None
 
 
