@@ -20,6 +20,7 @@ import torch
 
 from fxpipe.data import DataStream
 from fxpipe.job.config import TrainConfig
+from fxpipe.job.flags import in_flag_words
 from fxpipe.job.prepare import build_job
 from fxpipe.planner.auto_layout import SEARCHED, cache_enabled, report_progress, search_layout
 from fxpipe.planner.layout_price import local_world
@@ -67,7 +68,7 @@ def _search(config: TrainConfig, world: int, pinned: Mapping[str, Any]) -> Train
                               threads=threads, concurrent=concurrent, progress=report_progress,
                               cache=cache_enabled())
     except ValueError as exc:  # the search speaks the API's names; a CLI user gives flags
-        raise ValueError(str(exc).replace("memory_limit_gb", "--memory-limit")) from None
+        raise ValueError(in_flag_words(str(exc))) from None
     print(found.table(), flush=True)
     chosen = found.chosen.config
     parallel = dataclasses.replace(config.parallel, **{f: getattr(chosen, f) for f in SEARCHED})
