@@ -57,10 +57,9 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
     fields = _given(args)
     layout = {k: fields.pop(k) for k in list(fields) if k in LAYOUT_FLAGS}
     if layout.get("ep", 1) > 1 and searched_layout(args) is not None:
-        # Stand-ins the search replaces, consistent with the ep pinned (tp = 1, ep dividing
-        # dp): the default layout's tp=2 and dp=1 are no pins to refuse it by.
-        for field, value in (("tp", 1), ("pp", 1), ("dp", layout["ep"])):
-            layout.setdefault(field, value)
+        # ep is the search's pin (searched_layout); the layout it replaces keeps ep=1, so the
+        # defaults (tp=2, dp=1) are no pins to refuse it by, and the global batch stays theirs.
+        del layout["ep"]
     if fields.get("global_batch") and "micro_batch_size" not in fields and searched_layout(args) is not None:
         # The search splits the global batch into dp·m·b: until it has, one microbatch of all
         # the rows per replica (dp and m as pinned, else 1) stands in for its choice.

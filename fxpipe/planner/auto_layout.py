@@ -49,7 +49,7 @@ from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.partition import Method, PartitionError
 from fxpipe.passes.expert_parallel import grouped_experts
 from fxpipe.planner import layout_cache
-from fxpipe.planner.layout_bound import lower_bound_s
+from fxpipe.planner.layout_bound import layout_bound_s
 from fxpipe.planner.layout_costs import CaptureCosts
 from fxpipe.planner.layout_price import PricedLayout, describe, price
 from fxpipe.planner.search import divisors
@@ -349,10 +349,7 @@ def _bounds(candidates: Sequence[ParallelConfig], rows: int, costs: CaptureCosts
         except (ValueError, PartitionError) as exc:
             refused.append((describe(config), " ".join(str(exc).split())[:200]))
             continue
-        schedule = config.schedule_ir()
-        hw = config.partition_config(schedule).hardware
-        out[i] = lower_bound_s(config, work, hw, num_stages=schedule.num_stages,
-                               splits_backward=schedule.splits_backward, concurrent=concurrent)
+        out[i] = layout_bound_s(config, work, concurrent)  # no schedule generated per candidate
     return out
 
 
@@ -377,8 +374,9 @@ def _check_ep(ep: int, experts: Sequence[int]) -> None:
     if ep == 1:
         return
     if not experts:
-        raise ValueError(f"ep={ep} spreads the experts of mixture-of-experts layers over data-parallel ranks, but "
-                         f"this model has none (no grouped experts in its graph); use ep=1")
+        raise ValueError(f"ep={ep} spreads the experts of grouped mixture-of-experts layers (stacked experts run "
+                         f"as grouped matmuls, as transformers' Mixtral and Qwen-MoE run them) over data-parallel "
+                         f"ranks, but this model's graph has none; use ep=1")
     if any(n % ep for n in experts):
         raise ValueError(f"ep={ep} must divide the expert count of every MoE layer; this model's have "
                          f"{', '.join(map(str, sorted(set(experts))))} experts: use an ep that divides them")

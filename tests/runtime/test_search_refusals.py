@@ -27,8 +27,8 @@ def test_ep_on_a_model_without_experts_is_refused_alike_on_every_rank():
     assert ranks[0] == ranks[1], ranks
     kind, message = ranks[0]
     assert kind == "ValueError", ranks
-    assert message == ("ep=2 spreads the experts of mixture-of-experts layers over data-parallel ranks, but this "
-                       "model has none (no grouped experts in its graph); use ep=1"), message
+    assert message.startswith("ep=2 spreads the experts of grouped mixture-of-experts layers") and message.endswith(
+        "over data-parallel ranks, but this model's graph has none; use ep=1"), message
 
 
 @pytest.mark.slow
@@ -47,7 +47,8 @@ def test_a_memory_limit_nothing_fits_is_refused_alike_on_every_rank():
 
 def test_the_cli_refuses_ep_on_a_model_without_experts_in_flag_words(monkeypatch, capsys):
     err = _refused(CLI + ["--ep", "2"], monkeypatch, capsys,
-                   "--ep 2 spreads the experts of mixture-of-experts layers", "this model has none", "use --ep 1")
+                   "--ep 2 spreads the experts of grouped mixture-of-experts layers", "this model's graph has none",
+                   "use --ep 1")
     assert "ep=" not in err, err
 
 
@@ -84,3 +85,22 @@ def test_api_messages_in_flag_words():
                          "the rows and tp·pp·dp equal the world") == (
         "no layout of 4 ranks with --tp 3, --microbatches 4, --schedule 1f1b, --sp, no --vocab-passes fits 1e-06 GiB "
         "per rank: raise --memory-limit to 0.001; dp must divide the rows and tp·pp·dp equal the world")
+
+
+@pytest.mark.slow
+def test_the_cli_searches_a_moe_with_ep_pinned(tmp_path, monkeypatch, capsys):
+    """``--world 2 --ep 2`` is a pin for the search, not a layout checked against the
+    defaults (before: "ep=2 with tp=2 is not built yet", tp=2 being no flag given)."""
+    import numpy as np
+
+    from tests.runtime.test_checkpoint_sources import _mixtral_dir
+    from tests.test_preflight_trust import _launched
+
+    model = _mixtral_dir(tmp_path / "mixtral")  # grouped experts, vocabulary 128
+    np.random.default_rng(0).integers(0, 128, 20_000, dtype=np.uint16).tofile(tmp_path / "ids.bin")
+    argv = ["run", "--model", model, "--data", tmp_path / "ids.bin", "--world", "2", "--ep", "2", "--seq", "16",
+            "--steps", "1", "--timeline", "none", "--costs", "model"]
+    config = _launched(argv, monkeypatch, capsys)
+    layout = config.parallel
+    assert (layout.ep, layout.tp, layout.tp * layout.pp * layout.dp) == (2, 1, 2), layout
+    assert config.batch == 16, "the global batch of the defaults (b·m·dp), not of a stand-in dp"
