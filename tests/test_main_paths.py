@@ -57,10 +57,11 @@ def _worker_counts(rank, world, config):
 def test_a_run_builds_the_workload_once_and_compiles_once_per_rank(tmp_path):
     from fxpipe.job.preflight import check_run
 
+    config = dataclasses.replace(CONFIG, timeline=str(tmp_path / "timeline"))  # not fxpipe-timeline.* in the cwd
     with _Counted() as launcher:
-        check_run(dataclasses.replace(CONFIG, metrics_file=None))
+        check_run(dataclasses.replace(config, metrics_file=None))
     assert dict(launcher) == {"workload": 1, "compile": 1}
-    ranks = run_world(2, _worker_counts, CONFIG)
+    ranks = run_world(2, _worker_counts, config)
     assert ranks == [{"workload": 1, "compile": 1}] * 2
 
 

@@ -60,6 +60,10 @@ def _resolve(args: argparse.Namespace) -> tuple[TrainConfig, tuple[int, dict] | 
     fields = _given(args)
     search = searched_layout(fields)
     layout = {k: fields.pop(k) for k in list(fields) if k in LAYOUT_FLAGS}
+    if layout.get("ep", 1) > 1 and search is not None:
+        # ep is the search's pin (searched_layout); the layout it replaces keeps ep=1, so the
+        # defaults (tp=2, dp=1) are no pins to refuse it by, and the global batch stays theirs.
+        del layout["ep"]
     if fields.get("global_batch") and "micro_batch_size" not in fields and search is not None:
         # The search splits the global batch into dp·m·b: until it has, one microbatch of all
         # the rows per replica (dp and m as pinned, else 1) stands in for its choice.

@@ -13,8 +13,10 @@ the number of ids, their dtype, the largest id and a sha256 per block of
 ``BLOCK_TOKENS`` ids. A cache whose size disagrees with its manifest (cut short by a
 crash or a full disk) is tokenized again; a block whose bytes disagree (edited or
 damaged on disk) is refused when a run first reads it (``ManifestBlocks``), so no id
-is trained on unverified and none is hashed twice — and the largest id the preflight
-compares with the model's vocabulary is the manifest's, true of every block read.
+is trained on unverified and none is hashed twice. The manifest's largest id is a
+record, not evidence: whoever can edit the ids can rewrite it and the digests with
+them, so ``fxpipe run``'s preflight reads the ids themselves for the vocabulary check
+(``TokenStream.scanned_largest_id``) and refuses a cache whose ids disagree with it.
 """
 from __future__ import annotations
 

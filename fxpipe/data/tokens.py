@@ -127,3 +127,17 @@ class TokenStream:
 
     def largest_id(self) -> int:
         return self.largest if self.largest is not None else max_token(self.tokens)
+
+    def scanned_largest_id(self) -> int:
+        """The largest id read from the ids themselves, in bounded chunks — what the
+        launcher checks against the model's vocabulary before any worker starts. A
+        manifest's record is not evidence (whoever can edit the ids can rewrite the record
+        and the block digests with them): a cache whose ids disagree with its record is
+        refused as edited or damaged (``ValueError``)."""
+        found = max_token(self.tokens)
+        if self.largest is not None and found != self.largest:
+            where = getattr(self.tokens, "filename", None) or self.source
+            raise ValueError(f"the token cache {where} (of {self.source}) holds id {found}, but its manifest records "
+                             f"{self.largest} as the largest: the cache was edited or damaged on disk; delete it and "
+                             f"its .json (fxpipe prepare-data or the next run tokenizes the corpus again)")
+        return found

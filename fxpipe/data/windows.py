@@ -115,26 +115,33 @@ class DataStream:
                     seed=self.seed, source=self.windows.stream.source)
 
     def load_state(self, state: dict, steps: int | None = None) -> None:
-        """Continue from a checkpoint's ``state()``; refused when the data it counted in
-        is not this run's (another window count or length: the position would point at
-        other tokens), or when ``steps`` steps could not have read that far (each reads one
-        global batch, and no batch is larger than the data: a position past that is not a
-        count this run wrote)."""
-        position = state.get("position")
-        if type(position) is not int or position < 0:
-            raise ValueError(f"the checkpoint's data position must be an integer >= 0, got {str(position)[:40]}")
-        per_step = max(self.windows.count, self.global_batch)
-        if steps is not None and position > steps * per_step:
-            raise ValueError(f"the checkpoint's data position {position} is past what its {steps} steps can have read "
-                             f"(at most {steps * per_step}: {steps} × {per_step} windows); the checkpoint's data "
-                             f"state is damaged: resume from another step (--resume-from)")
-        ours = (self.windows.count, self.windows.seq)
-        theirs = (state.get("windows"), state.get("seq"))
-        if theirs != ours:
-            raise ValueError(f"the checkpoint was trained on {theirs[0]} windows of {theirs[1]} tokens "
-                             f"({state.get('source')}), this run has {ours[0]} of {ours[1]} "
-                             f"({self.windows.stream.source}); resume with the same --data and --seq")
-        if state.get("seed") != self.seed:  # another seed is another order of the windows
-            raise ValueError(f"the checkpoint's data order was drawn with --seed {state.get('seed')}, this run's "
-                             f"is {self.seed}; resume with --seed {state.get('seed')}")
-        self.position = position
+        """Continue from a checkpoint's ``state()``, checked by ``checked_position``."""
+        self.position = checked_position(state, self.windows, self.global_batch, self.seed, steps)
+
+
+def checked_position(state: dict, windows: PackedWindows, global_batch: int, seed: int,
+                     steps: int | None = None) -> int:
+    """The position in a checkpoint's data ``state`` (``DataStream.state()``), refused when
+    the data it counted in is not this run's (another window count or length: the position
+    would point at other tokens), or when ``steps`` steps could not have read that far
+    (each reads one global batch, and no batch is larger than the data: a position past
+    that is not a count this run wrote). The launcher checks it before any worker starts,
+    each worker again as it loads (``ValueError``, naming the numbers)."""
+    position = state.get("position") if isinstance(state, dict) else None
+    if type(position) is not int or position < 0:
+        raise ValueError(f"the checkpoint's data position must be an integer >= 0, got {str(position)[:40]}")
+    per_step = max(windows.count, global_batch)
+    if steps is not None and position > steps * per_step:
+        raise ValueError(f"the checkpoint's data position {position} is past what its {steps} steps can have read "
+                         f"(at most {steps * per_step}: {steps} × {per_step} windows); the checkpoint's data "
+                         f"state is damaged: resume from another step (--resume-from)")
+    ours = (windows.count, windows.seq)
+    theirs = (state.get("windows"), state.get("seq"))
+    if theirs != ours:
+        raise ValueError(f"the checkpoint was trained on {theirs[0]} windows of {theirs[1]} tokens "
+                         f"({state.get('source')}), this run has {ours[0]} of {ours[1]} "
+                         f"({windows.stream.source}); resume with the same --data and --seq")
+    if state.get("seed") != seed:  # another seed is another order of the windows
+        raise ValueError(f"the checkpoint's data order was drawn with --seed {state.get('seed')}, this run's "
+                         f"is {seed}; resume with --seed {state.get('seed')}")
+    return position

@@ -167,6 +167,16 @@ class ParallelConfig:
         return sum(state_bytes(4.0, 4.0, 16.0, zero=bool(self.zero), dp=self.replicas)) / 4.0
 
 
+def _setting(field: str, value: Any, flag: Callable[[str], str] | None) -> str:
+    """``field=value`` for the API; for the CLI the flag as given (``--tp 2``, ``--compile``)."""
+    value = value.value if isinstance(value, RecomputeMode) else value
+    if flag is None:
+        return f"{field}={value}"
+    if isinstance(value, bool):
+        return flag(field) if value else f"no {flag(field)}"
+    return f"{flag(field)} {value}"
+
+
 def check_layout(values: Mapping[str, Any], *, flag: Callable[[str], str] | None = None) -> None:
     """The layout's own rules, in one place: ``ParallelConfig`` checks its fields with them,
     ``fxpipe run``'s preflight its flags and config file before any config exists (``flag``:
@@ -208,6 +218,10 @@ def check_layout(values: Mapping[str, Any], *, flag: Callable[[str], str] | None
     if not isinstance(ep, int) or ep < 1:
         raise ValueError(f"{name('ep')} must be a positive integer (data-parallel ranks sharing the experts), "
                          f"got {ep!r}")
+    if ep > 1 and isinstance(dp, int) and dp % ep:  # an expert group is ep consecutive dp ranks
+        raise ValueError(f"{_setting('ep', ep, flag)} does not divide {_setting('dp', dp, flag)}: the experts are "
+                         f"owned by data-parallel ranks, choose {name('ep')} among "
+                         f"{[d for d in range(1, dp + 1) if dp % d == 0]}")
     if ep > 1:
         # compile: Inductor would trace the dispatch's all-to-all with fake tensors;
         # recompute: a recomputed dispatch would count its tokens twice.
@@ -216,9 +230,9 @@ def check_layout(values: Mapping[str, Any], *, flag: Callable[[str], str] | None
             if field == "recompute" and not isinstance(value, RecomputeMode):
                 value = RecomputeMode.parse(value)
             if value != ok:
-                shown = lambda v: v.value if isinstance(v, RecomputeMode) else v  # noqa: E731
-                raise ValueError(f"ep={ep} with {field}={shown(value)} is not built yet: expert parallelism "
-                                 f"runs with {field}={shown(ok)}; use ep=1 to combine {field} with a MoE")
+                raise ValueError(f"{_setting('ep', ep, flag)} with {_setting(field, value, flag)} is not built yet: "
+                                 f"expert parallelism runs with {_setting(field, ok, flag)}; use "
+                                 f"{_setting('ep', 1, flag)} to combine {name(field)} with a MoE")
     timeout = get("timeout_s", 60.0)
     if not math.isfinite(timeout) or timeout <= 0:
         raise ValueError(f"{name('timeout_s') if flags else 'timeout'} must be a positive number of seconds, "

@@ -257,6 +257,24 @@ def with_layout(base: Any, fields: Mapping[str, Any]) -> Any:
     return dataclasses.replace(base, **{**{d: None for d in DERIVED}, **fields})
 
 
+def in_flag_words(message: str) -> str:
+    """An API message (the layout search's) in a CLI user's words: each ``field=value``
+    as the flag and its value (``ep=2``: ``--ep 2``, ``sp=True``: ``--sp``), and the
+    fields named alone whose names are no English word (``memory_limit_gb``)."""
+    import re
+
+    for field, flag in LAYOUT_FLAGS.items():
+        def said(m: "re.Match[str]", flag: Flag = flag) -> str:
+            value = m.group(1)
+            if flag.kind is not Kind.VALUE and value in ("True", "False"):
+                return flag.option if (value == "True") == (flag.kind is Kind.SWITCH) else f"no {flag.option}"
+            return f"{flag.option} {value}"
+        message = re.sub(rf"\b{field}=([^\s,;:]+)", said, message)
+        if "_" in field:
+            message = re.sub(rf"\b{field}\b", flag.option, message)
+    return message
+
+
 def given(args: argparse.Namespace, flags: Mapping[str, Flag]) -> dict[str, Any]:
     """The fields whose flags were given on the command line."""
     return {name: getattr(args, name) for name in flags if hasattr(args, name)}

@@ -19,6 +19,7 @@ import torch
 
 from fxpipe.data import DataStream
 from fxpipe.job.config import TrainConfig
+from fxpipe.job.flags import in_flag_words
 from fxpipe.job.prepare import build_job
 from fxpipe.planner.auto_layout import cache_enabled
 from fxpipe.planner.layout_price import local_world
@@ -63,6 +64,6 @@ def _search(config: TrainConfig, world: int, pinned: Mapping[str, Any]) -> Train
         chosen = resolve_layout(config.parallel, pinned, world, workload, threads=threads, concurrent=concurrent,
                                 cache=cache_enabled())
     except ValueError as exc:  # the search speaks the API's names; a CLI user gives flags
-        raise ValueError(str(exc).replace("memory_limit_gb", "--memory-limit")) from None
+        raise ValueError(in_flag_words(str(exc))) from None
     return dataclasses.replace(config, parallel=chosen.config, micro_batch_size=chosen.microbatch_rows(config.batch),
                                global_batch=config.batch, world=None)

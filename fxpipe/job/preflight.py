@@ -41,10 +41,10 @@ from fxpipe.ir.token_inputs import TokenRole
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.flags import LAYOUT_FLAGS
 from fxpipe.job.output_paths import check_outputs
-from fxpipe.job.preflight_data import DataFacts, check_data
+from fxpipe.job.preflight_data import DataFacts, check_data, check_position
 from fxpipe.job.preflight_files import (PreflightError, check_owner, check_resume, check_weights, check_writable_dir,
                                         check_writable_file, resume_path)
-from fxpipe.job.preflight_sizes import check_shape, check_state_bound, memory_here
+from fxpipe.job.preflight_sizes import check_shape, check_state_bound, state_room
 from fxpipe.job.prepare import job_workload, weights_dir
 from fxpipe.models.hf_dir import is_model_dir, load_config
 from fxpipe.models.registry import GPT_CONFIGS, build_device
@@ -64,6 +64,8 @@ def check_run(config: "TrainConfig", *, model: bool = True,
     shape = check_shape(config.model)  # sizes from the config alone, before data, search or capture
     check_state_bound(config.model, shape, _ranks(config))
     data = check_data(config)
+    if resume is not None:  # the checkpoint's data position against this run's data
+        check_position(resume, config, data)
     return check_model(config, resume, data) if model else None
 
 
@@ -261,19 +263,12 @@ def check_state_fits(program: Program, layout: ParallelConfig) -> None:
     device's memory; on this machine's CPUs every local rank's (the model once per
     data-parallel replica) against the memory free now. Under torchrun every node runs
     its own preflight on its own ranks' share."""
-    import torch
-
     stats = program.model_stats
     params = stats.num_parameters if stats is not None else program.num_parameters()
     per_param = 4 * layout.state_bytes_per_param_byte  # fp32 masters and their state
-    have, where = memory_here()
-    if torch.cuda.is_available():
-        need = params * per_param / (layout.tp * layout.pp)
-    else:
-        world = layout.tp * layout.pp * layout.replicas
-        local = local_world_size(world)
-        need = params * per_param * layout.replicas * local / world
-        where += f" ({local} rank(s) here)"
+    # Each rank holds 1/(tp·pp) of the model; every data-parallel replica holds it all.
+    need, have, where = state_room(params * per_param, layout.tp * layout.pp,
+                                   layout.tp * layout.pp * layout.replicas)
     if need > have:
         raise PreflightError(f"the model's {params:,} parameters need {need / 2**30:.1f} GiB of training state "
                              f"({per_param:g} bytes each: fp32 weights, gradients and Adam's moments"

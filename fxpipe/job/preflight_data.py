@@ -1,17 +1,20 @@
 """The data half of ``fxpipe run``'s preflight (``fxpipe/job/preflight.py``): the data is
 opened (text tokenized into its cache, here, once) and checked before a worker
 starts — a missing or empty file, a ``--data-dtype`` that does not divide the file,
-fewer windows than one global batch; the largest id and the tokenizer's vocabulary
-are returned for the model check, which names both against the model's vocabulary
-(ids are never clamped)."""
+fewer windows than one global batch, a resume's data position (``check_position``).
+The largest id (read from the ids, never taken from a prepared cache's manifest) and
+the tokenizer's vocabulary are returned for the model check, which names both against
+the model's vocabulary (ids are never clamped)."""
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from fxpipe.data import open_data
+from fxpipe.checkpoint.manifest import CorruptCheckpointError, read_manifest
+from fxpipe.data import PackedWindows, open_data
 from fxpipe.data.text import skipped_links
+from fxpipe.data.windows import checked_position
 from fxpipe.job.config import TrainConfig
 from fxpipe.job.preflight_files import PreflightError
 from fxpipe.job.prepare import corpus_options, tokenizer_path
@@ -45,6 +48,8 @@ class DataFacts:
     tokenizer_vocab: int | None
     """The tokenizer's vocabulary (None: a token file read without --tokenizer)."""
     source: str
+    windows: PackedWindows
+    """The training windows (a resume's data position is checked against them)."""
 
 
 def check_data(config: "TrainConfig") -> DataFacts:
@@ -77,7 +82,34 @@ def check_data(config: "TrainConfig") -> DataFacts:
             print(f"fxpipe run: note: {flag_} {path}: {len(links)} linked file(s) not read (links are not followed: "
                   f"copy the files in instead): {', '.join(str(p) for p in links[:3])}"
                   f"{' ...' if len(links) > 3 else ''}", file=sys.stderr, flush=True)
-    largest = train.stream.largest_id()  # the whole stream: validation windows included
+    # The ids themselves, read once here (the whole stream: validation windows included),
+    # not a prepared cache's manifest: a forged cache rewrites its record with its ids.
+    streams = [(flag, train.stream)]
     if source.val is not None and source.val.stream is not train.stream:
-        largest = max(largest, source.val.stream.largest_id())
-    return DataFacts(largest, source.tokenizer_vocab, train.stream.source)
+        streams.append(("--val-data" if config.val_data is not None else flag, source.val.stream))
+    largest = -1
+    for flag_, stream in streams:
+        try:
+            largest = max(largest, stream.scanned_largest_id())
+        except ValueError as exc:
+            raise PreflightError(f"{flag_}: {exc}") from None
+    return DataFacts(largest, source.tokenizer_vocab, train.stream.source, train)
+
+
+def check_position(path: Path, config: "TrainConfig", data: DataFacts) -> None:
+    """The data position of the checkpoint a resume takes (its manifest's ``extra.data``,
+    written by ``DataStream.state()``) against this run's windows, seed and the steps it
+    saved: a damaged one is refused here, naming the checkpoint and the numbers, instead
+    of on rank 0 after every worker started (``checked_position``, which each worker
+    applies again as it loads)."""
+    try:
+        meta = read_manifest(path)  # type-checked (its digests: verified by resume_path)
+    except CorruptCheckpointError as exc:
+        raise PreflightError(f"--resume: {exc}") from None
+    state = meta["extra"].get("data")
+    if state is None:  # saved before the position was kept: a worker counts one global batch per step
+        return
+    try:
+        checked_position(state, data.windows, config.batch, config.parallel.seed, steps=meta["step"])
+    except ValueError as exc:
+        raise PreflightError(f"--resume: {path}: {exc}") from None

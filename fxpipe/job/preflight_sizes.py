@@ -63,37 +63,34 @@ def check_shape(model: str, layers: int | None = None) -> DeclaredShape | None:
     return shape
 
 
-def memory_here() -> tuple[int, str]:
-    """What one rank's training state must fit in, in bytes and in words: one GPU's
-    memory, or on CPUs the memory free on this machine now (shared by its local ranks)."""
+def state_room(total: float, shards: int, ranks: int) -> tuple[float, float, str]:
+    """(need, have, where) for ``total`` bytes of training state cut into ``shards`` equal
+    shares, one per rank: on GPUs one share against one device's memory; on this
+    machine's CPUs the shares of every local rank (``LOCAL_WORLD_SIZE`` of ``ranks``, all
+    of them when fxpipe starts them) against the memory free now. Under torchrun across
+    nodes each node checks its own ranks. ``where`` names what was compared with."""
     import torch
 
+    share = total / shards
     if torch.cuda.is_available():
         have = torch.cuda.get_device_properties(0).total_memory
-        return have, f"one GPU's {have / 2**30:,.1f} GiB"
+        return share, have, f"one GPU's {have / 2**30:,.1f} GiB"
+    local = min(local_world_size(ranks), ranks)
     have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return have, f"the {have / 2**30:,.1f} GiB free on this machine"
+    return share * local, have, f"the {have / 2**30:,.1f} GiB free on this machine ({local} rank(s) here)"
 
 
 def check_state_bound(model: str, shape: DeclaredShape | None, world: int) -> None:
-    """The least training state any layout of ``world`` ranks needs, against what it will
-    have: per GPU 1/world of it, on CPUs all of it in this machine's free memory (local
-    ranks). The exact check, per layout, follows the capture (``check_state_fits``)."""
-    import torch
-
+    """The least training state any layout of ``world`` ranks needs (spread over all of
+    them), against what it will have (``state_room``). The exact check, per layout,
+    follows the capture (``preflight.check_state_fits``)."""
     if shape is None:
         return
     params = shape.min_params
-    total = params * STATE_BYTES_PER_PARAM
-    have, where = memory_here()
-    if torch.cuda.is_available():
-        need = total / world
-        where += f" (the state spread over all {world} ranks)"
-    else:  # under torchrun across nodes each node holds its ranks' share
-        need = total * min(local_world_size(world), world) / world
+    need, have, where = state_room(params * STATE_BYTES_PER_PARAM, world, world)
     if need > have:
         raise PreflightError(f"--model {model} has at least {params:,} parameters ({shape.layers} layers, width "
                              f"{shape.hidden}, vocabulary {shape.vocab}), whose training state needs at least "
                              f"{need / 2**30:,.1f} GiB ({STATE_BYTES_PER_PARAM} bytes each: fp32 weights, gradients "
-                             f"and Adam's moments), more than {where}: use a smaller model, more ranks or more "
-                             f"machines")
+                             f"and Adam's moments; spread over all {world} ranks), more than {where}: use a smaller "
+                             f"model, more ranks or more machines")

@@ -49,7 +49,7 @@ from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.partition import Method, PartitionError
 from fxpipe.passes.expert_parallel import grouped_experts
 from fxpipe.planner import layout_cache
-from fxpipe.planner.layout_bound import lower_bound_s
+from fxpipe.planner.layout_bound import layout_bound_s
 from fxpipe.planner.layout_costs import CaptureCosts
 from fxpipe.planner.layout_price import PricedLayout, describe, price
 from fxpipe.planner.search import divisors
@@ -233,6 +233,7 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
     limit = base.memory_limit_bytes
     # m = rows / dp is always a candidate: the one-row capture is needed anyway.
     experts = grouped_experts(costs.program(1))
+    _check_ep(pinned.get("ep", 1), experts)
     if cache:
         key = layout_cache.search_key(costs.program(1), [(t.shape, str(t.dtype)) for t in batch], world_size,
                                       base, pinned, threads, concurrent)
@@ -287,13 +288,13 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
                 break
             needs_over_limit.append(layout.memory_bytes)
             refused.append((name, f"needs {_gib(layout.memory_bytes)} GiB per rank, over the limit "
-                                  f"{_gib(limit)} GiB"))
+                                  f"{base.memory_limit_gb:.4g} GiB"))
     else:
         done = len(order)
     if progress is not None:
         progress(len(order), len(order))
     if not priced:
-        raise ValueError(_nothing_fits(world_size, rows, pinned, refused, needs_over_limit, limit))
+        raise ValueError(_nothing_fits(world_size, rows, pinned, refused, needs_over_limit, base.memory_limit_gb))
     ranked = sorted(priced, key=lambda p: (p.step_s, p.memory_bytes, p.config.pp, p.config.num_microbatches))
     timed = [t for t in costs.timed.values() if t is not None]
     threads = threads or torch.get_num_threads()
@@ -348,10 +349,7 @@ def _bounds(candidates: Sequence[ParallelConfig], rows: int, costs: CaptureCosts
         except (ValueError, PartitionError) as exc:
             refused.append((describe(config), " ".join(str(exc).split())[:200]))
             continue
-        schedule = config.schedule_ir()
-        hw = config.partition_config(schedule).hardware
-        out[i] = lower_bound_s(config, work, hw, num_stages=schedule.num_stages,
-                               splits_backward=schedule.splits_backward, concurrent=concurrent)
+        out[i] = layout_bound_s(config, work, concurrent)  # no schedule generated per candidate
     return out
 
 
@@ -370,6 +368,20 @@ def report_progress(done: int, total: int) -> None:
         print(f"fxpipe: layout search: {done}/{total} layouts priced", file=sys.stderr, flush=True)
 
 
+def _check_ep(ep: int, experts: Sequence[int]) -> None:
+    """A pinned ep the graph cannot take, refused by its cause (else every candidate is
+    dropped and the refusal blames the world and the batch)."""
+    if ep == 1:
+        return
+    if not experts:
+        raise ValueError(f"ep={ep} spreads the experts of grouped mixture-of-experts layers (stacked experts run "
+                         f"as grouped matmuls, as transformers' Mixtral and Qwen-MoE run them) over data-parallel "
+                         f"ranks, but this model's graph has none; use ep=1")
+    if any(n % ep for n in experts):
+        raise ValueError(f"ep={ep} must divide the expert count of every MoE layer; this model's have "
+                         f"{', '.join(map(str, sorted(set(experts))))} experts: use an ep that divides them")
+
+
 def _gib(nbytes: float, up: bool = False) -> str:
     """GiB to four significant digits, so a tiny limit or need is not printed as 0.00; ``up``:
     rounded up, so the limit it suggests does fit."""
@@ -381,15 +393,16 @@ def _gib(nbytes: float, up: bool = False) -> str:
 
 
 def _nothing_fits(world_size: int, rows: int, pinned: Mapping[str, Any], refused: list, needs: list[int],
-                  limit: int | None) -> str:
-    """The refusal: what was asked, the closest layout and the change that makes it fit."""
+                  limit_gb: float | None) -> str:
+    """The refusal: what was asked, the closest layout and the change that makes it fit
+    (the limit as given: its bytes, truncated to an integer, would print 1e-06 as 9.993e-07)."""
     asked = ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in pinned.items()) or "no pinned field"
     if not refused:
         return (f"no layout of {world_size} ranks honours {asked} for a batch of {rows} rows; dp must divide "
                 f"the rows and tp·pp·dp equal the world: unpin a field or change the world size")
-    if needs and limit is not None:
+    if needs and limit_gb is not None:
         least = min(needs)
-        return (f"no layout of {world_size} ranks with {asked} fits {_gib(limit)} GiB per rank; the "
+        return (f"no layout of {world_size} ranks with {asked} fits {limit_gb:.4g} GiB per rank; the "
                 f"smallest needs {_gib(least)} GiB: raise memory_limit_gb to {_gib(least, up=True)}, unpin a "
                 f"field, or use more ranks")
     name, why = refused[0]

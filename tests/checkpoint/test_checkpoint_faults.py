@@ -39,7 +39,9 @@ def _child(*args: str) -> subprocess.Popen:
 
 def _run(*args: str) -> str:
     proc = _child(*args)
-    out, err = proc.communicate(timeout=120)
+    # A guard against a hang, not a time limit: at a load of 30 on 2 cores a child that
+    # imports torch and saves 2 MB took over 120 s (the limit it had, which it failed by).
+    out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
     return out.strip()
 

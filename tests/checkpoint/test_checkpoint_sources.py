@@ -12,6 +12,7 @@ import torch
 
 from tests.runtime._dist import run_world
 from tests.checkpoint._source_resume import world_sources
+from tests.models._model_dirs import _mixtral_dir
 
 
 def _llama_dir(path, weights: bool):
@@ -21,17 +22,6 @@ def _llama_dir(path, weights: bool):
                                    intermediate_size=64, vocab_size=128, max_position_embeddings=64)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path) if weights else cfg.save_pretrained(path)
-    return str(path)
-
-
-def _mixtral_dir(path):
-    import transformers
-
-    cfg = transformers.MixtralConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
-                                     intermediate_size=48, vocab_size=128, max_position_embeddings=64,
-                                     num_local_experts=4, num_experts_per_tok=2)
-    torch.manual_seed(0)
-    transformers.MixtralForCausalLM(cfg).save_pretrained(path)
     return str(path)
 
 

@@ -25,16 +25,19 @@ def _parquet(path, rows):
     pq.write_table(pa.table({"text": rows}), path)
 
 
-@pytest.mark.parametrize("where", ["a file", "under a file", "/proc"])
+@pytest.mark.parametrize("where", ["a file", "under a file", "/proc", "the data file"])
 def test_prepare_data_refuses_a_cache_it_cannot_write_naming_path_and_errno(tmp_path, capsys, where):
     write_corpus(tmp_path / "texts")
     (tmp_path / "f").write_text("x")
-    cache = {"a file": tmp_path / "f", "under a file": tmp_path / "f" / "sub", "/proc": "/proc/fxpipe-cache"}[where]
-    assert cli.main(["prepare-data", str(tmp_path / "texts"), "--data-cache", str(cache), "--quiet"]) == 2
+    data = tmp_path / "texts" / "a.txt" if where == "the data file" else tmp_path / "texts"
+    kept = (tmp_path / "texts" / "a.txt").read_bytes()
+    cache = {"a file": tmp_path / "f", "under a file": tmp_path / "f" / "sub", "/proc": "/proc/fxpipe-cache",
+             "the data file": data}[where]
+    assert cli.main(["prepare-data", str(data), "--data-cache", str(cache), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert f"--data-cache {cache}" in err and "the token cache cannot be written there (" in err, err
     assert any(name in err for name in ("EEXIST", "ENOTDIR", "ENOENT", "EACCES", "EROFS")), err
-    assert (tmp_path / "f").read_text() == "x"
+    assert (tmp_path / "f").read_text() == "x" and (tmp_path / "texts" / "a.txt").read_bytes() == kept
 
 
 def test_read_only_data_without_a_cache_dir_is_tokenized_in_memory_and_said_so(tmp_path, capsys, monkeypatch):
@@ -163,7 +166,8 @@ def test_a_dataset_dict_with_an_empty_train_split_is_refused_in_words(tmp_path):
         tokenized(open_corpus(tmp_path / "dd"), ByteTokenizer())
 
 
-@pytest.mark.parametrize("rows, kind", [([[1.0, 2.0]], "list<element: double>"), ([[[1, 2]]], "list<element: list<element: int64>>")])
+@pytest.mark.parametrize("rows, kind", [([[1.0, 2.0]], "list<element: double>"), ([[[1, 2]]], "list<element: list<element: int64>>"),
+                                        ([[], []], "list<element: null>")])
 def test_input_ids_that_are_not_flat_integers_are_named(tmp_path, rows, kind):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -14,6 +14,8 @@ from fxpipe.models import build_workload
 
 RUN = ["run", "--model", "gpt-tiny", "--seq", "16", "--tp", "1", "--pp", "2", "--steps", "2",
        "--timeline", "none", "--micro-batch-size", "2", "--microbatches", "2", "--costs", "model"]
+TINY_NAMES = tuple(build_workload("gpt-tiny", batch=1, seq=8).model.state_dict())
+"""gpt-tiny's state dict names: what a checkpoint of it holds."""
 
 
 def _spawned(*args, **kwargs):

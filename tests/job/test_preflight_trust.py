@@ -23,9 +23,8 @@ from fxpipe.checkpoint.files import step_dirname
 from fxpipe.job.config import _batch_hint
 from tests.checkpoint._ckpt_files import edit_manifest, make_checkpoint, schedule
 from tests._shared import within
-from tests.job._cli import RUN, hf_weights, launched, refused, snapshot
+from tests.job._cli import RUN, TINY_NAMES, hf_weights, launched, refused, snapshot
 
-TINY_NAMES = tuple(build_workload("gpt-tiny", batch=1, seq=8).model.state_dict())
 
 # ---- links -------------------------------------------------------------------
 def test_lock_link_leaves_its_target_unchanged(tmp_path, monkeypatch, capsys):
