@@ -71,8 +71,8 @@ def test_the_cli_refuses_a_memory_limit_nothing_fits_in_flag_words(monkeypatch, 
                                              "ranks, choose --ep among [1]"),
     (["--ep", "2", "--tp", "2", "--pp", "1", "--dp", "2"],
      "--ep 2 with --tp 2 is not built yet: expert parallelism runs with --tp 1; use --ep 1 to combine --tp"),
-    (["--ep", "2", "--tp", "1", "--pp", "1", "--dp", "2", "--compile"],
-     "--ep 2 with --compile is not built yet: expert parallelism runs with no --compile; use --ep 1"),
+    (["--ep", "2", "--tp", "1", "--pp", "1", "--dp", "2", "--inductor"],
+     "--ep 2 with --inductor is not built yet: expert parallelism runs with no --inductor; use --ep 1"),
 ])
 def test_the_cli_refuses_an_ep_layout_in_flag_words(monkeypatch, capsys, flags, expected):
     """A layout given whole is checked by the layout's own rules, worded with the flags."""
