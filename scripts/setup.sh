@@ -16,7 +16,7 @@ fi
 # matrix was generated with); a venv holding another release is brought to it.
 TRANSFORMERS=$(sed -n 's/^hf = \["transformers==\([0-9.]*\)"\]$/\1/p' pyproject.toml)
 [ -n "$TRANSFORMERS" ] || { echo "setup.sh: pyproject.toml's hf extra must pin transformers==X.Y.Z" >&2; exit 1; }
-if ! .venv/bin/python -c "import fxpipe, pytest, hypothesis, transformers, importlinter, grimp, datasets, tensorboard
+if ! .venv/bin/python -c "import fxpipe, pytest, xdist, hypothesis, transformers, importlinter, grimp, datasets, tensorboard
 assert transformers.__version__ == '$TRANSFORMERS'" 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check -e ".[test,hf,data]"
 fi
