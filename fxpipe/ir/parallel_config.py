@@ -168,7 +168,7 @@ class ParallelConfig:
 
 
 def _setting(field: str, value: Any, flag: Callable[[str], str] | None) -> str:
-    """``field=value`` for the API; for the CLI the flag as given (``--tp 2``, ``--compile``)."""
+    """``field=value`` for the API; for the CLI the flag as given (``--tp 2``, ``--inductor``)."""
     value = value.value if isinstance(value, RecomputeMode) else value
     if flag is None:
         return f"{field}={value}"
