@@ -3,24 +3,11 @@ a causal LM), and MoE and Mixtral directories train, from a config alone or from
 transformers saved."""
 from __future__ import annotations
 
-from pathlib import Path
-import json
 
 import pytest
 
 from tests.job._cli import RUN, refused
-
-
-def _llama_config(path: Path, **extra) -> Path:
-    import transformers
-
-    path.mkdir(parents=True, exist_ok=True)
-    transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
-                             intermediate_size=64, vocab_size=300, max_position_embeddings=64).save_pretrained(path)
-    doc = json.loads((path / "config.json").read_text())
-    doc.update(extra)
-    (path / "config.json").write_text(json.dumps(doc))
-    return path
+from tests.models._model_dirs import llama_config, mixtral_64_dir
 
 
 def _config_only_world(rank, world, directory):
@@ -40,18 +27,6 @@ def _config_only_world(rank, world, directory):
     loss = pm.train_step(batch)
     pm.close()
     return math.isfinite(loss)
-
-
-def _mixtral_dir(path: Path) -> Path:
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                     intermediate_size=96, vocab_size=256, max_position_embeddings=64,
-                                     num_local_experts=4, num_experts_per_tok=2)
-    transformers.MixtralForCausalLM(cfg).save_pretrained(path)
-    return path
 
 
 def _mixtral_world(rank, world, directory):
@@ -75,7 +50,7 @@ def _mixtral_world(rank, world, directory):
 
 
 def test_seq_beyond_the_models_positions_is_refused_before_workers(tmp_path, monkeypatch, capsys):
-    d = _llama_config(tmp_path / "m", max_position_embeddings=8)
+    d = llama_config(tmp_path / "m", max_position_embeddings=8)
     argv = [a for a in RUN if a != "gpt-tiny"]
     argv.insert(argv.index("--model") + 1, str(d))
     refused(argv, monkeypatch, capsys, f"--seq 16 exceeds the 8 positions of {d}", "use --seq <= 8")
@@ -103,7 +78,7 @@ def test_an_moe_config_directory_trains(tmp_path, family):
 
 
 def test_a_model_whose_state_cannot_fit_is_refused_before_workers(tmp_path, monkeypatch, capsys):
-    d = _llama_config(tmp_path / "huge", num_hidden_layers=2, hidden_size=1 << 16, intermediate_size=1 << 16,
+    d = llama_config(tmp_path / "huge", num_hidden_layers=2, hidden_size=1 << 16, intermediate_size=1 << 16,
                       num_attention_heads=32, num_key_value_heads=32)
     argv = [a for a in RUN if a != "gpt-tiny"]
     argv.insert(argv.index("--model") + 1, str(d))
@@ -118,7 +93,7 @@ def test_a_model_whose_state_cannot_fit_is_refused_before_workers(tmp_path, monk
 def test_a_mixtral_saved_by_transformers_trains_from_its_weights(tmp_path):
     from tests.runtime._dist import run_world
 
-    d = _mixtral_dir(tmp_path / "mixtral")
+    d = mixtral_64_dir(tmp_path / "mixtral")
     for loss, expected in run_world(2, _mixtral_world, str(d)):
         assert loss == pytest.approx(expected, rel=1e-5)
 

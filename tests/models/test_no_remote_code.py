@@ -3,7 +3,6 @@ its own code (``auto_map``) is refused, naming the files it would run, before an
 is imported."""
 from __future__ import annotations
 
-from pathlib import Path
 import json
 
 import pytest
@@ -11,21 +10,10 @@ import pytest
 from fxpipe.base.safe_io import UnsafeFileError, code_references
 
 from tests.job._cli import RUN, refused
+from tests.models._model_dirs import llama_config
 
 
 EVIL = "import pathlib; pathlib.Path(__file__).with_name('RAN').write_text('code ran')\n"
-
-
-def _llama_config(path: Path, **extra) -> Path:
-    import transformers
-
-    path.mkdir(parents=True, exist_ok=True)
-    transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
-                             intermediate_size=64, vocab_size=300, max_position_embeddings=64).save_pretrained(path)
-    doc = json.loads((path / "config.json").read_text())
-    doc.update(extra)
-    (path / "config.json").write_text(json.dumps(doc))
-    return path
 
 
 def test_auto_map_names_the_files_it_would_run():
@@ -40,7 +28,7 @@ def test_auto_map_names_the_files_it_would_run():
 @pytest.mark.parametrize("model_type", ["llama", "evil"])
 def test_a_model_directory_that_wants_its_code_run_is_refused_before_anything_runs(
         tmp_path, monkeypatch, capsys, model_type):
-    d = _llama_config(tmp_path / "m", model_type=model_type,
+    d = llama_config(tmp_path / "m", model_type=model_type,
                       auto_map={"AutoConfig": "configuration_evil.EvilConfig",
                                 "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
     for name in ("configuration_evil.py", "modeling_evil.py"):

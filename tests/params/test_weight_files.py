@@ -2,21 +2,9 @@
 both; per-expert tensors on disk are read as the model's stacked ones."""
 from __future__ import annotations
 
-from pathlib import Path
 
 from tests.job._cli import RUN, refused
-
-
-def _mixtral_dir(path: Path) -> Path:
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                     intermediate_size=96, vocab_size=256, max_position_embeddings=64,
-                                     num_local_experts=4, num_experts_per_tok=2)
-    transformers.MixtralForCausalLM(cfg).save_pretrained(path)
-    return path
+from tests.models._model_dirs import mixtral_64_dir
 
 
 def test_a_tied_model_over_a_file_with_two_different_matrices_is_refused_naming_both(tmp_path, monkeypatch, capsys):
@@ -44,7 +32,7 @@ def test_per_expert_tensors_on_disk_are_read_as_the_models_stacked_ones(tmp_path
 
     from fxpipe.params.hf_weights import WeightsDir
 
-    d = _mixtral_dir(tmp_path / "mixtral")
+    d = mixtral_64_dir(tmp_path / "mixtral")
     w = WeightsDir(d)
     assert any(".block_sparse_moe.experts.0.w1.weight" in n for n in w.files)  # the layout on disk
     reference = transformers.MixtralForCausalLM.from_pretrained(d).state_dict()
