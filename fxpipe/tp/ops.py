@@ -118,38 +118,11 @@ def gather_seq(x: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
     return _group(tp).all_gather(x, dim)
 
 
-@gather_seq.register_fake
-def _(x, dim, tp):
-    shape = list(x.shape)
-    shape[dim] *= tp
-    return x.new_empty(shape)
-
-
-gather_seq.register_autograd(
-    lambda ctx, g: (_in_group(ctx, reduce_scatter_seq, g, ctx.dim, ctx.tp), None, None),
-    setup_context=_save_group_dim)
-
-
 @torch.library.custom_op(f"{NS}::reduce_scatter_seq", mutates_args=())
 def reduce_scatter_seq(x: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
     """Reduce-scatter forward / all-gather backward: a row-parallel partial result
     leaving as a sequence shard (replaces g under sequence parallelism)."""
     return _group(tp).reduce_scatter(x, dim)
-
-
-def _fake_split(x, dim, tp):
-    """Shape of this rank's 1/tp slice along ``dim`` (reduce-scatter and scatter alike)."""
-    shape = list(x.shape)
-    shape[dim] //= tp
-    return x.new_empty(shape)
-
-
-reduce_scatter_seq.register_fake(_fake_split)
-
-
-reduce_scatter_seq.register_autograd(
-    lambda ctx, g: (_in_group(ctx, gather_seq, g, ctx.dim, ctx.tp), None, None),
-    setup_context=_save_group_dim)
 
 
 @torch.library.custom_op(f"{NS}::scatter", mutates_args=())
@@ -159,14 +132,6 @@ def scatter(x: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
     return _chunk(x, dim, _group(tp))
 
 
-scatter.register_fake(_fake_split)
-
-
-scatter.register_autograd(
-    lambda ctx, g: (_in_group(ctx, gather, g, ctx.dim, ctx.tp), None, None),
-    setup_context=_save_group_dim)
-
-
 @torch.library.custom_op(f"{NS}::gather", mutates_args=())
 def gather(x: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
     """All-gather forward; backward keeps this rank's chunk: the consumer is
@@ -174,16 +139,35 @@ def gather(x: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
     return _group(tp).all_gather(x, dim)
 
 
-@gather.register_fake
-def _(x, dim, tp):
+def _fake_concat(x, dim, tp):
+    """Shape of the tp slices concatenated along ``dim`` (all-gather)."""
     shape = list(x.shape)
     shape[dim] *= tp
     return x.new_empty(shape)
 
 
-gather.register_autograd(
-    lambda ctx, g: (_in_group(ctx, scatter, g, ctx.dim, ctx.tp), None, None),
-    setup_context=_save_group_dim)
+def _fake_split(x, dim, tp):
+    """Shape of this rank's 1/tp slice along ``dim`` (reduce-scatter and scatter alike)."""
+    shape = list(x.shape)
+    shape[dim] //= tp
+    return x.new_empty(shape)
+
+
+def _register_dim_op(op, fake, grad_op) -> None:
+    """``op(x, dim, tp)``'s shape rule, and its backward: ``grad_op`` on the gradient along
+    the same dim, in the group forward ran in (``dim`` and ``tp`` take no gradient)."""
+    op.register_fake(fake)
+    op.register_autograd(lambda ctx, g: (_in_group(ctx, grad_op, g, ctx.dim, ctx.tp), None, None),
+                         setup_context=_save_group_dim)
+
+
+# Each op's backward is its partner's forward (the module docstring's table).
+for _op, _fake, _grad_op in ((gather_seq, _fake_concat, reduce_scatter_seq),
+                             (reduce_scatter_seq, _fake_split, gather_seq),
+                             (scatter, _fake_split, gather),
+                             (gather, _fake_concat, scatter)):
+    _register_dim_op(_op, _fake, _grad_op)
+del _op, _fake, _grad_op
 
 
 # ---- rank-dependent helpers (no gradient) ---------------------------------------------------
