@@ -44,7 +44,6 @@ scale [V] parameter, whose rows each block slices); anything else is left as is.
 """
 from __future__ import annotations
 
-import copy
 import operator
 
 import torch
@@ -55,7 +54,7 @@ from fxpipe.ir.loss_chain import ChainKind, ChainOp, Reduction, Slot, VocabOpera
 from fxpipe.ir.pass_results import BlockwiseLoss, LossBlock
 from fxpipe.ir.program import ParamKind, Program
 from fxpipe.passes.logit_chain import LossMatch, match_loss
-from fxpipe.passes.cost import cost_pass
+from fxpipe.passes.graph_edit import GraphEdit
 from fxpipe.passes.split import side_values
 from fxpipe.passes.split_matmul import MatmulSplit, call
 
@@ -190,9 +189,8 @@ def blockwise_loss(program: Program) -> Program:
     splits = program.matmul_splits
     if not splits:
         return program
-    gm = copy.deepcopy(program.graph_module)
-    by_name = {n.name: n for n in gm.graph.nodes}
-    paths, layers = dict(program.module_paths), dict(program.layers)
+    edit = GraphEdit.of(program)
+    by_name = edit.by_name
     done = []
     side = side_values(program)
     trainable = {p.node for p in program.params if p.kind is ParamKind.PARAMETER and p.requires_grad}
@@ -205,10 +203,7 @@ def blockwise_loss(program: Program) -> Program:
         m = match_loss(cats[0], is_param=lambda n: n.op == "placeholder" and n.name in trainable) \
             if len(cats) == 1 else None
         if m is not None:
-            done.append(_rewrite(gm, split, m, paths, layers, side))
+            done.append(_rewrite(edit.gm, split, m, edit.paths, edit.layers, side))
     if not done:
         return program
-    gm.graph.lint()
-    gm.recompile()
-    return cost_pass(program.replace(graph_module=gm, module_paths=paths, layers=layers, costs={},
-                                     loss_splits=(*program.loss_splits, *done)))
+    return edit.recosted(program, loss_splits=(*program.loss_splits, *done))

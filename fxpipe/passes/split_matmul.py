@@ -45,7 +45,6 @@ the FLOPs.
 """
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
@@ -55,7 +54,7 @@ from torch._guards import detect_fake_mode
 from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.pass_results import MatmulBlock, MatmulSplit
 from fxpipe.ir.program import Program
-from fxpipe.passes.cost import cost_pass
+from fxpipe.passes.graph_edit import GraphEdit
 
 aten = torch.ops.aten
 MAX_BLOCKS = 32
@@ -172,16 +171,15 @@ def split_matmuls(program: Program, num_stages: int) -> Program:
             heavy.append((node.name, min(MAX_BLOCKS, math.ceil(share * BLOCKS_PER_SHARE * num_stages))))
     if not heavy:
         return program
-    gm = copy.deepcopy(program.graph_module)
-    by_name = {n.name: n for n in gm.graph.nodes}
-    paths, layers = dict(program.module_paths), dict(program.layers)
+    edit = GraphEdit.of(program)
+    paths, layers = edit.paths, edit.layers
     splits = []
     for name, k in heavy:
-        node = by_name[name]
+        node = edit.by_name[name]
         k = min(k, node.meta["val"].shape[-1])
         if k < 2:
             continue
-        done = _split_one(gm.graph, node, k, paths.get(name) or name)
+        done = _split_one(edit.gm.graph, node, k, paths.get(name) or name)
         if done is None:
             continue
         split, cat = done
@@ -197,7 +195,4 @@ def split_matmuls(program: Program, num_stages: int) -> Program:
         layers.pop(name, None)
     if not splits:
         return program
-    gm.graph.lint()
-    gm.recompile()
-    return cost_pass(program.replace(graph_module=gm, module_paths=paths, layers=layers, costs={},
-                                     matmul_splits=(*program.matmul_splits, *splits)))
+    return edit.recosted(program, matmul_splits=(*program.matmul_splits, *splits))
