@@ -44,9 +44,10 @@ def zb_v(num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> Schedule
         ops = []
         count = {(c, k): 0 for c in (c0, c1) for k in (F, I, W)}
 
-        def run(stage, kind):
-            ops.append(act(stage, kind, count[(stage, kind)]))
-            count[(stage, kind)] += 1
+        def run(stage, *kinds):
+            for kind in kinds:
+                ops.append(act(stage, kind, count[(stage, kind)]))
+                count[(stage, kind)] += 1
 
         for _ in range(2 * (p - r) - 1):
             run(c0, F)
@@ -54,23 +55,17 @@ def zb_v(num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> Schedule
             run(c1, F)
             run(c0, F)
         for _ in range(p - r):
-            run(c1, F)
-            run(c1, I)
-            run(c1, W)
+            run(c1, F, I, W)
         while count[(c1, F)] < count[(c0, F)] or count[(c0, F)] < n:
             if count[(c0, F)] < n:
                 run(c0, F)
-            run(c0, I)
-            run(c0, W)
-            run(c1, F)
-            run(c1, I)
-            run(c1, W)
+            run(c0, I, W)
+            run(c1, F, I, W)
         for _ in range(r):
             run(c0, I)
             run(c1, I)
         for _ in range(p - r):
-            run(c0, I)
-            run(c0, W)
+            run(c0, I, W)
         while count[(c1, W)] < count[(c1, I)]:
             run(c1, W)
         while count[(c0, W)] < count[(c0, I)]:
