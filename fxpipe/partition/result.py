@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
+from fxpipe.base.enums import parse_enum
 from fxpipe.partition.problem import Node, PartitionProblem
 from fxpipe.partition.stage_cost import StageCost, evaluate
 
@@ -26,11 +27,7 @@ class Method(str, enum.Enum):
     def parse(cls, name: "str | Method") -> "Method":
         """The one check of a method's name (``ParallelConfig``, ``PartitionConfig`` and
         ``partition`` all parse through it)."""
-        try:
-            return cls(name)
-        except ValueError:
-            raise ValueError(f"unknown partition method {name!r}; valid methods: "
-                             f"{', '.join(m.value for m in cls)}") from None
+        return parse_enum(cls, name, "partition method", "valid methods")
 
 
 class SolveStatus(enum.Enum):
