@@ -301,6 +301,16 @@ def _ram_bytes() -> int:
         return CPU.memory_bytes
 
 
+def _refine(hw: Hardware, measurements: dict[str, Any], key: str, measure: Callable[[Hardware], dict[str, Any]],
+            field: str) -> tuple[Hardware, dict[str, Any]]:
+    """One overhead measured against the profile so far (it prices the rest of a tiny
+    step, so the later measurement sees the earlier one), kept under ``key`` and written
+    into the profile's ``field``."""
+    got = measure(hw)
+    measurements[key] = got
+    return dataclasses.replace(hw, **{field: got[field]}), got
+
+
 def calibrate(*, name: str = "cpu-measured", threads: int = 1, distributed: bool = True,
               log: Callable[[str], None] = print) -> tuple[Hardware, dict[str, Any]]:
     """Measure this machine; returns the profile and the raw measurements.
@@ -338,15 +348,11 @@ def calibrate(*, name: str = "cpu-measured", threads: int = 1, distributed: bool
         source=f"fxpipe calibrate, {platform.node()} {platform.machine()} "
                f"{datetime.date.today().isoformat()}, {threads} thread(s), torch {torch.__version__}"
                + (", compute measured by 2 processes at once" if distributed else ""))
-    framework = measure_framework_overhead(hw)
-    measurements["framework"] = framework
-    hw = dataclasses.replace(hw, op_overhead_s=framework["op_overhead_s"])
+    hw, framework = _refine(hw, measurements, "framework", measure_framework_overhead, "op_overhead_s")
     log(f"fxpipe   a tiny GPT's step {framework['tiny_step_s'] * 1e3:.2f} ms: per-kernel overhead "
         f"{hw.op_overhead_s * 1e6:.1f} us (fx + autograd), kernel dispatch alone "
         f"{compute['op_overhead_s'] * 1e6:.1f} us")
-    action = measure_action_overhead(hw)
-    measurements["action"] = action
-    hw = dataclasses.replace(hw, action_overhead_s=action["action_overhead_s"])
+    hw, action = _refine(hw, measurements, "action", measure_action_overhead, "action_overhead_s")
     log(f"runtime  a tiny GPT's step {action['step_m1_s'] * 1e3:.2f} ms with 1 microbatch, "
         f"{action['step_m8_s'] * 1e3:.2f} ms with 8: {hw.action_overhead_s * 1e6:.0f} us per forward or backward "
         f"action beyond the cost model")
