@@ -58,15 +58,10 @@ class TPGroup(Protocol):
         ...
 
 
-class ProcessGroupTP:
-    """A :class:`TPGroup` over a ``torch.distributed`` process group."""
-
-    def __init__(self, group: Any = None) -> None:
-        import torch.distributed as dist
-        self._dist = dist
-        self.group = group
-        self._rank = dist.get_rank(group)
-        self._size = dist.get_world_size(group)
+class _Ranked:
+    """``rank`` and ``size`` as :class:`TPGroup` reads them, set once by each group."""
+    _rank: int
+    _size: int
 
     @property
     def rank(self) -> int:
@@ -75,6 +70,20 @@ class ProcessGroupTP:
     @property
     def size(self) -> int:
         return self._size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self._rank}, size={self._size})"
+
+
+class ProcessGroupTP(_Ranked):
+    """A :class:`TPGroup` over a ``torch.distributed`` process group."""
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+        self._dist = dist
+        self.group = group
+        self._rank = dist.get_rank(group)
+        self._size = dist.get_world_size(group)
 
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         out = t.detach().clone(memory_format=torch.contiguous_format)
@@ -107,11 +116,8 @@ class ProcessGroupTP:
                                      group=self.group)
         return out
 
-    def __repr__(self) -> str:
-        return f"ProcessGroupTP(rank={self._rank}, size={self._size})"
 
-
-class ShapesOnlyGroup:
+class ShapesOnlyGroup(_Ranked):
     """Rank 0 of a group of ``size`` that no peer joins: each collective returns a tensor
     of the shape the real one returns, from this rank's data alone (an all-reduce copies,
     an all-gather repeats, a reduce-scatter keeps this rank's chunk).
@@ -123,15 +129,7 @@ class ShapesOnlyGroup:
     def __init__(self, size: int) -> None:
         if size < 1:
             raise ValueError(f"a group needs size >= 1, got {size}")
-        self._size = size
-
-    @property
-    def rank(self) -> int:
-        return 0
-
-    @property
-    def size(self) -> int:
-        return self._size
+        self._rank, self._size = 0, size
 
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         return t.detach().clone(memory_format=torch.contiguous_format)
@@ -147,9 +145,6 @@ class ShapesOnlyGroup:
         src = t.detach().contiguous()
         rows = sum(recv)
         return src.new_zeros((rows, *src.shape[1:])) if rows != src.shape[0] else src.clone()
-
-    def __repr__(self) -> str:
-        return f"ShapesOnlyGroup(size={self._size})"
 
 
 class _Rendezvous:
@@ -171,7 +166,7 @@ class _Rendezvous:
         return values
 
 
-class EmulatedGroup:
+class EmulatedGroup(_Ranked):
     """One rank of a TP group emulated by threads of this process.
 
     Make the ranks together with :meth:`create` and run one thread per rank
@@ -188,14 +183,6 @@ class EmulatedGroup:
             raise ValueError(f"an emulated TP group needs size >= 1, got {size}")
         rv = _Rendezvous(size, timeout)
         return [EmulatedGroup(r, size, rv) for r in range(size)]
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
 
     def abort(self) -> None:
         """Release the other ranks' waits (they raise ``BrokenBarrierError``)."""
@@ -224,9 +211,6 @@ class EmulatedGroup:
         starts = [sum(r_send[:self._rank]) for r_send in self._rv.exchange(self._rank, list(send))]
         pieces = [p.narrow(0, a, n) for p, a, n in zip(parts, starts, recv)]
         return torch.cat(pieces).clone() if pieces else t.new_empty((0, *t.shape[1:]))
-
-    def __repr__(self) -> str:
-        return f"EmulatedGroup(rank={self._rank}, size={self._size})"
 
 
 def run_emulated(size: int, fn: Callable[[EmulatedGroup], T], *,
