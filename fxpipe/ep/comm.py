@@ -15,12 +15,12 @@ the data-parallel ranks, or ``EmulatedGroup`` threads in tests).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, ContextManager, Sequence
 
 import torch
+
+from fxpipe.base.current import CurrentValue
 
 
 class _AllToAll(torch.autograd.Function):
@@ -54,25 +54,18 @@ class ExpertContext:
         self.tokens[layer] = self.tokens[layer] + counts if layer in self.tokens else counts
 
 
-_CURRENT: contextvars.ContextVar[ExpertContext | None] = contextvars.ContextVar("fxpipe_ep_context", default=None)
+_CURRENT: CurrentValue[ExpertContext] = CurrentValue(
+    "fxpipe_ep_context", "an expert-parallel graph ran outside expert_group_context(...); wrap the call: "
+    "`with fxpipe.ep.expert_group_context(group): program.run(state, *batch)`")
 
 
-@contextlib.contextmanager
-def expert_group_context(group: Any, context: ExpertContext | None = None) -> Iterator[ExpertContext]:
+def expert_group_context(group: Any, context: ExpertContext | None = None) -> ContextManager[ExpertContext]:
     """Make ``group`` current for the expert-parallel ops of the graphs run inside.
     Pass the same ``context`` to every step to keep counting tokens per expert."""
     ctx = context if context is not None else ExpertContext(group)
     assert ctx.group is group, "an ExpertContext belongs to one group"
-    token = _CURRENT.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _CURRENT.reset(token)
+    return _CURRENT.scope(ctx)
 
 
 def current_expert_context() -> ExpertContext:
-    ctx = _CURRENT.get()
-    if ctx is None:
-        raise RuntimeError("an expert-parallel graph ran outside expert_group_context(...); wrap the call: "
-                           "`with fxpipe.ep.expert_group_context(group): program.run(state, *batch)`")
-    return ctx
+    return _CURRENT.get()

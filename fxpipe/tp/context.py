@@ -16,13 +16,12 @@ fallback: running a TP graph outside a context is an error that names the fix.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass
-from typing import Iterator
+from typing import ContextManager
 
 import torch
 
+from fxpipe.base.current import CurrentValue
 from fxpipe.tp.group import TPGroup
 
 # Megatron-LM seeds its tensor-parallel RNG stream with seed + 2718 + tp_rank
@@ -79,34 +78,24 @@ class TPContext:
     rng: DropoutRNG
 
 
-_CURRENT: contextvars.ContextVar[TPContext | None] = contextvars.ContextVar(
-    "fxpipe_tp_context", default=None)
+_CURRENT: CurrentValue[TPContext] = CurrentValue(
+    "fxpipe_tp_context", "a tensor-parallel graph op ran outside tp_group_context(...); wrap the call: "
+    "`with fxpipe.tp.tp_group_context(group): program.run(state, *batch)`")
 
 
-@contextlib.contextmanager
-def tp_group_context(group: TPGroup, rng: DropoutRNG | None = None) -> Iterator[TPContext]:
+def tp_group_context(group: TPGroup, rng: DropoutRNG | None = None) -> ContextManager[TPContext]:
     """Make ``group`` (and ``rng``) current for the TP graph ops run inside the block.
 
     Without ``rng`` a fresh ``DropoutRNG(seed=0, tp_rank=group.rank)`` is used:
     fine for dropout-free runs and tests; a training loop passes its own."""
-    ctx = TPContext(group, rng if rng is not None else DropoutRNG(0, group.rank))
-    token = _CURRENT.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _CURRENT.reset(token)
+    return _CURRENT.scope(TPContext(group, rng if rng is not None else DropoutRNG(0, group.rank)))
 
 
 def current_tp() -> TPContext:
     """The context set by :func:`tp_group_context`; a clear error outside one."""
-    ctx = _CURRENT.get()
-    if ctx is None:
-        raise RuntimeError(
-            "a tensor-parallel graph op ran outside tp_group_context(...); wrap the call: "
-            "`with fxpipe.tp.tp_group_context(group): program.run(state, *batch)`")
-    return ctx
+    return _CURRENT.get()
 
 
 def current_tp_or_none() -> TPContext | None:
     """The current context, or None outside any (for code that works with and without TP)."""
-    return _CURRENT.get()
+    return _CURRENT.get_or_none()
