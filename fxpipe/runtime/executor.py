@@ -73,7 +73,8 @@ class PipelineExecutor:
         self.transport.waited_s = 0.0
         handlers = {K.F: self._forward, K.B: self._backward, K.I: self._backward,
                     K.W: self._weight, K.SEND_F: self._send, K.SEND_B: self._send,
-                    K.RECV_F: self._post_recv_fwd, K.RECV_B: self._post_recv_bwd,
+                    K.RECV_F: lambda a: self._post_recv(a.stage, a.microbatch, backward=False),
+                    K.RECV_B: lambda a: self._post_recv(a.stage, a.microbatch, backward=True),
                     K.BCAST_H: lambda a: self.vocab.bcast_h(a.microbatch),
                     K.S: lambda a: self.vocab.s(a.microbatch),
                     K.ALLREDUCE_S: lambda a: self.vocab.allreduce_s(a.microbatch),
@@ -111,7 +112,7 @@ class PipelineExecutor:
     # ---- compute -------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
         s, mb = a.stage, a.microbatch
-        self._post_recv_fwd(a)  # no-op if the schedule already posted them
+        self._post_recv(s, mb, backward=False)  # no-op if the schedule already posted them
         received = self.fwd_in.pop((s, mb), {})
         received.update(self._wait((K.RECV_F, s, mb)))
         if self.lookups is not None:
@@ -136,7 +137,7 @@ class PipelineExecutor:
 
     def _backward(self, a: Action) -> None:
         s, mb = a.stage, a.microbatch
-        self._post_recv_bwd(a)
+        self._post_recv(s, mb, backward=True)
         grads_in = self.bwd_in.pop((s, mb), None) or defaultdict(list)
         for name, g in self._wait((K.RECV_B, s, mb)).items():
             grads_in[name].append(g)
@@ -183,34 +184,26 @@ class PipelineExecutor:
             self.transport.send(self.plan.values[name], t, self.peer(self.rank_of(dst_stage)),
                                 self.transport.tag(backward, name, a.microbatch))
 
-    def _post_recv_fwd(self, a: Action) -> None:
-        key = (K.RECV_F, a.stage, a.microbatch)
+    def _post_recv(self, stage: int, mb: int, backward: bool) -> None:
+        """Post the receives of ``stage``'s inputs from other ranks (backward: of its outputs'
+        gradients, one from each consumer on another rank); once per stage and microbatch."""
+        key = (K.RECV_B if backward else K.RECV_F, stage, mb)
         if key in self.posted:
             return
         posted = []
-        for name in self.plan.stages[a.stage].inputs:
-            value = self.plan.values[name]
-            src = self.rank_of(value.producer)
+        for name, src in self._sources(stage, backward):
             if src != self.pp_rank:
-                work, buf = self.transport.recv(value, self.peer(src), self.transport.tag(False, name, a.microbatch))
+                work, buf = self.transport.recv(self.plan.values[name], self.peer(src),
+                                                self.transport.tag(backward, name, mb))
                 posted.append((work, name, buf))
         self.posted[key] = posted
 
-    def _post_recv_bwd(self, a: Action) -> None:
-        key = (K.RECV_B, a.stage, a.microbatch)
-        if key in self.posted:
-            return
-        posted = []
-        for name in self.plan.stages[a.stage].outputs:
-            value = self.plan.values[name]
-            if not value.requires_grad:
-                continue
-            for c in value.consumers:
-                src = self.rank_of(c)
-                if src != self.pp_rank:
-                    work, buf = self.transport.recv(value, self.peer(src), self.transport.tag(True, name, a.microbatch))
-                    posted.append((work, name, buf))
-        self.posted[key] = posted
+    def _sources(self, stage: int, backward: bool) -> list[tuple[str, int]]:
+        """(value, the rank it comes from) for everything ``stage`` receives."""
+        if not backward:
+            return [(name, self.rank_of(self.plan.values[name].producer)) for name in self.plan.stages[stage].inputs]
+        return [(name, self.rank_of(c)) for name in self.plan.stages[stage].outputs
+                if self.plan.values[name].requires_grad for c in self.plan.values[name].consumers]
 
     def _wait(self, key: tuple[K, int, int]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
