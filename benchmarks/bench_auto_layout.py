@@ -45,7 +45,8 @@ from benchmarks.rank_stats import kendall_tau_b, median_relative_error, spearman
 from fxpipe.ir.parallel_config import ParallelConfig  # noqa: E402
 from fxpipe.models.registry import build_workload  # noqa: E402
 from fxpipe.models.workload import Workload  # noqa: E402
-from fxpipe.planner.auto_layout import SEARCHED, search_layout  # noqa: E402
+from fxpipe.planner.auto_layout import search_layout  # noqa: E402
+from fxpipe.planner.layout_space import SEARCHED  # noqa: E402
 from fxpipe.runtime.local_world import run_local_world  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_auto_layout.txt")

@@ -32,8 +32,8 @@ from fxpipe.ir.program import Program
 from fxpipe.ir.token_inputs import check_token_ids
 from fxpipe.params.rank_state import ShardBuilder
 from fxpipe.partition import PartitionError
-from fxpipe.planner.auto_layout import SEARCHED
 from fxpipe.planner.layout_price import ranks_at_once
+from fxpipe.planner.layout_space import SEARCHED
 from fxpipe.planner.resolve import resolve_layout
 from fxpipe.runtime.api import ParallelModel
 from fxpipe.runtime.build import build_runtime

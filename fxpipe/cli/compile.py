@@ -89,8 +89,9 @@ def _searched(layout: ParallelConfig, args: argparse.Namespace, workload) -> tup
     """The layout the search chooses for ``--world`` ranks on the whole ``--batch`` (the layout
     flags given pin it), and one microbatch of one replica of it to compile."""
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
-    from fxpipe.planner.auto_layout import SEARCHED, cache_enabled
+    from fxpipe.planner.auto_layout import cache_enabled
     from fxpipe.planner.layout_price import local_world
+    from fxpipe.planner.layout_space import SEARCHED
     from fxpipe.planner.resolve import resolve_layout
 
     pinned = {f: getattr(layout, f) for f in given(args, LAYOUT_FLAGS) if f in SEARCHED}

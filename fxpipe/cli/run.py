@@ -42,7 +42,7 @@ def searched_layout(fields: dict) -> tuple[int, dict] | None:
     as ``--recompute full``, is kept); None: the layout as given."""
     # loaded when the command runs, not on import: `fxpipe --help` stays quick
     from fxpipe.job.layout_choice import default_world
-    from fxpipe.planner.auto_layout import LAYOUT_FIELDS, SEARCHED
+    from fxpipe.planner.layout_space import LAYOUT_FIELDS, SEARCHED
 
     pinned = {k: v for k, v in fields.items() if k in SEARCHED}
     if fields.get("world") is not None:

@@ -5,7 +5,7 @@ captured program, and the fastest that fits.
 allow — tp·pp·dp = world, dp dividing the batch's rows, the number of microbatches m (so
 the micro-batch size b = rows / (dp·m)), and for a pipeline every schedule (GPipe, 1F1B,
 interleaved, ZB-H1, ZB-V) with the head run whole, with its loss block by block or as
-vocabulary passes (``HeadMode``) — and prices
+vocabulary passes (``layout_space.HeadMode``) — and prices
 each on this model's graph, through the compile pipeline itself (``compiler/pipeline.py``):
 the tensor-parallel pass at that tp, per-node times — one tp rank's compute timed here
 once per (tp, micro-batch size) at those shard shapes (``fxpipe/costs/local.py``; the cost
@@ -27,24 +27,22 @@ result can be remembered on disk (``layout_cache.py``).
 Where the graph has grouped experts (an MoE), expert parallelism is a dimension too
 (ep dividing dp, at tp = 1). ZeRO-1, sequence parallelism and recomputation
 (``MEMORY_FIELDS``) are tried where a layout does not fit the memory limit without
-them, cheapest first (``memory_savers``).
+them, cheapest first (``layout_space.memory_savers``).
 """
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import os
 import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
-from fxpipe.base.recompute_mode import RecomputeMode
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.partition import Method, PartitionError
 from fxpipe.passes.expert_parallel import grouped_experts
@@ -52,18 +50,9 @@ from fxpipe.planner import layout_cache
 from fxpipe.planner.layout_bound import layout_bound_s
 from fxpipe.planner.layout_costs import CaptureCosts
 from fxpipe.planner.layout_price import PricedLayout, describe, price
-from fxpipe.planner.search import divisors
-from fxpipe.schedules.registry import ScheduleKind, get_spec
+from fxpipe.planner.layout_space import MEMORY_FIELDS, SEARCHED, candidate_layouts, memory_savers
+from fxpipe.schedules.registry import ScheduleKind
 
-LAYOUT_FIELDS = ("tp", "pp", "dp", "num_microbatches", "schedule", "chunks", "vocab_passes", "split_loss", "ep")
-"""The layout proper: every combination is enumerated (``ep`` only where the graph has
-grouped experts). Giving any of them is giving a layout (``fxpipe run`` then searches only
-with ``--world``)."""
-MEMORY_FIELDS = ("zero", "sp", "recompute")
-"""Fields that trade time for memory: tried, in this order and each on top of the last,
-only where a layout does not fit the memory limit without them (``memory_savers``)."""
-SEARCHED = LAYOUT_FIELDS + MEMORY_FIELDS
-"""Every field the search decides; the rest of ``ParallelConfig`` is taken as given."""
 
 @dataclass(frozen=True)
 class SearchBudget:
@@ -71,20 +60,6 @@ class SearchBudget:
     (after the shapes are timed and the bounds known)."""
     max_layouts: int = 2000
     seconds: float = 30.0
-
-
-class HeadMode(enum.Enum):
-    """How a pipeline runs the LM head and its loss (each searched with pp >= 2)."""
-    WHOLE = "whole"
-    """On the last stage, as captured (``split_matmul`` may still cut a heavy head over stages)."""
-    BLOCKWISE = "blockwise"
-    """The cross-entropy block by block over a head cut over stages (``split_loss``)."""
-    VOCAB_PASSES = "vocab-passes"
-    """Every pipeline rank runs its block of the vocabulary (``vocab_passes``)."""
-
-
-PIPELINE_SCHEDULES = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED,
-                      ScheduleKind.ZB_H1, ScheduleKind.ZB_V)
 
 
 @dataclass(frozen=True)
@@ -130,62 +105,6 @@ class LayoutSearch:
                          f"(bubble {100 * a.bubble:.1f}% vs {100 * b.bubble:.1f}%, all-reduce "
                          f"{1e3 * a.allreduce_s:.2f} vs {1e3 * b.allreduce_s:.2f} ms)")
         return "\n".join(lines)
-
-
-def candidate_layouts(world_size: int, rows: int, base: ParallelConfig,
-                      pinned: Mapping[str, Any] = {}, experts: Sequence[int] = ()) -> Iterator[ParallelConfig]:
-    """Every layout of ``world_size`` ranks for a batch of ``rows`` rows that honours the
-    ``pinned`` fields (by ``ParallelConfig`` field name), the rest taken from ``base``.
-    ``experts``: the expert count of each MoE the graph has (``grouped_experts``): with
-    tp = 1 every ep dividing dp and every count is a layout too (under 1F1B with the head
-    whole: what expert parallelism has run with)."""
-    pinned = dict(pinned)
-    if "schedule" in pinned:
-        pinned["schedule"] = ScheduleKind.parse(pinned["schedule"])
-    for tp in divisors(world_size):
-        for pp in divisors(world_size // tp):
-            dp = world_size // (tp * pp)
-            if rows % dp:
-                continue
-            eps = [e for e in divisors(dp) if experts and tp == 1 and all(n % e == 0 for n in experts)] or [1]
-            for ep in eps:
-                for m in divisors(rows // dp):
-                    kinds = PIPELINE_SCHEDULES if pp > 1 else (ScheduleKind.ONE_F_ONE_B,)
-                    for kind in kinds:
-                        spec = get_spec(kind)
-                        for head in (HeadMode if pp > 1 else (HeadMode.WHOLE,)):
-                            if ep > 1 and (kind is not ScheduleKind.ONE_F_ONE_B or head is not HeadMode.WHOLE):
-                                continue  # expert parallelism has run with 1F1B and a whole head only
-                            fields = dict(tp=tp, pp=pp, dp=dp, num_microbatches=m, schedule=kind,
-                                          chunks=spec.default_chunks, vocab_passes=head is HeadMode.VOCAB_PASSES,
-                                          split_loss=head is HeadMode.BLOCKWISE, ep=ep)
-                            if any(k in fields and fields[k] != v for k, v in pinned.items()):
-                                continue
-                            try:
-                                yield dataclasses.replace(base, **fields)
-                            except ValueError:  # a combination the layout's rules refuse
-                                continue
-
-
-def memory_savers(config: ParallelConfig, fixed: frozenset[str]) -> list[ParallelConfig]:
-    """``config``, then the same layout holding less (``MEMORY_FIELDS``), each on top of the
-    last: ZeRO-1 (dp >= 2; it moves the same bytes as the all-reduce it replaces,
-    runtime/zero.py, and holds Adam's moments 1/dp), sequence parallelism (tp >= 2; the
-    all-reduces become all-gathers and reduce-scatters of the same bytes, and the norms'
-    activations are 1/tp), then selective and full recompute (the forward again in
-    backward). Cheapest first, so the first that fits is the one to take. Fields in
-    ``fixed`` (pinned, or set on the base config) are not changed."""
-    tries, current = [config], config
-    steps = [("zero", 1, config.replicas > 1 and config.ep == 1), ("sp", True, config.tp > 1),
-             ("recompute", RecomputeMode.SELECTIVE, config.ep == 1), ("recompute", RecomputeMode.FULL, config.ep == 1)]
-    for field, value, applies in steps:
-        if applies and field not in fixed and getattr(current, field) != value:
-            try:
-                current = dataclasses.replace(current, **{field: value})
-            except ValueError:  # a combination the layout's rules refuse
-                continue
-            tries.append(current)
-    return tries
 
 
 def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: int, *,

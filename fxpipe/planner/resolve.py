@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 
 from fxpipe.ir.parallel_config import ParallelConfig
-from fxpipe.planner.auto_layout import SEARCHED, report_progress, search_layout
+from fxpipe.planner.auto_layout import report_progress, search_layout
+from fxpipe.planner.layout_space import SEARCHED
 from fxpipe.runtime.launch import rank0_decides
 
 

@@ -10,7 +10,8 @@ import torch
 from fxpipe.compiler.pipeline import capture_for, compile_program
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.models.registry import build_workload
-from fxpipe.planner.auto_layout import PIPELINE_SCHEDULES, candidate_layouts, search_layout
+from fxpipe.planner.auto_layout import search_layout
+from fxpipe.planner.layout_space import PIPELINE_SCHEDULES, candidate_layouts
 from fxpipe.planner.layout_price import price
 from fxpipe.planner.search import divisors
 from fxpipe.schedules.registry import ScheduleKind

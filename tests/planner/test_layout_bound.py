@@ -10,7 +10,8 @@ import pytest
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.models.registry import build_workload
 from fxpipe.planner import layout_cache
-from fxpipe.planner.auto_layout import _bounds, candidate_layouts, search_layout
+from fxpipe.planner.auto_layout import _bounds, search_layout
+from fxpipe.planner.layout_space import candidate_layouts
 from fxpipe.planner.layout_costs import CaptureCosts
 from fxpipe.planner.layout_price import describe
 

@@ -22,7 +22,8 @@ from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.models.registry import GPT_CONFIGS, build_workload
 from fxpipe.params.rank_state import ShardBuilder
 from fxpipe.passes.assign_stages import build_problem_graph
-from fxpipe.planner.auto_layout import PIPELINE_SCHEDULES, search_layout
+from fxpipe.planner.auto_layout import search_layout
+from fxpipe.planner.layout_space import PIPELINE_SCHEDULES
 from fxpipe.planner.layout_price import price
 from fxpipe.planner.captured import captured_shape
 from fxpipe.planner.shapes import shape_from_registry

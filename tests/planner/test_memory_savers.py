@@ -1,4 +1,4 @@
-"""What the layout search does where memory is short (fxpipe/planner/auto_layout.py's
+"""What the layout search does where memory is short (fxpipe/planner/layout_space.py's
 ``memory_savers``) and with experts: recompute priced by the partition against the saved
 bytes autograd really keeps, the ladder of ZeRO-1 / SP / recompute under a memory limit,
 expert parallelism as a layout of MoE graphs with its all-to-alls and its smaller
@@ -17,7 +17,8 @@ from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.models.registry import build_workload
 from fxpipe.passes.assign_stages import build_problem_graph
 from fxpipe.passes.recompute import apply_recompute, find_regions
-from fxpipe.planner.auto_layout import candidate_layouts, memory_savers, search_layout
+from fxpipe.planner.auto_layout import search_layout
+from fxpipe.planner.layout_space import candidate_layouts, memory_savers
 from fxpipe.planner.layout_price import ep_collective_times, local_world, price
 
 

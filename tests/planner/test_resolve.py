@@ -7,7 +7,8 @@ import pytest
 
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.models.registry import build_workload
-from fxpipe.planner.auto_layout import SEARCHED, search_layout
+from fxpipe.planner.auto_layout import search_layout
+from fxpipe.planner.layout_space import SEARCHED
 from fxpipe.planner.resolve import ResolvedLayout, resolve_layout
 
 

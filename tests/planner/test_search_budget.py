@@ -7,7 +7,8 @@ import pytest
 
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.models.registry import build_workload
-from fxpipe.planner.auto_layout import SearchBudget, candidate_layouts, search_layout
+from fxpipe.planner.auto_layout import SearchBudget, search_layout
+from fxpipe.planner.layout_space import candidate_layouts
 
 
 @pytest.fixture(scope="module")
