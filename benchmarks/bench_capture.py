@@ -60,7 +60,8 @@ def main() -> None:
 def functionalize_cost(name: str, layers: int) -> None:
     """What functionalization (part of capture) finds and costs on a model's raw export."""
     from fxpipe.compiler.capture import _LossModule, _model_kwargs
-    from fxpipe.passes.functionalize import functionalize, mutated_args
+    from fxpipe.passes.aliasing import mutated_args
+    from fxpipe.passes.functionalize import functionalize
 
     w = build_workload(name, batch=1, device="meta", layers=layers)
     wrapper = _LossModule(w.model, w.loss_fn, _model_kwargs(w.model))

@@ -22,7 +22,8 @@ chain to the root with the scatter op that inverts each view (``slice`` ->
 version then changes, and every later read of any member is regenerated from the new
 root by replaying its views. A write to a buffer placeholder becomes a graph output
 (the runtime writes it back); a write to a parameter or a batch input, or through a
-view this pass cannot invert, is refused naming the node.
+view this pass cannot invert, is refused naming the node. What the schemas say about
+writes and views, and each view's inverse, is ``aliasing.py``.
 """
 from __future__ import annotations
 
@@ -33,13 +34,11 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch.multiprocessing.reductions import StorageWeakRef
+
+from fxpipe.passes.aliasing import (IDENTITIES, FunctionalizeError, functional_op, inverse_view, is_view,
+                                    mutated_args, same_storage, view_parent, where)
 
 aten = torch.ops.aten
-
-
-class FunctionalizeError(RuntimeError):
-    """A mutation this pass cannot express functionally; names the node and its source."""
 
 
 @dataclass(frozen=True)
@@ -49,65 +48,6 @@ class Functionalized:
     """In-place nodes rewritten (0: the graph was already functional and is returned as is)."""
     buffer_updates: tuple[tuple[str, str], ...]
     """(placeholder name, output node name) for every buffer the forward writes."""
-
-
-def mutated_args(node: fx.Node) -> list[int]:
-    """Positions of the arguments ``node`` writes into ([] for a functional node)."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return []
-    return [i for i, a in enumerate(node.target._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write]
-
-
-def _is_view(node: fx.Node) -> bool:
-    t = node.target
-    if node.op != "call_function":
-        return False
-    if t is operator.getitem:
-        src = node.args[0]
-        return isinstance(src, fx.Node) and _is_view(src)
-    if not isinstance(t, torch._ops.OpOverload) or mutated_args(node):
-        return False
-    rets = t._schema.returns
-    return bool(rets) and rets[0].alias_info is not None
-
-
-def _view_parent(node: fx.Node) -> fx.Node:
-    if node.target is operator.getitem:
-        return node.args[0].args[0]
-    return node.args[0]
-
-
-def _same_storage(a: fx.Node, b: fx.Node) -> bool:
-    """Did ``a`` return ``b``'s storage? (``x.to(dtype)`` does only when nothing converts.)"""
-    try:
-        return StorageWeakRef(a.meta["val"].untyped_storage()) == \
-            StorageWeakRef(b.meta["val"].untyped_storage())
-    except (NotImplementedError, RuntimeError):  # sparse, nested: no plain storage
-        return False
-
-
-def _where(node: fx.Node) -> str:
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-    src = next((ln.strip() for ln in reversed(trace) if ln.strip().startswith("File ")), "")
-    return f"{node.name} ({node.target}){': ' + src if src else ''}"
-
-
-def _functional_op(node: fx.Node) -> Callable:
-    """aten.foo_.overload -> aten.foo.overload (copy_ -> copy)."""
-    schema = node.target._schema
-    base = schema.name.split("::")[1]
-    overload = node.target._overloadname
-    if not base.endswith("_") or mutated_args(node) != [0]:
-        raise FunctionalizeError(f"cannot make {_where(node)} functional: it writes into "
-                                 f"arguments {mutated_args(node)} (only writes into its first "
-                                 f"argument, like x.add_(y), are supported)")
-    packet = getattr(aten, base[:-1], None)
-    op = getattr(packet, overload, None) if packet is not None else None
-    if op is None:
-        raise FunctionalizeError(f"cannot make {_where(node)} functional: torch has no "
-                                 f"aten.{base[:-1]}.{overload}")
-    return op
 
 
 class _Rewriter:
@@ -135,9 +75,9 @@ class _Rewriter:
             k: Any = n  # a node that makes a new tensor starts a group of its own
             if mutated_args(n):
                 k = self.key.get(n.args[0], n)  # x.add_(y) returns x
-            elif _is_view(n):
-                parent = _view_parent(n)
-                if parent in self.key and (n.target not in _IDENTITIES or _same_storage(n, parent)):
+            elif is_view(n):
+                parent = view_parent(n)
+                if parent in self.key and (n.target not in IDENTITIES or same_storage(n, parent)):
                     k = self.key[parent]
             self.key[n] = k
             self.root.setdefault(k, n)
@@ -203,17 +143,17 @@ class _Rewriter:
             return
         k = self.key.get(target)
         if k is None:
-            raise FunctionalizeError(f"cannot make {_where(m)} functional: its target has no "
+            raise FunctionalizeError(f"cannot make {where(m)} functional: its target has no "
                                      f"tensor metadata")
         root = self.root[k]
         if root.op == "placeholder" and not self.writable(root):
             raise FunctionalizeError(
                 f"the forward writes in place into {self.names.get(root.name, root.name)}, a "
-                f"parameter or batch input, at {_where(m)}; use an out-of-place op (e.g. x = x.add(y), not x.add_(y))")
+                f"parameter or batch input, at {where(m)}; use an out-of-place op (e.g. x = x.add(y), not x.add_(y))")
         if m.target == aten.copy_.default:
             new = self._copied(target, m)
         else:
-            op = _functional_op(m)
+            op = functional_op(m)
             new = self._emit(op, (self.value(target), *self._map(m.args[1:])), self._map(m.kwargs), m)
         self._commit(target, new, m)
         self.alias_of[m] = target
@@ -238,11 +178,12 @@ class _Rewriter:
             new = self._emit(aten._to_copy.default, (new,), {"dtype": want.dtype}, m)
         value, child = new, target
         while child is not root:
-            if not _is_view(child):
-                raise FunctionalizeError(f"cannot make {_where(m)} functional: {child.name} shares "
+            if not is_view(child):
+                raise FunctionalizeError(f"cannot make {where(m)} functional: {child.name} shares "
                                          f"storage with {root.name} but is not a view of it")
-            parent = self._resolve(_view_parent(child))
-            value = self._scatter(child, parent, value, m)
+            parent = self._resolve(view_parent(child))
+            value = inverse_view(child, self.value(parent), value,
+                                 lambda target, args: self._emit(target, args, {}, m), m)
             child = parent
         self.version[k] = self.version.get(k, 0) + 1
         self.current[k] = value
@@ -270,54 +211,9 @@ class _Rewriter:
                 name = self.names.get(getattr(root, "name", ""), getattr(root, "name", "?"))
                 raise FunctionalizeError(
                     f"the forward writes in place into {name}, a parameter or batch input, inside "
-                    f"the region {_where(n)}; use an out-of-place op")
+                    f"the region {where(n)}; use an out-of-place op")
             got = self._emit(operator.getitem, (new, len(old) + j), {}, n)
             self._commit(target, got, n)
-
-    def _scatter(self, view: fx.Node, parent: fx.Node, value: fx.Node, m: fx.Node) -> fx.Node:
-        """The parent's value once ``view`` holds ``value`` (the inverse of one view op)."""
-        base = self.value(parent)
-        t = view.target
-        a = view.args
-        if t is operator.getitem:
-            return self._scatter_multi(view, base, value, m)
-        if t == aten.slice.Tensor:
-            dim, start, end, step = (list(a[1:]) + [0, None, None, 1][len(a) - 1:])[:4]
-            return self._emit(aten.slice_scatter.default, (base, value, dim, start, end, step), {}, m)
-        if t == aten.select.int:
-            return self._emit(aten.select_scatter.default, (base, value, a[1], a[2]), {}, m)
-        if t == aten.diagonal.default:
-            extra = tuple(a[1:])
-            return self._emit(aten.diagonal_scatter.default, (base, value, *extra), {}, m)
-        if t in (aten.transpose.int,):
-            return self._emit(aten.transpose.int, (value, a[1], a[2]), {}, m)
-        if t == aten.t.default:
-            return self._emit(aten.t.default, (value,), {}, m)
-        if t == aten.permute.default:
-            dims = [d % len(a[1]) for d in a[1]]
-            inverse = [dims.index(i) for i in range(len(dims))]
-            return self._emit(aten.permute.default, (value, inverse), {}, m)
-        if t in _RESHAPES:
-            return self._emit(aten.reshape_as.default, (value, base), {}, m)
-        if t in _IDENTITIES:  # same storage: the op returned its input unchanged
-            return value
-        raise FunctionalizeError(f"cannot make {_where(m)} functional: it writes through "
-                                 f"{view.name} ({t}), a view this pass cannot invert")
-
-    def _scatter_multi(self, view: fx.Node, base: fx.Node, value: fx.Node, m: fx.Node) -> fx.Node:
-        multi, i = view.args
-        t, a = multi.target, multi.args
-        if t == aten.unbind.int:
-            dim = a[1] if len(a) > 1 else 0
-            return self._emit(aten.select_scatter.default, (base, value, dim, i), {}, m)
-        if t in (aten.split.Tensor, aten.split_with_sizes.default):
-            dim = a[2] if len(a) > 2 else multi.kwargs.get("dim", 0)
-            sizes = [int(v.shape[dim]) for v in multi.meta["val"]]
-            start = sum(sizes[:i])
-            return self._emit(aten.slice_scatter.default,
-                              (base, value, dim, start, start + sizes[i], 1), {}, m)
-        raise FunctionalizeError(f"cannot make {_where(m)} functional: it writes through "
-                                 f"{view.name}, an output of {t}")
 
     # ---- the whole graph -----------------------------------------------------------
     def _region_attr(self, n: fx.Node) -> fx.Node | None:
@@ -346,21 +242,6 @@ class _Rewriter:
             else:
                 self.env[n] = self.g.node_copy(n, self.value)
         raise AssertionError("graph without output")
-
-
-_RESHAPES = frozenset({
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
-    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints,
-    aten.unflatten.int, aten.alias.default, aten.detach.default, aten.view_as.default,
-    aten.reshape_as.default,
-})
-
-
-# Ops that return their input itself when nothing needs converting (else a new storage).
-_IDENTITIES = frozenset({
-    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other,
-    aten.contiguous.default, aten.type_as.default,
-})
 
 
 def functionalize(gm: fx.GraphModule, writable: Callable[[fx.Node], bool] = lambda n: False,

@@ -10,7 +10,7 @@ import torch.fx as fx
 
 from fxpipe.ir.program import ParamKind, Program
 from fxpipe.ir.stage_plan import PipelinePlan
-from fxpipe.passes.functionalize import mutated_args
+from fxpipe.passes.aliasing import mutated_args
 
 
 class ProgramInvariantError(AssertionError):

@@ -30,7 +30,7 @@ from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.program import ParamKind, Program, TensorSpec
 from fxpipe.ir.sizes import is_dynamic
 from fxpipe.ir.stage_plan import PipelinePlan, Stage, StageValue
-from fxpipe.passes.functionalize import mutated_args
+from fxpipe.passes.aliasing import mutated_args
 
 
 def _is_random(node: fx.Node) -> bool:

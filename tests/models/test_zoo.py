@@ -10,7 +10,7 @@ from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.models import build_workload
 from fxpipe.models.zoo import ZOO
 from fxpipe.models.zoo.swa_gpt import sliding_window_mask
-from fxpipe.passes.functionalize import mutated_args
+from fxpipe.passes.aliasing import mutated_args
 
 # What each model's captured graph must contain. Capture functionalizes: the in-place
 # writes of swa-gpt (fill_ on a view, masked_fill_, index_put_) and moe (index_add_)

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import fxpipe
 from fxpipe.compiler.capture import CaptureError
-from fxpipe.passes.functionalize import mutated_args
+from fxpipe.passes.aliasing import mutated_args
 from tests.passes._inplace_models import SlidingWindowGPT, batch
 
 
