@@ -103,7 +103,9 @@ def build_runtime(compiled: CompiledPipeline, mesh: RankMesh, shards: ShardBuild
                                 lookups=lookups, vocab=vocab)
     holders = {**master.masters, **master.loose} if master else state
     grad_sync = GradSync.build(plan, compiled.schedule, groups, holders, timeout, like=state, zero=zero,
-                               experts=experts, actions=compiled.actions, bucket_mb=config.bucket_mb)
+                               experts=experts, actions=compiled.actions, bucket_mb=config.bucket_mb,
+                               lookup_final=lookups.final_points(compiled.actions.actions[groups.pp_rank])
+                               if lookups is not None else None)
     executor.reduction = grad_sync.overlap  # armed around the actions that finish gradients
     return ParallelModel(compiled, RankParts(groups, state, executor, grad_sync, device, specs, master=master,
                                              compiled_stages=compiled_stages, tp_rng=tp_rng, experts=experts))

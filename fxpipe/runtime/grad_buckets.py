@@ -24,6 +24,15 @@ they see the master's gradient complete.
 
 With ZeRO-1 (``zero.py``) a bucket is laid out by owner, and each owner's run of it is
 reduced onto that owner (the bytes of a reduce-scatter) instead of all-reduced.
+
+Tensors reduced over other groups than the data-parallel one (``grad_sync.py``: tied
+copies and row-shared runs over the union of their pipeline ranks and the dp replicas,
+expert stacks over the replicas of the same experts) ride in the same buckets: a
+tensor's ``segments`` name the group each range of it is all-reduced on (``Bucket.others``),
+started with the bucket. Every such collective is divided by dp like the rest, since
+the group sums over the dp replicas too. A group whose members are different pipeline
+ranks is never merged across segments: the ranks lay their buckets out differently, so
+only one collective per segment issues the same calls on each of them.
 """
 from __future__ import annotations
 
@@ -49,6 +58,9 @@ class Bucket:
     """(owner's data-parallel rank or -1 for all, start, length) of each collective's slice."""
     numel: int
     dtype: torch.dtype
+    others: tuple[tuple[int, int, int], ...] = ()
+    """(index into ``OverlappedReduction.groups``, start, length) of each all-reduce over
+    another group than the data-parallel one (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -79,10 +91,16 @@ def final_actions(actions: Sequence[Action], stage_params: Mapping[int, Sequence
 
 def plan_buckets(final_at: Mapping[str, int], order: Mapping[str, int], numel: Mapping[str, int],
                  dtype: Mapping[str, torch.dtype], bucket_bytes: float,
-                 owner: Mapping[str, int] | None = None) -> BucketPlan:
+                 owner: Mapping[str, int] | None = None,
+                 segments: Mapping[str, Sequence[tuple[int, int, int]]] | None = None,
+                 mergeable: frozenset[int] = frozenset()) -> BucketPlan:
     """Buckets of at most ``bucket_bytes`` (one tensor alone may exceed it) in the
     order the gradients become final: by action, then by ``order`` (smaller first:
-    backward reaches a stage's last-used tensors first)."""
+    backward reaches a stage's last-used tensors first). ``segments``: name -> (group
+    index, or -1 for the data-parallel group, offset, length) of each range of it (default:
+    all of it on the data-parallel group); consecutive ranges of one ``mergeable`` group are
+    reduced as one."""
+    segments = segments or {}
     names = sorted(final_at, key=lambda n: (final_at[n], order[n], n))
     groups: list[list[str]] = []
     size = 0.0
@@ -97,15 +115,25 @@ def plan_buckets(final_at: Mapping[str, int], order: Mapping[str, int], numel: M
     for group in groups:
         if owner is not None:  # one contiguous run per owner
             group = sorted(group, key=lambda n: owner[n])  # stable: keeps the finishing order per owner
-        runs, start = [], 0
+        runs: list[list[int]] = []
+        others: list[list[int]] = []
+        start = 0
         for n in group:
-            who = owner[n] if owner is not None else -1
-            if runs and runs[-1][0] == who:
-                runs[-1][2] += numel[n]
-            else:
-                runs.append([who, start, numel[n]])
+            for key, offset, length in segments.get(n, ((-1, 0, numel[n]),)):
+                at = start + offset
+                if key < 0:
+                    who = owner[n] if owner is not None else -1
+                    if runs and runs[-1][0] == who and runs[-1][1] + runs[-1][2] == at:
+                        runs[-1][2] += length
+                    else:
+                        runs.append([who, at, length])
+                elif others and key in mergeable and others[-1][0] == key and others[-1][1] + others[-1][2] == at:
+                    others[-1][2] += length
+                else:
+                    others.append([key, at, length])
             start += numel[n]
-        buckets.append(Bucket(tuple(group), tuple(tuple(r) for r in runs), start, dtype[group[0]]))
+        buckets.append(Bucket(tuple(group), tuple(tuple(r) for r in runs), start, dtype[group[0]],
+                              tuple(tuple(o) for o in others)))
     return BucketPlan(tuple(buckets), dict(final_at))
 
 
@@ -125,6 +153,12 @@ class OverlappedReduction:
     """Data-parallel rank -> global rank (ZeRO-1's reduce destinations)."""
     owner: Mapping[str, int] | None = None
     """ZeRO-1: canonical name -> the data-parallel rank that owns it."""
+    groups: Sequence[Any] = ()
+    """The process groups ``Bucket.others`` index (None: no collective, the division only)."""
+    unhooked: frozenset[str] = frozenset()
+    """Names final only when their action returns: their last action may accumulate into
+    them more than once (an embedding table's lookups, several microbatches' gradients
+    taken at one point: ``lookup_exchange.py``), so the first hook is not the last."""
     launched_at: list[float] = field(default_factory=list)
     """perf_counter of each bucket's launch in the last step (tests check it falls
     inside the backward)."""
@@ -142,7 +176,8 @@ class OverlappedReduction:
         self._done: set[str] = set()
         self._next = 0
         self._action: int | None = None
-        self._hooks = [self.like[n].register_post_accumulate_grad_hook(self._hook(n)) for n in self._bucket_of]
+        self._hooks = [self.like[n].register_post_accumulate_grad_hook(self._hook(n)) for n in self._bucket_of
+                       if n not in self.unhooked]
 
     @property
     def names(self) -> frozenset[str]:
@@ -198,7 +233,12 @@ class OverlappedReduction:
 
     def _launch(self, i: int) -> None:
         buf = self._buffers[i]
-        for who, start, length in self.plan.buckets[i].runs:
+        bucket = self.plan.buckets[i]
+        for key, start, length in bucket.others:
+            if self.groups[key] is not None:
+                self._works.append(dist.all_reduce(buf.narrow(0, start, length), group=self.groups[key],
+                                                   async_op=True))
+        for who, start, length in bucket.runs if self.dp > 1 else ():  # one replica: nothing to reduce
             part = buf.narrow(0, start, length)
             if who < 0:
                 self._works.append(dist.all_reduce(part, group=self.group, async_op=True))
@@ -226,7 +266,10 @@ class OverlappedReduction:
         self.waited_s = time.perf_counter() - start
         for bucket, buf in zip(self.plan.buckets, self._buffers):
             for who, at, length in bucket.runs:
-                if who < 0 or who == self.dp_rank:
+                if self.dp > 1 and (who < 0 or who == self.dp_rank):
+                    buf.narrow(0, at, length).mul_(1.0 / self.dp)
+            for _key, at, length in bucket.others:
+                if self.dp > 1:
                     buf.narrow(0, at, length).mul_(1.0 / self.dp)
         if self.owner is not None:
             for n in self._bucket_of:

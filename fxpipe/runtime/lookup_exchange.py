@@ -107,6 +107,22 @@ class VocabLookups:
         self.outbox: list[tuple[Pending, torch.Tensor]] = []
         """Sends not known to be complete, with the tensor each must keep alive."""
 
+    def final_points(self, actions: Sequence) -> dict[str, int]:
+        """Table -> index of this rank's action after whose end its rows' gradient is final
+        (``grad_sync.py`` starts its reduction then): the consumer's last B or I of the
+        stage, where it runs its own part's backward (``put_grad``); an owner's last gradient
+        point, taken before that action (``len(actions)``: after the last one)."""
+        out: dict[str, int] = {}
+        for lk in self.lookups:
+            if lk.consumer == self.groups.pp_rank and lk.owned is not None:
+                last = max(i for i, a in enumerate(actions) if a.kind in (K.B, K.I) and a.stage == lk.plan.stage)
+                out[lk.plan.table] = max(out.get(lk.plan.table, -1), last)
+        for index, entries in self.points.items():
+            for what, lk, _j in entries:
+                if what == "grad":
+                    out[lk.plan.table] = max(out.get(lk.plan.table, -1), index)
+        return out
+
     def start(self, microbatches: Sequence[Sequence[torch.Tensor]]) -> None:
         self.mb, self.peak_parts = microbatches, 0
         for lk in self.lookups:
