@@ -13,7 +13,10 @@ is done. What outlasts the backward is exposed:
 So at least the last bucket (final only when the backward ends) is always exposed, and
 all of the reduction beyond the backward when it is the longer. The layout search
 (``layout_price.py``) and ``fxpipe plan`` (``predict.py``, ``DPOverlap.BACKWARD``) both
-price the reduction with this one function, through ``step_price.dp_sync_s``.
+price the reduction with this one function, through ``step_price.dp_sync_s``: the dense
+buckets, and expert stacks' on their replica group. A tied table is not in it: the runtime
+reduces it with its pipeline sum in one all-reduce that ends when the first rank's
+backward does (``predict._sync_s``, ``layout_price.gradient_sync_s``).
 """
 from __future__ import annotations
 

@@ -146,23 +146,51 @@ def gradient_sync_s(compiled: CompiledPipeline, hw: Hardware,
                 seen.add(p.canonical)
                 stage = next((program.stages[u.name] for u in nodes[p.node].users if u.name in program.stages), 0)
                 experts[ranks[stage]] += p.numel // ep.ep
+    tied, union = _tied_bytes(compiled)
     members, zero = config.replicas, bool(config.zero)
     weight = config.precision.dtype.itemsize
     traffic = ADAM_FP32_BYTES if weight == 4 else PlannerOptions.optimizer_bytes_per_param
     hidden = backward_s if backward_s is not None and members > 1 else [None] * config.pp
     group = members // config.ep
     sync, step = [], []
-    for p, e, b in zip(params, experts, hidden):
-        dense = dp_sync_s(hw, grad_bytes=4 * (p - e), weight_bytes=weight * (p - e), dp=members,
+    for r, (p, e, b) in enumerate(zip(params, experts, hidden)):
+        # A tied copy leaves the dp buckets: its pipeline sum and dp average are one
+        # all-reduce over its ranks × the replicas (runtime/grad_sync.py), whose first
+        # rank's copy — the embedding — is final only when that rank's backward ends: exposed.
+        dense = dp_sync_s(hw, grad_bytes=max(0.0, 4 * (p - e) - tied[r]), weight_bytes=weight * (p - e), dp=members,
                           per_node=hw.members_per_node(members, config.tp), zero=zero,
                           backward_s=b or 0.0, bucket_mb=config.bucket_mb if b is not None else 0.0)
+        # Expert stacks ride in the same buckets, on the replicas of the same experts.
         held = dp_sync_s(hw, grad_bytes=4 * e, weight_bytes=weight * e, dp=group,
                          per_node=hw.members_per_node(group, config.tp * config.ep), zero=False,
-                         backward_s=0.0, bucket_mb=0.0)
-        sync.append(dense + held)
+                         backward_s=b or 0.0, bucket_mb=config.bucket_mb if b is not None else 0.0)
+        shared = sum(hw.collective_s(Collective.ALL_REDUCE, nbytes, n * members, hw.members_per_node(members, config.tp))
+                     for nbytes, n in union[r])
+        sync.append(dense + held + shared)
         step.append(optimizer_step_s(hw, p - e, dp=members, zero=zero, traffic_bytes=traffic)
                     + optimizer_step_s(hw, e, dp=group, zero=False, traffic_bytes=traffic))
     return tuple(sync), tuple(step)
+
+
+def _tied_bytes(compiled: CompiledPipeline) -> tuple[list[float], list[list[tuple[float, int]]]]:
+    """Per pipeline rank: fp32 gradient bytes of the tied tensors (read by stages on several
+    pipeline ranks) its partition count includes — each once, on the rank of the first
+    stage reading it (``assign_stages``) —, and (bytes, pipeline ranks holding it) of each
+    tied tensor it holds: the union all-reduces it joins."""
+    pp, plan, program = compiled.config.pp, compiled.plan, compiled.program
+    counted: list[float] = [0.0] * pp
+    union: list[list[tuple[float, int]]] = [[] for _ in range(pp)]
+    if plan is None:
+        return counted, union
+    for p in program.params:
+        stages = plan.tied_stages.get(p.canonical, ())
+        ranks = sorted({compiled.schedule.stage_to_rank(s) for s in stages})
+        if len(ranks) < 2:
+            continue
+        counted[compiled.schedule.stage_to_rank(min(stages))] += 4.0 * p.numel
+        for r in ranks:
+            union[r].append((4.0 * p.numel, len(ranks)))
+    return counted, union
 
 
 def price(compiled: CompiledPipeline, hardware: Hardware | None = None, *,

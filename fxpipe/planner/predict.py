@@ -9,8 +9,8 @@ Iteration = max over pipeline ranks r of
               embedding lookup (b·s·h) point to point, one microbatch ahead, so only the
               first microbatch's arrival is exposed; the gradients go back overlapped)
   + sync_r   (data-parallel gradient all-reduce of r's parameters, ring over d ranks,
-              exposed per ``DPOverlap``; plus the tied-embedding all-reduce between the
-              first and last rank when p > 1 without vocabulary passes)
+              exposed per ``DPOverlap``; the tied embedding's instead one all-reduce over
+              the first and last rank × the d replicas when p > 1 without vocabulary passes)
   + opt_r    (the Adam step over r's parameters, memory bound).
 TFLOP/s per GPU uses the paper's model FLOPs (``shapes.model_flops``: the 96·B·s·l·h²
 formula with full recompute, 72 without).
@@ -111,15 +111,20 @@ def _sync_s(model: CostModel, cfg: CandidateLayout, stages: StagePlan, r: int, p
     # dtype) gathered back, with overlap behind the next iteration's first forward
     # (Megatron's --overlap-param-gather).
     overlap = opts.dp_overlap is DPOverlap.BACKWARD
-    dp = dp_sync_s(hw, grad_bytes=params * opts.grad_bytes, weight_bytes=params * opts.dtype_bytes, dp=cfg.dp,
-                   per_node=hw.members_per_node(cfg.dp, cfg.tp), zero=bool(cfg.zero),
+    # Megatron's embedding group: first and last rank (vocabulary passes hold each row once).
+    # The runtime sums the two copies and averages over dp in ONE all-reduce over the pair
+    # × the dp replicas (``runtime/grad_sync.py``), so the table leaves the dp buckets. Its
+    # gradient on the first rank is final only when that rank's backward ends (the lookup
+    # is the first thing forward does), and the last rank's copy waits for it: exposed whole.
+    tied = cfg.pp > 1 and r in (0, cfg.pp - 1) and not cfg.vocab_passes
+    vocab = shape.padded_vocab(cfg.tp) * shape.hidden / cfg.tp if tied else 0.0
+    dp = dp_sync_s(hw, grad_bytes=(params - vocab) * opts.grad_bytes, weight_bytes=params * opts.dtype_bytes,
+                   dp=cfg.dp, per_node=hw.members_per_node(cfg.dp, cfg.tp), zero=bool(cfg.zero),
                    backward_s=float(stages.backward[r]), bucket_mb=DEFAULT_BUCKET_MB if overlap else 0.0,
                    gather_hidden_s=float(stages.forward[r]) if overlap else 0.0)
-    # Megatron's embedding group: first and last rank. Vocabulary passes hold each row once.
-    if cfg.pp > 1 and r in (0, cfg.pp - 1) and not cfg.vocab_passes:
-        vocab = shape.padded_vocab(cfg.tp) * shape.hidden / cfg.tp
-        pair = hw.members_per_node(2, cfg.tp * cfg.dp * (cfg.pp - 1))
-        dp += hw.collective_s(Collective.ALL_REDUCE, vocab * opts.grad_bytes, 2, pair)
+    if tied:
+        per_node = hw.members_per_node(cfg.dp, cfg.tp) * hw.members_per_node(2, cfg.tp * cfg.dp * (cfg.pp - 1))
+        dp += hw.collective_s(Collective.ALL_REDUCE, vocab * opts.grad_bytes, 2 * cfg.dp, per_node)
     return dp
 
 

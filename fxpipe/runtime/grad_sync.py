@@ -30,10 +30,12 @@ as soon as its tensors are final on this rank — the last B/W of every stage of
 rank that reads them; for the LM head's blocks (``head_blocks.py``) the rank's last T,
 whose autograd accumulates their rows; for a row-split table looked up by its owners
 (``lookup_exchange.py``) the end of the action before which (or during which, on the
-consuming rank) its last gradient is taken. What still waits for the end: a table whose
-last gradient point is after the rank's last action (``VocabLookups.finish``: nothing of
-this rank's step is left to hide it behind; its bucket starts first thing in ``sync``),
-and a table this rank holds without looking it up, reduced after the backward.
+consuming rank) its last gradient is taken. What still waits for the end of the backward,
+flattened into one buffer per collective: a table whose last gradient is taken after the
+rank's last action (``VocabLookups.finish``: nothing of this rank's step is left to hide
+it behind — gpt-tiny at pp=2, whose whole table sits on the head's rank and is looked up
+for the first stage, whose backward ends the step), and a table this rank holds without
+looking it up.
 """
 from __future__ import annotations
 
@@ -237,20 +239,22 @@ def _overlapped(sync: GradSync, plan: PipelinePlan, schedule: Schedule, actions:
     groups = sync.groups
     mesh = groups.mesh
     tables = {lk.table for lk in plan.lookups}
-    late = tables - set(lookup_final)  # a table this rank holds but neither looks up nor consumes
+    mine = actions.actions[groups.pp_rank]
+    # A table this rank holds but neither looks up nor consumes, or whose last gradient is
+    # taken after the rank's last action: reduced after the backward.
+    late = tables - {n for n, i in lookup_final.items() if i < len(mine)}
     head = set(plan.vocab_head.params) if plan.vocab_head is not None else set()
     segments, others, mergeable = sync.segments()
     if mesh.dp == 1:  # only the tied and row-shared sums have anything to reduce
         late |= {n for n in sync.state if n not in segments}
     stage_params = {s: [n for n in plan.stage_params(s) if n in sync.state and n not in late]
                     for s in schedule.stages_of_rank(groups.pp_rank)}
-    mine = actions.actions[groups.pp_rank]
     final_at, order = final_actions(mine, stage_params)
     last_t = max((i for i, a in enumerate(mine) if a.kind is ActionKind.T), default=None)
     for n in sorted(head - late):  # the head's rows: final after the rank's last T (and its stages' B/W)
         if n in sync.state and last_t is not None and last_t >= final_at.get(n, -1):
             final_at[n], order[n] = last_t, 0
-    for n in sorted(tables & set(lookup_final)):
+    for n in sorted(tables - late):
         if n in sync.state and lookup_final[n] >= final_at.get(n, -1):
             final_at[n], order[n] = lookup_final[n], 0
     final_at = {n: i for n, i in final_at.items()

@@ -21,19 +21,28 @@ Per step, with ``dp`` replicas of a stage:
   step's start and waited for just before its first forward computes: behind the wait
   for the first activation on every pipeline rank but the first (docs/ARCHITECTURE.md,
   "Communication behind compute", says why not behind the forward itself).
-Collectives are coalesced into one flat buffer per owner.
+Gradients are reduced in the data-parallel buckets (``grad_buckets.py``: each owner's run
+of a bucket reduced onto it). Parameters travel without copies where they can: a tensor
+of ``DIRECT_BYTES`` or more is broadcast in place (the owner's from it, the others' into
+it), as ``ZeroRedundancyOptimizer`` does for every tensor; the smaller ones of one owner
+are coalesced into a flat buffer allocated once (gloo and NCCL pay a fixed cost per call).
+Flattening everything afresh each step cost a full copy of every parameter on every
+replica, twice on the receivers, into newly allocated (page-faulting) memory.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fxpipe.runtime.mesh import MeshGroups
+
+DIRECT_BYTES = 1 << 20
+"""A parameter this large is broadcast in place rather than coalesced (module docstring)."""
 
 
 def assign_owners(sizes: Mapping[str, int], dp: int) -> dict[str, int]:
@@ -53,6 +62,8 @@ class ZeroPartition:
     groups: MeshGroups
     owner: dict[str, int]
     """Trainable canonical name -> the data-parallel rank whose optimizer steps it."""
+    _coalesced: dict[Any, torch.Tensor] = field(default_factory=dict)
+    """(owner, dtype, device, total elements) -> the flat buffer its small tensors travel in."""
 
     @staticmethod
     def build(groups: MeshGroups, trainable: Mapping[str, torch.Tensor]) -> "ZeroPartition":
@@ -97,26 +108,51 @@ class ZeroPartition:
         (``train_step`` waits just before the step's first forward computes, so on a
         pipeline rank after the first the broadcast runs while it waits for its input)."""
         pending = []
+        group = self.groups.dp_group
         for rank, names in self._by_owner(tensors):
+            src, mine = self._global(rank), rank == self.groups.dp_rank
             parts = [tensors[n] for n in names]
-            flat = _flatten_dense_tensors(parts)
-            work = dist.broadcast(flat, src=self._global(rank), group=self.groups.dp_group, async_op=True)
-            pending.append((work, parts if rank != self.groups.dp_rank else [], flat))
+            direct = [t for t in parts if t.is_contiguous() and t.numel() * t.element_size() >= DIRECT_BYTES]
+            small: dict[tuple, list[torch.Tensor]] = {}
+            for t in parts:
+                if not (t.is_contiguous() and t.numel() * t.element_size() >= DIRECT_BYTES):
+                    small.setdefault((t.dtype, t.device), []).append(t)
+            for (dtype, device), ts in small.items():
+                key = (rank, dtype, device, sum(t.numel() for t in ts))
+                if key not in self._coalesced:
+                    self._coalesced[key] = torch.empty(key[3], dtype=dtype, device=device)
+                flat = self._coalesced[key]
+                views = _views(flat, ts)
+                if mine:
+                    torch._foreach_copy_(views, ts)
+                work = dist.broadcast(flat, src=src, group=group, async_op=True)
+                pending.append((work, [] if mine else ts, views))
+            for t in direct:  # in place: the owner's tensor is the source, the others' the destination
+                pending.append((dist.broadcast(t.detach(), src=src, group=group, async_op=True), [], []))
         return PendingBroadcast(pending)
+
+
+def _views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat.narrow(0, at, t.numel()).view(t.shape))
+        at += t.numel()
+    return out
 
 
 @dataclass
 class PendingBroadcast:
     pending: list
-    """(work, the tensors to overwrite — none on the owner —, the flat buffer) per owner."""
+    """(work, the tensors to overwrite — none on the owner or when received in place —, their
+    views in the received buffer) per collective."""
     waited_s: float = 0.0
 
     @torch.no_grad()
     def wait(self) -> None:
         start = time.perf_counter()
-        for work, parts, flat in self.pending:
+        for work, parts, views in self.pending:
             work.wait()  # the dp group's timeout bounds it
-            for t, new in zip(parts, _unflatten_dense_tensors(flat, parts)):
-                t.copy_(new)
+            if parts:
+                torch._foreach_copy_(parts, views)
         self.pending = []
         self.waited_s += time.perf_counter() - start
