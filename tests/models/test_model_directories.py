@@ -10,18 +10,23 @@ from tests.job._cli import RUN, refused
 from tests.models._model_dirs import llama_config, mixtral_64_dir
 
 
+def _token_batch():
+    """Four rows of 16 token ids (seed 0) and their next tokens."""
+    import torch
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (4, 17))
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
 def _config_only_world(rank, world, directory):
     import math
-
-    import torch
 
     from fxpipe.models.hf_dir import build_model
     from fxpipe.models.losses import next_token_loss
     from fxpipe.parallel import parallelize
 
-    torch.manual_seed(0)
-    ids = torch.randint(0, 256, (4, 17))
-    batch = (ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+    batch = _token_batch()
     pm = parallelize(build_model(directory), example_inputs=batch, loss_fn=next_token_loss, pp=2, microbatches=2,
                      costs="model", partition="uniform")
     loss = pm.train_step(batch)
@@ -30,23 +35,16 @@ def _config_only_world(rank, world, directory):
 
 
 def _mixtral_world(rank, world, directory):
-    import torch
-    import transformers
-
     from fxpipe.models.hf_dir import build_model
     from fxpipe.models.losses import next_token_loss
     from fxpipe.parallel import parallelize
 
-    torch.manual_seed(0)
-    ids = torch.randint(0, 256, (4, 17))
-    batch = (ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+    batch = _token_batch()
     pm = parallelize(build_model(directory), example_inputs=batch, loss_fn=next_token_loss, weights=directory,
                      pp=2, microbatches=2, costs="model", partition="uniform")
     loss = pm.train_step(batch)
-    eager = transformers.MixtralForCausalLM.from_pretrained(directory)
-    expected = next_token_loss(eager(batch[0], use_cache=False), batch[1]).item()
     pm.close()
-    return loss, expected
+    return loss
 
 
 def test_seq_beyond_the_models_positions_is_refused_before_workers(tmp_path, monkeypatch, capsys):
@@ -91,10 +89,19 @@ def test_a_model_whose_state_cannot_fit_is_refused_before_workers(tmp_path, monk
 
 @pytest.mark.slow
 def test_a_mixtral_saved_by_transformers_trains_from_its_weights(tmp_path):
+    import transformers
+
+    from fxpipe.models.losses import next_token_loss
     from tests.runtime._dist import run_world
 
     d = mixtral_64_dir(tmp_path / "mixtral")
-    for loss, expected in run_world(2, _mixtral_world, str(d)):
+    losses = run_world(2, _mixtral_world, str(d))
+    # The eager model from the same directory, run once here rather than on every rank.
+    batch = _token_batch()
+    eager = transformers.MixtralForCausalLM.from_pretrained(d)
+    expected = next_token_loss(eager(batch[0], use_cache=False), batch[1]).item()
+    assert len(losses) == 2
+    for loss in losses:
         assert loss == pytest.approx(expected, rel=1e-5)
 
 

@@ -1,6 +1,8 @@
 """Data-dependent sizes (a dropless MoE's routed tokens) through cost, partition and split."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -21,6 +23,16 @@ def _moe(device="cpu"):
     return model, (idx.to(device), tgt.to(device))
 
 
+@functools.lru_cache(maxsize=None)
+def _captured_moe():
+    """(model, batch, capture, compiled program) of the CPU MoE, shared by the tests below:
+    exporting its data-dependent routing is the slow part, and neither capture nor the
+    passes change what they are given (each test only reads them)."""
+    model, inputs = _moe()
+    prog = fxpipe.capture(model, inputs)
+    return model, inputs, prog, run_passes(prog)[0]
+
+
 def _tokens_per_expert(model: DroplessMoE, idx: torch.Tensor) -> list[int]:
     """Routed-token counts computed from the eager model's own router, independently."""
     counts = []
@@ -35,16 +47,14 @@ def _tokens_per_expert(model: DroplessMoE, idx: torch.Tensor) -> list[int]:
 
 
 def test_sizes_are_those_of_the_example_batch():
-    model, inputs = _moe()
-    prog = fxpipe.capture(model, inputs)
+    model, inputs, prog, passed = _captured_moe()
     symbols = unbacked_symbols(prog.graph_module)
     assert len(symbols) >= 8  # one routed-token count per expert and layer at least
     with torch.no_grad():
         expected = _tokens_per_expert(model, inputs[0])
     # Each expert's count is a size hint (torch.where gives one symbol per call).
     assert sorted(expected) == sorted(prog.size_hints[s] for s in symbols[:len(expected)])
-    prog, _ = run_passes(prog)
-    assert "priced at the example batch's sizes" in compile_summary(prog)
+    assert "priced at the example batch's sizes" in compile_summary(passed)
 
 
 def test_meta_capture_prices_sizes_at_their_upper_bound():
@@ -63,8 +73,7 @@ def test_meta_capture_prices_sizes_at_their_upper_bound():
 
 @pytest.mark.parametrize("stages", [2, 4])
 def test_partition_never_cuts_a_data_dependent_value(stages):
-    model, inputs = _moe()
-    prog, _ = run_passes(fxpipe.capture(model, inputs))
+    prog = _captured_moe()[3]
     cfg = PartitionConfig(num_stages=stages, stage_to_rank=tuple(range(stages)),
                           inflight=(1,) * stages, method="ilp")  # cuts inside layers too
     plan = split_program(assign_stages(prog, cfg), num_stages=stages)
@@ -73,8 +82,7 @@ def test_partition_never_cuts_a_data_dependent_value(stages):
 
 
 def test_a_cut_through_a_data_dependent_value_is_refused_by_name():
-    model, inputs = _moe()
-    prog, _ = run_passes(fxpipe.capture(model, inputs))
+    prog = _captured_moe()[3]
     nodes = prog.call_nodes()
     cut = next(i for i, n in enumerate(nodes)
                if is_dynamic(n.meta.get("val")) and n.target == torch.ops.aten.index.Tensor)

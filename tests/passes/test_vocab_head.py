@@ -65,9 +65,15 @@ def test_head_under_tensor_parallelism_is_cut_into_blocks_of_each_tp_shard():
     from fxpipe.passes.logit_chain import match_loss
     from fxpipe.tp.ops import OPS
 
+    from tests.runtime._reuse_capture import captures_reused
+
     model, batch, loss_fn = _wide_vocab.workload_tied_odd()
     config = ParallelConfig(pp=2, tp=2, microbatches=2, costs="model", vocab_passes=True).with_world(4)
-    compiled = compile_pipeline(model, tuple(t[:2] for t in batch), config, loss_fn=loss_fn)
+    with captures_reused():  # both compiles capture this one model: the second copies the first's graph
+        compiled = compile_pipeline(model, tuple(t[:2] for t in batch), config, loss_fn=loss_fn)
+        # The blockwise loss (split_loss) does not take the TP loss: only the passes opt in.
+        tp_program = compile_pipeline(model, tuple(t[:2] for t in batch), config, loss_fn=loss_fn,
+                                      until="tensor_parallel").program
     plan, v = compiled.plan, _wide_vocab.VOCAB - 3
     local = -(-v // 2)  # each TP rank's rows, padding included
     head = plan.vocab_head
@@ -77,9 +83,6 @@ def test_head_under_tensor_parallelism_is_cut_into_blocks_of_each_tp_shard():
     gone = {OPS.vocab_parallel_cross_entropy.default, OPS.vocab_parallel_embedding.default, aten.linear.default}
     for st in plan.stages:
         assert not {n.target for n in st.graph_module.graph.nodes} & gone, st.index
-    # The blockwise loss (split_loss) does not take the TP loss: only the passes opt in.
-    tp_program = compile_pipeline(model, tuple(t[:2] for t in batch), config, loss_fn=loss_fn,
-                                  until="tensor_parallel").program
     logits = next(n for n in tp_program.graph.nodes if n.target is OPS.vocab_parallel_cross_entropy.default)
     head_linear = [n for n in tp_program.graph.nodes if n.target is aten.linear.default][-1]
     assert match_loss(head_linear) is None and match_loss(head_linear, vocab_parallel=True).loss is logits

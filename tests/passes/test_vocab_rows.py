@@ -13,8 +13,17 @@ from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.checkpoint.shard_chunks import first_held, restrict
 from fxpipe.ir.shard_spec import PipelineRows, ShardKind, ShardSpec, compose, shard_tensor
 from tests.runtime import _wide_vocab
+from tests.runtime._reuse_capture import captures_reused
 
 aten = torch.ops.aten
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _captured_once():
+    """The wide model is compiled at pp=4 and at pp=2 on the same microbatch: the second
+    compile copies the first's capture (tests/runtime/_reuse_capture.py)."""
+    with captures_reused():
+        yield
 
 
 @pytest.fixture(scope="module")

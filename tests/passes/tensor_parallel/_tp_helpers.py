@@ -61,13 +61,18 @@ def compile_tp(name: str, tp: int, sp: bool = False, **kw) -> tuple[Program, Pro
     return base, tensor_parallel_pass(base, TPConfig(tp=tp, sp=sp)), batch
 
 
-def capture_models(models: dict, vocab: int, seq: int, model_seed: int | None = None) -> dict:
-    """name -> (canonicalized capture, batch) for each ``models`` factory, all on one
-    batch of token ids and its next-token targets (``model_seed``: reseeded before each
-    model is built, so its weights do not depend on the models before it)."""
+def token_batch(vocab: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows of token ids drawn after ``torch.manual_seed(0)`` and their next-token targets."""
     torch.manual_seed(0)
     ids = torch.randint(0, vocab, (2, seq))
-    batch = (ids, ids.roll(-1, 1))
+    return ids, ids.roll(-1, 1)
+
+
+def capture_models(models: dict, vocab: int, seq: int, model_seed: int | None = None) -> dict:
+    """name -> (canonicalized capture, batch) for each ``models`` factory, all on one
+    ``token_batch`` (``model_seed``: reseeded before each model is built, so its weights
+    do not depend on the models before it)."""
+    batch = token_batch(vocab, seq)
     out = {}
     for name, make in models.items():
         if model_seed is not None:

@@ -115,11 +115,11 @@ def test_vocabulary_passes_find_a_head_behind_identity_wrappers(programs):
 
 def _vocab_passes_world(rank, world):
     from fxpipe.parallel import parallelize
-    from tests.passes.tensor_parallel._tp_helpers import capture_models
+    from tests.passes.tensor_parallel._tp_helpers import token_batch
 
     torch.manual_seed(0)
     model = IdentityLM()
-    _, batch = capture_models({"m": lambda: model}, V, T)["m"]
+    batch = token_batch(V, T)  # the batch the in-process tests capture on
     expected = model(*batch).item()
     pm = parallelize(model, example_inputs=batch, pp=2, microbatches=2, vocab_passes=True, costs="model",
                      partition="dp")
