@@ -46,6 +46,7 @@ import torch.nn as nn
 
 from fxpipe.compiler import pass_list
 from fxpipe.compiler.capture import capture
+from fxpipe.compiler.capture_rows import BatchCaptures
 from fxpipe.compiler.context import CompileContext, CompileHooks
 from fxpipe.compiler.driver import run_passes
 from fxpipe.compiler.pass_list import pass_names, pipeline_names
@@ -57,7 +58,7 @@ from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.runtime.mixed_precision import Precision
 from fxpipe.schedules.lowering import lower
 
-__all__ = ["CompileContext", "CompileHooks", "capture_for", "compile_pipeline", "compile_program", "pipeline_names"]
+__all__ = ["BatchCaptures", "CompileContext", "CompileHooks", "batch_captures", "capture_for", "compile_pipeline", "compile_program", "pipeline_names"]
 
 
 def capture_for(model: nn.Module, microbatch: Sequence[torch.Tensor], config: ParallelConfig,
@@ -68,6 +69,15 @@ def capture_for(model: nn.Module, microbatch: Sequence[torch.Tensor], config: Pa
     traced = model if config.precision is Precision.FP32 else copy.deepcopy(model).to(config.precision.dtype)
     on_meta = any(t.is_meta for t in model.parameters())
     return capture(traced, tuple(t.to("meta") if on_meta else t for t in microbatch), loss_fn)
+
+
+def batch_captures(model: nn.Module, batch: Sequence[torch.Tensor], config: ParallelConfig,
+                   loss_fn: Callable[..., torch.Tensor] | None = None) -> BatchCaptures:
+    """``capture_for`` of ``batch``'s first rows at every row count asked for, from one
+    export (``compiler/capture_rows.py``): what the layout search captures."""
+    traced = model if config.precision is Precision.FP32 else copy.deepcopy(model).to(config.precision.dtype)
+    on_meta = any(t.is_meta for t in model.parameters())
+    return BatchCaptures(traced, tuple(t.to("meta") if on_meta else t for t in batch), loss_fn)
 
 
 def compile_program(program: Program, config: ParallelConfig, *, device: torch.device | str = "cpu",

@@ -1,4 +1,5 @@
-"""The layout search's shared work: per micro-batch size the capture; per (tp, sp, ep,
+"""The layout search's shared work: per micro-batch size the capture (one export, its
+shapes propagated per size: ``compiler/capture_rows.py``); per (tp, sp, ep,
 micro-batch size) the compile's prefix (capture to the device pass: what the tensor- and
 expert-parallel passes make does not depend on the pipeline), one tp rank's compute timed
 at those shard shapes (``fxpipe/costs/local.py``) and the body's work for the search's
@@ -15,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from fxpipe.compiler.context import CompileContext, CompileHooks
-from fxpipe.compiler.pipeline import capture_for, compile_program
+from fxpipe.compiler.pipeline import batch_captures, compile_program
 from fxpipe.costs.local import LocalTimes, measure_locally, node_times_for, time_vocab_passes
 from fxpipe.ir.artifact import CompiledPipeline
 from fxpipe.ir.parallel_config import ParallelConfig
@@ -47,6 +48,7 @@ class CaptureCosts:
         self.model, self.batch, self.base, self.loss_fn = model, batch, base, loss_fn
         self.progress = progress
         self.measure, self.threads = measure, threads
+        self.captures = batch_captures(model, batch, base, loss_fn)  # one export for every b > 1
         self.programs: dict[int, Program] = {}
         self.timed: dict[tuple[int, bool, int], LocalTimes | None] = {}
         self.passes: dict[tuple, tuple[float, float]] = {}
@@ -56,8 +58,7 @@ class CaptureCosts:
 
     def program(self, rows: int) -> Program:
         if rows not in self.programs:
-            self.programs[rows] = capture_for(self.model, tuple(t[:rows] for t in self.batch), self.base,
-                                              self.loss_fn)
+            self.programs[rows] = self.captures(rows)
         return self.programs[rows]
 
     def prefix(self, config: ParallelConfig, rows: int) -> Program:
