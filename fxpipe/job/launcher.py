@@ -5,12 +5,14 @@ through torch.distributed's elastic launcher — the code path torchrun uses, so
 ``torchrun --nproc-per-node N -m fxpipe run ...`` (and multi-node rendezvous) run
 the same worker function (``fxpipe.job.train.worker``). A failed worker is reported as
 one line naming its rank and error; SIGTERM / Ctrl-C stop every rank after the same
-step (``StopSignal``).
+step (``StopSignal``). The workers fork from one server process that imported torch and
+fxpipe once (``worker_server.py``), not N processes each importing them again.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import multiprocessing
 import os
 import signal
 import sys
@@ -23,6 +25,12 @@ from fxpipe.job.config import TrainConfig
 from fxpipe.job.stop_signal import StopSignal
 from fxpipe.job.train import worker
 from fxpipe.runtime.launch import launched_rank, under_torchrun
+
+
+WORKER_SERVER_PRELOAD = ("fxpipe.job.worker_server", "fxpipe.cli", "fxpipe.job.launcher")
+"""What the server the workers fork from imports (``worker_server.py`` first, then the
+main module a worker re-runs, ``python -m fxpipe`` or the ``fxpipe`` script, both
+importing fxpipe.cli, and the workers' entry)."""
 
 
 def _elastic_entry(config: TrainConfig) -> dict[str, Any]:
@@ -45,6 +53,7 @@ def _spawned_entry(config: TrainConfig) -> dict[str, Any]:
     """A worker under the elastic launcher. Stopped by a signal, it exits at once with
     128 + signal: returning would block it until the agent reads its return value, which
     an agent that was signalled itself never does (it waits 30 s, then SIGKILLs)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server it forked from ignores it
     summary = _elastic_entry(config)
     if "signal" in summary:
         sys.stdout.flush()
@@ -66,10 +75,13 @@ def launch(config: TrainConfig, *, debug: bool = False) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # Read when this process first starts a forkserver (a process that started one
+    # already, with its own preload, keeps it: its workers import the rest on start).
+    multiprocessing.set_forkserver_preload(list(WORKER_SERVER_PRELOAD))
     launch_cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=config.world_size,
                               run_id=f"fxpipe-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                               rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-                              start_method="spawn")
+                              start_method="forkserver")
     try:
         with _quiet_launcher_logs(not debug):
             elastic_launch(launch_cfg, _spawned_entry)(config)

@@ -10,9 +10,10 @@ encoding beats one Boolean per (node, stage) with an all-different-style
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from ortools.sat.python import cp_model
+if TYPE_CHECKING:  # imported where a model is solved: ortools (and the pandas it loads) cost
+    from ortools.sat.python import cp_model  # ~1 s of every worker's start otherwise
 
 from fxpipe.partition.problem import PartitionProblem
 
@@ -93,6 +94,8 @@ def solver_for(time_limit_s: float, seed: int, num_workers: int) -> cp_model.CpS
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     if not time_limit_s > 0:
         raise ValueError(f"time_limit_s must be > 0, got {time_limit_s}")
+    from ortools.sat.python import cp_model
+
     solver = cp_model.CpSolver()
     prm = solver.parameters
     prm.random_seed = seed

@@ -41,10 +41,9 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
-from ortools.sat.python import cp_model
 
 from fxpipe.partition.chain_dp import chain_dp_stages, fits_memory, rank_bytes
 from fxpipe.partition.encoding import StageEncoding, solver_for
@@ -52,6 +51,9 @@ from fxpipe.partition.memory_floor import MemoryLimitError, memory_floor
 from fxpipe.partition.problem import PartitionError, PartitionProblem
 from fxpipe.partition.result import Method, PartitionResult, SolveStatus, make_result
 from fxpipe.partition.stage_cost import DIRECTIONS, evaluate, transfers
+
+if TYPE_CHECKING:  # imported where a model is solved: ortools (and the pandas it loads) cost
+    from ortools.sat.python import cp_model  # ~1 s of every worker's start otherwise
 
 TICKS_FOR_TOTAL = 10**7
 TIEBREAK_TIME_S = 0.03
@@ -103,6 +105,8 @@ class _Model:
     """The CP-SAT model of the module docstring, with its auxiliary variables kept for hinting."""
 
     def __init__(self, problem: PartitionProblem, ticks: _Ticks, lo, hi, t_min: int, t_max: int) -> None:
+        from ortools.sat.python import cp_model
+
         s = problem.num_stages
         m = self.model = cp_model.CpModel()
         enc = self.enc = StageEncoding(m, problem, lo, hi)
@@ -239,6 +243,8 @@ def solve_ilp(problem: PartitionProblem, *, time_limit_s: float = 10.0, seed: in
         incumbent = None
         model = _Model(problem, ticks, [0] * n, [s - 1] * n, t_min, sum(ticks.compute) + sum(ticks.transfer) * s)
         model.hint(problem, floor.stages, max(ticks.loads(floor.stages)))
+    from ortools.sat.python import cp_model
+
     solver = solver_for(time_limit_s, seed, num_workers)
     status = solver.Solve(model.model)
     solved = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
@@ -267,6 +273,8 @@ def _even_memory(problem: PartitionProblem, model: _Model, stages: list[int], ti
                  time_limit_s: float, seed: int, num_workers: int) -> list[int]:
     """The cut within ``tolerance`` of ``stages``' bottleneck whose fullest rank holds
     the least (``stages`` itself unless one holds less)."""
+    from ortools.sat.python import cp_model
+
     best = max(ticks.loads(stages))
     model.even_memory(problem, stages, best, int(best * (1 + tolerance)))
     # A short budget: the hint is already feasible, and a proof that no cut holds less is

@@ -11,8 +11,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ortools.sat.python import cp_model
-
 from fxpipe.partition.chain_dp import min_memory_split
 from fxpipe.partition.encoding import StageEncoding, solver_for
 from fxpipe.partition.problem import PartitionError, PartitionProblem
@@ -82,6 +80,8 @@ def memory_floor(problem: PartitionProblem, *, time_limit_s: float = 10.0, seed:
     start = min_memory_split(problem)
     stages, bound = start, trivial_memory_bound(problem)
     if problem.num_stages > 1:
+        from ortools.sat.python import cp_model  # ~1 s to import: only where a model is solved
+
         model = cp_model.CpModel()
         enc = StageEncoding(model, problem)
         total = sum(problem.static_bytes) + max(problem.inflight) * sum(problem.act_bytes)

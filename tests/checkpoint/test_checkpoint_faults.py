@@ -1,7 +1,7 @@
-"""Checkpoint directories under faults: two jobs, kill -9 at any moment of a save or a
-prune, and corruption of every kind of file. The directory protocol is driven with a
-plain state dict by one-process children (tests/checkpoint/_ckpt_child.py), so each
-scenario costs a process start, not a model compile.
+"""Checkpoint directories under faults: two jobs, and corruption of every kind of file.
+The directory protocol is driven with a plain state dict by one-process children
+(tests/checkpoint/_ckpt_child.py), so each scenario costs a process start, not a model
+compile. kill -9 at any moment of a save or a prune: test_checkpoint_kills.py.
 
 What every scenario checks is the guarantee of docs/checkpoints.md: every checkpoint
 that ``list_checkpoints`` reports is intact (each file's digest matches, DCP loads it
@@ -12,58 +12,23 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
-import sys
-import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from fxpipe.checkpoint import files as checkpoint_files
-from fxpipe.checkpoint.dcp import candidates, local_problems, pick_intact, read_dcp
-from fxpipe.checkpoint.files import SafeReader, latest_checkpoint, list_checkpoints, step_dirname
+from fxpipe.checkpoint.dcp import read_dcp
+from fxpipe.checkpoint.files import latest_checkpoint, list_checkpoints, step_dirname
 from fxpipe.checkpoint.lock import CheckpointLockError, check_free
 from fxpipe.checkpoint.manifest import CorruptCheckpointError, with_digest
 from tests.checkpoint._ckpt_child import state
+from tests.checkpoint._fault_checks import child as _child
+from tests.checkpoint._fault_checks import loads_its_step as _loads_its_step
+from tests.checkpoint._fault_checks import resume_choice as _resume_choice
+from tests.checkpoint._fault_checks import run_child as _run
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _child(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.checkpoint._ckpt_child", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _run(*args: str) -> str:
-    proc = _child(*args)
-    # A guard against a hang, not a time limit: at a load of 30 on 2 cores a child that
-    # imports torch and saves 2 MB took over 120 s (the limit it had, which it failed by).
-    out, err = proc.communicate(timeout=900)
-    assert proc.returncode == 0, err[-3000:]
-    return out.strip()
-
-
-def _loads_its_step(path: Path) -> None:
-    """Intact, and DCP reads back exactly the tensors of its step."""
-    assert local_problems(path) == [], path
-    step = int(path.name.split("_")[1])
-    expected = state(step)
-    targets = {k: torch.empty_like(v) for k, v in expected.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(targets, storage_reader=SafeReader(path), no_dist=True)
-    for k, v in expected.items():
-        assert torch.equal(targets[k], v), (path, k)
-
-
-def _resume_choice(root: Path, step: int | None = None) -> tuple[Path, list[str]]:
-    """What load_checkpoint picks and the notes of its warning (the same functions, one
-    process checking every file)."""
-    paths, notes = candidates(root, step)
-    return pick_intact(paths, local_problems, strict=step is not None, notes=notes)
 
 
 @pytest.fixture(scope="module")
@@ -99,40 +64,6 @@ def test_second_job_is_refused_and_a_dead_holder_is_recovered(tmp_path):
     check_free(root)  # the kernel released the dead job's lock
     assert _run("save", str(root), "2") == "OK"
     assert [s for s, _ in list_checkpoints(root)] == [1, 2]
-
-
-# ---- kill -9 anywhere in the save / prune cycle -------------------------------------------------
-@pytest.mark.slow
-def test_kill_at_any_moment_leaves_only_intact_checkpoints(tmp_path):
-    """A child saves steps 1, 2, 3 ... keeping the last 2 (each save prunes one), killed
-    at delays spread over a whole save-and-prune cycle; the next child continues in the
-    same directory (clearing the debris, taking over the dead one's lock)."""
-    root = tmp_path / "ckpt"
-    proc = _child("loop", str(root))
-    t0 = time.perf_counter()
-    lines = [proc.stdout.readline() for _ in range(3)]  # three cycles: time one
-    cycle = (time.perf_counter() - t0) / 3
-    proc.kill()
-    proc.communicate(timeout=30)
-    assert all(line.startswith("SAVED") for line in lines), lines
-    seen_debris = False
-    for fraction in (0.0, 0.3, 0.6, 0.9, 1.05):
-        proc = _child("loop", str(root))
-        assert proc.stdout.readline().startswith("SAVED")  # a cycle starts now
-        time.sleep(cycle * fraction)
-        proc.kill()
-        proc.communicate(timeout=30)
-        seen_debris |= any(root.glob("*.tmp"))
-        found = list_checkpoints(root)
-        assert found, "a complete checkpoint always survives"
-        for _, path in found:
-            _loads_its_step(path)
-        # A kill between the rename of step_N+1 and the update of ``latest`` leaves both;
-        # the pointer still names step_N, and a resume takes it (the save of N+1 never
-        # returned; saving N+1 again replaces the orphan). Otherwise it names the newest.
-        chosen, _ = _resume_choice(root)
-        assert chosen == latest_checkpoint(root) and chosen in [p for _, p in found[-2:]], (chosen, found)
-    assert seen_debris, "some kills landed inside a save or a prune"
 
 
 def test_half_deleted_checkpoint_is_never_listed(ckpt, monkeypatch):

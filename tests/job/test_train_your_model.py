@@ -7,7 +7,7 @@ the same text as .txt files. The job is
 docs/training.md's two-node launch: two torchrun invocations (--nnodes 2, c10d
 rendezvous on 127.0.0.1) of 2 processes each; it checkpoints, balances stages on
 measured costs and prints the run report (the elastic launcher's own path is run
-by tests/checkpoint/test_checkpoint.py's fxpipe run cases)."""
+by tests/checkpoint/test_checkpoint_cli.py's fxpipe run cases)."""
 from __future__ import annotations
 
 import json
