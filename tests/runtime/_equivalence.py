@@ -209,3 +209,23 @@ def _bf16_rtol(model):
     return ZOO[model[4:]].bf16_rtol if model.startswith("zoo:") else None
 
 
+
+
+def world4_module(part: int):
+    """One half of the world of 4 as a test module's names: its cases, the module-scoped
+    fixture that runs them in one world, and the test checking each case."""
+    from tests.runtime._cases import train_cases
+    from tests.runtime._dist import run_world
+
+    cases = [world4_cases()[i] for i in world4_part(part)]
+
+    @pytest.fixture(scope="module")
+    def world4():
+        return run_world(4, train_cases, cases)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("index", range(len(cases)), ids=[case_id(c) for c in cases])
+    def test_world4(world4, index):
+        check(world4, index)
+
+    return cases, world4, test_world4

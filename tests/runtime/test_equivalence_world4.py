@@ -5,23 +5,9 @@ wide-vocabulary heads, expert parallelism) is test_equivalence_world4_heads.py: 
 modules, so pytest-xdist runs the two worlds on its two workers at once."""
 import pytest
 
-from tests.runtime._cases import train_cases
-from tests.runtime._dist import run_world
-from tests.runtime._equivalence import case_id, check, world4_cases, world4_part
+from tests.runtime._equivalence import world4_module
 
-CASES = [world4_cases()[i] for i in world4_part(0)]
-
-
-@pytest.fixture(scope="module")
-def world4():
-    return run_world(4, train_cases, CASES)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[case_id(c) for c in CASES])
-def test_world4(world4, index):
-    """pp=4 schedules, dp=2 × pp=2, and tensor parallelism (with dp, pp, sp)."""
-    check(world4, index)
+CASES, world4, test_world4 = world4_module(0)
 
 
 @pytest.mark.slow
