@@ -151,23 +151,25 @@ def wrong_shapes(rank: int, world: int) -> dict:
 def mixed_precision(rank: int, world: int) -> dict:
     """bf16 and fp16 training next to fp32; fp16 with a scale that must overflow first."""
     from fxpipe.parallel import parallelize
+    from tests.runtime._reuse_capture import captures_reused
 
     out = {}
-    for precision, scaler in (("bf16", None), ("fp16", {"scale": 2.0 ** 8}),
-                              ("fp16-overflow", {"scale": 2.0 ** 40, "growth_interval": 1000})):
-        w = workload("gpt-tiny")
-        pm = parallelize(w.model, pp=2, microbatches=2, example_inputs=w.example_inputs,
-                         partition="uniform", precision=precision.split("-")[0], loss_scaler=scaler)
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-        before = {n: t.detach().clone() for n, t in pm.named_parameters()}
-        losses, skipped, dtypes = [], [], set()
-        for _ in range(STEPS):
-            losses.append(pm.train_step(w.example_inputs))
-            skipped.append(pm.last_step_skipped)
-            opt.step()
-        dtypes = {str(v.spec.dtype) for v in pm.plan.values.values()}
-        unchanged = all(torch.equal(before[n], t) for n, t in pm.named_parameters())
-        out[precision] = dict(losses=losses, skipped=skipped, dtypes=dtypes, unchanged=unchanged,
-                              master_dtypes={str(t.dtype) for _, t in pm.named_parameters()},
-                              scale=pm.master.loss_scale)
+    with captures_reused():  # fp16 twice: the second run reuses the first's capture
+        for precision, scaler in (("bf16", None), ("fp16", {"scale": 2.0 ** 8}),
+                                  ("fp16-overflow", {"scale": 2.0 ** 40, "growth_interval": 1000})):
+            w = workload("gpt-tiny")
+            pm = parallelize(w.model, pp=2, microbatches=2, example_inputs=w.example_inputs,
+                             partition="uniform", precision=precision.split("-")[0], loss_scaler=scaler)
+            opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+            before = {n: t.detach().clone() for n, t in pm.named_parameters()}
+            losses, skipped, dtypes = [], [], set()
+            for _ in range(STEPS):
+                losses.append(pm.train_step(w.example_inputs))
+                skipped.append(pm.last_step_skipped)
+                opt.step()
+            dtypes = {str(v.spec.dtype) for v in pm.plan.values.values()}
+            unchanged = all(torch.equal(before[n], t) for n, t in pm.named_parameters())
+            out[precision] = dict(losses=losses, skipped=skipped, dtypes=dtypes, unchanged=unchanged,
+                                  master_dtypes={str(t.dtype) for _, t in pm.named_parameters()},
+                                  scale=pm.master.loss_scale)
     return out
