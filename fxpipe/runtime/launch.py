@@ -72,7 +72,6 @@ def rank0_decides(decide: Callable[[], Any], *, timeout: timedelta = timedelta(h
     done before the call; ``decide`` on rank 0 returns what is to be shared."""
     if not dist.is_initialized():
         return decide()
-    group = dist.new_group(backend="gloo", timeout=timeout)
     box: list[Any] = [None]
     failure: BaseException | None = None
     if dist.get_rank() == 0:
@@ -81,8 +80,7 @@ def rank0_decides(decide: Callable[[], Any], *, timeout: timedelta = timedelta(h
         except Exception as exc:  # noqa: BLE001  (every rank must hear it, whatever it is)
             failure = exc
             box = [(False, _heard(exc, as_raised))]
-    dist.broadcast_object_list(box, src=0, group=group)
-    dist.destroy_process_group(group)
+    _broadcast_on_own_group(box, timeout)
     ok, value = box[0]
     if failure is not None:
         raise failure
@@ -92,6 +90,24 @@ def rank0_decides(decide: Callable[[], Any], *, timeout: timedelta = timedelta(h
         kind, message = value
         raise {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)(message)
     return value
+
+
+def _broadcast_on_own_group(box: list[Any], timeout: timedelta) -> None:
+    """``box`` broadcast from rank 0 on a new gloo group that is gone when this returns.
+
+    ``destroy_process_group`` only unregisters a group: its gloo threads stop when the
+    last reference to it goes. Held past the call (the refusal's traceback kept the
+    caller's frame, and with it the group, until the interpreter's exit), a worker may
+    still be releasing the broadcast's tensors while the interpreter finalizes; it
+    takes the GIL, Python ends the thread, and the process aborts with "terminate
+    called without an active exception". The group lives in this frame only and is
+    released here, on every path, so its destructor joins the threads before we go on."""
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    try:
+        dist.broadcast_object_list(box, src=0, group=group)
+    finally:
+        dist.destroy_process_group(group)
+        del group  # the last reference: the group's threads are joined here
 
 
 def _heard(exc: Exception, as_raised: tuple[type[BaseException], ...]) -> Any:
