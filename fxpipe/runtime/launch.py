@@ -95,13 +95,15 @@ def rank0_decides(decide: Callable[[], Any], *, timeout: timedelta = timedelta(h
 def _broadcast_on_own_group(box: list[Any], timeout: timedelta) -> None:
     """``box`` broadcast from rank 0 on a new gloo group that is gone when this returns.
 
-    ``destroy_process_group`` only unregisters a group: its gloo threads stop when the
-    last reference to it goes. Held past the call (the refusal's traceback kept the
-    caller's frame, and with it the group, until the interpreter's exit), a worker may
-    still be releasing the broadcast's tensors while the interpreter finalizes; it
-    takes the GIL, Python ends the thread, and the process aborts with "terminate
-    called without an active exception". The group lives in this frame only and is
-    released here, on every path, so its destructor joins the threads before we go on."""
+    ``destroy_process_group`` only unregisters a group: its gloo threads (two workers
+    and a transport loop) stop when the last reference to it goes. A refusal's
+    traceback held the caller's frame, the group in it, in a reference cycle, so the
+    threads ran on into the interpreter's finalization. There they can abort the
+    process ("terminate called without an active exception": a worker that needs the
+    GIL then, to release a broadcast's tensors, is ended by Python), as a saving child
+    refused by the lock did about one run in 30 on a loaded machine. The group
+    lives in this frame only and is released here, on every path: its destructor
+    joins the threads before the caller goes on."""
     group = dist.new_group(backend="gloo", timeout=timeout)
     try:
         dist.broadcast_object_list(box, src=0, group=group)
