@@ -72,7 +72,6 @@ def rank0_decides(decide: Callable[[], Any], *, timeout: timedelta = timedelta(h
     done before the call; ``decide`` on rank 0 returns what is to be shared."""
     if not dist.is_initialized():
         return decide()
-    group = dist.new_group(backend="gloo", timeout=timeout)
     box: list[Any] = [None]
     failure: BaseException | None = None
     if dist.get_rank() == 0:
@@ -81,8 +80,7 @@ def rank0_decides(decide: Callable[[], Any], *, timeout: timedelta = timedelta(h
         except Exception as exc:  # noqa: BLE001  (every rank must hear it, whatever it is)
             failure = exc
             box = [(False, _heard(exc, as_raised))]
-    dist.broadcast_object_list(box, src=0, group=group)
-    dist.destroy_process_group(group)
+    _broadcast_on_own_group(box, timeout)
     ok, value = box[0]
     if failure is not None:
         raise failure
@@ -92,6 +90,26 @@ def rank0_decides(decide: Callable[[], Any], *, timeout: timedelta = timedelta(h
         kind, message = value
         raise {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)(message)
     return value
+
+
+def _broadcast_on_own_group(box: list[Any], timeout: timedelta) -> None:
+    """``box`` broadcast from rank 0 on a new gloo group that is gone when this returns.
+
+    ``destroy_process_group`` only unregisters a group: its gloo threads (two workers
+    and a transport loop) stop when the last reference to it goes. A refusal's
+    traceback held the caller's frame, the group in it, in a reference cycle, so the
+    threads ran on into the interpreter's finalization. There they can abort the
+    process ("terminate called without an active exception": a worker that needs the
+    GIL then, to release a broadcast's tensors, is ended by Python), as a saving child
+    refused by the lock did about one run in 30 on a loaded machine. The group
+    lives in this frame only and is released here, on every path: its destructor
+    joins the threads before the caller goes on."""
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    try:
+        dist.broadcast_object_list(box, src=0, group=group)
+    finally:
+        dist.destroy_process_group(group)
+        del group  # the last reference: the group's threads are joined here
 
 
 def _heard(exc: Exception, as_raised: tuple[type[BaseException], ...]) -> Any:

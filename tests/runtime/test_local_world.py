@@ -2,6 +2,9 @@
 rank-0 decision every rank receives (fxpipe/runtime/launch.py: rank0_decides)."""
 from __future__ import annotations
 
+import gc
+import os
+
 import pytest
 import torch.multiprocessing as mp
 
@@ -39,6 +42,34 @@ def _decisions(rank: int, world: int) -> list:
     return out
 
 
+def _threads_left_by_decisions(rank: int, world: int) -> list[int]:
+    """This process's threads after each decision (two refusals, then a plain one),
+    less those before them, with the cycle collector off: a decision's gloo group must
+    be gone, its threads joined, when the call returns or raises, not when a
+    collection (or the interpreter's exit) gets to it."""
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    def locked():
+        raise CheckpointLockError("held by another job")
+
+    gc.disable()
+    try:
+        rank0_decides(lambda: rank)  # anything started once per process is in the base
+        base, left = threads(), []
+        for as_raised in ((CheckpointLockError,), ()):
+            try:
+                rank0_decides(locked, as_raised=as_raised)
+            except Exception:  # noqa: BLE001  (the threads, not the error, are tested here)
+                pass
+            left.append(threads() - base)
+        rank0_decides(lambda: rank)
+        left.append(threads() - base)
+        return left
+    finally:
+        gc.enable()
+
+
 @pytest.mark.slow
 def test_each_rank_runs_once_in_one_group_and_returns_in_rank_order():
     # sum over ranks of (rank + 10) = 10 + 11 + 12
@@ -61,6 +92,14 @@ def test_rank_0_decides_for_every_rank_and_its_refusal_reaches_them_as_asked():
     # Not passed on as itself: rank 0 re-raises its own, the others hear it in words.
     assert ranks[0][2] == ("CheckpointLockError", "held by another job")
     assert ranks[1][2] == ("RuntimeError", "rank 0 failed: CheckpointLockError: held by another job")
+
+
+@pytest.mark.slow
+def test_a_decision_leaves_no_thread_behind_even_when_refused():
+    """A refusal's traceback held the decision's group (and its gloo threads) until the
+    interpreter's exit, where a worker still releasing the broadcast's tensors aborted
+    the process ("terminate called without an active exception")."""
+    assert run_local_world(2, _threads_left_by_decisions, threads=1) == [[0, 0, 0], [0, 0, 0]]
 
 
 def test_without_a_process_group_rank0_decides_is_the_decision_itself():
