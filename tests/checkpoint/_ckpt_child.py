@@ -10,9 +10,11 @@ state dict (no model: cheap to start), for the fault tests. Usage:
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -33,13 +35,27 @@ def main(mode: str, directory: str, *steps: str) -> None:
     # The rendezvous file beside the test's directory (inside its tmp_path, never /tmp);
     # the group destroyed before exit: gloo's threads alive at interpreter exit abort the
     # process ("terminate called without an active exception", SIGABRT).
+    # After its work the child leaves without the interpreter's finalization, as multiprocessing's
+    # children do: a gloo worker thread still releasing a finished collective's tensors
+    # needs the GIL, and during finalization Python ends such a thread, which aborts the
+    # process the same way (seen once in CI, in a `choose` child, after the decision
+    # group's threads were already joined: runtime/launch.py). The exit code and every
+    # line printed are the child's own.
     store = Path(directory).absolute().parent / f".gloo-store-{os.getpid()}"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    code = 1
     try:
         run(mode, directory, *steps)
+        code = 0
+    except BaseException:  # noqa: BLE001  (printed as an uncaught one would be, then exit 1)
+        traceback.print_exc()
     finally:
         dist.destroy_process_group()
         store.unlink(missing_ok=True)
+    gc.collect()  # a cycle still holding a group lets its threads go before we leave
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run(mode: str, directory: str, *steps: str) -> None:
