@@ -1,6 +1,6 @@
 """Published measured training runs with their layouts (``/work/shared/published_runs.md``),
 for pricing with the published layout pinned (``benchmarks/paper_table1.py``,
-``tests/planner/test_published_runs.py``).
+``tests/planner/test_plan_cluster.py``).
 
 - Megatron-LM's README "Performance Benchmarking" table (H100 80GB SXM, July 2024, Megatron-
   Core r0.8.0): V = 131072, s = 4096, data-, tensor- and pipeline-parallel communication
