@@ -112,17 +112,19 @@ class ZeroPartition:
         for rank, names in self._by_owner(tensors):
             src, mine = self._global(rank), rank == self.groups.dp_rank
             parts = [tensors[n] for n in names]
-            direct = [t for t in parts if t.is_contiguous() and t.numel() * t.element_size() >= DIRECT_BYTES]
+            direct: list[torch.Tensor] = []
             small: dict[tuple, list[torch.Tensor]] = {}
             for t in parts:
-                if not (t.is_contiguous() and t.numel() * t.element_size() >= DIRECT_BYTES):
+                if t.is_contiguous() and t.numel() * t.element_size() >= DIRECT_BYTES:
+                    direct.append(t)
+                else:
                     small.setdefault((t.dtype, t.device), []).append(t)
             for (dtype, device), ts in small.items():
                 key = (rank, dtype, device, sum(t.numel() for t in ts))
                 if key not in self._coalesced:
                     self._coalesced[key] = torch.empty(key[3], dtype=dtype, device=device)
                 flat = self._coalesced[key]
-                views = _views(flat, ts)
+                views = list(_unflatten_dense_tensors(flat, ts))  # views into the buffer
                 if mine:
                     torch._foreach_copy_(views, ts)
                 work = dist.broadcast(flat, src=src, group=group, async_op=True)
@@ -130,14 +132,6 @@ class ZeroPartition:
             for t in direct:  # in place: the owner's tensor is the source, the others' the destination
                 pending.append((dist.broadcast(t.detach(), src=src, group=group, async_op=True), [], []))
         return PendingBroadcast(pending)
-
-
-def _views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    out, at = [], 0
-    for t in tensors:
-        out.append(flat.narrow(0, at, t.numel()).view(t.shape))
-        at += t.numel()
-    return out
 
 
 @dataclass
