@@ -86,8 +86,11 @@ def measure_locally(program: Program, config: PartitionConfig, batch: Sequence[t
     context = (lambda: tp_group_context(group, rng)) if tp > 1 else contextlib.nullcontext
     # A group whose predecessor was not timed receives synthetic activations (and gradients
     # from after it): timing depends on shapes, not values (``time_groups``).
+    # No peer is waited for here (the tp group only returns shapes), so a one-thread CPU
+    # rank is timed by its thread's CPU seconds: what the machine's other work takes from
+    # it at that moment is not the graph's cost.
     rows = time_groups(plan, mine, state_for(names), batch, device, repeats=repeats, context=context,
-                       enough_s=enough_s)
+                       enough_s=enough_s, cpu_time=torch.get_num_threads() == 1)
     rows = {g: rows[stage_of[same[g]]] for g in range(n)}
     profile = CostProfile(key="", device=device_name(device), groups=tuple(rows[g] for g in range(n)),
                           latency_s=0.0, bandwidth_bytes_per_s=float("inf"))
@@ -180,14 +183,15 @@ def time_vocab_passes(tokens: int, hidden: int, width: int, dtype: torch.dtype =
     target = torch.randint(0, width, (tokens,), generator=gen)
     weight = torch.full((tokens,), 1.0 / tokens)
     s_times, t_times = [], []
+    now = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter  # as measure._Clock
     for _ in range(repeats + 1):  # the first: warm-up
-        start = time.perf_counter()
+        start = now()
         with torch.enable_grad():
             logits = torch.nn.functional.linear(x, w)
         stats = block_statistics(logits, target, 0, 0)
-        mid = time.perf_counter()
+        mid = now()
         torch.autograd.backward([logits], [block_gradient(logits, stats, target, 0, 0, weight)])
         s_times.append(mid - start)
-        t_times.append(time.perf_counter() - mid)
+        t_times.append(now() - mid)
     x.grad = w.grad = None
     return statistics.median(s_times[1:]), statistics.median(t_times[1:])

@@ -15,21 +15,32 @@ model. A chunk's first group receives synthetic activations (random floats; chun
 start where no integer arrives, ``costs._real_starts``) and its last group synthetic
 gradients: timing depends on shapes, not values. All ranks time at once, as they will
 train — contention included.
+
+A group's time is what its ops cost, net of what calling a stage costs whatever it
+computes (the runner's dict building, the GraphModule call, autograd's engine start:
+~0.1 ms forward and ~0.13 ms backward on a CPU core, ``runner_fixed_cost``). The runtime
+pays that once per action, and the price adds it once per action
+(``Hardware.action_overhead_s``); left in, a stage of 30 small groups was priced at 1.7×
+what it runs in as one action (deep-narrow, 12 layers of width 32).
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Callable, Mapping, Sequence
 
 import torch
+import torch.fx as fx
 
 from fxpipe.ir.program import TensorSpec
-from fxpipe.ir.stage_plan import PipelinePlan
+from fxpipe.ir.stage_plan import PipelinePlan, Stage, StageValue
 from fxpipe.runtime.stage_runner import StageRunner
 
 PHASES = ("fwd", "bwd", "input", "weight")
 """What is timed per group: forward, fused backward, its input- and weight-gradient halves."""
+MIN_GROUP_S = 1e-6
+"""The least a timed group costs: about what one kernel's dispatch does on a CPU."""
 
 
 def chunks(weights: Sequence[float], parts: int) -> list[range]:
@@ -58,28 +69,85 @@ def _synthetic(spec: TensorSpec, device: torch.device, gen: torch.Generator) -> 
 
 
 class _Clock:
-    def __init__(self, device: torch.device) -> None:
+    """Seconds now: after the device's queued work on a GPU; with ``cpu_time``, this
+    thread's CPU seconds (a single-threaded CPU rank with no peer to wait for computes
+    exactly while its thread runs, so its timing does not take in what other processes
+    on the machine take from it)."""
+
+    def __init__(self, device: torch.device, cpu_time: bool = False) -> None:
         self.cuda = device.type == "cuda"
+        self.now = time.thread_time if cpu_time and device.type == "cpu" else time.perf_counter
 
     def __call__(self) -> float:
         if self.cuda:
             torch.cuda.synchronize()
-        return time.perf_counter()
+        return self.now()
+
+
+def _null_plan(plan: PipelinePlan) -> PipelinePlan:
+    """``plan`` reduced to one stage that computes next to nothing: one received float
+    times one, sent on (what a stage call costs apart from its ops)."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output((graph.call_function(torch.ops.aten.mul.Tensor, (x, 1.0)),))
+    spec = TensorSpec((1,), torch.float32)
+    stage = Stage(index=0, graph_module=fx.GraphModule(torch.nn.Module(), graph), params=(), batch_inputs=(),
+                  inputs=("x",), outputs=("y",), is_last=False, num_nodes=1)
+    values = {"x": StageValue("x", -1, (0,), spec, True), "y": StageValue("y", 0, (), spec, True)}
+    return dataclasses.replace(plan, stages=(stage,), values=values, lookups=(), vocab_head=None)
+
+
+def runner_fixed_cost(plan: PipelinePlan, device: torch.device, context: Callable | None = None,
+                      repeats: int = 15, cpu_time: bool = False) -> tuple[float, float, float, float]:
+    """(fwd, bwd, input, weight) median seconds of a stage call that computes next to
+    nothing, run as ``time_groups`` runs a group (same runner, context and clock): what
+    each group's timing holds beyond its ops (module docstring)."""
+    import contextlib
+    null = _null_plan(plan)
+    runner = StageRunner(null, null.stages[0], {}, loss_scale=1.0, context=context or contextlib.nullcontext)
+    clock = _Clock(device, cpu_time)
+    samples: dict[str, list[float]] = {p: [] for p in PHASES}
+    for i in range(repeats + 2):  # the first two: warm-up
+        for split in (False, True):
+            t = clock()
+            runner.forward(0, (), {"x": torch.ones(1, device=device)})
+            forward = clock() - t
+            grad = {"y": torch.ones(1, device=device)}
+            t = clock()
+            if split:
+                runner.backward_input(0, grad)
+                mid = clock()
+                runner.backward_weight(0)
+                done = clock()
+                if i >= 2:
+                    samples["input"].append(mid - t)
+                    samples["weight"].append(done - mid)
+            else:
+                runner.backward(0, grad)
+                if i >= 2:
+                    samples["bwd"].append(clock() - t)
+            if i >= 2 and not split:
+                samples["fwd"].append(forward)
+    return tuple(statistics.median(samples[p]) for p in PHASES)
 
 
 def time_groups(plan: PipelinePlan, groups: range, state: Mapping[str, torch.Tensor],
                 batch: Sequence[torch.Tensor], device: torch.device, *, repeats: int = 3,
                 warmup: int = 1, context: Callable = None, enough_s: float | None = None,
-                progress: Callable[[str], None] | None = None) -> dict[int, tuple[float, float, float, float]]:
+                progress: Callable[[str], None] | None = None,
+                cpu_time: bool = False) -> dict[int, tuple[float, float, float, float]]:
     """(fwd, bwd, input, weight) median seconds of each stage in ``groups`` of ``plan``
     (a plan with one stage per probe group); ``state`` holds their parameters.
     ``enough_s``: stop repeating once the recorded repeats took that long (at least one):
-    a large shape's timing is long enough to be steady, and the layout search times many."""
+    a large shape's timing is long enough to be steady, and the layout search times many.
+    Each time is net of ``runner_fixed_cost`` (module docstring). ``cpu_time``: time by
+    this thread's CPU seconds (``_Clock``; only where the groups wait for no peer and the
+    CPU rank runs one thread)."""
     import contextlib
     ctx = context or contextlib.nullcontext
     runners = {g: StageRunner(plan, plan.stages[g], state, loss_scale=1.0, context=ctx) for g in groups}
     gen = torch.Generator().manual_seed(0)
-    clock = _Clock(device)
+    clock = _Clock(device, cpu_time)
     samples: dict[int, dict[str, list[float]]] = {g: {p: [] for p in PHASES} for g in groups}
 
     def forward_all(record: bool) -> None:
@@ -131,4 +199,8 @@ def time_groups(plan: PipelinePlan, groups: range, state: Mapping[str, torch.Ten
             break
     for t in state.values():
         t.grad = None
-    return {g: tuple(statistics.median(samples[g][p]) for p in PHASES) for g in groups}
+    fixed = runner_fixed_cost(plan, device, ctx, cpu_time=cpu_time)
+    # A group whose ops cost less than the clock tells apart from the fixed cost keeps
+    # MIN_GROUP_S: ops are never free, and a time of zero would say they are.
+    return {g: tuple(max(MIN_GROUP_S, statistics.median(samples[g][p]) - f) for p, f in zip(PHASES, fixed))
+            for g in groups}

@@ -25,7 +25,9 @@ from fxpipe.base.safe_io import UnsafeFileError, read_bounded
 from fxpipe.costs.measure import PHASES
 from fxpipe.partition import Coarsening
 
-FORMAT = 1
+FORMAT = 2
+"""2: group times net of the stage runner's fixed cost (``measure.runner_fixed_cost``);
+profiles of format 1 hold it in every group and are measured again."""
 MAX_BYTES = 16 * 2**20
 
 

@@ -11,7 +11,7 @@ import fxpipe
 import fxpipe.costs as costs
 from fxpipe.costs import CostProfile, ProfileError, apply_profile, measured_profile, probe_groups
 from fxpipe.costs.measure import chunks
-from fxpipe.costs.profile import cache_path, device_name, profile_key
+from fxpipe.costs.profile import FORMAT, cache_path, device_name, profile_key
 from fxpipe.models import build_workload
 from fxpipe.compiler.driver import run_passes
 from fxpipe.passes.assign_stages import PartitionConfig, solve_partition
@@ -130,7 +130,7 @@ def test_garbage_profile_files(tmp_path, text, match):
 def test_negative_and_boolean_times_are_refused(tmp_path):
     import hashlib
     for bad in (-1.0, True):
-        doc = dict(format=1, key="k", device="cpu:x", groups=[[bad, 0, 0, 0]], latency_s=0,
+        doc = dict(format=FORMAT, key="k", device="cpu:x", groups=[[bad, 0, 0, 0]], latency_s=0,
                    bandwidth_bytes_per_s=None)
         doc["sha256"] = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
         path = tmp_path / "p.json"
