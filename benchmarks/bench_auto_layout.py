@@ -106,7 +106,8 @@ def _search(args, w: Workload, memory_limit_gb: float | None = None):
     # The ranks run one thread each (_worker): the search times compute as they will run it,
     # and with more ranks than cores it prices the cores they share.
     return search_layout(w.model, w.example_inputs, args.world, loss_fn=w.loss_fn,
-                         base=ParallelConfig(memory_limit_gb=memory_limit_gb), pinned=pinned, threads=1,
+                         base=ParallelConfig(memory_limit_gb=memory_limit_gb, hardware=args.hardware),
+                         pinned=pinned, threads=1,
                          concurrent=cores if args.world > cores else None, exhaustive=True)
 
 
@@ -187,11 +188,27 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--max-minutes", type=float, default=10.0, help="start no model/workload after this")
     p.add_argument("--output", default=RESULTS, help="results file (default: %(default)s)")
+    p.add_argument("--hardware", default="calibrate",
+                   help="the search's hardware profile: 'calibrate' (default: `fxpipe calibrate` on this machine "
+                        "first, one thread per process, as the ranks run; written beside --output), a preset "
+                        "or a profile's path")
     args = p.parse_args()
+    if args.hardware == "calibrate":
+        # The price's links (gloo's p2p and all-reduce) and the runtime's cost per action are
+        # this machine's, measured as `fxpipe calibrate` measures them, not the CPU preset's guesses.
+        from fxpipe.planner.machine_speeds import calibrate
+        hw, measurements = calibrate(name="bench-auto-layout", threads=1, log=print)
+        args.hardware = os.path.splitext(args.output)[0] + "_hardware.json"
+        hw.save(args.hardware, measurements)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     head = (f"# bench_auto_layout — {time.strftime('%Y-%m-%d %H:%M')}, {platform.machine()} {os.cpu_count()} cpus, "
             f"load {load:.1f} at start, torch {torch.__version__}; command: benchmarks/bench_auto_layout.py "
             f"{' '.join(sys.argv[1:])}")
+    from fxpipe.base.hardware import get_hardware
+    hw = get_hardware(args.hardware)
+    head += (f"\n# hardware {args.hardware}: p2p {hw.intra_node.p2p_latency * 1e6:.0f} us + "
+             f"{hw.intra_node.p2p_bw / 1e9:.2f} GB/s, collective {hw.intra_node.collective_latency * 1e6:.0f} us "
+             f"per step + {hw.intra_node.collective_bw / 1e9:.2f} GB/s, {hw.action_overhead_s * 1e6:.0f} us per action")
     lines, results, skipped, start = [head], {}, [], time.perf_counter()
     print(head, flush=True)
     for model in args.models:
