@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+from fxpipe.base.hardware import Collective
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.pass_configs import PartitionConfig
 from fxpipe.ir.pass_results import VocabTiming
@@ -70,7 +71,14 @@ def vocab_timing(plan: PipelinePlan, config: ParallelConfig, pconfig: PartitionC
     tokens = math.prod(hidden.shape[:-1])
     hidden_bytes = tokens * (hidden.shape[-1] if hidden.shape else 1) * hidden.dtype.itemsize
     send = latency + hidden_bytes / bandwidth
-    stats = latency + STATS_PER_TOKEN * 4 * tokens / bandwidth
+    # ALLREDUCE_S is all-reduces, not a transfer (``runtime/head_blocks.py``): the max
+    # over the pipeline ranks' blocks, then the sum-exp and the target logit, each again
+    # over the tensor-parallel ranks when the head is split there too.
+    groups = [(config.pp, hw.members_per_node(config.pp, config.tp * config.replicas))]
+    if config.tp > 1:
+        groups.append((config.tp, hw.members_per_node(config.tp, 1)))
+    stats = sum(hw.collective_s(Collective.ALL_REDUCE, 4 * n * tokens, size, per_node)
+                for size, per_node in groups for n in (1, STATS_PER_TOKEN - 1))
     return VocabTiming(durations=durations, p2p_latency=send, collective_latency=(send, stats, send))
 
 

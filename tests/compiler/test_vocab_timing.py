@@ -1,0 +1,35 @@
+"""What one microbatch's vocabulary-pass communication costs in the price
+(``compiler/vocab_placement.vocab_timing``): BCAST_H and REDUCE_G move the head's input
+(a transfer each), ALLREDUCE_S is the runtime's two all-reduces of the softmax statistics
+over the pipeline ranks (``runtime/head_blocks.py``: the max, then sum-exp and target
+logit) — ring all-reduces on the hardware's links, not one transfer."""
+import math
+
+import pytest
+
+from fxpipe.base.hardware import Collective, get_hardware
+from fxpipe.compiler.pipeline import capture_for, compile_program
+from fxpipe.ir.parallel_config import ParallelConfig
+from tests.runtime import _wide_vocab
+
+M = 2
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    model, batch, loss_fn = _wide_vocab.workload_tied()
+    config = ParallelConfig(pp=2, microbatches=M, costs="model", vocab_passes=True).with_world(2)
+    return compile_program(capture_for(model, tuple(t[:len(t) // M] for t in batch), config, loss_fn), config)
+
+
+def test_the_statistics_are_priced_as_the_runtimes_all_reduces(compiled):
+    timing, plan = compiled.vocab_timing, compiled.plan
+    hw = get_hardware(compiled.config.hardware)
+    hidden = plan.values[plan.vocab_head.hidden].spec
+    tokens = math.prod(hidden.shape[:-1])
+    send = hw.p2p_latency + tokens * hidden.shape[-1] * hidden.dtype.itemsize / hw.p2p_bw
+    # pp = 2 on one node: a ring all-reduce of n bytes is 2 steps of (latency + n/2 / bw).
+    ring = lambda n: 2 * (hw.intra_node.collective_latency + n / 2 / hw.intra_node.collective_bw)  # noqa: E731
+    assert hw.collective_s(Collective.ALL_REDUCE, 4 * tokens, 2, 2) == pytest.approx(ring(4 * tokens), rel=1e-9)
+    assert timing.collective_latency == pytest.approx((send, ring(4 * tokens) + ring(8 * tokens), send), rel=1e-9)
+    assert timing.p2p_latency == pytest.approx(send, rel=1e-9)
