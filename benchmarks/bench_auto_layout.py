@@ -8,8 +8,8 @@ For each model and workload the search (``fxpipe/planner/auto_layout.py``) price
 layout of ``--world`` ranks for the workload's global batch (``exhaustive``: nothing
 pruned, so every layout has a prediction); the ``--top`` fastest predicted and a
 ``--sample`` of the rest (seeded) are built with ``fxpipe.parallelize`` in one gloo world
-(the config the search priced: measured costs, chain-DP partition) and trained for
-``--steps`` steps per round, in ``--rounds`` rounds, every layout once per round and the
+(the config the search priced: measured costs, chain-DP partition) and trained — the
+schedule and an AdamW step, as ``fxpipe run`` steps — for ``--steps`` steps per round, in ``--rounds`` rounds, every layout once per round and the
 order rotated by one each round (so drift and a neighbour's load hit all alike); medians.
 Per model and workload: the chosen layout's measured step over the best measured one,
 the median |predicted − measured| / measured, Spearman's ρ and Kendall's τ-b
@@ -84,8 +84,11 @@ def _worker(rank: int, world: int, args, layouts: list[dict]) -> list[float] | N
         model = workload(args.model, args.rows, args.seq).model
         pm = fxpipe.parallelize(model, example_inputs=w.example_inputs, loss_fn=w.loss_fn, costs="measure",
                                 partition="dp", **fields)
-        pm.train_step(w.example_inputs)  # warm-up: first-step allocations
-        models.append(pm)
+        # The step the price prices, as `fxpipe run` takes it: the schedule and the optimizer.
+        opt = torch.optim.AdamW([t for _, t in pm.named_parameters()], lr=1e-4)
+        pm.train_step(w.example_inputs)  # warm-up: first-step allocations, the optimizer's state
+        opt.step()
+        models.append((pm, opt))
     times: list[list[float]] = [[] for _ in layouts]
     for r in range(args.rounds):
         for k in range(len(models)):
@@ -93,9 +96,11 @@ def _worker(rank: int, world: int, args, layouts: list[dict]) -> list[float] | N
             for _ in range(args.steps):
                 dist.barrier()
                 start = time.perf_counter()
-                models[i].train_step(w.example_inputs)
+                pm, opt = models[i]
+                pm.train_step(w.example_inputs)
+                opt.step()
                 times[i].append(time.perf_counter() - start)
-    for pm in models:
+    for pm, _ in models:
         pm.close()
     return [statistics.median(t) for t in times] if rank == 0 else None
 
