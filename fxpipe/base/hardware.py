@@ -99,6 +99,12 @@ class Hardware:
     backward of one microbatch on one stage, a vocabulary pass): the executor, the stage
     runner and autograd's call. ``fxpipe calibrate`` measures it (``measure_action_overhead``);
     the layout search adds it to every action it simulates."""
+    optimizer_tensor_s: float = 0.0
+    """Seconds the optimizer step pays per parameter tensor regardless of its size: torch's
+    AdamW on a CPU runs a dozen kernels for each tensor in turn (~0.1 ms a tensor on a
+    core of the 2-core VM, where a small model's bytes cost far less); fused multi-tensor
+    kernels on a GPU make it ~0. ``fxpipe calibrate`` measures it
+    (``measure_optimizer_tensor``)."""
     source: str = ""
     """Where the numbers come from."""
 
@@ -111,8 +117,9 @@ class Hardware:
             raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
         # A profile is a file from disk: an overhead that is negative, NaN or absurd would
         # silently reorder every layout the search prices.
-        if not 0 <= self.action_overhead_s < 1:
-            raise ValueError(f"Hardware.action_overhead_s must be in [0, 1) seconds, got {self.action_overhead_s}")
+        for f in ("action_overhead_s", "optimizer_tensor_s"):
+            if not 0 <= getattr(self, f) < 1:
+                raise ValueError(f"Hardware.{f} must be in [0, 1) seconds, got {getattr(self, f)}")
 
     # ---- rates -------------------------------------------------------------------------
     @property

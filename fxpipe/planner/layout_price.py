@@ -147,6 +147,7 @@ def gradient_sync_s(compiled: CompiledPipeline, hw: Hardware,
                 stage = next((program.stages[u.name] for u in nodes[p.node].users if u.name in program.stages), 0)
                 experts[ranks[stage]] += p.numel // ep.ep
     tied, union = _tied_bytes(compiled)
+    tensors = _rank_tensors(compiled)
     members, zero = config.replicas, bool(config.zero)
     weight = config.precision.dtype.itemsize
     traffic = ADAM_FP32_BYTES if weight == 4 else PlannerOptions.optimizer_bytes_per_param
@@ -167,9 +168,33 @@ def gradient_sync_s(compiled: CompiledPipeline, hw: Hardware,
         shared = sum(hw.collective_s(Collective.ALL_REDUCE, nbytes, n * members, hw.members_per_node(members, config.tp))
                      for nbytes, n in union[r])
         sync.append(dense + held + shared)
-        step.append(optimizer_step_s(hw, p - e, dp=members, zero=zero, traffic_bytes=traffic)
-                    + optimizer_step_s(hw, e, dp=group, zero=False, traffic_bytes=traffic))
+        dense_t, expert_t = tensors[r]
+        step.append(optimizer_step_s(hw, p - e, dp=members, zero=zero, traffic_bytes=traffic, tensors=dense_t)
+                    + optimizer_step_s(hw, e, dp=group, zero=False, traffic_bytes=traffic, tensors=expert_t))
     return tuple(sync), tuple(step)
+
+
+def _rank_tensors(compiled: CompiledPipeline) -> list[tuple[int, int]]:
+    """Per pipeline rank, (dense, expert) trainable parameter tensors the optimizer steps
+    there: each tensor once per rank whose stages read it (a tied copy on every rank that
+    holds one). Compiled only to the partition (the search), a table whose rows a later
+    pass splits over the pipeline ranks counts on every rank that reads it."""
+    config, program, plan = compiled.config, compiled.program, compiled.plan
+    ranks, nodes = compiled.schedule.stage_ranks, {n.name: n for n in program.graph.nodes}
+    experts = program.expert_parallel.specs if program.expert_parallel is not None else {}
+    trainable = {p.canonical for p in program.params if p.requires_grad}
+    if plan is not None:  # split into stages: what each rank holds, its head block and rows included
+        held_names = [plan.rank_params(r, [s for s, q in enumerate(ranks) if q == r]) for r in range(config.pp)]
+        return [(sum(n in trainable and n not in experts for n in names), sum(n in experts for n in names))
+                for names in held_names]
+    held: list[dict[str, bool]] = [{} for _ in range(config.pp)]
+    for p in program.params:
+        if not p.requires_grad or p.node not in nodes:
+            continue
+        for user in nodes[p.node].users:
+            if user.name in program.stages:
+                held[ranks[program.stages[user.name]]][p.canonical] = p.canonical in experts
+    return [(sum(not e for e in h.values()), sum(h.values())) for h in held]
 
 
 def _tied_bytes(compiled: CompiledPipeline) -> tuple[list[float], list[list[tuple[float, int]]]]:

@@ -17,6 +17,8 @@
 - per-action overhead: what the runtime pays per forward or backward of one microbatch
   on one stage beyond the cost model, from a tiny GPT trained with 1 and with 8
   microbatches in a world of one (``measure_action_overhead``; the layout search adds it);
+- per optimizer tensor: torch's AdamW over 64 tiny tensors, whose bytes cost nothing, in
+  thread CPU time (``measure_optimizer_tensor``; the price adds it per tensor a rank steps);
 - gloo, two fresh processes: ping-pong send/recv and all-reduce over 4 KB…8 MB (wall
   time, median of repeats); a least-squares line t = latency + bytes/bandwidth per
   collective (all-reduce on 2 ranks: t = S/busbw + 2·latency, the ring formula of
@@ -214,6 +216,25 @@ def measure_action_overhead(hw: Hardware, steps: int = 15) -> dict[str, float]:
     return dict(step_m1_s=measured[1], step_m8_s=measured[8], action_overhead_s=max(0.0, overhead))
 
 
+def measure_optimizer_tensor(hw: Hardware, tensors: int = 64, steps: int = 21) -> dict[str, float]:
+    """The optimizer step's fixed cost per parameter tensor (``Hardware.optimizer_tensor_s``):
+    torch's AdamW over ``tensors`` tensors of 8 elements, whose bytes cost nothing beside
+    it, median thread CPU seconds of a step over the tensors (the first step, which creates
+    the moments, left out)."""
+    params = [torch.zeros(8, requires_grad=True) for _ in range(tensors)]
+    for t in params:
+        t.grad = torch.ones(8)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt.step()
+    times = []
+    for _ in range(steps):
+        start = time.thread_time()
+        opt.step()
+        times.append(time.thread_time() - start)
+    return dict(adamw_step_s=statistics.median(times), tensors=tensors,
+                optimizer_tensor_s=statistics.median(times) / tensors)
+
+
 def _fit(sizes: list[int], times: list[float]) -> tuple[float, float]:
     """(seconds per byte, intercept) of the line through the points, least squares on the
     relative error (so the small messages set the latency, the large the bandwidth)."""
@@ -356,5 +377,8 @@ def calibrate(*, name: str = "cpu-measured", threads: int = 1, distributed: bool
     log(f"runtime  a tiny GPT's step {action['step_m1_s'] * 1e3:.2f} ms with 1 microbatch, "
         f"{action['step_m8_s'] * 1e3:.2f} ms with 8: {hw.action_overhead_s * 1e6:.0f} us per forward or backward "
         f"action beyond the cost model")
+    hw, optimizer = _refine(hw, measurements, "optimizer", measure_optimizer_tensor, "optimizer_tensor_s")
+    log(f"optimizer AdamW over {optimizer['tensors']} small tensors {optimizer['adamw_step_s'] * 1e3:.2f} ms: "
+        f"{hw.optimizer_tensor_s * 1e6:.0f} us per tensor")
     log(f"calibrated in {time.perf_counter() - start:.1f} s")
     return hw, measurements

@@ -25,7 +25,8 @@ stage-boundary point-to-point. From there the price is this module's:
 - ``sync_r``: the data-parallel gradient reduction as the runtime overlaps it with the last
   backward (``dp_sync_s``: an all-reduce in buckets, or ZeRO-1's reduce onto owners and
   the owners' broadcast of the updated weights before the next forward);
-- ``optimizer_r``: the Adam step over what rank r owns, memory bound (``optimizer_step_s``).
+- ``optimizer_r``: the Adam step over what rank r owns, memory bound, plus a fixed cost per
+  tensor where the optimizer steps tensor by tensor (``optimizer_step_s``).
 
 Memory per rank is ``state_bytes`` (weights, gradients, optimizer state, the last sharded
 over the dp replicas by ZeRO-1) per parameter, plus the activations the schedule keeps
@@ -100,11 +101,16 @@ def dp_sync_s(hw: Hardware, *, grad_bytes: float, weight_bytes: float, dp: int, 
     return sync
 
 
-def optimizer_step_s(hw: Hardware, params: float, *, dp: int, zero: bool, traffic_bytes: float) -> float:
-    """The Adam step over ``params`` parameters (1/dp of them owned under ZeRO-1): memory
-    bound, ``traffic_bytes`` moved per parameter in four kernels' worth of launches."""
-    owned = params / (dp if zero else 1)
-    return hw.memory_s(owned * traffic_bytes, 4) if owned > 0 else 0.0
+def optimizer_step_s(hw: Hardware, params: float, *, dp: int, zero: bool, traffic_bytes: float,
+                     tensors: float = 0.0) -> float:
+    """The Adam step over ``params`` parameters in ``tensors`` tensors (1/dp of them owned
+    under ZeRO-1): memory bound, ``traffic_bytes`` moved per parameter in four kernels'
+    worth of launches, plus ``Hardware.optimizer_tensor_s`` per tensor (an optimizer that
+    steps tensor by tensor). ``tensors`` 0: the per-tensor cost left out (a lower bound)."""
+    share = dp if zero else 1
+    owned = params / share
+    per_tensor = hw.optimizer_tensor_s * tensors / share
+    return (hw.memory_s(owned * traffic_bytes, 4) if owned > 0 else 0.0) + per_tensor
 
 
 def step_s(finish: Sequence[float], sync: Sequence[float], optimizer: Sequence[float],
