@@ -27,7 +27,7 @@ from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.program import Program
 from fxpipe.planner.options import PlannerOptions
 from fxpipe.planner.step_price import (ADAM_FP32_BYTES, dp_sync_s, optimizer_step_s, rank_finish, shared_cores_floor,
-                                       step_s, with_action_overhead)
+                                       step_collectives_s, step_s, with_action_overhead)
 from fxpipe.runtime.launch import local_world_size
 from fxpipe.schedules.simulate import StageDurations, simulate
 
@@ -257,6 +257,9 @@ def price(compiled: CompiledPipeline, hardware: Hardware | None = None, *,
     sync, optimizer = gradient_sync_s(compiled, hw, [sum(b for b, r in zip(durations.backward, ranks) if r == rank)
                                                      for rank in range(config.pp)])
     step, critical = step_s(rank_finish(sim, floor), sync, optimizer)
+    world = config.tp * config.pp * config.replicas
+    step += step_collectives_s(hw, world=world, pp=config.pp, dp=config.replicas,
+                               per_node=hw.members_per_node(world, 1))
     bubble = sim.max_bubble_fraction if config.pp > 1 else 0.0
     return PricedLayout(config=config, step_s=step, memory_bytes=max(result.rank_memory_bytes),
                         bubble=bubble, allreduce_s=sync[critical])

@@ -28,6 +28,10 @@ stage-boundary point-to-point. From there the price is this module's:
 - ``optimizer_r``: the Adam step over what rank r owns, memory bound, plus a fixed cost per
   tensor where the optimizer steps tensor by tensor (``optimizer_step_s``).
 
+On the captured graph (``layout_price.price``) the step also carries the runtime's own
+collectives at its end (``step_collectives_s``: the batch digests and the mean loss),
+latency-bound: nothing at cluster scale, a few gloo latencies on a CPU.
+
 Memory per rank is ``state_bytes`` (weights, gradients, optimizer state, the last sharded
 over the dp replicas by ZeRO-1) per parameter, plus the activations the schedule keeps
 in flight (recomputation keeps a layer's input only): the partition's memory model on the
@@ -48,7 +52,7 @@ from fxpipe.planner.dp_overlap import DEFAULT_BUCKET_MB, exposed_reduction_s
 from fxpipe.schedules.simulate import SimResult, StageDurations
 
 __all__ = ["ADAM_FP32_BYTES", "DEFAULT_BUCKET_MB", "dp_sync_s", "exposed_reduction_s", "optimizer_step_s",
-           "rank_finish", "shared_cores_floor", "state_bytes", "step_s", "with_action_overhead"]
+           "rank_finish", "shared_cores_floor", "state_bytes", "step_collectives_s", "step_s", "with_action_overhead"]
 
 ADAM_FP32_BYTES = 28.0
 """Memory traffic of one fp32 Adam step per parameter: read the gradient (4), read and
@@ -111,6 +115,17 @@ def optimizer_step_s(hw: Hardware, params: float, *, dp: int, zero: bool, traffi
     owned = params / share
     per_tensor = hw.optimizer_tensor_s * tensors / share
     return (hw.memory_s(owned * traffic_bytes, 4) if owned > 0 else 0.0) + per_tensor
+
+
+def step_collectives_s(hw: Hardware, *, world: int, pp: int, dp: int, per_node: int) -> float:
+    """The runtime's own collectives at every step's end, after the schedule
+    (``runtime/api.py``): the batch digests gathered over the world (a few float64 per
+    rank) and the mean loss all-reduced over the pipeline ranks, then the dp replicas —
+    latency-bound, each rank waiting for every other."""
+    digest = 8 * 8 * world
+    return (hw.collective_s(Collective.ALL_GATHER, digest, world, min(per_node, world))
+            + hw.collective_s(Collective.ALL_REDUCE, 8, pp, min(per_node, pp))
+            + hw.collective_s(Collective.ALL_REDUCE, 8, dp, min(per_node, dp)))
 
 
 def step_s(finish: Sequence[float], sync: Sequence[float], optimizer: Sequence[float],
