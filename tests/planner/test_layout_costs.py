@@ -195,9 +195,11 @@ def test_zero_1_is_tried_where_a_data_parallel_layout_does_not_fit(tiny):
     params = plain.memory_bytes - sharded.memory_bytes
     # The reduce onto owners and the gather move the all-reduce's bytes (one bucket: all of
     # it after the backward); each owner steps half the parameters: 28 bytes of fp32 Adam
-    # traffic each at the profile's memory bandwidth.
+    # traffic each at the profile's memory bandwidth, and half the tensors, each at the
+    # optimizer's fixed cost per tensor.
     count = sum(p.numel() for p in tiny.model.parameters())
-    saved = count / 2 * 28 / get_hardware("cpu").memory_bw
+    hw = get_hardware("cpu")
+    saved = count / 2 * 28 / hw.memory_bw + len(list(tiny.model.parameters())) / 2 * hw.optimizer_tensor_s
     assert params > 0 and sharded.step_s == pytest.approx(plain.step_s - saved)
     assert any(name == "tp=1 pp=1 dp=2 m=1" and "over the limit" in why for name, why in capped.refused)
 
