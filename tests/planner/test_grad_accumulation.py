@@ -89,3 +89,17 @@ def test_sc21_rows_run_2021_megatron():
     # every backward is longer, so the bubble grows with it: at least the rank's own passes
     gap = with_passes.iteration_s - without.iteration_s
     assert per_rank <= gap <= per_rank * (1 + 2 * with_passes.bubble_ratio)
+
+
+def test_plan_flag_selects_it():
+    import argparse
+
+    from fxpipe.cli.plan import add_plan_arguments, options_from_args
+    p = argparse.ArgumentParser()
+    add_plan_arguments(p)
+    base = ["--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512"]
+    assert options_from_args(p.parse_args(base)).grad_accumulation is GradAccumulation.FUSED
+    opts = options_from_args(p.parse_args(base + ["--grad-accumulation", "separate"]))
+    assert opts.grad_accumulation is GradAccumulation.SEPARATE
+    with pytest.raises(SystemExit):
+        p.parse_args(base + ["--grad-accumulation", "sometimes"])
