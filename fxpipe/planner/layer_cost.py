@@ -40,17 +40,11 @@ softmax, attention dropout); backward launches twice as many."""
 FLASH_BACKWARD_FACTOR = 2.5
 """Fused attention backward FLOPs / forward FLOPs (two gradient matmuls per forward
 matmul, plus recomputing QKᵀ)."""
-CE_FORWARD_BYTES = 4 + 4 + 8 + 8 + 4 + 8
-"""Cross-entropy forward bytes per logit beyond reading the 16-bit logits once: Megatron's
-vocab-parallel cross-entropy (2021's ``mpu`` and Megatron-Core's alike) writes an fp32 copy
-(4), reads it for the max (4), subtracts it in place (8), exponentiates in place (8), sums
-(4) and divides in place into the softmax it keeps for the backward (8): six kernels."""
-CE_FORWARD_KERNELS = 6
-CE_BACKWARD_BYTES = 8 + 4
-"""Cross-entropy backward bytes per logit beyond writing the 16-bit gradient: the kept fp32
-softmax scaled in place by the loss gradient (read and write, 8), then read again by the
-fp32 copy's backward (4)."""
-CE_BACKWARD_KERNELS = 2
+CE_FORWARD_BYTES = 12
+"""Cross-entropy forward bytes per logit beyond reading it: an fp32 copy, its max and
+exp-sum passes (Megatron's vocab-parallel cross-entropy)."""
+CE_BACKWARD_BYTES = 4
+"""Cross-entropy backward bytes per logit beyond writing the gradient: the fp32 softmax."""
 
 
 class CostModel:
@@ -188,10 +182,9 @@ class CostModel:
         v = sh.padded_vocab(tp) // tp
         logits = n * v
         return Work.make(
-            {C.GEMM: hw.gemm_s(n, v, h, dtype_bytes=d),
-             C.ELEMENTWISE: hw.memory_s(logits * (d + CE_FORWARD_BYTES), CE_FORWARD_KERNELS)},
+            {C.GEMM: hw.gemm_s(n, v, h, dtype_bytes=d), C.ELEMENTWISE: hw.memory_s(logits * (d + CE_FORWARD_BYTES), 3)},
             {C.GEMM: hw.gemm_s(n, h, v, dtype_bytes=d) + hw.gemm_s(h, v, n, dtype_bytes=d),
-             C.ELEMENTWISE: hw.memory_s(logits * (d + CE_BACKWARD_BYTES), CE_BACKWARD_KERNELS)},
+             C.ELEMENTWISE: hw.memory_s(logits * (d + CE_BACKWARD_BYTES), 2)},
             hw.gemm_s(h, v, n, dtype_bytes=d))
 
     @lru_cache(maxsize=None)
