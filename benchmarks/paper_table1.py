@@ -5,7 +5,8 @@ then the published measured runs with their layouts pinned (``published_runs.py`
 
 For each model (1.7B … 1T) the paper's t, p, d, b, B, with v and the DDP kind from its
 run script (fxpipe/planner/sc21.py), full recomputation, Megatron's equal layer split,
-scatter-gather on, on the A100 preset. Also the planner's own best layout for the same
+scatter-gather on, 2021 Megatron's fp16 gradients accumulated by a pass of their own and
+its fp16 optimizer (``Table1Row.options``), on the A100 preset. Also the planner's own best layout for the same
 GPUs and batch (its search, all schedules and recompute modes), on each model captured on
 the meta device and its shape read off the graph (what ``fxpipe plan`` does). Writes
 results/paper_table1.{md,csv,png} and prints the mean absolute error (~30 s), then
@@ -64,7 +65,10 @@ def main() -> None:
     notes = (f"Mean absolute error of the predicted TFLOP/s per GPU: **{mae:.1f}%** "
              f"(signed mean {statistics.mean(errors):+.1f}%, max |error| {max(abs(e) for e in errors):.1f}%). "
              "A100 preset (matmul efficiency 0.75, HBM at 85%, NVLink busbw 230 GB/s, 23 GB/s per NIC); "
-             "full recomputation; TFLOP/s by the paper's 96·B·s·l·h²(1 + s/6h + V/16lh). "
+             "full recomputation; the runs' 2021 Megatron (fxpipe/planner/sc21.py): fp16 gradients, each "
+             "microbatch's gradients accumulated by a pass of their own (GradAccumulation.SEPARATE), the fp16 "
+             "optimizer's 52 B per parameter, the DDP kind of the run script; "
+             "TFLOP/s by the paper's 96·B·s·l·h²(1 + s/6h + V/16lh). "
              "'planner best' is `fxpipe plan` for the same GPUs and batch over all schedules and "
              "recompute modes, on the shape read off each model captured on the meta device (fxpipe/planner/captured.py: "
              "the same shape as the registry's for all ten; 'capture s' builds and captures it) "

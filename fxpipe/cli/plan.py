@@ -11,8 +11,8 @@ import time
 from fxpipe.base.hardware import PRESETS, get_hardware
 from fxpipe.base.recompute_mode import RecomputeMode
 from fxpipe.job.flags import LAYOUT_FLAGS, TRAIN_FLAGS, add_flags
-from fxpipe.planner.options import (PLANNED, DPOverlap, LayerBalance, LayoutPins, PlannerOptions, VocabPasses,
-                                    planned_schedule)
+from fxpipe.planner.options import (PLANNED, DPOverlap, GradAccumulation, LayerBalance, LayoutPins, PlannerOptions,
+                                    VocabPasses, planned_schedule)
 
 PINNED_LAYOUT = ("tp", "pp", "dp", "num_microbatches", "schedule", "chunks", "sp", "zero")
 """``fxpipe run``'s layout flags (``job/flags.py``) that ``fxpipe plan`` takes as pins."""
@@ -71,6 +71,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp-overlap", choices=[k.value for k in DPOverlap], default="backward",
                    help="data-parallel all-reduce after the backward or in buckets overlapped with the "
                         "last microbatch's, as fxpipe's runtime runs it (default: %(default)s)")
+    p.add_argument("--grad-accumulation", choices=[k.value for k in GradAccumulation], default="fused",
+                   help="each microbatch's weight gradients added in the GEMM (fused: Megatron since 2022) or "
+                        "by an element-wise pass over the rank's gradients (separate: Megatron 2021, autograd) "
+                        "(default: %(default)s)")
     p.add_argument("--balance", choices=[k.value for k in LayerBalance], default="fxpipe",
                    help="layer split: fxpipe (any l) or megatron (l %% (p·v) == 0) (default: %(default)s)")
     p.add_argument("--vocab-passes", choices=[k.value for k in VocabPasses], default="off",
@@ -100,7 +104,8 @@ def options_from_args(args: argparse.Namespace) -> PlannerOptions:
         recomputes=tuple(args.recompute), sequence_parallel=getattr(args, "sp", True),
         zeros=(getattr(args, "zero", 1),), tp_overlap=args.tp_overlap,
         scatter_gather=not args.no_scatter_gather, fused_attention=args.fused_attention,
-        dp_overlap=DPOverlap(args.dp_overlap), balance=LayerBalance(args.balance),
+        dp_overlap=DPOverlap(args.dp_overlap), grad_accumulation=GradAccumulation(args.grad_accumulation),
+        balance=LayerBalance(args.balance),
         vocab_passes=VocabPasses(args.vocab_passes),
         max_tp=args.max_tp, max_chunks=args.max_chunks, max_micro_batch=args.max_micro_batch)
 

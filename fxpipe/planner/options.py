@@ -45,6 +45,19 @@ class DPOverlap(enum.Enum):
     (``dp_overlap.py``)."""
 
 
+class GradAccumulation(enum.Enum):
+    """How each microbatch's weight gradient joins the gradient the step reduces."""
+    FUSED = "fused"
+    """The weight-gradient GEMM accumulates into the gradient buffer itself (Megatron's
+    ``--gradient-accumulation-fusion``, on by default since 2022, Megatron-Core): no pass
+    of its own."""
+    SEPARATE = "separate"
+    """The GEMM writes a fresh gradient and an element-wise pass adds it to the
+    accumulator, every microbatch, on every parameter the rank holds: Megatron 2021's
+    ``main_grad.add_(grad)`` hook (``DDP=local``), autograd's ``AccumulateGrad``. It reads
+    the new gradient (compute dtype) and reads and writes the accumulator (``grad_bytes``)."""
+
+
 class VocabPasses(enum.Enum):
     """Which layouts run the LM head as vocabulary passes (Yeung et al., MLSys 2025;
     ``ParallelConfig(vocab_passes=True)``): every pipeline rank owns V/(t·p) rows of the
@@ -154,6 +167,9 @@ class PlannerOptions:
     optimizer_bytes_per_param: float = 32.0
     """Memory traffic of the Adam step per parameter (read gradient, read/write master
     weight and both moments, write the fp16 copy)."""
+    grad_accumulation: GradAccumulation = GradAccumulation.FUSED
+    """Whether each microbatch's weight gradients cost an element-wise pass
+    (``GradAccumulation``; the SC21 runs' 2021 Megatron: ``SEPARATE``)."""
     optimizer: bool = True
     """Count the optimizer step in the iteration (False: compare with ``train_step`` only)."""
     fused_attention: bool = False
@@ -190,6 +206,14 @@ class PlannerOptions:
     simulate_budget: int = 8000
     """Pipelines with p·m·v above this are simulated at two smaller m and extrapolated
     (exact for 1F1B and ZB-H1; see ``pipeline.py``)."""
+
+    @property
+    def accumulation_bytes_per_param(self) -> float:
+        """Memory traffic per parameter and microbatch of accumulating its gradient outside
+        the GEMM: read the new gradient, read and write the accumulator (0 when fused)."""
+        if self.grad_accumulation is GradAccumulation.FUSED:
+            return 0.0
+        return float(self.dtype_bytes + 2 * self.grad_bytes)
 
     def state_bytes(self, zero: int, dp: int) -> tuple[float, float, float]:
         """(weights, gradients, optimizer state) bytes per parameter on one GPU: the weights in

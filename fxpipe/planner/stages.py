@@ -89,6 +89,9 @@ class StagePlan:
     with vocabulary passes the head part is the final norm alone."""
     p2p: tuple[float, float]
     """(send, receive-side all-gather) seconds per stage boundary and microbatch."""
+    accumulate: np.ndarray | None = None
+    """Per stage: the element-wise pass that adds each microbatch's weight gradients to the
+    accumulator (``GradAccumulation.SEPARATE``), inside ``backward`` and ``weight``; None: fused."""
     output: Work | None = None
     """Vocabulary passes: the output layer (logits GEMM and cross-entropy) that every rank
     runs 1/p of as its S and T; not in the stage arrays. None: the head is on the last stage."""
@@ -138,7 +141,8 @@ class StagePlan:
             w = w + head
         f = (send if k < S - 1 else 0.0) + (gather if k > 0 else 0.0)
         b = (send if k > 0 else 0.0) + (gather if k < S - 1 else 0.0)
-        return w + Work.make({Component.P2P: f}, {Component.P2P: b})
+        acc = float(self.accumulate[k]) if self.accumulate is not None else 0.0
+        return w + Work.make({Component.P2P: f}, {Component.P2P: b, Component.ELEMENTWISE: acc}, acc)
 
 
 def plan_stages(model: CostModel, cfg: CandidateLayout) -> StagePlan:
@@ -177,10 +181,18 @@ def plan_stages(model: CostModel, cfg: CandidateLayout) -> StagePlan:
         params[0] += vocab_params  # the word table (split over TP)
         # the last rank's copy of a tied table (p > 1), or an untied head's own weights
         params[-1] += vocab_params if cfg.pp > 1 or not shape.tied_head else 0.0
+    accumulate = None
+    if opts.accumulation_bytes_per_param:
+        # Every microbatch's backward ends with one pass over the stage's gradients (SEPARATE):
+        # the weight-gradient side of the backward, so zero bubble's W carries it.
+        accumulate = params * opts.accumulation_bytes_per_param / hw.memory_bw
+        bwd += accumulate
+        wgt += accumulate
     if S > 1:
         fwd[:-1] += send
         fwd[1:] += gather
         bwd[1:] += send
         bwd[:-1] += gather
     return StagePlan(config=cfg, layers=counts, forward=fwd, backward=bwd, weight=np.minimum(wgt, bwd),
-                     params=params, parts=(layer, emb, head), p2p=(send, gather), output=output)
+                     params=params, parts=(layer, emb, head), p2p=(send, gather), accumulate=accumulate,
+                     output=output)
