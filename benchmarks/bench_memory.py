@@ -55,6 +55,7 @@ def _worker(rank: int, world: int, out: str, layout: dict, args: argparse.Namesp
     batch = _batch(cfg.vocab_size, rows, args.seq)
     start = time.perf_counter()
     w = build_workload(args.model, batch=rows, seq=args.seq, device="meta" if args.meta else "cpu")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # what parallelize starts from
     options = dict(zero=1) if layout["zero"] else {}
     if layout["vocab"]:  # the LM head and embedding's rows owned by every pipeline rank
         options["vocab_passes"] = True
@@ -72,8 +73,8 @@ def _worker(rank: int, world: int, out: str, layout: dict, args: argparse.Namesp
     local = sum(t.numel() for t in pm.state.values())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump(dict(rank=rank, peak=peak, built_peak=built_peak, fixed=fixed, losses=losses, local_elements=local,
-                       build_s=built), f)
+        json.dump(dict(rank=rank, peak=peak, built_peak=built_peak, fixed=fixed, before=before, losses=losses,
+                       local_elements=local, build_s=built), f)
     torch.distributed.destroy_process_group()
 
 
@@ -129,6 +130,8 @@ def main() -> int:
                          rounds_gib=[round(max(x["peak"] for x in run) / 2**30, 2) for run in done],
                          built_gib=[round(x["built_peak"] / 2**30, 2) for x in done[-1]],
                          fixed_gib=statistics.median(x["fixed"] for run in done for x in run) / 2**30,
+                         # The worst process's peak above its resident size before parallelize.
+                         net_gib=statistics.median(max(x["peak"] - x["before"] for x in run) for run in done) / 2**30,
                          elements=[x["local_elements"] for x in done[-1]], loss=done[-1][0]["losses"]))
         print(rows[-1], flush=True)
     ref = next((r for r in rows if r["layout"] == "1,1,1"), None)
@@ -142,17 +145,19 @@ def main() -> int:
              f"round's worst process; `vocab`: vocab_passes=True).", "",
              "Floor: the ratio a perfect split of everything but the fixed cost of a process would reach, "
              "(F + (one-process peak - F) / world) / (one-process peak / world), F = the process's peak after "
-             "importing torch and fxpipe (median over processes).", "",
+             "importing torch and fxpipe (median over processes). Net ratio: the largest (peak - resident size "
+             "before parallelize) of a process, to (the one-process run's) / world size.", "",
              "| tp,pp,dp | processes | peak per process (GiB) | largest | rounds' largest | ratio to ideal share | "
-             "floor (F GiB) | parameter elements per process | losses |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "floor (F GiB) | net ratio | parameter elements per process | losses |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['peak_gib'] / (ref['peak_gib'] / r['world']):.2f}" if ref else "n/a"
         fixed, world = r["fixed_gib"], r["world"]
         floor = f"{(fixed + (ref['peak_gib'] - fixed) / world) / (ref['peak_gib'] / world):.2f} ({fixed:.2f})" \
             if ref else "n/a"
+        net = f"{r['net_gib'] / (ref['net_gib'] / r['world']):.2f}" if ref else "n/a"
         lines.append(f"| {r['layout']} | {r['world']} | {', '.join(map(str, r['peaks_gib']))} | "
-                     f"{r['peak_gib']:.2f} | {', '.join(map(str, r['rounds_gib']))} | {ratio} | {floor} | "
+                     f"{r['peak_gib']:.2f} | {', '.join(map(str, r['rounds_gib']))} | {ratio} | {floor} | {net} | "
                      f"{', '.join(f'{e / 1e6:.1f}M' for e in r['elements'])} | "
                      f"{', '.join(f'{x:.4f}' for x in r['loss'])} |")
     text = "\n".join(lines) + "\n"

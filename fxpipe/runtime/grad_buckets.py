@@ -22,6 +22,14 @@ Under mixed precision the buffers hold the fp32 master (or ZeRO holder) gradient
 the hooks here are registered after ``MasterWeights``' on the same compute leaves, so
 they see the master's gradient complete.
 
+The buckets are not zeroed before the step: a tensor's first gradient of the step
+(autograd's own fresh tensor, which it needs anyway) is copied into its range and the
+range becomes its ``.grad`` (``_adopt``), so the first microbatch writes instead of
+accumulating into zeros; a tensor no gradient reached is zeroed when its bucket is
+launched. Zeroing every bucket each step was one more pass over all the gradients'
+bytes (and accumulating into the zeros one more read). Only the tables whose last
+action accumulates into them more than once (``unhooked``) are zeroed up front.
+
 With ZeRO-1 (``zero.py``) a bucket is laid out by owner, and each owner's run of it is
 reduced onto that owner (the bytes of a reduce-scatter) instead of all-reduced.
 
@@ -167,6 +175,12 @@ class OverlappedReduction:
 
     def __post_init__(self) -> None:
         self._bucket_of = {n: i for i, b in enumerate(self.plan.buckets) for n in b.names}
+        self._at: dict[str, tuple[int, int]] = {}  # name -> (bucket, first element of its range)
+        for i, b in enumerate(self.plan.buckets):
+            start = 0
+            for n in b.names:
+                self._at[n] = (i, start)
+                start += self.like[n].numel()
         self._by_action: dict[int, list[str]] = {}
         for n, index in self.plan.final_at.items():
             self._by_action.setdefault(index, []).append(n)
@@ -176,6 +190,7 @@ class OverlappedReduction:
         self._done: set[str] = set()
         self._next = 0
         self._action: int | None = None
+        self._written: set[str] = set()
         self._hooks = [self.like[n].register_post_accumulate_grad_hook(self._hook(n)) for n in self._bucket_of
                        if n not in self.unhooked]
 
@@ -187,12 +202,32 @@ class OverlappedReduction:
         final = self.plan.final_at[name]
 
         def hook(_: torch.Tensor) -> None:
+            if name not in self._written:
+                self._adopt(name)
             if self._action == final:
                 self._final(name)
         return hook
 
+    def _view(self, name: str) -> torch.Tensor:
+        i, start = self._at[name]
+        shape = self.like[name].shape
+        return self._buffers[i].narrow(0, start, shape.numel()).view(shape)
+
+    @torch.no_grad()
+    def _adopt(self, name: str) -> None:
+        """Make ``name``'s range of its bucket its ``.grad``: what it has so far copied in,
+        zeros if nothing (module docstring)."""
+        holder, view = self.holders[name], self._view(name)
+        if holder.grad is None:
+            view.zero_()
+        elif holder.grad.data_ptr() != view.data_ptr():
+            view.copy_(holder.grad)
+        holder.grad = view
+        self._written.add(name)
+
     def start_step(self) -> None:
-        """Zero the buckets and make every gradient a view into its bucket."""
+        """Clear the gradients: each becomes its bucket's view at its first accumulation
+        (``_adopt``); the ``unhooked`` tables are zeroed views from the start."""
         # A step refused after its backward (train_step's batch check) left its buckets in
         # flight: every replica launched the same ones, so they complete; drop them.
         for work in self._works:
@@ -201,13 +236,11 @@ class OverlappedReduction:
         if not self._buffers:
             device = next(iter(self.like.values())).device
             self._buffers = [torch.empty(b.numel, dtype=b.dtype, device=device) for b in self.plan.buckets]
-        for bucket, buf in zip(self.plan.buckets, self._buffers):
-            buf.zero_()
-            start = 0
-            for n in bucket.names:
-                shape = self.like[n].shape
-                self.holders[n].grad = buf.narrow(0, start, shape.numel()).view(shape)
-                start += shape.numel()
+        self._written = set()
+        for n in self._bucket_of:
+            self.holders[n].grad = None
+            if n in self.unhooked:
+                self._adopt(n)
         self._missing = [len(b.names) for b in self.plan.buckets]
         self._done = set()
         self._next = 0
@@ -234,6 +267,9 @@ class OverlappedReduction:
     def _launch(self, i: int) -> None:
         buf = self._buffers[i]
         bucket = self.plan.buckets[i]
+        for n in bucket.names:
+            if n not in self._written:  # no gradient reached it this step (or not through a hook)
+                self._adopt(n)
         for key, start, length in bucket.others:
             if self.groups[key] is not None:
                 self._works.append(dist.all_reduce(buf.narrow(0, start, length), group=self.groups[key],
