@@ -37,6 +37,7 @@ def warm_up() -> None:
 
     if torch.backends.cuda.is_built() or torch.xpu._is_compiled():
         return
+    # Imported here, not above: this module's first statement sets the server's SIGTERM.
     from fxpipe.compiler.pipeline import compile_pipeline
     from fxpipe.ir.parallel_config import ParallelConfig
     from fxpipe.models import build_workload
