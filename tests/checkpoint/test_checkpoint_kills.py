@@ -24,13 +24,17 @@ def test_kill_at_any_moment_leaves_only_intact_checkpoints(tmp_path):
     t0 = time.perf_counter()
     lines = [proc.stdout.readline() for _ in range(3)]  # three cycles: time one
     cycle = (time.perf_counter() - t0) / 3
-    proc.kill()
-    proc.communicate(timeout=30)
-    assert all(line.startswith("SAVED") for line in lines), lines
+    if not all(line.startswith("SAVED") for line in lines):
+        proc.kill()
+        raise AssertionError(lines)
+    # The timing child is also the kill at fraction 0 (right after a save returned, as the
+    # children below are after their first): one child start fewer (~6 s of CPU); the
+    # four later children continue in the directory it left.
     seen_debris = False
     for fraction in (0.0, 0.3, 0.6, 0.9, 1.05):
-        proc = _child("loop", str(root))
-        assert proc.stdout.readline().startswith("SAVED")  # a cycle starts now
+        if fraction:
+            proc = _child("loop", str(root))
+            assert proc.stdout.readline().startswith("SAVED")  # a cycle starts now
         time.sleep(cycle * fraction)
         proc.kill()
         proc.communicate(timeout=30)
