@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from fxpipe.compiler.context import CompileContext, CompileHooks
-from fxpipe.compiler.pipeline import batch_captures, compile_program
+from fxpipe.compiler.pipeline import batch_captures, compile_program, pipeline_names
 from fxpipe.costs.local import LocalTimes, measure_locally, node_times_for, time_vocab_passes
 from fxpipe.ir.artifact import CompiledPipeline
 from fxpipe.ir.parallel_config import ParallelConfig
@@ -33,6 +33,10 @@ PREFIX_END = "device"
 """The last pass of the prefix layouts share (the device pass reads only the device, the
 same for every layout); a layout's compile resumes after it."""
 RESUME_AT = "split_matmul"
+PER_TP = "tensor_parallel"
+"""The first pass of the prefix whose result depends on the layout (tp, ep): the passes
+before it run once per micro-batch size."""
+_BEFORE_TP = pipeline_names()[pipeline_names().index(PER_TP) - 1]
 ENOUGH_S = 0.5
 """Seconds of recorded timing after which a shape is not timed again (``time_groups``'s
 ``enough_s``): the search times a dozen shapes, and the large ones are steady in one repeat."""
@@ -52,6 +56,7 @@ class CaptureCosts:
         self.programs: dict[int, Program] = {}
         self.timed: dict[tuple[int, bool, int], LocalTimes | None] = {}
         self.passes: dict[tuple, tuple[float, float]] = {}
+        self.canonicals: dict[int, Program] = {}
         self.prefixes: dict[tuple, Program | Exception] = {}
         self.works: dict[tuple, ShapeWork | Exception] = {}
         self.notes: list[str] = []
@@ -71,18 +76,29 @@ class CaptureCosts:
             raise self.prefixes[key]  # a shape the passes refuse is refused once, not once per layout
         if key not in self.prefixes:
             try:
-                first = compile_program(self.program(rows), dataclasses.replace(config, costs="model"),
-                                        until=PREFIX_END).program
+                first = compile_program(self.canonical(rows, config), dataclasses.replace(config, costs="model"),
+                                        resume=PER_TP, until=PREFIX_END).program
             except (ValueError, PartitionError) as exc:
                 self.prefixes[key] = exc
                 raise
-            per = first.model_stats.flops_per_step // (config.num_microbatches * config.replicas)
-            self.prefixes[key] = first.replace(model_stats=dataclasses.replace(first.model_stats, flops_per_step=per))
+            self.prefixes[key] = first
         program = self.prefixes[key]
         stats = program.model_stats
         return program.replace(model_stats=ModelStats(
             num_parameters=stats.num_parameters,
             flops_per_step=stats.flops_per_step * config.num_microbatches * config.replicas))
+
+    def canonical(self, rows: int, config: ParallelConfig) -> Program:
+        """The capture of ``rows`` rows through the passes before ``PER_TP`` (they read no
+        layout field but the microbatch count, whose FLOPs ``prefix`` scales), shared by
+        every tp and ep: canonicalize copies the whole graph, its values too."""
+        if rows not in self.canonicals:
+            first = compile_program(self.program(rows), dataclasses.replace(config, costs="model"),
+                                    until=_BEFORE_TP).program
+            per = first.model_stats.flops_per_step // (config.num_microbatches * config.replicas)
+            self.canonicals[rows] = first.replace(model_stats=dataclasses.replace(first.model_stats,
+                                                                                  flops_per_step=per))
+        return self.canonicals[rows]
 
     def compile(self, config: ParallelConfig, rows: int) -> CompiledPipeline:
         """``config`` compiled from the shared prefix, as far as pricing needs: a layout with
