@@ -12,6 +12,7 @@ import dataclasses
 import math
 from typing import Callable, Iterator
 
+import networkx as nx
 import torch
 import torch.nn as nn
 
@@ -20,6 +21,7 @@ from fxpipe.compiler.pipeline import batch_captures, compile_program, pipeline_n
 from fxpipe.costs.local import LocalTimes, measure_locally, node_times_for, time_vocab_passes
 from fxpipe.ir.artifact import CompiledPipeline
 from fxpipe.ir.parallel_config import ParallelConfig
+from fxpipe.ir.pass_configs import PartitionConfig
 from fxpipe.ir.pass_results import ModelStats
 from fxpipe.ir.program import Program
 from fxpipe.params.rank_state import ShardBuilder
@@ -59,6 +61,7 @@ class CaptureCosts:
         self.canonicals: dict[int, Program] = {}
         self.prefixes: dict[tuple, Program | Exception] = {}
         self.works: dict[tuple, ShapeWork | Exception] = {}
+        self.fines: dict[int, list[tuple[PartitionConfig, nx.DiGraph]]] = {}
         self.notes: list[str] = []
 
     def program(self, rows: int) -> Program:
@@ -126,7 +129,7 @@ class CaptureCosts:
         program = self.prefix(bare, rows)
         pconfig = CompileContext.of(bare).partition
         head = head_nodes(program)
-        fine = build_problem_graph(program, dataclasses.replace(pconfig, node_times=None))
+        fine = self._fine(program, dataclasses.replace(pconfig, node_times=None))
         timed = self._timed(bare, rows)
         body = [n for n in fine.nodes if n not in head]
         if timed is not None:
@@ -140,6 +143,16 @@ class CaptureCosts:
         return ShapeWork(forward_s=sum(f for f, _ in fused), backward_s=sum(b for _, b in fused),
                          backward_split_s=sum(b for _, b in split), tp_comm_s=comm_f[0] + comm_b[0],
                          params=sum(fine.nodes[n]["params"] for n in body))
+
+    def _fine(self, program: Program, pconfig: PartitionConfig) -> nx.DiGraph:
+        """``build_problem_graph`` of a prefix, built once for the bound and the timing's
+        probe groups (a prefix's graph, costs and parameters are those of its key)."""
+        built = self.fines.setdefault(id(program.graph_module), [])
+        for config, fine in built:
+            if config == pconfig:
+                return fine
+        built.append((pconfig, build_problem_graph(program, pconfig)))
+        return built[-1][1]
 
     def hooks(self, config: ParallelConfig, rows: int) -> CompileHooks:
         if not self.measure:
@@ -197,9 +210,9 @@ class CaptureCosts:
                               seed=self.base.seed)
         try:
             with self._threads():
-                return measure_locally(program, program.partition_config or CompileContext.of(config).partition,
-                                       tuple(t[:rows] for t in self.batch), shards.tensors, tp=config.tp,
-                                       enough_s=ENOUGH_S)
+                pconfig = program.partition_config or CompileContext.of(config).partition
+                return measure_locally(program, pconfig, tuple(t[:rows] for t in self.batch), shards.tensors,
+                                       tp=config.tp, enough_s=ENOUGH_S, fine=self._fine(program, pconfig))
         except Exception as exc:  # noqa: BLE001 - a graph that cannot run alone keeps the cost model
             self.notes.append(f"tp={config.tp}{' sp' if config.sp else ''} b={rows}: timing failed ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0][:120] if str(exc) else ''}), cost model used")

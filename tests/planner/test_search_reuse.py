@@ -3,12 +3,14 @@ before tensor parallelism run once per micro-batch size and the device pass copi
 it leaves as it is — each prefix and each price is the one a compile of its own capture makes."""
 import dataclasses
 
+import networkx as nx
 import pytest
 import torch
 
 from fxpipe.compiler.pipeline import capture_for, compile_program
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.models.registry import build_workload
+from fxpipe.passes.assign_stages import build_problem_graph
 from fxpipe.passes.device import retarget_device
 from fxpipe.planner.layout_costs import PREFIX_END, CaptureCosts
 from fxpipe.planner.layout_price import price
@@ -68,3 +70,18 @@ def test_the_device_pass_copies_only_what_it_changes(tiny):
     # the captured graph itself is left as it was
     assert all(a == torch.device("cpu") for n in program.graph.nodes for a in n.kwargs.values()
                if isinstance(a, torch.device))
+
+
+def test_the_bound_and_the_timing_read_one_problem_graph_per_shape(tiny):
+    base = ParallelConfig(hardware="cpu")
+    costs = CaptureCosts(tiny.model, tiny.example_inputs, base, tiny.loss_fn, measure=True, threads=1)
+    for tp, rows in ((2, 4), (1, 2)):
+        config = dataclasses.replace(base, tp=tp, pp=2, num_microbatches=8 // rows, partition="dp")
+        costs.work(config, rows)
+        program = costs.prefix(config, rows)
+        built = costs.fines[id(program.graph_module)]
+        assert len(built) == 1  # the timing's probe groups were cut from the bound's graph
+        pconfig, fine = built[0]
+        fresh = build_problem_graph(program, pconfig)
+        assert nx.utils.graphs_equal(fine, fresh) and list(fine.nodes) == list(fresh.nodes)
+        assert costs.timed[(tp, False, rows)] is not None
