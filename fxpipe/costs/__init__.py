@@ -35,10 +35,11 @@ inside groups whose time is known, coarse enough that each timing is well above 
 timer's and Python's per-call overhead."""
 
 
-def probe_groups(program, config) -> tuple:
-    """(fine graph with cost-model times, its coarsening into probe groups)."""
+def probe_groups(program, config, fine=None) -> tuple:
+    """(fine graph with cost-model times, its coarsening into probe groups). ``fine``: the
+    fine graph of ``program`` under ``config`` where the caller has built it already."""
 
-    fine = build_problem_graph(program, config)
+    fine = build_problem_graph(program, config) if fine is None else fine
     keyed = fine.copy()  # the blocks of a split matmul share one probe group
     for node, key in split_block_keys(program).items():
         if node in keyed:

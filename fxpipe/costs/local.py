@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+import networkx as nx
 import torch
 import torch.fx as fx
 
@@ -62,12 +63,12 @@ class LocalTimes:
 def measure_locally(program: Program, config: PartitionConfig, batch: Sequence[torch.Tensor],
                     state_for: Callable[[Sequence[str]], Mapping[str, torch.Tensor]], *, tp: int,
                     device: torch.device = torch.device("cpu"), repeats: int = 3,
-                    enough_s: float | None = None) -> LocalTimes:
+                    enough_s: float | None = None, fine: nx.DiGraph | None = None) -> LocalTimes:
     """Time ``program`` (after the tensor-parallel and cost passes, before any pipeline
     split) group by group in this process; ``state_for(names)`` gives tp rank 0's shards;
-    ``repeats``, ``enough_s``: as ``time_groups``."""
+    ``repeats``, ``enough_s``: as ``time_groups``; ``fine``: as ``probe_groups``."""
     keep_freed_blocks()  # as every CPU rank runs (base/cpu_memory.py)
-    fine, probe = probe_groups(program, config)
+    fine, probe = probe_groups(program, config, fine)
     n = len(probe.members)
     same = repeated_groups(program, probe.members)
     same[-1] = n - 1  # the loss's group ends the plan: always a stage of its own

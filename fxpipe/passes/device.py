@@ -64,6 +64,8 @@ def device_pass(program: Program, ctx: CompileContext) -> Program:
 def retarget_device(program: Program, device: torch.device) -> Program:
     """The rewrite itself, for any device (``causality`` reads a meta capture on the cpu)."""
     device = torch.device(device)
+    if not _retargets(program.graph_module, device):
+        return program  # what the rewrite below returns then, without copying the graph first
     gm = copy.deepcopy(program.graph_module)
     costs = dict(program.costs)
     changed = _float_histc(gm.graph, costs) if device.type in _FLOAT_HISTC_ONLY else 0
@@ -98,3 +100,35 @@ def retarget_device(program: Program, device: torch.device) -> Program:
     if not changed:
         return program
     return program.replace(graph_module=gm, costs=costs)
+
+
+def _retargets(gm: torch.fx.GraphModule, device: torch.device) -> bool:
+    """Whether ``retarget_device`` changes anything in ``gm``: an integer histc on a device
+    that counts floats only, a device argument other than ``device``, an autocast region
+    of another device type. Read-only: the search's prefixes (``planner/layout_costs.py``)
+    mostly run on the device they were captured on, and copying the graph (its FakeTensor
+    values too) costs more than the pass."""
+    def other(a) -> bool:
+        found = [False]
+
+        def look(x):
+            found[0] |= isinstance(x, torch.device) and x != device
+            return x
+        torch.fx.node.map_aggregate(a, look)
+        return found[0]
+
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if module is gm and device.type in _FLOAT_HISTC_ONLY and node.target is aten.histc.default:
+                x = node.args[0]
+                val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+                if val is not None and not val.dtype.is_floating_point:
+                    return True
+            if other(node.args) or other(node.kwargs):
+                return True
+            if node.target is torch.ops.higher_order.wrap_with_autocast and node.args \
+                    and isinstance(node.args[0], str) and node.args[0] != device.type:
+                return True
+    return False

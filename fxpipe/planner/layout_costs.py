@@ -12,14 +12,16 @@ import dataclasses
 import math
 from typing import Callable, Iterator
 
+import networkx as nx
 import torch
 import torch.nn as nn
 
 from fxpipe.compiler.context import CompileContext, CompileHooks
-from fxpipe.compiler.pipeline import batch_captures, compile_program
+from fxpipe.compiler.pipeline import batch_captures, compile_program, pipeline_names
 from fxpipe.costs.local import LocalTimes, measure_locally, node_times_for, time_vocab_passes
 from fxpipe.ir.artifact import CompiledPipeline
 from fxpipe.ir.parallel_config import ParallelConfig
+from fxpipe.ir.pass_configs import PartitionConfig
 from fxpipe.ir.pass_results import ModelStats
 from fxpipe.ir.program import Program
 from fxpipe.params.rank_state import ShardBuilder
@@ -33,6 +35,10 @@ PREFIX_END = "device"
 """The last pass of the prefix layouts share (the device pass reads only the device, the
 same for every layout); a layout's compile resumes after it."""
 RESUME_AT = "split_matmul"
+PER_TP = "tensor_parallel"
+"""The first pass of the prefix whose result depends on the layout (tp, ep): the passes
+before it run once per micro-batch size."""
+_BEFORE_TP = pipeline_names()[pipeline_names().index(PER_TP) - 1]
 ENOUGH_S = 0.5
 """Seconds of recorded timing after which a shape is not timed again (``time_groups``'s
 ``enough_s``): the search times a dozen shapes, and the large ones are steady in one repeat."""
@@ -52,8 +58,10 @@ class CaptureCosts:
         self.programs: dict[int, Program] = {}
         self.timed: dict[tuple[int, bool, int], LocalTimes | None] = {}
         self.passes: dict[tuple, tuple[float, float]] = {}
+        self.canonicals: dict[int, Program] = {}
         self.prefixes: dict[tuple, Program | Exception] = {}
         self.works: dict[tuple, ShapeWork | Exception] = {}
+        self.fines: dict[int, list[tuple[PartitionConfig, nx.DiGraph]]] = {}
         self.notes: list[str] = []
 
     def program(self, rows: int) -> Program:
@@ -71,18 +79,29 @@ class CaptureCosts:
             raise self.prefixes[key]  # a shape the passes refuse is refused once, not once per layout
         if key not in self.prefixes:
             try:
-                first = compile_program(self.program(rows), dataclasses.replace(config, costs="model"),
-                                        until=PREFIX_END).program
+                first = compile_program(self.canonical(rows, config), dataclasses.replace(config, costs="model"),
+                                        resume=PER_TP, until=PREFIX_END).program
             except (ValueError, PartitionError) as exc:
                 self.prefixes[key] = exc
                 raise
-            per = first.model_stats.flops_per_step // (config.num_microbatches * config.replicas)
-            self.prefixes[key] = first.replace(model_stats=dataclasses.replace(first.model_stats, flops_per_step=per))
+            self.prefixes[key] = first
         program = self.prefixes[key]
         stats = program.model_stats
         return program.replace(model_stats=ModelStats(
             num_parameters=stats.num_parameters,
             flops_per_step=stats.flops_per_step * config.num_microbatches * config.replicas))
+
+    def canonical(self, rows: int, config: ParallelConfig) -> Program:
+        """The capture of ``rows`` rows through the passes before ``PER_TP`` (they read no
+        layout field but the microbatch count, whose FLOPs ``prefix`` scales), shared by
+        every tp and ep: canonicalize copies the whole graph, its values too."""
+        if rows not in self.canonicals:
+            first = compile_program(self.program(rows), dataclasses.replace(config, costs="model"),
+                                    until=_BEFORE_TP).program
+            per = first.model_stats.flops_per_step // (config.num_microbatches * config.replicas)
+            self.canonicals[rows] = first.replace(model_stats=dataclasses.replace(first.model_stats,
+                                                                                  flops_per_step=per))
+        return self.canonicals[rows]
 
     def compile(self, config: ParallelConfig, rows: int) -> CompiledPipeline:
         """``config`` compiled from the shared prefix, as far as pricing needs: a layout with
@@ -110,7 +129,7 @@ class CaptureCosts:
         program = self.prefix(bare, rows)
         pconfig = CompileContext.of(bare).partition
         head = head_nodes(program)
-        fine = build_problem_graph(program, dataclasses.replace(pconfig, node_times=None))
+        fine = self._fine(program, dataclasses.replace(pconfig, node_times=None))
         timed = self._timed(bare, rows)
         body = [n for n in fine.nodes if n not in head]
         if timed is not None:
@@ -124,6 +143,16 @@ class CaptureCosts:
         return ShapeWork(forward_s=sum(f for f, _ in fused), backward_s=sum(b for _, b in fused),
                          backward_split_s=sum(b for _, b in split), tp_comm_s=comm_f[0] + comm_b[0],
                          params=sum(fine.nodes[n]["params"] for n in body))
+
+    def _fine(self, program: Program, pconfig: PartitionConfig) -> nx.DiGraph:
+        """``build_problem_graph`` of a prefix, built once for the bound and the timing's
+        probe groups (a prefix's graph, costs and parameters are those of its key)."""
+        built = self.fines.setdefault(id(program.graph_module), [])
+        for config, fine in built:
+            if config == pconfig:
+                return fine
+        built.append((pconfig, build_problem_graph(program, pconfig)))
+        return built[-1][1]
 
     def hooks(self, config: ParallelConfig, rows: int) -> CompileHooks:
         if not self.measure:
@@ -181,9 +210,9 @@ class CaptureCosts:
                               seed=self.base.seed)
         try:
             with self._threads():
-                return measure_locally(program, program.partition_config or CompileContext.of(config).partition,
-                                       tuple(t[:rows] for t in self.batch), shards.tensors, tp=config.tp,
-                                       enough_s=ENOUGH_S)
+                pconfig = program.partition_config or CompileContext.of(config).partition
+                return measure_locally(program, pconfig, tuple(t[:rows] for t in self.batch), shards.tensors,
+                                       tp=config.tp, enough_s=ENOUGH_S, fine=self._fine(program, pconfig))
         except Exception as exc:  # noqa: BLE001 - a graph that cannot run alone keeps the cost model
             self.notes.append(f"tp={config.tp}{' sp' if config.sp else ''} b={rows}: timing failed ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0][:120] if str(exc) else ''}), cost model used")
