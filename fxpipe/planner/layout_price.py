@@ -177,16 +177,12 @@ def gradient_sync_s(compiled: CompiledPipeline, hw: Hardware,
 def _rank_tensors(compiled: CompiledPipeline) -> list[tuple[int, int]]:
     """Per pipeline rank, (dense, expert) trainable parameter tensors the optimizer steps
     there: each tensor once per rank whose stages read it (a tied copy on every rank that
-    holds one). Compiled only to the partition (the search), a table whose rows a later
-    pass splits over the pipeline ranks counts on every rank that reads it."""
-    config, program, plan = compiled.config, compiled.program, compiled.plan
+    holds one). Read off the partition, so a layout the search compiled only that far is
+    priced as its full compile is: a table whose rows a later pass splits over the
+    pipeline ranks (``passes/vocab_rows.py``) counts on every rank that reads it."""
+    config, program = compiled.config, compiled.program
     ranks, nodes = compiled.schedule.stage_ranks, {n.name: n for n in program.graph.nodes}
     experts = program.expert_parallel.specs if program.expert_parallel is not None else {}
-    trainable = {p.canonical for p in program.params if p.requires_grad}
-    if plan is not None:  # split into stages: what each rank holds, its head block and rows included
-        held_names = [plan.rank_params(r, [s for s, q in enumerate(ranks) if q == r]) for r in range(config.pp)]
-        return [(sum(n in trainable and n not in experts for n in names), sum(n in experts for n in names))
-                for names in held_names]
     held: list[dict[str, bool]] = [{} for _ in range(config.pp)]
     for p in program.params:
         if not p.requires_grad or p.node not in nodes:
