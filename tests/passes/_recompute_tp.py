@@ -1,4 +1,5 @@
-"""Tensor-parallel GPT programs for test_recompute.py, and their per-rank runs in emulation.
+"""Tensor-parallel GPT programs for the recompute tests (test_recompute_*.py), and their
+per-rank runs in emulation.
 
 Every TP rank runs the same rewritten graph on its shard of the weights, in its own
 thread (``run_emulated``), inside ``tp_group_context(group, DropoutRNG(seed, rank))``
@@ -25,11 +26,12 @@ from fxpipe.tp import DropoutRNG, run_emulated, tp_group_context
 
 
 @lru_cache(maxsize=None)
-def _captured(name: str, seq: int, dropout: float, attn_dropout: bool, batch: int, layers: int
-              ) -> tuple[Program, tuple[torch.Tensor, ...], GPTConfig]:
+def captured(name: str, seq: int, dropout: float, attn_dropout: bool, batch: int, layers: int
+             ) -> tuple[Program, tuple[torch.Tensor, ...], GPTConfig]:
+    """The capture of a named model (fxpipe's GPT with ``dropout``; an HF model as built)."""
     w = build_workload(name, batch=batch, seq=seq, layers=layers)
     model = w.model
-    if dropout:
+    if dropout and w.config is not None:
         torch.manual_seed(0)
         model = GPT(dataclasses.replace(w.config, dropout=dropout))
         if not attn_dropout:  # dropout on the residual branches only (the TP dropout op)
@@ -43,8 +45,8 @@ def _captured(name: str, seq: int, dropout: float, attn_dropout: bool, batch: in
 def tp_program(name: str, seq: int, dropout: float, *, tp: int, sp: bool, attn_dropout: bool = True,
                batch: int = 2, layers: int = 2) -> tuple[Program, tuple[torch.Tensor, ...], GPTConfig]:
     """(TP program, batch, model config) of fxpipe's GPT, through the default pass list."""
-    captured, example, cfg = _captured(name, seq, dropout, attn_dropout, batch, layers)
-    prog, _ = run_passes(captured, TPConfig(tp=tp, sp=sp))
+    program, example, cfg = captured(name, seq, dropout, attn_dropout, batch, layers)
+    prog, _ = run_passes(program, TPConfig(tp=tp, sp=sp))
     assert prog.tensor_parallel.config == TPConfig(tp=tp, sp=sp)
     return prog, example, cfg
 
