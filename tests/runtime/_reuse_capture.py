@@ -7,9 +7,7 @@ dtypes and the batch shapes) is kept pristine; later captures of an identical mo
 get a copy of that graph bound to their own parameters and buffers. What is reused is
 exactly what ``capture`` would return again (export is deterministic); the first case
 of each model in each world still captures for real, and tests/compiler/test_capture.py checks
-capture itself against eager. The models most worlds run are captured once more upstream,
-in the forkserver the worlds fork from (``precapture``, called by ``_warm_worker.py``):
-every worker starts with those captures instead of making each its own.
+capture itself against eager.
 """
 from __future__ import annotations
 
@@ -27,25 +25,12 @@ def _key(model: torch.nn.Module, inputs, loss_fn) -> tuple:
             tuple((tuple(t.shape), t.dtype, t.device.type, t.requires_grad) for t in tensors))
 
 
-PRECAPTURED: dict[tuple, object] = {}
-"""Pristine captures made before this process forked (``precapture``); every
-``captures_reused()`` starts from them."""
-
-
-def precapture(model: torch.nn.Module, example_inputs, loss_fn=None) -> None:
-    """Capture ``model`` on ``example_inputs`` now, for every later ``captures_reused()``
-    of this process and of the processes forked from it."""
-    import fxpipe.compiler.pipeline as compiler
-
-    PRECAPTURED[_key(model, example_inputs, loss_fn)] = compiler.capture(model, example_inputs, loss_fn)
-
-
 @contextlib.contextmanager
 def captures_reused() -> Iterator[dict]:
     import fxpipe.compiler.pipeline as compiler
 
     original = compiler.capture
-    pristine: dict[tuple, object] = dict(PRECAPTURED)
+    pristine: dict[tuple, object] = {}
 
     def capture(model, example_inputs, loss_fn=None):
         key = _key(model, example_inputs, loss_fn)
