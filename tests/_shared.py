@@ -21,3 +21,15 @@ def within(seconds: float, fn, *args):
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def node_value(v):
+    """A node's ``meta["val"]`` as what a graph's equality rests on: each tensor's shape,
+    strides, dtype, device and requires_grad (nested tuples kept), anything else as is."""
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return tuple(v.shape), tuple(v.stride()), v.dtype, v.device, v.requires_grad
+    if isinstance(v, (tuple, list)):
+        return tuple(node_value(x) for x in v)
+    return v

@@ -8,24 +8,17 @@ from fxpipe.compiler import capture_rows
 from fxpipe.compiler.capture import capture
 from fxpipe.compiler.capture_rows import BatchCaptures
 from fxpipe.models import build_workload
+from tests._shared import node_value
 
 _PROGRAM_FIELDS = ("params", "inputs", "input_specs", "loss_output", "mutated_buffers", "module_paths", "layers",
                    "layer_container", "size_hints", "source")
-
-
-def _value(v):
-    if isinstance(v, torch.Tensor):
-        return tuple(v.shape), tuple(v.stride()), v.dtype, v.device, v.requires_grad
-    if isinstance(v, (tuple, list)):
-        return tuple(_value(x) for x in v)
-    return v
 
 
 def _assert_same(static, derived):
     assert derived.graph_module.code == static.graph_module.code
     for a, b in zip(static.graph_module.graph.nodes, derived.graph_module.graph.nodes, strict=True):
         assert (b.name, b.target) == (a.name, a.target)
-        assert _value(b.meta.get("val")) == _value(a.meta.get("val")), a.name
+        assert node_value(b.meta.get("val")) == node_value(a.meta.get("val")), a.name
         assert set(b.meta) == set(a.meta), a.name
         assert repr(b.meta.get("tensor_meta")) == repr(a.meta.get("tensor_meta")), a.name
     for field in _PROGRAM_FIELDS:

@@ -14,14 +14,7 @@ from fxpipe.passes.assign_stages import build_problem_graph
 from fxpipe.passes.device import retarget_device
 from fxpipe.planner.layout_costs import PREFIX_END, CaptureCosts
 from fxpipe.planner.layout_price import price
-
-
-def _value(v):
-    if isinstance(v, torch.Tensor):
-        return tuple(v.shape), tuple(v.stride()), v.dtype, v.device, v.requires_grad
-    if isinstance(v, (tuple, list)):
-        return tuple(_value(x) for x in v)
-    return v
+from tests._shared import node_value
 
 
 def _assert_same(alone, shared):
@@ -29,7 +22,7 @@ def _assert_same(alone, shared):
     for a, b in zip(alone.graph.nodes, shared.graph.nodes, strict=True):
         assert (b.name, b.target, b.args, b.kwargs) == (a.name, a.target, a.args, a.kwargs) or \
             str((b.args, b.kwargs)) == str((a.args, a.kwargs)), a.name
-        assert _value(b.meta.get("val")) == _value(a.meta.get("val")), a.name
+        assert node_value(b.meta.get("val")) == node_value(a.meta.get("val")), a.name
     for field in ("params", "inputs", "module_paths", "layers", "costs", "model_stats", "token_inputs"):
         assert getattr(shared, field) == getattr(alone, field), field
     assert shared.tp_specs == alone.tp_specs
