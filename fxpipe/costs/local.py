@@ -113,7 +113,9 @@ def _spec(value: object) -> object:
     if isinstance(value, fx.Node):
         val = value.meta.get("val")
         if isinstance(val, torch.Tensor):
-            return ("tensor", tuple(val.shape), str(val.dtype))
+            # A data-dependent size (an MoE's routed token count) is a SymInt, which does
+            # not hash: it is named by its symbol, so copies routed alike still match.
+            return ("tensor", tuple(d if isinstance(d, int) else str(d) for d in val.shape), str(val.dtype))
         return ("node", value.op, repr(val) if val is not None else None)
     if isinstance(value, (list, tuple)):
         return tuple(_spec(v) for v in value)

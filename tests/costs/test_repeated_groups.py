@@ -58,3 +58,25 @@ def test_shared_groups_run_the_same_ops_on_the_same_shapes():
     wide = {g for g, names in enumerate(probe.members)
             if any("48" in str(s) for _t, s in _signature(program, names))}
     assert wide and all(same[g] in wide for g in wide)
+
+
+def test_a_graph_with_data_dependent_sizes_is_timed_not_modelled():
+    """An MoE's routed token counts are data-dependent sizes (SymInts) in the captured
+    graph; the search must still time its groups. Before, ``repeated_groups`` failed to
+    hash them and the whole shape silently fell back to the cost model (which put an MoE
+    at a fraction of what it runs in)."""
+    from fxpipe.models.registry import build_workload
+    from fxpipe.planner.layout_costs import CaptureCosts
+
+    w = build_workload("zoo:moe", batch=4, seq=16, seed=0)
+    costs = CaptureCosts(w.model, w.example_inputs, ParallelConfig(), w.loss_fn, measure=True, threads=1)
+    config = ParallelConfig(pp=2, num_microbatches=2).with_world(2)
+    program = costs.prefix(config, 2)
+    symbolic = [n.name for n in program.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+                and not all(isinstance(d, int) for d in n.meta["val"].shape)]
+    assert symbolic, "the MoE's routed sizes are data-dependent in its graph"
+    timed = costs._timed(config, 2)
+    assert costs.notes == [] and timed is not None, costs.notes
+    # The experts' matmuls run on the routed rows: each has a measured time of its own.
+    experts = [n.name for n in program.graph.nodes if n.name in symbolic and "linear" in str(n.target)]
+    assert experts and all(timed.fused[n][0] > 0 for n in experts), experts
