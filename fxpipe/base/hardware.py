@@ -105,6 +105,13 @@ class Hardware:
     core of the 2-core VM, where a small model's bytes cost far less); fused multi-tensor
     kernels on a GPU make it ~0. ``fxpipe calibrate`` measures it
     (``measure_optimizer_tensor``)."""
+    transfer_cpu_s: float = 0.0
+    """Seconds of a rank's own time each end of a point-to-point transfer takes besides
+    moving its bytes: gloo posts and completes a send or a receive on the calling thread
+    (~0.1 ms a side on a core of the 2-core VM), so a pipeline rank pays it for every
+    activation and gradient it sends or receives, between its computations; NCCL only
+    enqueues it (µs). ``fxpipe calibrate`` measures it (``measure_transfer_cpu``); the
+    layout search adds it to the actions that send or receive."""
     source: str = ""
     """Where the numbers come from."""
 
@@ -117,7 +124,7 @@ class Hardware:
             raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
         # A profile is a file from disk: an overhead that is negative, NaN or absurd would
         # silently reorder every layout the search prices.
-        for f in ("action_overhead_s", "optimizer_tensor_s"):
+        for f in ("action_overhead_s", "optimizer_tensor_s", "transfer_cpu_s"):
             if not 0 <= getattr(self, f) < 1:
                 raise ValueError(f"Hardware.{f} must be in [0, 1) seconds, got {getattr(self, f)}")
 

@@ -39,6 +39,7 @@ from fxpipe.ir.program import Program
 from fxpipe.passes.assign_stages import build_problem_graph
 from fxpipe.passes.split import split_program
 from fxpipe.runtime.head_blocks import block_gradient, block_statistics
+from fxpipe.runtime.lookup_exchange import owned_lookup
 from fxpipe.tp import DropoutRNG, ShapesOnlyGroup, tp_group_context
 
 _MATMULS = {torch.ops.aten.linear.default: 1, torch.ops.aten.mm.default: 1, torch.ops.aten.addmm.default: 2}
@@ -198,3 +199,28 @@ def time_vocab_passes(tokens: int, hidden: int, width: int, dtype: torch.dtype =
         t_times.append(now() - mid)
     x.grad = w.grad = None
     return statistics.median(s_times[1:]), statistics.median(t_times[1:])
+
+
+def time_lookup_part(tokens: int, table_rows: int, hidden: int, rows: int, dtype: torch.dtype = torch.float32, *,
+                     repeats: int = 5) -> tuple[float, float]:
+    """Median seconds of one rank's part of a row-split embedding lookup
+    (``runtime/lookup_exchange.owned_lookup``) for ``tokens`` ids over a table of
+    ``table_rows`` rows of which this rank owns ``rows``, forward and backward (the
+    dense gradient of its rows)."""
+    keep_freed_blocks()  # as every CPU rank runs (base/cpu_memory.py)
+    gen = torch.Generator().manual_seed(0)
+    table = (0.02 * torch.randn(max(rows, 1), hidden, generator=gen)).to(dtype).requires_grad_(True)
+    owned = torch.full((table_rows,), -1, dtype=torch.long)
+    owned[:rows] = torch.arange(rows)
+    ids = torch.randint(0, table_rows, (tokens,), generator=gen)
+    grad = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    f_times, b_times = [], []
+    now = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter  # as measure._Clock
+    for _ in range(repeats + 1):  # the first: warm-up
+        start = now()
+        out = owned_lookup(table, owned, ids, -1)
+        mid = now()
+        torch.autograd.backward([out], [grad])
+        f_times.append(mid - start)
+        b_times.append(now() - mid)
+    return statistics.median(f_times[1:]), statistics.median(b_times[1:])

@@ -196,7 +196,9 @@ def search_layout(model: nn.Module, batch: Sequence[torch.Tensor], world_size: i
                 if attempt.split_loss and not compiled.program.loss_splits:
                     refused.append((name, _NOT_CUT))
                     break
-                layout = price(compiled, concurrent=concurrent, vocab_passes_s=costs.vocab_passes(compiled))
+                rows_split = costs.lookups(compiled)
+                layout = price(compiled, concurrent=concurrent, vocab_passes_s=costs.vocab_passes(compiled),
+                               lookups=rows_split, lookup_parts=costs.lookup_parts(rows_split))
             except (ValueError, PartitionError) as exc:  # this model cannot take the layout
                 refused.append((name, " ".join(str(exc).split())[:200]))
                 break

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from fxpipe.compiler.context import CompileContext, CompileHooks
 from fxpipe.compiler.pipeline import batch_captures, compile_program, pipeline_names
-from fxpipe.costs.local import LocalTimes, measure_locally, node_times_for, time_vocab_passes
+from fxpipe.costs.local import LocalTimes, measure_locally, node_times_for, time_lookup_part, time_vocab_passes
 from fxpipe.ir.artifact import CompiledPipeline
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.pass_configs import PartitionConfig
@@ -30,6 +30,7 @@ from fxpipe.passes.assign_stages import build_problem_graph
 from fxpipe.passes.vocab_head import head_nodes
 from fxpipe.planner.layout_bound import ShapeWork
 from fxpipe.planner.layout_price import tp_collective_times
+from fxpipe.planner.transfer_price import LookupWork, lookup_work
 
 PREFIX_END = "device"
 """The last pass of the prefix layouts share (the device pass reads only the device, the
@@ -62,6 +63,8 @@ class CaptureCosts:
         self.prefixes: dict[tuple, Program | Exception] = {}
         self.works: dict[tuple, ShapeWork | Exception] = {}
         self.fines: dict[int, list[tuple[PartitionConfig, nx.DiGraph]]] = {}
+        self.row_lookups: dict[tuple, tuple[LookupWork, ...]] = {}
+        self.parts: dict[tuple, tuple[float, float]] = {}
         self.notes: list[str] = []
 
     def program(self, rows: int) -> Program:
@@ -193,6 +196,39 @@ class CaptureCosts:
             with self._threads():
                 self.passes[key] = time_vocab_passes(*key)
         return self.passes[key]
+
+    def lookups(self, compiled: CompiledPipeline) -> tuple[LookupWork, ...]:
+        """The row-split embedding lookups the runtime will run for this layout
+        (``planner/transfer_price.py``): read off its plan, which a compile the search
+        stopped at the partition gets by running the split and ``vocab_rows`` — once per
+        partition, which the schedules of one shape mostly share."""
+        if compiled.config.pp == 1:
+            return ()
+        ranks = compiled.schedule.stage_to_rank
+        if compiled.plan is not None:
+            return lookup_work(compiled.plan, ranks, compiled.config.pp)
+        program = compiled.program
+        key = (program.graph_module.code, tuple(sorted(program.stages.items())),
+               tuple(compiled.schedule.stage_ranks), compiled.config.pp)
+        if key not in self.row_lookups:
+            plan = compile_program(program, compiled.config, resume="split", until="vocab_rows").plan
+            self.row_lookups[key] = lookup_work(plan, ranks, compiled.config.pp)
+        return self.row_lookups[key]
+
+    def lookup_parts(self, lookups: tuple[LookupWork, ...]) -> dict[tuple, tuple[float, float]]:
+        """Each owner's part of each lookup, timed here (``time_lookup_part``; empty when
+        not measuring: the price models them)."""
+        if not self.measure:
+            return {}
+        out = {}
+        for work in lookups:
+            for rows in {n for n in work.rows if n}:
+                key = work.part_key(rows)
+                if key not in self.parts:
+                    with self._threads():
+                        self.parts[key] = time_lookup_part(work.tokens, work.table_rows, work.hidden, rows, work.dtype)
+                out[key] = self.parts[key]
+        return out
 
     @contextlib.contextmanager
     def _threads(self) -> Iterator[None]:

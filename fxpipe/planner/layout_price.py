@@ -28,6 +28,7 @@ from fxpipe.ir.program import Program
 from fxpipe.planner.options import PlannerOptions
 from fxpipe.planner.step_price import (ADAM_FP32_BYTES, dp_sync_s, optimizer_step_s, rank_finish, shared_cores_floor,
                                        step_collectives_s, step_s, with_action_overhead)
+from fxpipe.planner.transfer_price import LookupWork, lookup_work, transfer_counts, with_transfers
 from fxpipe.runtime.launch import local_world_size
 from fxpipe.schedules.simulate import StageDurations, simulate
 
@@ -215,13 +216,17 @@ def _tied_bytes(compiled: CompiledPipeline) -> tuple[list[float], list[list[tupl
 
 
 def price(compiled: CompiledPipeline, hardware: Hardware | None = None, *,
-          concurrent: int | None = None, vocab_passes_s: tuple[float, float] | None = None) -> PricedLayout:
+          concurrent: int | None = None, vocab_passes_s: tuple[float, float] | None = None,
+          lookups: Sequence[LookupWork] | None = None,
+          lookup_parts: dict[tuple, tuple[float, float]] | None = None) -> PricedLayout:
     """Predicted step time and memory of a compiled layout (module docstring), on
     ``hardware`` (default: the one its partition was priced on). ``concurrent``: how many
     ranks can compute at once on the machine (None: each has a device of its own); fewer
     than the world and the ranks' summed compute time-shares what there is.
     ``vocab_passes_s``: one vocabulary pass S and T as timed (``time_vocab_passes``),
-    instead of the head's share of the partition's times."""
+    instead of the head's share of the partition's times. ``lookups``: the layout's
+    row-split embedding lookups (``transfer_price.py``; None: read off its plan, none
+    without one), ``lookup_parts``: their parts as timed (else the cost model)."""
     config, program = compiled.config, compiled.program
     result = program.partition
     hw = hardware or program.partition_config.hardware
@@ -243,6 +248,12 @@ def price(compiled: CompiledPipeline, hardware: Hardware | None = None, *,
                            ep_collective_times(program, hw, len(durations.forward), config.tp)):
         durations = dataclasses.replace(durations, forward=tuple(f + c for f, c in zip(durations.forward, comm_f)),
                                         backward=tuple(b + c for b, c in zip(durations.backward, comm_b)))
+    if config.pp > 1:
+        if lookups is None:
+            lookups = lookup_work(compiled.plan, compiled.schedule.stage_to_rank, config.pp) \
+                if compiled.plan is not None else ()
+        counts = transfer_counts(program, compiled.schedule.stage_to_rank, len(durations.forward))
+        durations = with_transfers(durations, counts, compiled.schedule.stage_ranks, lookups, lookup_parts or {}, hw)
     durations = with_action_overhead(durations, hw.action_overhead_s, compiled.schedule.splits_backward)
     sim = simulate(compiled.schedule, durations, p2p_latency=p2p, collective_latency=collective)
     # Every tp rank and replica runs the pipeline's compute: with fewer cores than ranks

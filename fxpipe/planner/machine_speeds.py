@@ -22,7 +22,9 @@
 - gloo, two fresh processes: ping-pong send/recv and all-reduce over 4 KB…8 MB (wall
   time, median of repeats); a least-squares line t = latency + bytes/bandwidth per
   collective (all-reduce on 2 ranks: t = S/busbw + 2·latency, the ring formula of
-  ``Hardware.collective_s``).
+  ``Hardware.collective_s``); and each end's own CPU time for one small transfer, the
+  send posted and completed, the receive of an arrived message posted and completed
+  (``_transfer_cpu``; the price adds it per transfer a pipeline rank makes).
 """
 from __future__ import annotations
 
@@ -288,8 +290,37 @@ def _gloo_worker(rank: int, port: int, out: str, threads: int) -> None:
         p2p.append(statistics.median(rtts) / 2)
         ar.append(statistics.median(times))
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump(dict(compute=compute, p2p=p2p, all_reduce=ar), f)
+        json.dump(dict(compute=compute, p2p=p2p, all_reduce=ar, transfer_cpu=_transfer_cpu(rank)), f)
     dist.destroy_process_group()
+
+
+def _transfer_cpu(rank: int, reps: int = 25) -> float:
+    """This end's own CPU seconds for one small point-to-point transfer
+    (``Hardware.transfer_cpu_s``): rank 0 posts a send and later completes it, rank 1
+    posts the receive of a message that has already arrived and completes it — what each
+    end's thread does besides waiting (thread CPU time, median)."""
+    import torch.distributed as dist
+
+    small, got = torch.zeros(256), []
+    for i in range(reps + 3):
+        dist.barrier()
+        if rank == 0:
+            t = time.thread_time()
+            work = dist.isend(small, 1)
+            spent = time.thread_time() - t
+            time.sleep(0.002)
+            t = time.thread_time()
+            work.wait()
+            spent += time.thread_time() - t
+        else:
+            time.sleep(0.002)  # the message is here: what is left is the receiver's own work
+            t = time.thread_time()
+            buf = torch.empty_like(small)
+            dist.irecv(buf, 0).wait()
+            spent = time.thread_time() - t
+        if i >= 3:
+            got.append(spent)
+    return statistics.median(got)
 
 
 def measure_gloo(threads: int) -> dict[str, Any]:
@@ -315,6 +346,7 @@ def measure_gloo(threads: int) -> dict[str, Any]:
     return dict(sizes=sizes, p2p_s=res[0]["p2p"], all_reduce_s=res[0]["all_reduce"],
                 p2p_bw=1 / p2p_slope, p2p_latency=p2p_lat,
                 collective_bw=1 / ar_slope, collective_latency=ar_int / 2,
+                transfer_cpu_s=statistics.mean(r["transfer_cpu"] for r in res),
                 compute_concurrent=[r["compute"] for r in res])
 
 
@@ -362,13 +394,15 @@ def calibrate(*, name: str = "cpu-measured", threads: int = 1, distributed: bool
             f"kernel overhead {c['op_overhead_s'] * 1e6:.1f} us")
     if distributed:
         log(f"gloo     p2p {link.p2p_bw / 1e9:.2f} GB/s + {link.p2p_latency * 1e6:.0f} us; all-reduce "
-            f"busbw {link.collective_bw / 1e9:.2f} GB/s + {link.collective_latency * 1e6:.0f} us per step")
+            f"busbw {link.collective_bw / 1e9:.2f} GB/s + {link.collective_latency * 1e6:.0f} us per step; "
+            f"{gloo['transfer_cpu_s'] * 1e6:.0f} us of a rank's own time per transfer end")
     hw = Hardware(
         name=name, peak_flops=compute["peak_flops"], matmul_efficiency=compute["matmul_efficiency"],
         peak_memory_bw=compute["peak_memory_bw"], memory_efficiency=compute["memory_efficiency"],
         attention_efficiency=compute["attention_efficiency"], memory_bytes=_ram_bytes(),
         gpus_per_node=os.cpu_count() or 1, intra_node=link, inter_node=link,
         op_overhead_s=compute["op_overhead_s"],
+        transfer_cpu_s=measurements["gloo"]["transfer_cpu_s"] if distributed else CPU.transfer_cpu_s,
         source=f"fxpipe calibrate, {platform.node()} {platform.machine()} "
                f"{datetime.date.today().isoformat()}, {threads} thread(s), torch {torch.__version__}"
                + (", compute measured by 2 processes at once" if distributed else ""))

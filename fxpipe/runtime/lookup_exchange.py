@@ -171,14 +171,8 @@ class VocabLookups:
         rows = lk.owned.shape[0]
         if lk.plan.vocab_parallel:  # the TP rank's rows: token t is its row t - tp_rank·rows
             ids, pad = ids - self.groups.tp_rank * rows, pad - self.groups.tp_rank * rows
-        inside = (ids >= 0) & (ids < rows)
-        local = torch.where(inside, lk.owned[ids.clamp(0, rows - 1)], -1)
-        hit = local >= 0
-        table = self.state[lk.plan.table]
         pad = int(lk.owned[pad]) if lk.plan.padding_idx >= 0 and 0 <= pad < rows else -1
-        with torch.enable_grad():
-            out = torch.ops.aten.embedding(table, local.clamp(min=0), pad)
-            out = torch.where(hit.unsqueeze(-1), out, out.new_zeros(()))
+        out = owned_lookup(self.state[lk.plan.table], lk.owned, ids, pad)
         lk.parts[j] = out
         self.peak_parts = max(self.peak_parts, sum(len(x.parts) for x in self.lookups))
         return out
@@ -210,6 +204,20 @@ class VocabLookups:
                 self._send(lk, grad, owner, True, mb)
             if mb in lk.parts:
                 torch.autograd.backward([lk.parts.pop(mb)], [grad])
+
+
+def owned_lookup(table: torch.Tensor, owned: torch.Tensor, ids: torch.Tensor, pad: int) -> torch.Tensor:
+    """The lookup of ``ids`` in the rows of ``table`` this rank owns (``owned``: global row
+    -> position in ``table``, -1 where another rank looks it up), zeros for the others;
+    with its autograd graph. ``pad``: the padding row's position in ``table``, or -1. The
+    layout search times this very function (``costs/local.time_lookup_part``)."""
+    rows = owned.shape[0]
+    inside = (ids >= 0) & (ids < rows)
+    local = torch.where(inside, owned[ids.clamp(0, rows - 1)], -1)
+    hit = local >= 0
+    with torch.enable_grad():
+        out = torch.ops.aten.embedding(table, local.clamp(min=0), pad)
+        return torch.where(hit.unsqueeze(-1), out, out.new_zeros(()))
 
 
 def _points(actions: Schedule, lookups: Sequence[_Lookup], me: int) -> dict[int, list[tuple[str, _Lookup, int]]]:
