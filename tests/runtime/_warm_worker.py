@@ -6,6 +6,7 @@ compile lowers and simulates a schedule; loading them from numba's disk cache co
 inherit all of it (~3-4 s each saved)."""
 import torch
 import torch._dynamo  # noqa: F401
+import torch.fx.config
 import torch._functorch.aot_autograd  # noqa: F401
 import torch.export
 import transformers.models.gpt2.modeling_gpt2  # noqa: F401
@@ -16,6 +17,11 @@ import fxpipe.parallel  # noqa: F401
 from fxpipe.schedules import generate, simulate
 import tests.runtime._cases  # noqa: F401
 
+# No source line per captured node: torch.export symbolizes a Python traceback for every
+# node it records (~20% of a capture's CPU in a worker), kept only for error messages
+# that name the user's line; the worlds check numbers and structures, never those lines
+# (the messages are tested in one process: tests/passes, tests/models).
+torch.fx.config.do_not_emit_stack_traces = True
 torch.export.export(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()), (torch.randn(2, 4),),
                     strict=False)
 simulate(generate("1f1b", 2, 2))  # compiles (or loads) both kernels of schedules/_sim_core.py
