@@ -14,8 +14,10 @@ parameter count. Whatever the partition does, those nodes run on some stage once
 microbatch, so:
 
 - the pipeline's ranks together are busy at least m · (body compute + its collectives +
-  the runtime's fixed cost of every compute action), and the busiest rank at least 1/pp
-  of it;
+  the runtime's fixed cost of every compute action + the own time of the transfers across
+  the boundaries between stages on two ranks + a tied embedding's lookup, which the head's ranks do for
+  the first stage's unless a V shape puts both on one rank), and the busiest rank at
+  least 1/pp of it;
 - one microbatch's forward passes every stage in turn (a dependency chain), and its
   backward too where the backward is not split (under a split schedule W is off the chain);
 - with fewer cores than ranks (``concurrent``), the tp·dp copies of that work share them
@@ -50,6 +52,12 @@ class ShapeWork:
     """The body's tensor-parallel collectives, forward and backward, per microbatch."""
     params: int
     """Parameters the body's nodes read (each counted once)."""
+    tied_lookup_s: float = 0.0
+    """A tied embedding's lookup over its whole table, forward and backward, per microbatch
+    (0: no table is both looked up and the head's weight). Across pipeline ranks the head's
+    rank(s) own its rows and look every microbatch up for the first stage's rank
+    (``transfer_price.py``); a part's time grows with its rows, so the owners together pay
+    at least the whole table's lookup."""
 
 
 def lower_bound_s(config: ParallelConfig, work: ShapeWork, hw: Hardware, *, num_stages: int,
@@ -59,8 +67,17 @@ def lower_bound_s(config: ParallelConfig, work: ShapeWork, hw: Hardware, *, num_
     backward = work.backward_split_s if splits_backward else work.backward_s
     # F and B per stage and microbatch, each with the runtime's fixed cost; B = I + W carries two.
     overhead = num_stages * (3 if splits_backward else 2) * hw.action_overhead_s
-    busy = config.num_microbatches * (work.forward_s + backward + work.tp_comm_s + overhead)
-    forward_chain = work.forward_s + num_stages * hw.action_overhead_s
+    # Every boundary between consecutive stages on two ranks sends at least one value
+    # forward: two transfer ends (``transfer_price.py``), paid by the ranks and on the
+    # forward chain.
+    crossings, together = _rank_crossings(config.schedule, config.pp, num_stages) if config.pp > 1 else (0, True)
+    chained = transfers = 2 * crossings * hw.transfer_cpu_s
+    if work.tied_lookup_s and not together:
+        # The first stage's rank takes the lookup from an owner: two more transfers each
+        # way, and the owners' parts.
+        transfers += 4 * hw.transfer_cpu_s + work.tied_lookup_s
+    busy = config.num_microbatches * (work.forward_s + backward + work.tp_comm_s + overhead + transfers)
+    forward_chain = work.forward_s + num_stages * hw.action_overhead_s + chained
     chain = forward_chain + (0.0 if splits_backward else backward)
     world = config.tp * config.pp * config.replicas
     floor = shared_cores_floor((busy,), config.tp * config.replicas, world, concurrent)
@@ -89,6 +106,15 @@ def layout_bound_s(config: ParallelConfig, work: ShapeWork, concurrent: int | No
     chunks = config.chunks if config.chunks is not None else get_spec(config.schedule).default_chunks
     return lower_bound_s(config, work, get_hardware(config.hardware), num_stages=config.pp * chunks,
                          splits_backward=_splits_backward(config.schedule, chunks), concurrent=concurrent)
+
+
+@functools.lru_cache(maxsize=None)
+def _rank_crossings(kind: ScheduleKind, pp: int, num_stages: int) -> tuple[int, bool]:
+    """(boundaries between consecutive stages that ``kind`` places on two ranks, whether it
+    places the first and the last stage on one rank — a V shape, where the head's rows are
+    where the lookup is consumed), read from its one-microbatch schedule."""
+    rank = generate(kind, pp, 1, num_stages // pp).stage_to_rank
+    return sum(rank(s) != rank(s + 1) for s in range(num_stages - 1)), rank(0) == rank(num_stages - 1)
 
 
 @functools.lru_cache(maxsize=None)

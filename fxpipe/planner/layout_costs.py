@@ -30,7 +30,7 @@ from fxpipe.passes.assign_stages import build_problem_graph
 from fxpipe.passes.vocab_head import head_nodes
 from fxpipe.planner.layout_bound import ShapeWork
 from fxpipe.planner.layout_price import tp_collective_times
-from fxpipe.planner.transfer_price import LookupWork, lookup_work
+from fxpipe.planner.transfer_price import LookupWork, lookup_work, part_model_s
 
 PREFIX_END = "device"
 """The last pass of the prefix layouts share (the device pass reads only the device, the
@@ -145,7 +145,25 @@ class CaptureCosts:
         comm_f, comm_b = tp_collective_times(program, config.tp, hw, 1, skip=head)
         return ShapeWork(forward_s=sum(f for f, _ in fused), backward_s=sum(b for _, b in fused),
                          backward_split_s=sum(b for _, b in split), tp_comm_s=comm_f[0] + comm_b[0],
-                         params=sum(fine.nodes[n]["params"] for n in body))
+                         params=sum(fine.nodes[n]["params"] for n in body),
+                         tied_lookup_s=self._tied_lookup(program, head, hw))
+
+    def _tied_lookup(self, program: Program, head: frozenset[str], hw) -> float:
+        """``ShapeWork.tied_lookup_s``: the whole table's lookup (``time_lookup_part`` with
+        every row, or the cost model) of a parameter both looked up by an embedding and read
+        by the head; 0 without one."""
+        for node in program.graph.nodes:
+            if node.op != "placeholder" or not any(u.name in head for u in node.users):
+                continue
+            for user in node.users:
+                if user.op == "call_function" and "embedding" in str(user.target) and user.args[0] is node:
+                    rows, hidden = node.meta["val"].shape[:2]
+                    out = user.meta["val"]
+                    work = LookupWork(tokens=out.numel() // hidden, table_rows=rows, hidden=hidden, dtype=out.dtype,
+                                      consumer=0, rows=(rows,))
+                    timed = self.lookup_parts((work,)).get(work.part_key(rows))
+                    return sum(timed) if timed is not None else sum(part_model_s(work, rows, hw))
+        return 0.0
 
     def _fine(self, program: Program, pconfig: PartitionConfig) -> nx.DiGraph:
         """``build_problem_graph`` of a prefix, built once for the bound and the timing's
