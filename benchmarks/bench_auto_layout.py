@@ -213,7 +213,8 @@ def main() -> None:
     hw = get_hardware(args.hardware)
     head += (f"\n# hardware {args.hardware}: p2p {hw.intra_node.p2p_latency * 1e6:.0f} us + "
              f"{hw.intra_node.p2p_bw / 1e9:.2f} GB/s, collective {hw.intra_node.collective_latency * 1e6:.0f} us "
-             f"per step + {hw.intra_node.collective_bw / 1e9:.2f} GB/s, {hw.action_overhead_s * 1e6:.0f} us per action")
+             f"per step + {hw.intra_node.collective_bw / 1e9:.2f} GB/s, {hw.action_overhead_s * 1e6:.0f} us per action, "
+             f"{hw.transfer_cpu_s * 1e6:.0f} us of a rank's own time per transfer end")
     lines, results, skipped, start = [head], {}, [], time.perf_counter()
     print(head, flush=True)
     for model in args.models:
