@@ -14,10 +14,10 @@ parameter count. Whatever the partition does, those nodes run on some stage once
 microbatch, so:
 
 - the pipeline's ranks together are busy at least m · (body compute + its collectives +
-  the runtime's fixed cost of every compute action + the own time of the transfers across
-  the boundaries between stages on two ranks + a tied embedding's lookup, which the head's ranks do for
-  the first stage's unless a V shape puts both on one rank), and the busiest rank at
-  least 1/pp of it;
+  the runtime's fixed cost of every compute action + the own time of the transfers
+  across the boundaries between stages on two ranks + a tied embedding's lookup, which
+  the head's ranks do for the first stage's unless a V shape puts both on one rank), and
+  the busiest rank at least 1/pp of it;
 - one microbatch's forward passes every stage in turn (a dependency chain), and its
   backward too where the backward is not split (under a split schedule W is off the chain);
 - with fewer cores than ranks (``concurrent``), the tp·dp copies of that work share them

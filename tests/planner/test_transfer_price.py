@@ -52,8 +52,8 @@ def test_a_tied_head_on_the_last_rank_makes_it_look_up_every_row():
     _, _, compiled = _compiled(dict(pp=2, schedule="1f1b"))
     (work,) = lookup_work(compiled.plan, compiled.schedule.stage_to_rank, 2)
     rows = compiled.plan.row_shards[compiled.plan.lookups[0].table]
-    assert work.consumer == 0 and sum(work.rows) == work.table_rows == rows.rows
-    assert work.rows == (rows.local_rows(0) if rows.ranks[0] else 0, work.table_rows - (rows.local_rows(0) if rows.ranks[0] else 0))
+    assert rows.ranks[0] == () and rows.ranks[1] == ((0, rows.rows),)  # the plan: rank 1 holds every row
+    assert work.consumer == 0 and work.table_rows == rows.rows and work.rows == (0, rows.rows)
     assert work.tokens == 2 * 16 and work.hidden == 64 and work.dtype == torch.float32
 
 
