@@ -110,7 +110,7 @@ class Hardware:
     moving its bytes: gloo posts and completes a send or a receive on the calling thread
     (~0.1 ms a side on a core of the 2-core VM), so a pipeline rank pays it for every
     activation and gradient it sends or receives, between its computations; NCCL only
-    enqueues it (µs). ``fxpipe calibrate`` measures it (``measure_transfer_cpu``); the
+    enqueues it (µs). ``fxpipe calibrate`` measures it (``machine_speeds._transfer_cpu``); the
     layout search adds it to the actions that send or receive."""
     source: str = ""
     """Where the numbers come from."""

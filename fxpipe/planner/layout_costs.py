@@ -27,6 +27,7 @@ from fxpipe.ir.program import Program
 from fxpipe.params.rank_state import ShardBuilder
 from fxpipe.partition import PartitionError
 from fxpipe.passes.assign_stages import build_problem_graph
+from fxpipe.passes.outline_lookups import lookup_of
 from fxpipe.passes.vocab_head import head_nodes
 from fxpipe.planner.layout_bound import ShapeWork
 from fxpipe.planner.layout_price import tp_collective_times
@@ -152,11 +153,14 @@ class CaptureCosts:
         """``ShapeWork.tied_lookup_s``: the whole table's lookup (``time_lookup_part`` with
         every row, or the cost model) of a parameter both looked up by an embedding and read
         by the head; 0 without one."""
+        params = {p.node for p in program.params}
+        inputs = [n for n in program.graph.nodes if n.op == "placeholder" and n.name not in params]
+        batch = {n: i for i, n in enumerate(inputs)}
         for node in program.graph.nodes:
             if node.op != "placeholder" or not any(u.name in head for u in node.users):
                 continue
             for user in node.users:
-                if user.op == "call_function" and "embedding" in str(user.target) and user.args[0] is node:
+                if lookup_of(user, node, batch) is not None:
                     rows, hidden = node.meta["val"].shape[:2]
                     out = user.meta["val"]
                     work = LookupWork(tokens=out.numel() // hidden, table_rows=rows, hidden=hidden, dtype=out.dtype,
