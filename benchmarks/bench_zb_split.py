@@ -4,7 +4,7 @@
 
 HF GPT-2 (8 layers, h=256, 4 heads, s=128, V=50257), one microbatch of 2 sequences,
 cut into two stages (ILP on the cost model), one process, 1 thread. Each stage runs
-forward then either B, or I followed by W (runtime/backward_split.py), through the
+forward then either B, or I followed by W (base/backward_split.py), through the
 runtime's StageRunner. Medians over --repeats after 2 warm-ups. The planner and
 simulator price I + W as B; the ZB paper's split makes that true up to the extra
 engine calls. Writes benchmarks/results/zb_split.md.

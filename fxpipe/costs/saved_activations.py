@@ -9,8 +9,8 @@ what a forward really holds — the quantity Korthikanti et al. 2022 count in
   QKV projection are one allocation (keyed by ``untyped_storage().data_ptr()``);
 - parameters and buffers are not activations: their storages (and views of them,
   such as the ``Wᵀ`` a linear saves) are excluded;
-- inside a ``torch.utils.checkpoint`` region checkpoint's own hook takes over and
-  keeps nothing; the region's inputs, which checkpoint does keep, reach ours;
+- inside a recomputed region (``ir/recompute_region.py``) the body runs without a
+  graph and keeps nothing; the region's inputs, which it does keep, reach ours;
 - each storage is attributed to the node whose execution saved it first
   (``measure_saved`` runs the graph node by node with an fx Interpreter), and
   nodes to layers by ``Program.layers`` (or a region's ``fxpipe_layer`` tag).

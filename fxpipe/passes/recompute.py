@@ -11,9 +11,9 @@ Models": per layer a transformer saves sbh(34 + 5as/h) bytes for backward (fp16)
   ·V, or one fused SDPA kernel) — is recomputed: the 5as/h term, large in memory
   and cheap in FLOPs, is never stored; the 34 stays.
 
-A region is outlined into a submodule ``CheckpointedRegion`` that calls its body
-through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, whose
-RNG-state preservation replays dropout masks exactly. Regions are found from
+A region is outlined into a submodule ``CheckpointedRegion`` (``ir/recompute_region.py``),
+one autograd node that keeps the region's inputs and reruns its body in backward from
+the random state of the first run, so dropout masks replay exactly. Regions are found from
 structure alone (layer indices from capture, op kinds, parameter inputs), never
 from module names. The graph's placeholders and outputs are unchanged, so
 ``Stage.call`` and ``Program.run`` work as before. Works on a whole Program's

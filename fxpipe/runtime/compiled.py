@@ -9,7 +9,7 @@ with a normal ``grad_fn``, so B works unchanged.
 
 Zero-bubble schedules (zb-h1, zb-v) run B as I (input gradients) and W (weight
 gradients; Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §2). The eager
-split (``runtime/backward_split.py``) cannot cut the one autograd node of a compiled
+split (``base/backward_split.py``) cannot cut the one autograd node of a compiled
 backward — W would re-run all of it, I + W ≈ 2 B. So for the stages such a schedule
 splits, the backward graph AOTAutograd produces is itself cut into an I graph and a W
 graph, each compiled by Inductor (``runtime/compiled_split.py``): every node runs in
@@ -34,8 +34,8 @@ What needs care:
   run. Every TP rank compiles the same graph the same way, so collectives keep one order;
   the I/W cut is made by graph structure alone, so it is the same on every TP rank too
   (and the ranks check it: a stage split on one rank and not another runs eagerly).
-- Recompute regions (``passes/recompute.py``) call ``torch.utils.checkpoint`` from a
-  submodule, which AOTAutograd cannot trace as a recompute. They are inlined and their
+- Recompute regions (``passes/recompute.py``) run as a custom autograd node from a
+  submodule (``ir/recompute_region.py``), which AOTAutograd cannot trace as a recompute. They are inlined and their
   nodes tagged ``MUST_RECOMPUTE`` with one ``ac_graph_id`` per region — the tags the
   partitioner honours for ``torch.compile``'d checkpoints — so the saved set is the
   same as eager's. Random ops in a region (dropout masks) are tagged ``MUST_SAVE``:

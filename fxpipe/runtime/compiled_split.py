@@ -3,7 +3,7 @@
 Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), §2: a stage's backward is
 B_input (I: the gradients of its received activations, which the previous stage waits
 for) and B_weight (W: the parameter gradients, which can fill a bubble later). The eager
-split (``runtime/backward_split.py``) cuts the autograd graph; a compiled stage's whole
+split (``base/backward_split.py``) cuts the autograd graph; a compiled stage's whole
 backward is one autograd node, which that split cannot cut. So the cut is made one level
 down, in the backward FX graph AOTAutograd hands to Inductor:
 

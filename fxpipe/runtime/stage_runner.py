@@ -18,7 +18,7 @@ from typing import Callable, ContextManager, Mapping, Sequence
 import torch
 
 from fxpipe.ir.stage_plan import PipelinePlan, Stage
-from fxpipe.runtime.backward_split import BackwardSplit
+from fxpipe.base.backward_split import BackwardSplit
 from fxpipe.runtime.compiled_split import accumulate, compiled_node
 
 

@@ -15,6 +15,7 @@ import torch
 
 from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.parallel_config import ParallelConfig
+from fxpipe.ir.recompute_region import CheckpointedRegion
 from fxpipe.passes.lint import lint_plan
 from fxpipe.passes.recompute import RecomputeMode, apply_recompute, recompute_pass, regions_of
 from fxpipe.passes.split import split_program
@@ -110,3 +111,68 @@ def test_recompute_pass_outlines_every_stage_and_keeps_the_loss():
     state, _ = fresh_args(prog, batch)
     assert after.call(state, plan.canonical, batch, {}) == before.call(state, plan.canonical, batch, {})
     assert recompute_pass(plan, CompileContext.of(ParallelConfig())) is plan
+
+
+# ---- the rerun: once per backward pass, differentiating what that pass asks for --------------------
+class _MatmulCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Matrix multiplies dispatched, split by whether a region's body was running."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = 0
+        self.counts = {True: 0, False: 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (aten.mm, aten.addmm, aten.bmm):
+            self.counts[self.inside > 0] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _passes(plan, batch):
+    """Stage 1's forward, I and W matmul counts (outside, inside the bodies) and body runs."""
+    state = {k: t.detach().clone().requires_grad_(t.requires_grad) for k, t in plan.program.state.items()}
+    first, second = (StageRunner(plan, st, state) for st in plan.stages)
+    sent = first.forward(0, batch, {})
+    runs = [0]
+    count = _MatmulCount()
+    def enter(*_):
+        runs[0] += 1
+        count.inside += 1
+
+    def leave(*_):
+        count.inside -= 1
+
+    for region in (m for m in second.stage.graph_module.modules() if isinstance(m, CheckpointedRegion)):
+        region.body.register_forward_pre_hook(enter)
+        region.body.register_forward_hook(leave)
+    out = {}
+    for name, call in (("F", lambda: second.forward(0, batch, sent)), ("I", lambda: second.backward_input(0, {})),
+                       ("W", lambda: second.backward_weight(0))):
+        before, ran = dict(count.counts), runs[0]
+        with count:
+            call()
+        out[name] = (count.counts[False] - before[False], count.counts[True] - before[True], runs[0] - ran)
+    return out
+
+
+def test_a_recomputed_region_reruns_once_per_pass_and_computes_each_gradient_once():
+    """Zero-bubble's I asks the engine for the activations' gradients only: the region's
+    rerun must then skip its weight gradients (the same matmuls outside the body as the
+    stage without recompute), and W reruns it once more and finishes from I's captured
+    gradients (again the stage's own W matmuls). A region that differentiated every input
+    in every pass would show I's weight-gradient matmuls here, and one whose W
+    differentiated from scratch, the input-side matmuls inside it once more."""
+    prog, batch = program("gpt-tiny")
+    sdpa = [n.name for n in prog.graph.nodes if n.target == aten.scaled_dot_product_attention.default]
+    plan = two_stage_plan(prog, cut_after=sdpa[0])  # stage 1: the rest of layer 0, all of layer 1
+    full = dataclasses.replace(plan, stages=(plan.stages[0], dataclasses.replace(
+        plan.stages[1], graph_module=apply_recompute(plan.stages[1].graph_module, plan.program.layers, FULL))))
+    regions = len(regions_of(full.stages[1].graph_module))
+    assert regions == 2
+    bare, rec = _passes(plan, batch), _passes(full, batch)
+    fwd_inside = rec["F"][1]
+    assert fwd_inside > 0 and rec["F"][2] == regions  # the forward runs each body once
+    assert rec["I"][2] == regions and rec["I"][1] == fwd_inside  # I: one rerun per region ...
+    assert rec["I"][0] == bare["I"][0]  # ... and exactly the input-gradient matmuls of the stage
+    assert rec["W"][2] == regions and rec["W"][1] == fwd_inside  # W: one more rerun per region ...
+    assert rec["W"][0] == bare["W"][0]  # ... finishing from I's captured gradients: no input-side work again

@@ -72,6 +72,9 @@ def _tp_cases():
     cases += [dict(model="hf:llama", pp=2, tp=2, sp=True, schedule="1f1b")]
     # Split backward under TP: the collectives' backward runs in I or W, in one order.
     cases += [dict(model="hf:gpt2", pp=2, tp=2, schedule="zb-h1")]
+    # ... with every layer recomputed: each region reruns in I and again in W (its
+    # collectives with it), W finishing from I's captured gradients (ir/recompute_region.py).
+    cases += [dict(model="gpt-tiny", pp=2, tp=2, schedule="zb-h1", recompute="full")]
     return cases
 
 

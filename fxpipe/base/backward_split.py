@@ -164,6 +164,22 @@ class BackwardSplit:
             self._captured[node] = grad_outputs
         return hook
 
+    def owed(self) -> list[tuple | None]:
+        """What I captured for W, by boundary in discovery order, taken out of this split:
+        a recomputed region (``ir/recompute_region.py``) keeps these instead of its graph
+        and hands them to the split of its rerun (``owe``)."""
+        out = [self._captured.pop(node, None) for node, _, _ in self._boundaries]
+        self._captured.clear()
+        return out
+
+    def owe(self, captured: Sequence[tuple | None]) -> None:
+        """Take over another split's ``owed`` as this one's I: the same graph rebuilt (a
+        rerun of the same ops discovers its boundaries in the same order)."""
+        if len(captured) != len(self._boundaries):
+            raise RuntimeError(f"a rerun found {len(self._boundaries)} weight-gradient boundaries where the first "
+                               f"run found {len(captured)}: the recomputed graph is not the one first run")
+        self._captured = {node: grads for (node, _, _), grads in zip(self._boundaries, captured) if grads is not None}
+
     def backward_weight(self) -> None:
         """Accumulate the parameters' gradients; frees the graph."""
         owed: dict[Edge, torch.Tensor] = {}
@@ -175,8 +191,8 @@ class BackwardSplit:
             if not outs:
                 continue
             if shared:
-                with torch.no_grad():
-                    every = node(*grads)
+                with torch.no_grad():  # a Python Function's node (a recomputed region) is not callable
+                    every = node(*grads) if callable(node) else node.apply(*grads)
                 every = every if isinstance(every, tuple) else (every,)
                 got = [_as_input(every[j], c, i) for j, (c, i) in edges]
             else:

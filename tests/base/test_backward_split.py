@@ -1,4 +1,4 @@
-"""Zero-bubble I/W split (runtime/backward_split.py): I then W gives exactly the
+"""Zero-bubble I/W split (base/backward_split.py): I then W gives exactly the
 gradients of one fused backward, W never redoes I's work, I never touches ``.grad``."""
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxpipe.passes.recompute import RecomputeMode
-from fxpipe.runtime.backward_split import BackwardSplit
+from fxpipe.base.backward_split import BackwardSplit
 from fxpipe.runtime.stage_runner import StageRunner
 from tests.runtime._stage_plans import stage_plan
 
