@@ -9,7 +9,7 @@ bench_auto_layout.py's memory-limited workload), its whole graph run forward and
   ``torch.utils.checkpoint(use_reentrant=False)`` (what ``CheckpointedRegion`` ran before),
 - with fxpipe's regions (``ir/recompute_region.py``: one autograd node per region),
 in interleaved rounds (the three systems in turn each round), medians of wall time after
-three warm-up rounds. "ideal" is the step without recomputation plus one more forward of
+three warm-up rounds, freed blocks kept as in every runtime process (``base/cpu_memory.py``). "ideal" is the step without recomputation plus one more forward of
 what the regions hold (the forward of the step without recomputation, timed alone: an
 upper bound for ``full``, whose regions are the layers, not the embedding and head).
 Writes benchmarks/results/bench_recompute.txt.
@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_auto_layout import workload  # noqa: E402
 
+from fxpipe.base.cpu_memory import keep_freed_blocks  # noqa: E402
 from fxpipe.compiler.capture import capture  # noqa: E402
 from fxpipe.ir.recompute_region import CheckpointedRegion  # noqa: E402
 from fxpipe.passes.recompute import RecomputeMode, apply_recompute, regions_of  # noqa: E402
@@ -105,6 +106,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     args = ap.parse_args()
     torch.set_num_threads(1)
+    keep_freed_blocks()  # as every runtime process does (base/cpu_memory.py)
     lines = [f"# bench_recompute — {time.strftime('%Y-%m-%d %H:%M')}, {platform.machine()} {os.cpu_count()} cpus, "
              f"torch {torch.__version__}, 1 thread, 8 x 32 tokens, {args.rounds} interleaved rounds, medians (ms)",
              "", "| model | mode | regions | none | ideal (none + forward) | torch.utils.checkpoint | fxpipe | "

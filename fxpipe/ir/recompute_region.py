@@ -7,12 +7,12 @@ lives outside both so that the runtime imports no pass.
 Why not ``torch.utils.checkpoint``: its non-reentrant form runs a Python pack hook on
 every tensor the region's ops save and an unpack hook (with a determinism check) on
 every one backward reads, so its cost grows with the region's op count, not its
-FLOPs. Measured on a 12-layer width-32 GPT (8 × 32 tokens, one thread): a step with
-every layer recomputed took 3.2× the step without (81.5 against 25.2 ms), where
-recomputing costs one more forward (10 ms). A region is instead one autograd node
-(``_Rerun``): the forward runs the body without recording a graph and keeps the
-inputs; its backward reruns the body with the graph on and differentiates it — two
-Python calls per region whatever its size (the same step: 36.6 ms).
+FLOPs. A region is instead one autograd node (``_Rerun``): the forward runs the body
+without recording a graph and keeps the inputs; its backward reruns the body with the
+graph on and differentiates it — a few Python calls per region whatever its size.
+``benchmarks/bench_recompute.py`` (one thread, 8 × 32 tokens, four models): a step
+with every layer recomputed took 1.86–2.35× the step without through
+``torch.utils.checkpoint`` and 1.51–1.71× this way (0.73–0.84 of checkpoint's time).
 
 Which inputs backward differentiates is what the engine will use: under the
 zero-bubble split (``base/backward_split.py``) the I pass asks for the
