@@ -29,8 +29,8 @@ stage-boundary point-to-point. From there the price is this module's:
   tensor where the optimizer steps tensor by tensor (``optimizer_step_s``).
 
 On the captured graph (``layout_price.price``) the step also carries the runtime's own
-collectives at its end (``step_collectives_s``: the batch digests and the mean loss),
-latency-bound: nothing at cluster scale, a few gloo latencies on a CPU.
+collective at its end (``step_collectives_s``: the batch digests and the loss sums, one
+gather), latency-bound: nothing at cluster scale, a gloo latency or two on a CPU.
 
 Memory per rank is ``state_bytes`` (weights, gradients, optimizer state, the last sharded
 over the dp replicas by ZeRO-1) per parameter, plus the activations the schedule keeps
@@ -118,14 +118,12 @@ def optimizer_step_s(hw: Hardware, params: float, *, dp: int, zero: bool, traffi
 
 
 def step_collectives_s(hw: Hardware, *, world: int, pp: int, dp: int, per_node: int) -> float:
-    """The runtime's own collectives at every step's end, after the schedule
-    (``runtime/api.py``): the batch digests gathered over the world (a few float64 per
-    rank) and the mean loss all-reduced over the pipeline ranks, then the dp replicas —
-    latency-bound, each rank waiting for every other."""
+    """The runtime's own collective at every step's end, after the schedule
+    (``runtime/api.py``): the batch digests, with each rank's loss sum, gathered over the
+    world (a few float64 per rank) — latency-bound, each rank waiting for every other.
+    ``pp`` and ``dp``: the mesh, which the one gather spans whatever its shape."""
     digest = 8 * 8 * world
-    return (hw.collective_s(Collective.ALL_GATHER, digest, world, min(per_node, world))
-            + hw.collective_s(Collective.ALL_REDUCE, 8, pp, min(per_node, pp))
-            + hw.collective_s(Collective.ALL_REDUCE, 8, dp, min(per_node, dp)))
+    return hw.collective_s(Collective.ALL_GATHER, digest, world, min(per_node, world)) if world > 1 else 0.0
 
 
 def step_s(finish: Sequence[float], sync: Sequence[float], optimizer: Sequence[float],

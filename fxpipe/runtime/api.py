@@ -249,7 +249,7 @@ class ParallelModel:
         self.executor.run(self._microbatches(batch))
         # After the schedule, whose transfers name a peer that does not answer; before the
         # gradients are synchronised, so a refused step changes nothing but .grad.
-        self._check_same_batch(batch)
+        loss = self._check_same_batch(batch)
         self.grad_sync.sync()
         if self.master is not None:
             # fp16: gradients unscaled, or dropped when any rank overflowed.
@@ -257,7 +257,7 @@ class ParallelModel:
         self.last_stats = StepStats(self.executor.peak_in_flight, tuple(self.executor.events),
                                     ExposedComm(self.executor.transport.waited_s, self.grad_sync.waited_s,
                                                 gather.waited_s if gather is not None else 0.0))
-        return self._mean_loss()
+        return loss
 
     def _check_open(self, what: str) -> None:
         if self.closed:
@@ -284,26 +284,35 @@ class ParallelModel:
                 raise TypeError(f"batch tensor {i} has dtype {t.dtype}, the example batch's has {spec.dtype}")
         return tuple(batch)
 
-    def _check_same_batch(self, batch: tuple[torch.Tensor, ...]) -> None:
+    def _check_same_batch(self, batch: tuple[torch.Tensor, ...]) -> float:
         """The ranks of one data-parallel replica (its tp and pp ranks) must pass the same
         rows for it: each reads its microbatches from them, and a pipeline whose stages
         saw different rows would train on neither. A digest of this replica's rows per
         rank — each tensor's sum and its sum weighted by position, so a reordering shows
         too — is compared over the world once per step (other replicas' rows may differ:
-        a replica never reads them, ``DataStream.global_rows``)."""
+        a replica never reads them, ``DataStream.global_rows``).
+
+        Returns the step's mean loss over the global batch: the loss sums ride in the same
+        gather (each replica's last stage, one TP rank of it), so a step ends with one
+        collective, not three — each a few hundred µs to ms of latency on gloo
+        (benchmarks/bench_gloo_latency.py), the step's own cost beyond its schedule."""
         world = dist.get_world_size()
+        losses = self._loss_sum()
         if world == 1:
-            return
+            return losses / self.num_microbatches
         dp, mine = self.groups.mesh.dp, self.groups.dp_rank
         rows = [t.chunk(dp)[mine] if t.dim() else t for t in batch]
         digest = torch.stack([torch.tensor(float(mine), dtype=torch.float64),
+                              torch.tensor(losses if self.groups.tp_rank == 0 else 0.0, dtype=torch.float64),
                               *(part for t in rows for part in _digest(t))]).to(self.device)
         every = [torch.empty_like(digest) for _ in range(world)]
         dist.all_gather(every, digest)
         by_replica: dict[int, dict[tuple, list[int]]] = {}
+        total = 0.0
         for rank, d in enumerate(every):
             values = d.tolist()
-            by_replica.setdefault(int(values[0]), {}).setdefault(tuple(values[1:]), []).append(rank)
+            total += values[1]
+            by_replica.setdefault(int(values[0]), {}).setdefault(tuple(values[2:]), []).append(rank)
         for replica, groups in sorted(by_replica.items()):
             if len(groups) > 1:
                 parts = "; ".join(f"ranks {', '.join(map(str, ranks))} one batch" for ranks in groups.values())
@@ -311,19 +320,16 @@ class ParallelModel:
                                  f"different batches ({parts}); every rank must pass the same global batch (or at "
                                  f"least the same rows for its replica: each takes its rows and microbatches from "
                                  f"them)")
+        return total / (self.num_microbatches * dp)
 
-    def _mean_loss(self) -> float:
-        last = self.plan.num_stages - 1
-        runner = self.executor.runners.get(last)
-        total = torch.zeros((), dtype=torch.float64)
-        if runner is not None:
-            total += sum(runner.losses.values())
-            runner.losses.clear()
-        # The last stage's rank knows the losses; sum over pp reaches everyone, then dp averages.
-        dist.all_reduce(total, group=self.groups.pp_group)
-        if self.groups.mesh.dp > 1:
-            dist.all_reduce(total, group=self.groups.dp_group)
-        return float(total) / (self.num_microbatches * self.groups.mesh.dp)
+    def _loss_sum(self) -> float:
+        """This rank's microbatch losses summed (the last stage's rank knows them; 0 elsewhere)."""
+        runner = self.executor.runners.get(self.plan.num_stages - 1)
+        if runner is None:
+            return 0.0
+        total = float(sum(runner.losses.values()))
+        runner.losses.clear()
+        return total
 
 
 def _digest(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
