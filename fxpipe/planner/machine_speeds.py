@@ -194,8 +194,9 @@ def _gloo_worker(rank: int, port: int, out: str, threads: int) -> None:
         # The mean, not the median: the price sums a step's collectives, and a gloo
         # all-reduce's time is not one value with noise around it. Each is handed to the
         # process group's worker thread and back; on a 2-vCPU VM a 4 KB all-reduce took
-        # 0.67 ms at its 25th percentile and 2.4 ms at its 75th (median 0.93, mean 1.76 ms),
-        # so a median of 20 said 0.44 ms where a step's 200 TP all-reduces cost 2 ms each.
+        # 0.53 ms at its 25th percentile and 3.2 ms at its 75th (median 0.80, mean 1.96 ms:
+        # benchmarks/bench_gloo_latency.py), so a median of 20 said 0.44 ms where a step's
+        # 200 TP all-reduces cost about 2 ms each.
         for i in range(3 * reps + 2):
             dist.barrier()
             t = time.perf_counter()
