@@ -79,7 +79,19 @@ def vocab_timing(plan: PipelinePlan, config: ParallelConfig, pconfig: PartitionC
         groups.append((config.tp, hw.members_per_node(config.tp, 1)))
     stats = sum(hw.collective_s(Collective.ALL_REDUCE, 4 * n * tokens, size, per_node)
                 for size, per_node in groups for n in (1, STATS_PER_TOKEN - 1))
-    return VocabTiming(durations=durations, p2p_latency=send, collective_latency=(send, stats, send))
+    # BCAST_H and REDUCE_G are collectives too, not transfers: one broadcast per value the
+    # last stage hands the head (its input, the targets, the tokens' weights), one reduce of
+    # the input's gradient — each paying a collective's latency (on gloo, the process
+    # group's worker thread: benchmarks/bench_gloo_latency.py).
+    pp_size, pp_node = groups[0]
+    bcast = sum(hw.collective_s(Collective.BROADCAST, _nbytes(plan.values[n].spec), pp_size, pp_node)
+                for n in head.outputs)
+    reduce_g = hw.collective_s(Collective.REDUCE, hidden_bytes, pp_size, pp_node)
+    return VocabTiming(durations=durations, p2p_latency=send, collective_latency=(bcast, stats, reduce_g))
+
+
+def _nbytes(spec) -> int:
+    return math.prod(spec.shape) * spec.dtype.itemsize
 
 
 def placed_schedule(config: ParallelConfig, timing: VocabTiming | None) -> Schedule:

@@ -1,8 +1,9 @@
 """What one microbatch's vocabulary-pass communication costs in the price
-(``compiler/vocab_placement.vocab_timing``): BCAST_H and REDUCE_G move the head's input
-(a transfer each), ALLREDUCE_S is the runtime's two all-reduces of the softmax statistics
-over the pipeline ranks (``runtime/head_blocks.py``: the max, then sum-exp and target
-logit) — ring all-reduces on the hardware's links, not one transfer."""
+(``compiler/vocab_placement.vocab_timing``), as the runtime runs it (``runtime/head_blocks.py``):
+BCAST_H is one broadcast per value the last stage hands the head (its input and the
+targets), ALLREDUCE_S the two all-reduces of the softmax statistics over the pipeline
+ranks (the max, then sum-exp and target logit), REDUCE_G one reduce of the input's
+gradient — ring collectives on the hardware's links, not transfers."""
 import math
 
 import pytest
@@ -22,7 +23,7 @@ def compiled():
     return compile_program(capture_for(model, tuple(t[:len(t) // M] for t in batch), config, loss_fn), config)
 
 
-def test_the_statistics_are_priced_as_the_runtimes_all_reduces(compiled):
+def test_the_vocabulary_collectives_are_priced_as_the_runtime_runs_them(compiled):
     timing, plan = compiled.vocab_timing, compiled.plan
     hw = get_hardware(compiled.config.hardware)
     hidden = plan.values[plan.vocab_head.hidden].spec
@@ -31,5 +32,12 @@ def test_the_statistics_are_priced_as_the_runtimes_all_reduces(compiled):
     # pp = 2 on one node: a ring all-reduce of n bytes is 2 steps of (latency + n/2 / bw).
     ring = lambda n: 2 * (hw.intra_node.collective_latency + n / 2 / hw.intra_node.collective_bw)  # noqa: E731
     assert hw.collective_s(Collective.ALL_REDUCE, 4 * tokens, 2, 2) == pytest.approx(ring(4 * tokens), rel=1e-9)
-    assert timing.collective_latency == pytest.approx((send, ring(4 * tokens) + ring(8 * tokens), send), rel=1e-9)
+    # pp = 2: a broadcast or reduce of n bytes is one step of latency + n / bw.
+    step = lambda n: hw.intra_node.collective_latency + n / hw.intra_node.collective_bw  # noqa: E731
+    values = [plan.values[n].spec for n in plan.vocab_head.outputs]
+    assert len(values) == 2  # the head's input and the targets
+    bcast = sum(step(math.prod(v.shape) * v.dtype.itemsize) for v in values)
+    hidden_bytes = tokens * hidden.shape[-1] * hidden.dtype.itemsize
+    assert timing.collective_latency == pytest.approx((bcast, ring(4 * tokens) + ring(8 * tokens), step(hidden_bytes)),
+                                                      rel=1e-9)
     assert timing.p2p_latency == pytest.approx(send, rel=1e-9)
