@@ -84,14 +84,10 @@ def vocab_timing(plan: PipelinePlan, config: ParallelConfig, pconfig: PartitionC
     # the input's gradient — each paying a collective's latency (on gloo, the process
     # group's worker thread: benchmarks/bench_gloo_latency.py).
     pp_size, pp_node = groups[0]
-    bcast = sum(hw.collective_s(Collective.BROADCAST, _nbytes(plan.values[n].spec), pp_size, pp_node)
+    bcast = sum(hw.collective_s(Collective.BROADCAST, plan.values[n].nbytes, pp_size, pp_node)
                 for n in head.outputs)
     reduce_g = hw.collective_s(Collective.REDUCE, hidden_bytes, pp_size, pp_node)
     return VocabTiming(durations=durations, p2p_latency=send, collective_latency=(bcast, stats, reduce_g))
-
-
-def _nbytes(spec) -> int:
-    return math.prod(spec.shape) * spec.dtype.itemsize
 
 
 def placed_schedule(config: ParallelConfig, timing: VocabTiming | None) -> Schedule:

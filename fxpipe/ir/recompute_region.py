@@ -155,7 +155,7 @@ class _Rerun(torch.autograd.Function):
             return (None, *_differentiate(ctx, args, wanted, grads))
         if first is not None and not any(w and f for w, f in zip(wanted, first[0])):
             ctx.first = None
-            return (None, *_second_half(ctx, args, first, grads))
+            return (None, *_second_half(ctx, args, differentiable, first, grads))
         got, ctx.first = _first_half(ctx, args, wanted, differentiable, grads)
         return (None, *got)
 
@@ -192,10 +192,9 @@ def _first_half(ctx: Any, args: list, wanted: list[bool], differentiable: list[b
     return [next(got) if w else None for w in wanted], (tuple(wanted), split.owed())
 
 
-def _second_half(ctx: Any, args: list, first: tuple, grads: tuple) -> list:
+def _second_half(ctx: Any, args: list, differentiable: list[bool], first: tuple, grads: tuple) -> list:
     """The pass after ``_first_half`` (zero-bubble's W): the other inputs' gradients."""
     asked, owed = first
-    differentiable = [ctx.needs_input_grad[i + 1] for i in range(len(args))]
     inputs, pairs = _rerun(ctx, args, differentiable, grads)
     rest = [d and not a for d, a in zip(differentiable, asked)]
     split = _split(inputs, pairs, list(asked), rest)

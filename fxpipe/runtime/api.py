@@ -249,7 +249,7 @@ class ParallelModel:
         self.executor.run(self._microbatches(batch))
         # After the schedule, whose transfers name a peer that does not answer; before the
         # gradients are synchronised, so a refused step changes nothing but .grad.
-        loss = self._check_same_batch(batch)
+        loss = self._check_batch_and_sum_loss(batch)
         self.grad_sync.sync()
         if self.master is not None:
             # fp16: gradients unscaled, or dropped when any rank overflowed.
@@ -284,7 +284,7 @@ class ParallelModel:
                 raise TypeError(f"batch tensor {i} has dtype {t.dtype}, the example batch's has {spec.dtype}")
         return tuple(batch)
 
-    def _check_same_batch(self, batch: tuple[torch.Tensor, ...]) -> float:
+    def _check_batch_and_sum_loss(self, batch: tuple[torch.Tensor, ...]) -> float:
         """The ranks of one data-parallel replica (its tp and pp ranks) must pass the same
         rows for it: each reads its microbatches from them, and a pipeline whose stages
         saw different rows would train on neither. A digest of this replica's rows per
