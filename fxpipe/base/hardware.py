@@ -107,11 +107,12 @@ class Hardware:
     (``measure_optimizer_tensor``)."""
     transfer_cpu_s: float = 0.0
     """Seconds of a rank's own time each end of a point-to-point transfer takes besides
-    moving its bytes: gloo posts and completes a send or a receive on the calling thread
-    (~0.1 ms a side on a core of the 2-core VM), so a pipeline rank pays it for every
-    activation and gradient it sends or receives, between its computations; NCCL only
-    enqueues it (µs). ``fxpipe calibrate`` measures it (``machine_speeds._transfer_cpu``); the
-    layout search adds it to the actions that send or receive."""
+    moving its bytes: gloo posts a send or a receive on the calling thread (~0.1 ms alone
+    on a core of the 2-core VM, and now and then milliseconds inside a pipeline, behind
+    its transport thread), so a pipeline rank pays it for every activation and gradient
+    it sends or receives, between its computations; NCCL only enqueues it (µs). ``fxpipe
+    calibrate`` measures its mean inside a tiny pipeline (``machine_speeds.pipeline_posts``);
+    the layout search adds it to the actions that send or receive."""
     source: str = ""
     """Where the numbers come from."""
 

@@ -23,9 +23,9 @@ compute measurements are ``compute_speeds.py``'s.
 - gloo, two fresh processes: ping-pong send/recv and all-reduce over 4 KB…8 MB (wall
   time, median of repeats); a least-squares line t = latency + bytes/bandwidth per
   collective (all-reduce on 2 ranks: t = S/busbw + 2·latency, the ring formula of
-  ``Hardware.collective_s``); and each end's own CPU time for one small transfer, the
-  send posted and completed, the receive of an arrived message posted and completed
-  (``_transfer_cpu``; the price adds it per transfer a pipeline rank makes).
+  ``Hardware.collective_s``); and each transfer end's own cost, the mean time the runtime
+  takes to post a send or a receive inside a tiny 2-stage pipeline (``pipeline_posts``;
+  the price adds it per transfer a pipeline rank makes).
 """
 from __future__ import annotations
 
@@ -219,37 +219,42 @@ def _gloo_worker(rank: int, port: int, out: str, threads: int) -> None:
         p2p.append(statistics.median(rtts) / 2)
         ar.append(statistics.mean(times))
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump(dict(compute=compute, p2p=p2p, all_reduce=ar, transfer_cpu=_transfer_cpu(rank)), f)
+        posted, posts = pipeline_posts()
+        json.dump(dict(compute=compute, p2p=p2p, all_reduce=ar, posted_s=posted, posts=posts), f)
     dist.destroy_process_group()
 
 
-def _transfer_cpu(rank: int, reps: int = 25) -> float:
-    """This end's own CPU seconds for one small point-to-point transfer
-    (``Hardware.transfer_cpu_s``): rank 0 posts a send and later completes it, rank 1
-    posts the receive of a message that has already arrived and completes it — what each
-    end's thread does besides waiting (thread CPU time, median)."""
-    import torch.distributed as dist
+def pipeline_posts(steps: int = 10, warmup: int = 3) -> tuple[float, int]:
+    """(seconds, count) of the sends and receives this rank posted over ``steps`` steps
+    (after ``warmup``) of a tiny GPT (h=16, two layers, tied head) run by the runtime as a
+    2-stage 1F1B pipeline of 8 microbatches, in the world of two the caller joined
+    (``Transport.posted_s``).
 
-    small, got = torch.zeros(256), []
-    for i in range(reps + 3):
-        dist.barrier()
-        if rank == 0:
-            t = time.thread_time()
-            work = dist.isend(small, 1)
-            spent = time.thread_time() - t
-            time.sleep(0.002)
-            t = time.thread_time()
-            work.wait()
-            spent += time.thread_time() - t
-        else:
-            time.sleep(0.002)  # the message is here: what is left is the receiver's own work
-            t = time.thread_time()
-            buf = torch.empty_like(small)
-            dist.irecv(buf, 0).wait()
-            spent = time.thread_time() - t
-        if i >= 3:
-            got.append(spent)
-    return statistics.median(got)
+    Its mean is each transfer end's own cost (``Hardware.transfer_cpu_s``). A post alone,
+    both ranks idle or computing around one message, takes ~0.1 ms every time; inside a
+    pipeline it blocks now and then for milliseconds, behind gloo's transport thread
+    waiting for a core (``benchmarks/bench_transfer_posts.py``), so it is measured where
+    it happens and taken by its mean: the price sums the posts of a step."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    batch = (torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8)))
+    model = GPT(cfg)
+    config = ParallelConfig(pp=2, microbatches=8, schedule="1f1b", costs="model", partition="uniform",
+                            hardware="cpu")
+    mesh = RankMesh.join(config, torch.device("cpu"))
+    compiled = compile_pipeline(model, tuple(t[:1] for t in batch), mesh.config, device="cpu")
+    shards = ShardBuilder(compiled.program, {}, model, tp_rank=0, device=torch.device("cpu"))
+    pm = build_runtime(compiled, mesh, shards, model=model)
+    posted, posts = 0.0, 0
+    try:
+        for step in range(steps + warmup):
+            pm.train_step(batch)
+            if step >= warmup:
+                posted += pm.executor.transport.posted_s
+                posts += pm.executor.transport.posts
+    finally:
+        pm.close()
+    return posted, posts
 
 
 def measure_gloo(threads: int) -> dict[str, Any]:
@@ -275,7 +280,7 @@ def measure_gloo(threads: int) -> dict[str, Any]:
     return dict(sizes=sizes, p2p_s=res[0]["p2p"], all_reduce_s=res[0]["all_reduce"],
                 p2p_bw=1 / p2p_slope, p2p_latency=p2p_lat,
                 collective_bw=1 / ar_slope, collective_latency=ar_int / 2,
-                transfer_cpu_s=statistics.mean(r["transfer_cpu"] for r in res),
+                transfer_cpu_s=sum(r["posted_s"] for r in res) / max(1, sum(r["posts"] for r in res)),
                 compute_concurrent=[r["compute"] for r in res])
 
 

@@ -48,10 +48,13 @@ class ExposedComm:
     tied and row sums, what is reduced after the backward)."""
     parameters_s: float = 0.0
     """ZeRO-1: the owners' parameters broadcast before the first forward."""
+    posting_s: float = 0.0
+    """Posting the pipeline's sends and receives (``Transport.posted_s``): blocked while
+    gloo's transport thread holds the connection."""
 
     @property
     def total_s(self) -> float:
-        return self.pipeline_s + self.gradients_s + self.parameters_s
+        return self.pipeline_s + self.gradients_s + self.parameters_s + self.posting_s
 
 
 @dataclass
@@ -256,7 +259,8 @@ class ParallelModel:
             self.last_step_skipped = not self.master.finish()
         self.last_stats = StepStats(self.executor.peak_in_flight, tuple(self.executor.events),
                                     ExposedComm(self.executor.transport.waited_s, self.grad_sync.waited_s,
-                                                gather.waited_s if gather is not None else 0.0))
+                                                gather.waited_s if gather is not None else 0.0,
+                                                self.executor.transport.posted_s))
         return loss
 
     def _check_open(self, what: str) -> None:

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from fxpipe.ir.stage_plan import PipelinePlan, StageValue, VocabLookup
 from fxpipe.runtime.mesh import MeshGroups
@@ -132,7 +131,7 @@ class VocabLookups:
         """Post a send of ``t`` (kept alive until it completes: ``_reap``)."""
         dst = self.groups.pp_peer(pp_rank)
         t = t.detach().contiguous()
-        work = dist.isend(t, dst=dst, tag=self.transport.tag(backward, lk.wire.name, mb), group=self.transport.group)
+        work = self.transport.post_send(t, dst, self.transport.tag(backward, lk.wire.name, mb))
         what = f"sending {'the gradient of ' if backward else ''}the embedding lookup {lk.plan.name!r} " \
                f"(microbatch {mb}) to rank {dst}"
         self.outbox.append((Pending(work, dst, what), t))

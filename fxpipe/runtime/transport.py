@@ -73,6 +73,14 @@ class Transport:
     _sends: list[Any] = field(default_factory=list)
     waited_s: float = 0.0
     """Time blocked in ``wait`` since the executor last reset it (exposed communication)."""
+    posted_s: float = 0.0
+    """Time spent posting sends and receives since the executor last reset it. Posting
+    is not free and not steady: gloo's ``isend``/``irecv`` takes the connection's lock,
+    which its transport thread holds while it reads a message, and on a CPU whose cores
+    all compute that thread waits for a core — a post then blocks for milliseconds
+    (``benchmarks/bench_transfer_posts.py``). ``fxpipe calibrate`` prices its mean."""
+    posts: int = 0
+    """Sends and receives posted since the last reset."""
 
     def _chunked(self, value: StageValue) -> bool:
         return self.scatter_gather is not None and value.tp_replicated
@@ -84,8 +92,20 @@ class Transport:
         if self._chunked(value):
             g = self.scatter_gather
             t = scatter_chunk(t, g.rank, g.size)
-        self._sends.append(Pending(dist.isend(t.contiguous(), dst=dst, tag=tag, group=self.group), dst,
+        self._sends.append(Pending(self.post_send(t.contiguous(), dst, tag), dst,
                                    f"sending {self._describe(value, tag)} to rank {dst}"))
+
+    def post_send(self, t: torch.Tensor, dst: int, tag: int) -> Any:
+        """``isend`` of ``t`` on this transport's group, its posting counted (``posted_s``)."""
+        return self._post(dist.isend, t, dst=dst, tag=tag, group=self.group)
+
+    def _post(self, post, *args, **kwargs) -> Any:
+        start = time.perf_counter()
+        try:
+            return post(*args, **kwargs)
+        finally:
+            self.posted_s += time.perf_counter() - start
+            self.posts += 1
 
     def recv(self, value: StageValue, src: int, tag: int) -> tuple[Pending, torch.Tensor]:
         shape: tuple[int, ...] = value.spec.shape
@@ -95,7 +115,7 @@ class Transport:
                 numel *= d
             shape = (-(-numel // self.scatter_gather.size),)
         buf = torch.empty(shape, dtype=value.spec.dtype, device=self.device)
-        return Pending(dist.irecv(buf, src=src, tag=tag, group=self.group), src,
+        return Pending(self._post(dist.irecv, buf, src=src, tag=tag, group=self.group), src,
                        f"receiving {self._describe(value, tag)} from rank {src}"), buf
 
     def _describe(self, value: StageValue, tag: int) -> str:

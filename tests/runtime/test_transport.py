@@ -32,3 +32,41 @@ def test_dp_mismatch_is_a_clear_error():
         resolve_dp(8, 2, 2, 3)
     with pytest.raises(ValueError, match="not divisible by tp·pp"):
         resolve_dp(6, 2, 2, None)
+
+
+def _posts_counted_and_made(rank: int, world: int) -> tuple[int, int, float]:
+    """(posts the runtime counted, sends and receives it actually made, seconds counted)
+    over two steps of calibration's tiny pipeline, every ``isend``/``irecv`` counted apart."""
+    import torch.distributed as dist
+
+    from fxpipe.planner.machine_speeds import pipeline_posts
+
+    made = [0]
+    real = {name: getattr(dist, name) for name in ("isend", "irecv")}
+
+    def counting(name):
+        def post(*args, **kwargs):
+            made[0] += 1
+            return real[name](*args, **kwargs)
+        return post
+
+    for name in real:
+        setattr(dist, name, counting(name))
+    try:
+        posted_s, posts = pipeline_posts(steps=2, warmup=0)
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    return posts, made[0], posted_s
+
+
+@pytest.mark.slow
+def test_every_send_and_receive_the_runtime_posts_is_counted_with_its_time():
+    """``Transport.posted_s`` / ``posts`` (what `fxpipe calibrate` prices each transfer end
+    by) see every post: the activations' and gradients' and the tied table's lookups."""
+    from tests.runtime._dist import run_world
+
+    for counted, made, posted_s in run_world(2, _posts_counted_and_made):
+        # 8 microbatches × 2 steps: at least an activation each way, and the lookups.
+        assert counted == made and made >= 2 * 8 * 2, (counted, made)
+        assert posted_s > 0
