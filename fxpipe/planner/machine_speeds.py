@@ -45,6 +45,7 @@ from fxpipe.base.hardware import CPU, Hardware, Link
 from fxpipe.compiler.capture import capture
 from fxpipe.compiler.driver import run_passes
 from fxpipe.compiler.pipeline import compile_pipeline
+from fxpipe.ir.artifact import CompiledPipeline
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.models.gpt import GPT, GPTConfig
 from fxpipe.params.rank_state import ShardBuilder
@@ -53,6 +54,7 @@ from fxpipe.planner.layout_price import price
 from fxpipe.planner.options import CandidateLayout, PlannerOptions
 from fxpipe.planner.predict import predict
 from fxpipe.planner.shapes import TransformerShape
+from fxpipe.runtime.api import ParallelModel
 from fxpipe.runtime.build import build_runtime
 from fxpipe.runtime.local_world import free_port, join_local_world
 from fxpipe.runtime.rank_mesh import RankMesh
@@ -91,6 +93,25 @@ def measure_framework_overhead(hw: Hardware) -> dict[str, float]:
     return dict(tiny_step_s=measured, op_overhead_s=max(hw.op_overhead_s, (measured - base) / slope))
 
 
+def _tiny_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """8 rows of 8 tokens and their targets, vocabulary 32 (from torch's current seed)."""
+    return torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8))
+
+
+def _tiny_runtime(layers: int, batch: tuple[torch.Tensor, ...],
+                  **layout: Any) -> tuple[CompiledPipeline, ParallelModel]:
+    """(compiled, ParallelModel) of a tiny GPT (h=16, ``layers`` layers, tied head) laid out
+    by ``layout`` on the CPU preset's cost model, built by the real runtime in this
+    process's world (a world of one is made when there is none)."""
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=layers, n_head=2, n_embd=16))
+    config = ParallelConfig(costs="model", partition="uniform", hardware="cpu", **layout)
+    mesh = RankMesh.join(config, torch.device("cpu"))
+    rows = batch[0].shape[0] // config.num_microbatches
+    compiled = compile_pipeline(model, tuple(t[:rows] for t in batch), mesh.config, device="cpu")
+    shards = ShardBuilder(compiled.program, {}, model, tp_rank=0, device=torch.device("cpu"))
+    return compiled, build_runtime(compiled, mesh, shards, model=model)
+
+
 def measure_action_overhead(hw: Hardware, steps: int = 15, trials: int = 1) -> dict[str, float]:
     """The runtime's fixed cost per compute action (``Hardware.action_overhead_s``): a tiny
     GPT (h=16, one layer, 8 rows of 8 tokens) trained by the real runtime in a world of one
@@ -107,8 +128,7 @@ def measure_action_overhead(hw: Hardware, steps: int = 15, trials: int = 1) -> d
     import torch.distributed as dist  # a process group of one, only while measuring
 
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
-    batch = (torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8)))
+    batch = _tiny_batch()
     ours = not dist.is_initialized()
     predicted, models = {}, {}
     # A world of one waits for no peer: with one thread its step takes exactly its
@@ -116,13 +136,8 @@ def measure_action_overhead(hw: Hardware, steps: int = 15, trials: int = 1) -> d
     now = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     try:
         for m in (1, 8):
-            model = GPT(cfg)
-            config = ParallelConfig(microbatches=m, costs="model", partition="uniform", hardware="cpu")
-            mesh = RankMesh.join(config, torch.device("cpu"))
-            compiled = compile_pipeline(model, tuple(t[:8 // m] for t in batch), mesh.config, device="cpu")
+            compiled, models[m] = _tiny_runtime(1, batch, microbatches=m)
             predicted[m] = price(compiled, hw).step_s
-            shards = ShardBuilder(compiled.program, {}, model, tp_rank=0, device=torch.device("cpu"))
-            models[m] = build_runtime(compiled, mesh, shards, model=model)
             models[m].train_step(batch)
         windows: dict[int, list[float]] = {1: [], 8: []}
         for _ in range(trials):
@@ -236,15 +251,8 @@ def pipeline_posts(steps: int = 10, warmup: int = 3) -> tuple[float, int]:
     waiting for a core (``benchmarks/bench_transfer_posts.py``), so it is measured where
     it happens and taken by its mean: the price sums the posts of a step."""
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
-    batch = (torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8)))
-    model = GPT(cfg)
-    config = ParallelConfig(pp=2, microbatches=8, schedule="1f1b", costs="model", partition="uniform",
-                            hardware="cpu")
-    mesh = RankMesh.join(config, torch.device("cpu"))
-    compiled = compile_pipeline(model, tuple(t[:1] for t in batch), mesh.config, device="cpu")
-    shards = ShardBuilder(compiled.program, {}, model, tp_rank=0, device=torch.device("cpu"))
-    pm = build_runtime(compiled, mesh, shards, model=model)
+    batch = _tiny_batch()
+    _, pm = _tiny_runtime(2, batch, pp=2, microbatches=8, schedule="1f1b")
     posted, posts = 0.0, 0
     try:
         for step in range(steps + warmup):
