@@ -1,14 +1,17 @@
-"""How long one gloo all-reduce and one p2p transfer take, as distributions, not medians.
+"""How long one gloo collective (all-reduce, all-gather, broadcast) and one p2p transfer
+take, as distributions, not medians.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_gloo_latency.py [--reps 100]
 
-World 2 (gloo, one thread per process, the ranks' own cores): for 4 KB, 64 KB and 1 MB,
-an all-reduce and a send/recv right after a barrier ("back to back") and after each rank
-computed for 2 ms (as a TP collective or a pipeline transfer follows a stage's compute).
+World 2 (gloo, one thread per process, the ranks' own cores): for 4 KB, 64 KB and 1 MB
+(each rank's), an all-reduce, an all-gather, a broadcast and a send/recv right after a
+barrier ("back to back") and after each rank computed for 2 ms (as a TP collective or a pipeline transfer follows a stage's compute).
 A sample's time is from the later rank's arrival (both ranks' perf_counter: one monotonic
-clock on one machine) to the end of the later to finish (all-reduce) or of the receive
+clock on one machine) to the end of the later to finish (a collective) or of the receive
 (p2p). Prints mean, median and quartiles: ``fxpipe calibrate`` fits the all-reduce on the
-mean because the price sums a step's collectives (docs/planner.md).
+mean because the price sums a step's collectives (docs/planner.md). The vocabulary
+passes combine their softmax statistics with one all-gather, not two all-reduces
+(``runtime/head_blocks.py``): the table shows what each costs.
 Writes benchmarks/results/bench_gloo_latency.txt.
 """
 from __future__ import annotations
@@ -30,6 +33,7 @@ from fxpipe.runtime.local_world import run_local_world
 
 SIZES = (4 << 10, 64 << 10, 1 << 20)
 GAPS = (0.0, 0.002)
+KINDS = ("all-reduce", "all-gather", "broadcast", "p2p")
 OUT = Path(__file__).resolve().parent / "results" / "bench_gloo_latency.txt"
 
 
@@ -42,10 +46,11 @@ def _compute(seconds: float) -> None:
 
 def _worker(rank: int, world: int, out: str, reps: int) -> None:
     buf_of = {n: torch.zeros(n // 4) for n in SIZES}
+    gathered_of = {n: torch.zeros(world * n // 4) for n in SIZES}
     res = {}
     for nbytes, buf in buf_of.items():
         for gap in GAPS:
-            for kind in ("all-reduce", "p2p"):
+            for kind in KINDS:
                 samples = []
                 for _ in range(reps + 5):
                     dist.barrier()
@@ -54,6 +59,10 @@ def _worker(rank: int, world: int, out: str, reps: int) -> None:
                     t = time.perf_counter()
                     if kind == "all-reduce":
                         dist.all_reduce(buf)
+                    elif kind == "all-gather":
+                        dist.all_gather_into_tensor(gathered_of[nbytes], buf)
+                    elif kind == "broadcast":
+                        dist.broadcast(buf, 0)
                     elif rank == 0:
                         dist.send(buf, 1)
                     else:
@@ -79,7 +88,7 @@ def main() -> None:
     for key in r0:
         kind, nbytes, gap = key.split("|")
         a, b = r0[key], r1[key]
-        if kind == "all-reduce":
+        if kind != "p2p":
             lat = [max(x[1], y[1]) - max(x[0], y[0]) for x, y in zip(a, b)]
         else:  # the receive (rank 1) done, from the later of the two posts
             lat = [y[1] - max(x[0], y[0]) for x, y in zip(a, b)]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 from fxpipe.base.hardware import Collective
+from fxpipe.base.packing import packed_nbytes
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.pass_configs import PartitionConfig
 from fxpipe.ir.pass_results import VocabTiming
@@ -36,7 +37,7 @@ from fxpipe.schedules.simulate import StageDurations, simulate
 from fxpipe.schedules.vocab_actions import add_vocab_passes, place_vocab_passes
 
 STATS_PER_TOKEN = 3
-"""fp32 softmax statistics all-reduced per token: max, sum-exp and target logit."""
+"""fp32 softmax statistics each block gathers per token: max, sum-exp and target logit."""
 
 
 def vocab_timing(plan: PipelinePlan, config: ParallelConfig, pconfig: PartitionConfig) -> VocabTiming | None:
@@ -71,21 +72,22 @@ def vocab_timing(plan: PipelinePlan, config: ParallelConfig, pconfig: PartitionC
     tokens = math.prod(hidden.shape[:-1])
     hidden_bytes = tokens * (hidden.shape[-1] if hidden.shape else 1) * hidden.dtype.itemsize
     send = latency + hidden_bytes / bandwidth
-    # ALLREDUCE_S is all-reduces, not a transfer (``runtime/head_blocks.py``): the max
-    # over the pipeline ranks' blocks, then the sum-exp and the target logit, each again
-    # over the tensor-parallel ranks when the head is split there too.
+    # ALLREDUCE_S is a collective, not a transfer (``runtime/head_blocks.py``): one
+    # all-gather of every block's statistics over the pipeline ranks, again over the
+    # tensor-parallel ranks when the head is split there too.
     groups = [(config.pp, hw.members_per_node(config.pp, config.tp * config.replicas))]
     if config.tp > 1:
         groups.append((config.tp, hw.members_per_node(config.tp, 1)))
-    stats = sum(hw.collective_s(Collective.ALL_REDUCE, 4 * n * tokens, size, per_node)
-                for size, per_node in groups for n in (1, STATS_PER_TOKEN - 1))
-    # BCAST_H and REDUCE_G are collectives too, not transfers: one broadcast per value the
-    # last stage hands the head (its input, the targets, the tokens' weights), one reduce of
-    # the input's gradient — each paying a collective's latency (on gloo, the process
-    # group's worker thread: benchmarks/bench_gloo_latency.py).
+    stats = sum(hw.collective_s(Collective.ALL_GATHER, size * 4 * STATS_PER_TOKEN * tokens, size, per_node)
+                for size, per_node in groups)
+    # BCAST_H and REDUCE_G are collectives too, not transfers: one broadcast of the bytes of
+    # every value the last stage hands the head (its input, the targets, the tokens'
+    # weights: ``base/packing.py``), one reduce of the input's gradient — each paying a
+    # collective's latency (on gloo, the process group's worker thread:
+    # benchmarks/bench_gloo_latency.py).
     pp_size, pp_node = groups[0]
-    bcast = sum(hw.collective_s(Collective.BROADCAST, plan.values[n].nbytes, pp_size, pp_node)
-                for n in head.outputs)
+    bcast = hw.collective_s(Collective.BROADCAST, packed_nbytes([(plan.values[n].spec.shape, plan.values[n].spec.dtype)
+                                                                for n in head.outputs]), pp_size, pp_node)
     reduce_g = hw.collective_s(Collective.REDUCE, hidden_bytes, pp_size, pp_node)
     return VocabTiming(durations=durations, p2p_latency=send, collective_latency=(bcast, stats, reduce_g))
 

@@ -198,17 +198,17 @@ class CostModel:
     def vocab_collectives(self, tp: int, pp: int, dp: int, b: int) -> tuple[float, float, float]:
         """Seconds of the vocabulary passes' collectives per microbatch, as
         ``runtime/head_blocks.py`` issues them over the pp group (ranks tp·dp apart):
-        BCAST_H the head's input (b·s·h) and the int64 targets; ALLREDUCE_S the maxima
-        (fp32 per token), then the rescaled sums and target logits (2 × fp32), over pp and
-        then TP; REDUCE_G the input gradient (b·s·h) onto the last stage."""
+        BCAST_H one broadcast of the head's input (b·s·h) and the int64 targets packed
+        (``base/packing.py``); ALLREDUCE_S one all-gather of every block's statistics
+        (3 × fp32 per token), over pp and then TP; REDUCE_G the input gradient (b·s·h)
+        onto the last stage."""
         sh, hw, d = self.shape, self.hw, self.dtype
         n = b * sh.seq
         per_node = hw.members_per_node(pp, tp * dp)
-        bcast = (hw.collective_s(Collective.BROADCAST, d * n * sh.hidden, pp, per_node)
-                 + hw.collective_s(Collective.BROADCAST, 8 * n, pp, per_node))
-        stats = sum(hw.collective_s(AR, nbytes, pp, per_node) for nbytes in (4 * n, 8 * n))
+        bcast = hw.collective_s(Collective.BROADCAST, d * n * sh.hidden + 8 * n, pp, per_node)
+        stats = hw.collective_s(AG, pp * 12 * n, pp, per_node)  # 3 fp32 statistics per token
         if tp > 1:
-            stats += self._tp(AR, 4 * n, tp) + self._tp(AR, 8 * n, tp)
+            stats += self._tp(AG, tp * 12 * n, tp)
         reduce = hw.collective_s(Collective.REDUCE, d * n * sh.hidden, pp, per_node)
         return bcast, stats, reduce
 

@@ -6,15 +6,16 @@ microbatch j, in the order the schedule lists them (``schedules/vocab_actions.py
 
 - ``BCAST_H j``: the last stage's output — the head's input x and the class indices
   (and, for per-token losses reduced with a mask, each token's weight) — broadcast
-  from its rank to every rank;
+  from its rank to every rank, as one buffer of their bytes;
 - ``S j``: the rank's block of logits, ``linear(x, W_r, b_r)`` through the captured chain
   (views, casts, element-wise ops such as a softcap) to [N, b_r - a_r], kept with its
   autograd graph, and per token its max
   m_r, sum-exp s_r = Σ exp(l − m_r) and the target's logit (0 outside the block);
-- ``ALLREDUCE_S j``: online softmax (Milakov & Gimelshein 2018) over the pp group: M =
-  max_r m_r, then Σ_r s_r·exp(m_r − M) and the picks summed in one all-reduce; every
-  rank then knows loss_t = M + log S − l_t,y_t (reduced as the captured loss: mean over
-  non-ignored targets, sum, or Σ_t weight_t·loss_t);
+- ``ALLREDUCE_S j``: online softmax (Milakov & Gimelshein 2018) over the pp group: one
+  all-gather of every block's statistics, then on each rank M = max_r m_r,
+  Σ_r s_r·exp(m_r − M) and the picks summed; every rank then knows
+  loss_t = M + log S − l_t,y_t (reduced as the captured loss: mean over non-ignored
+  targets, sum, or Σ_t weight_t·loss_t);
 - ``T j``: the block's softmax gradient (exp(l − M)/S − onehot, masked and scaled by
   the reduction and the step's loss scale) back through the block: autograd accumulates
   the gradient of the rank's rows (fp32-master hooks fire as for any gradient) and of
@@ -40,6 +41,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from fxpipe.base.packing import pack, packed_nbytes, unpack
 from fxpipe.ir.loss_chain import Reduction, operand_params, replay
 from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.runtime.mesh import MeshGroups
@@ -116,13 +118,19 @@ class HeadBlock:
         self.transport.wait(Pending(work, peer, f"{what} of microbatch {mb} (vocabulary passes)"))
 
     def bcast_h(self, mb: int) -> None:
+        """The head's input, targets (and token weights) from the last stage's rank, in
+        one broadcast of their bytes (``base/packing.py``): one collective's latency, not
+        one per value."""
+        specs = [(s.shape, s.dtype) for s in self.specs]
         if self.is_source:
             values = [t.contiguous() for t in self.outputs.pop(mb)]
+            buf = pack(values)
         else:
-            values = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in self.specs]
-        for t in values:
-            self._wait(dist.broadcast(t, src=self.source, group=self.groups.pp_group, async_op=True),
-                       "broadcasting the head's input", mb)
+            buf = torch.empty(packed_nbytes(specs), dtype=torch.uint8, device=self.device)
+        self._wait(dist.broadcast(buf, src=self.source, group=self.groups.pp_group, async_op=True),
+                   "broadcasting the head's input", mb)
+        if not self.is_source:
+            values = unpack(buf, specs)
         hidden, target, *weight = values
         self.micro[mb] = _Micro(hidden.detach().requires_grad_(True), target, *weight)
 
@@ -143,14 +151,11 @@ class HeadBlock:
     def allreduce_s(self, mb: int) -> None:
         """Online softmax over the ranks' blocks; the loss on every rank."""
         m = self.micro[mb]
-        top = m.stats[0].clone()
-        for group in self.reduce_groups:  # pipeline ranks, then TP ranks: the max of all blocks
-            self._wait(dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group, async_op=True),
-                       "all-reducing the softmax maxima", mb)
-        both = torch.stack([m.stats[1] * torch.exp(m.stats[0] - top), m.stats[2]])
-        for group in self.reduce_groups:
-            self._wait(dist.all_reduce(both, group=group, async_op=True), "all-reducing the softmax sums", mb)
-        m.stats = torch.stack([top, both[0], both[1]])
+        stats = m.stats
+        for group in self.reduce_groups:  # pipeline ranks, then TP ranks
+            stats = self._combined(stats, group, mb)
+        m.stats = stats
+        top, both = stats[0], stats[1:]
         valid = m.target != self.head.ignore_index
         per = torch.where(valid, top + torch.log(both[0]) - both[1], 0.0)
         if m.weight is not None:  # per-token losses reduced with a mask: Σ_t weight_t·ce_t
@@ -158,6 +163,22 @@ class HeadBlock:
         loss = per.sum() / valid.sum() if self.head.reduction == Reduction.MEAN else per.sum()
         if self.losses is not None:
             self.losses[mb] = float(loss)
+
+    def _combined(self, stats: torch.Tensor, group: Any, mb: int) -> torch.Tensor:
+        """(3, N) statistics of the blocks of ``group``'s ranks combined: one all-gather
+        of every rank's (max, sum-exp, target logit), then on each rank M = max_r m_r,
+        S = Σ_r s_r·exp(m_r − M) and the picks summed, in rank order (the same bits on
+        every rank). Two all-reduces (the max, then the sums) cost two collectives'
+        latency, twice an all-gather's on gloo (benchmarks/bench_gloo_latency.py)."""
+        size = dist.get_world_size(group)
+        if size == 1:
+            return stats
+        gathered = torch.empty((size * stats.shape[0], *stats.shape[1:]), dtype=stats.dtype, device=stats.device)
+        self._wait(dist.all_gather_into_tensor(gathered, stats.contiguous(), group=group, async_op=True),
+                   "all-gathering the softmax statistics", mb)
+        ranks = gathered.view(size, *stats.shape)
+        top = ranks[:, 0].amax(0)
+        return torch.stack([top, (ranks[:, 1] * torch.exp(ranks[:, 0] - top)).sum(0), ranks[:, 2].sum(0)])
 
     def t(self, mb: int) -> None:
         """The block's backward: its rows' gradient and a partial gradient of x."""

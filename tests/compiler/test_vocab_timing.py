@@ -29,15 +29,16 @@ def test_the_vocabulary_collectives_are_priced_as_the_runtime_runs_them(compiled
     hidden = plan.values[plan.vocab_head.hidden].spec
     tokens = math.prod(hidden.shape[:-1])
     send = hw.p2p_latency + tokens * hidden.shape[-1] * hidden.dtype.itemsize / hw.p2p_bw
-    # pp = 2 on one node: a ring all-reduce of n bytes is 2 steps of (latency + n/2 / bw).
-    ring = lambda n: 2 * (hw.intra_node.collective_latency + n / 2 / hw.intra_node.collective_bw)  # noqa: E731
-    assert hw.collective_s(Collective.ALL_REDUCE, 4 * tokens, 2, 2) == pytest.approx(ring(4 * tokens), rel=1e-9)
-    # pp = 2: a broadcast or reduce of n bytes is one step of latency + n / bw.
+    # pp = 2: a broadcast or reduce of n bytes is one step of latency + n / bw, and so is
+    # a ring all-gather of n bytes per rank (each rank receives the other's n).
     step = lambda n: hw.intra_node.collective_latency + n / hw.intra_node.collective_bw  # noqa: E731
+    assert hw.collective_s(Collective.ALL_GATHER, 2 * 12 * tokens, 2, 2) == pytest.approx(step(12 * tokens), rel=1e-9)
     values = [plan.values[n].spec for n in plan.vocab_head.outputs]
     assert len(values) == 2  # the head's input and the targets
-    bcast = sum(step(math.prod(v.shape) * v.dtype.itemsize) for v in values)
+    # One broadcast of both, each padded to 8 bytes in the buffer (runtime/head_blocks.py).
+    packed = sum(-(-math.prod(v.shape) * v.dtype.itemsize // 8) * 8 for v in values)
     hidden_bytes = tokens * hidden.shape[-1] * hidden.dtype.itemsize
-    assert timing.collective_latency == pytest.approx((bcast, ring(4 * tokens) + ring(8 * tokens), step(hidden_bytes)),
+    # ALLREDUCE_S: one all-gather of 3 fp32 statistics per token from each of the 2 ranks.
+    assert timing.collective_latency == pytest.approx((step(packed), step(12 * tokens), step(hidden_bytes)),
                                                       rel=1e-9)
     assert timing.p2p_latency == pytest.approx(send, rel=1e-9)

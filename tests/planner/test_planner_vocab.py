@@ -32,9 +32,10 @@ def _pipelined(nbytes, size, link):
     return nbytes / link.collective_bw + (size - 1) * link.collective_latency
 
 
-def _all_reduce(nbytes, size, link):
-    """A ring all-reduce in one node: 2(n-1)/n of the tensor per link, 2(n-1) hops."""
-    return 2 * (size - 1) / size * nbytes / link.collective_bw + 2 * (size - 1) * link.collective_latency
+def _all_gather(nbytes, size, link):
+    """A ring all-gather of ``nbytes`` from each rank in one node: n-1 hops of one rank's
+    part each."""
+    return (size - 1) * (nbytes / link.collective_bw + link.collective_latency)
 
 
 @pytest.mark.parametrize("kind,v", KINDS)
@@ -52,9 +53,9 @@ def test_step_time_equals_a_direct_simulation(kind, v):
     durations = split_output_layer(StageDurations(forward=f, backward=bw, weight=w), p,
                                    forward=out.forward_s, backward=out.backward_s, weight=out.weight)
     link, n, d = A100.intra_node, b * SHAPE.seq, opts.dtype_bytes
-    bcast = _pipelined(d * n * SHAPE.hidden, p, link) + _pipelined(8 * n, p, link)  # input, int64 targets
-    # the maxima (fp32), then the rescaled sums and target logits (2 × fp32): over pp, then TP
-    stats = sum(_all_reduce(nbytes, size, link) for size in (p, t) for nbytes in (4 * n, 8 * n))
+    bcast = _pipelined(d * n * SHAPE.hidden + 8 * n, p, link)  # input and int64 targets in one buffer
+    # every block's max, sum-exp and target logit (3 × fp32) gathered: over pp, then TP
+    stats = sum(_all_gather(12 * n, size, link) for size in (p, t))
     reduce = _pipelined(d * n * SHAPE.hidden, p, link)
     direct = simulate(add_vocab_passes(generate(kind.value, p, m, v)), durations,
                       collective_latency=(bcast, stats, reduce))
