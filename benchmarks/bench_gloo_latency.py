@@ -60,7 +60,7 @@ def _worker(rank: int, world: int, out: str, reps: int) -> None:
                     if kind == "all-reduce":
                         dist.all_reduce(buf)
                     elif kind == "all-gather":
-                        dist.all_gather_into_tensor(gathered_of[nbytes], buf)
+                        dist.all_gather_single(gathered_of[nbytes], buf)
                     elif kind == "broadcast":
                         dist.broadcast(buf, 0)
                     elif rank == 0:

@@ -84,6 +84,14 @@ class Stage:
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
+LOOKUP_PARTS_AHEAD = 2
+"""How many microbatches ahead of the consuming stage's forward an owner of embedding rows
+sends its part of the lookup (``runtime/lookup_exchange.py``): one ahead, placed on a
+unit-time simulation, arrived late under real times (the owner still busy with an S or
+T pass when the consumer's forward wanted it); each part more ahead is one more b·s·h
+held per owner (``planner/memory_model.py``'s ``lookup_activation_bytes``)."""
+
+
 @dataclass(frozen=True)
 class VocabLookup:
     """An embedding lookup of a table whose rows are split over pipeline ranks

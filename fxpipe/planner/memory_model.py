@@ -98,8 +98,9 @@ def vocab_block_activation_bytes(shape: TransformerShape, micro_batch: int, tp: 
 
 def lookup_activation_bytes(shape: TransformerShape, micro_batch: int, parts: int) -> float:
     """Every rank under vocabulary passes: its ``parts`` partial embedding lookups in
-    flight (b·s·h each; ``runtime/lookup_exchange.py`` holds a part from its send, one
-    microbatch ahead of the first stage's forward, until that stage's backward)."""
+    flight (b·s·h each; ``runtime/lookup_exchange.py`` holds a part from its send,
+    ``LOOKUP_PARTS_AHEAD`` microbatches ahead of the first stage's forward, until that
+    stage's backward)."""
     return 2.0 * parts * shape.seq * micro_batch * shape.hidden
 
 

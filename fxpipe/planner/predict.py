@@ -6,7 +6,7 @@ Iteration = max over pipeline ranks r of
     finish_r (the simulated schedule, p2p inside the stage times; with vocabulary passes
               every rank's S and T and their collectives inside the schedule)
   + lookup   (vocabulary passes: the table's owners send each microbatch's part of the
-              embedding lookup (b·s·h) point to point, one microbatch ahead, so only the
+              embedding lookup (b·s·h) point to point, two microbatches ahead, so only the
               first microbatch's arrival is exposed; the gradients go back overlapped)
   + sync_r   (data-parallel gradient all-reduce of r's parameters, ring over d ranks,
               exposed per ``DPOverlap``; the tied embedding's instead one all-reduce over
@@ -24,6 +24,7 @@ from typing import Mapping
 import numpy as np
 
 from fxpipe.base.hardware import Collective
+from fxpipe.ir.stage_plan import LOOKUP_PARTS_AHEAD
 from fxpipe.planner.layer_cost import CostModel
 from fxpipe.planner.memory_model import (RankMemory, embedding_activation_bytes, final_norm_activation_bytes,
                                          head_activation_bytes, layer_activation_bytes, lookup_activation_bytes,
@@ -74,7 +75,7 @@ def rank_memory(model: CostModel, cfg: CandidateLayout, stages: StagePlan,
     vocabulary passes the last stage keeps only the final norm's input; every rank holds
     its block (head input and V/(t·p) logits) for each microbatch between S and T, and
     every rank its parts of the embedding lookup in flight (the first stage's in-flight
-    microbatches and one sent ahead, ``runtime/lookup_exchange.py``)."""
+    microbatches and the ones sent ahead, ``runtime/lookup_exchange.py``)."""
     shape, opts = model.shape, model.options
     t, b, p, S = cfg.tp, cfg.micro_batch, cfg.pp, cfg.num_stages
     sp = cfg.sequence_parallel and t > 1
@@ -92,7 +93,7 @@ def rank_memory(model: CostModel, cfg: CandidateLayout, stages: StagePlan,
         act[(S - 1) % p] += final_norm_activation_bytes(shape, b, t, sp)
         act += vocab_in_flight(cfg.schedule, p, cfg.num_microbatches, cfg.chunks) \
             * vocab_block_activation_bytes(shape, b, t, p)
-        act += lookup_activation_bytes(shape, b, min(int(flight[0]) + 1, cfg.num_microbatches))
+        act += lookup_activation_bytes(shape, b, min(int(flight[0]) + LOOKUP_PARTS_AHEAD, cfg.num_microbatches))
     else:
         act[(S - 1) % p] += head_activation_bytes(shape, b, t, sp)  # freed soon after its forward
     params = stages.ranks(stages.params)
@@ -131,7 +132,7 @@ def _sync_s(model: CostModel, cfg: CandidateLayout, stages: StagePlan, r: int, p
 def lookup_s(model: CostModel, cfg: CandidateLayout) -> float:
     """Vocabulary passes: the first microbatch's embedding lookup, whose parts (b·s·h
     from each of the table's owners, point to point) the first stage waits for before
-    its first forward; later parts are sent one microbatch ahead and the gradients go
+    its first forward; later parts are sent ahead and the gradients go
     back without a wait (``runtime/lookup_exchange.py``), so they overlap the schedule."""
     if not cfg.vocab_passes:
         return 0.0

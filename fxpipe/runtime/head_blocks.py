@@ -174,7 +174,7 @@ class HeadBlock:
         if size == 1:
             return stats
         gathered = torch.empty((size * stats.shape[0], *stats.shape[1:]), dtype=stats.dtype, device=stats.device)
-        self._wait(dist.all_gather_into_tensor(gathered, stats.contiguous(), group=group, async_op=True),
+        self._wait(dist.all_gather_single(gathered, stats.contiguous(), group=group, async_op=True),
                    "all-gathering the softmax statistics", mb)
         ranks = gathered.view(size, *stats.shape)
         top = ranks[:, 0].amax(0)

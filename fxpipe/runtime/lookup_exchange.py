@@ -15,15 +15,18 @@ it; here the owners of the table's rows do it, microbatch by microbatch:
 Where each owner sends and receives is fixed before the step from a simulation of the
 schedule (unit times, every rank the same). Sends never block and a part depends on
 nothing but the batch and the owner's rows, so an owner may send part j anywhere: it
-sends it one microbatch ahead — before its first blocking action that starts at or
-after the consumer's F of j - 1 (part 0 first thing in the step) — so the part is
-there when the consumer's F of j wants it. It takes the gradient before its first
-blocking action that starts at or after the consumer's backward of j ends: every wait
+sends it ``LOOKUP_PARTS_AHEAD`` (2) microbatches ahead — before its first blocking
+action that starts at or after the consumer's F of j - 2 (parts 0 and 1 first thing in
+the step) — so the part is there when the consumer's F of j wants it. One ahead was
+too late under real times: with vocabulary passes the owner was often still in an S
+or T pass when the consumer's forward wanted the part, and the consumer waited for it
+(and the stages behind it waited for the consumer). It takes the gradient before its
+first blocking action that starts at or after the consumer's backward of j ends: every wait
 is on an event earlier in that time order, so the point-to-point transfers (tagged per
 lookup and microbatch) cannot deadlock with the schedule's own transfers and
 collectives. An owner holds part j from its send to its gradient, the consumer j's
 result only until its F, and every send is dropped once it completed: memory follows
-the schedule's microbatches in flight (plus the one sent ahead), not the step's m.
+the schedule's microbatches in flight (plus the ones sent ahead), not the step's m.
 
 Every rank reads the batch, so every owner has the ids. Under tensor parallelism the
 lookup is one TP rank's vocabulary-parallel one (``VocabLookup.vocab_parallel``): the
@@ -41,7 +44,7 @@ from typing import Sequence
 
 import torch
 
-from fxpipe.ir.stage_plan import PipelinePlan, StageValue, VocabLookup
+from fxpipe.ir.stage_plan import LOOKUP_PARTS_AHEAD, PipelinePlan, StageValue, VocabLookup
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.transport import Pending, Transport
 from fxpipe.schedules.actions import ActionKind
@@ -244,7 +247,8 @@ def _points(actions: Schedule, lookups: Sequence[_Lookup], me: int) -> dict[int,
         forward = {a.microbatch: a for a in consumer if a.kind is K.F and a.stage == lk.plan.stage}
         backward = {a.microbatch: a for a in consumer if a.kind in (K.B, K.I) and a.stage == lk.plan.stage}
         for j in range(actions.num_microbatches):
-            sent = first_from(start[forward[j - 1]]) if j else 0  # one ahead
+            ahead = j - LOOKUP_PARTS_AHEAD
+            sent = first_from(start[forward[ahead]]) if ahead >= 0 else 0
             taken = first_from(end[backward[j]])
             entries[sent].append((1, j, "send", lk))
             entries[taken].append((0 if sent < taken else 2, j, "grad", lk))

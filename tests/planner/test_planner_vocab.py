@@ -97,10 +97,10 @@ def test_every_rank_holds_its_rows_of_the_tied_table(t, p):
         ends = (r == 0) + (r == p - 1)
         assert mem_off[r].params - mem_on[r].params == pytest.approx(ends * vp * h / t - rows, rel=1e-9)
     # 1F1B: one block between S and T on every rank (its input copy and V/(t·p) fp32 logits);
-    # every rank its lookup parts in flight (b·s·h each: the first stage's p microbatches and one
+    # every rank its lookup parts in flight (b·s·h each: the first stage's p microbatches and two
     # sent ahead), the last only the final norm's input instead of the head's inputs and logits
     block = 2 * s * b * h + 4 * s * b * vp / (t * p)
-    parts = min(p + 1, m)
+    parts = min(p + 2, m)
     extra = [block + 2 * parts * b * s * h
              - (2 * s * b * h + 4 * s * b * vp / t if r == p - 1 else 0) for r in range(p)]
     assert [x.activation_bytes - y.activation_bytes for x, y in zip(mem_on, mem_off)] == pytest.approx(extra)
