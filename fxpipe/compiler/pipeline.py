@@ -104,7 +104,8 @@ def compile_program(program: Program, config: ParallelConfig, *, device: torch.d
         # The partition and split are known: place the passes on the stages' own times,
         # rank 0's on every rank (one collective order; compiler/vocab_placement.py).
         start = time.perf_counter()
-        timing = hooks.on_rank0(lambda: vocab_timing(plan, config, last_program.partition_config or ctx.partition))
+        timing = hooks.on_rank0(lambda: vocab_timing(plan, config, last_program.partition_config or ctx.partition,
+                                                     ctx.device))
         schedule = placed_schedule(config, timing)
         timings.append(PassTiming("vocab_placement", time.perf_counter() - start,
                                   sum(len(s.graph_module.graph.nodes) for s in plan.stages)))

@@ -8,7 +8,10 @@ balanced (``PartitionResult.stages``: the node times it summed, measured or mode
 without the head, which ``PartitionConfig.elsewhere`` kept off the stages) and the
 head's nodes (``passes/vocab_head.head_nodes``) split evenly over the pipeline ranks
 as S and T (``split_output_layer``'s convention: Yeung et al.'s even split of the
-vocabulary). ``placed_schedule`` then searches the S delay and T lead on a simulation
+vocabulary) — or, where the stage times were measured on CPU, S and T timed as the
+runtime runs them (``costs/local.vocab_passes_here``), the times the layout search
+prices: it places on what it prices, and a measured runtime places on the same kind of
+numbers. ``placed_schedule`` then searches the S delay and T lead on a simulation
 (``place_vocab_passes``) at offset 0 only: a positive offset runs forwards earlier and
 holds more microbatches in flight than the partition planned memory for; at offset 0
 every rank's F/B/I/W order is the unit schedule's, so ``stage_inflight`` and the
@@ -24,8 +27,11 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from fxpipe.base.hardware import Collective
 from fxpipe.base.packing import packed_nbytes
+from fxpipe.costs.local import vocab_passes_here
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.pass_configs import PartitionConfig
 from fxpipe.ir.pass_results import VocabTiming
@@ -40,7 +46,8 @@ STATS_PER_TOKEN = 3
 """fp32 softmax statistics each block gathers per token: max, sum-exp and target logit."""
 
 
-def vocab_timing(plan: PipelinePlan, config: ParallelConfig, pconfig: PartitionConfig) -> VocabTiming | None:
+def vocab_timing(plan: PipelinePlan, config: ParallelConfig, pconfig: PartitionConfig,
+                 device: torch.device | str = "cpu") -> VocabTiming | None:
     """The stages' and the head's times (module docstring) under ``pconfig``, what the
     partition balanced; None where the partition did not balance times (uniform, params:
     nothing to place on) or there is no head."""
@@ -65,8 +72,16 @@ def vocab_timing(plan: PipelinePlan, config: ParallelConfig, pconfig: PartitionC
     if head_f + head_b <= 0 or not any(forward) or len(forward) != config.num_stages:
         return None
     pp = config.pp
+    s_pass, t_pass = head_f / pp, head_b / pp
+    if node_times and torch.device(device).type == "cpu":
+        # Measured stage times: S and T timed as the runtime runs them (a block's logits
+        # and its several passes over them, which the captured head's nodes do not show),
+        # the same numbers the layout search prices (``costs/local.vocab_passes_here``).
+        spec = plan.values[head.hidden].spec
+        s_pass, t_pass = vocab_passes_here(math.prod(spec.shape[:-1]), spec.shape[-1],
+                                           max(b - a for a, b in head.blocks), spec.dtype)
     durations = StageDurations(forward=forward, backward=backward, weight=tuple(b / 2 for b in backward),
-                               vocab_forward=(head_f / pp,) * pp, vocab_backward=(head_b / pp,) * pp)
+                               vocab_forward=(s_pass,) * pp, vocab_backward=(t_pass,) * pp)
     latency, bandwidth = pconfig.link if pconfig.link is not None else (hw.p2p_latency, hw.p2p_bw)
     hidden = plan.values[head.hidden].spec
     tokens = math.prod(hidden.shape[:-1])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -171,6 +172,18 @@ def node_times_for(program: Program, config: PartitionConfig, measured: LocalTim
             modelled = (fine.nodes[n]["fwd"] * measured.scale[0], fine.nodes[n]["bwd"] * measured.scale[1])
             out[n] = known.get(n) or modelled
     return out
+
+
+def vocab_passes_here(tokens: int, hidden: int, width: int, dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """``time_vocab_passes`` once per block shape and thread count in this process: the
+    compile places the vocabulary passes on these times (``compiler/vocab_placement.py``)
+    and the layout search prices them with the same ones."""
+    return _vocab_passes_cached(tokens, hidden, width, dtype, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=64)
+def _vocab_passes_cached(tokens: int, hidden: int, width: int, dtype: torch.dtype, threads: int) -> tuple[float, float]:
+    return time_vocab_passes(tokens, hidden, width, dtype)
 
 
 def time_vocab_passes(tokens: int, hidden: int, width: int, dtype: torch.dtype = torch.float32, *,

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from fxpipe.compiler.context import CompileContext, CompileHooks
 from fxpipe.compiler.pipeline import batch_captures, compile_program, pipeline_names
-from fxpipe.costs.local import LocalTimes, measure_locally, node_times_for, time_lookup_part, time_vocab_passes
+from fxpipe.costs.local import LocalTimes, measure_locally, node_times_for, time_lookup_part, vocab_passes_here
 from fxpipe.ir.artifact import CompiledPipeline
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.pass_configs import PartitionConfig
@@ -216,7 +216,7 @@ class CaptureCosts:
         key = (math.prod(spec.shape[:-1]), spec.shape[-1], max(b - a for a, b in head.blocks), spec.dtype)
         if key not in self.passes:
             with self._threads():
-                self.passes[key] = time_vocab_passes(*key)
+                self.passes[key] = vocab_passes_here(*key)
         return self.passes[key]
 
     def lookups(self, compiled: CompiledPipeline) -> tuple[LookupWork, ...]:
