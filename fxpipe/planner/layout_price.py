@@ -223,7 +223,7 @@ def price(compiled: CompiledPipeline, hardware: Hardware | None = None, *,
     ``hardware`` (default: the one its partition was priced on). ``concurrent``: how many
     ranks can compute at once on the machine (None: each has a device of its own); fewer
     than the world and the ranks' summed compute time-shares what there is.
-    ``vocab_passes_s``: one vocabulary pass S and T as timed (``time_vocab_passes``),
+    ``vocab_passes_s``: one vocabulary pass S and T as timed (``vocab_passes_here``),
     instead of the head's share of the partition's times. ``lookups``: the layout's
     row-split embedding lookups (``transfer_price.py``; None: read off its plan, none
     without one), ``lookup_parts``: their parts as timed (else the cost model)."""
