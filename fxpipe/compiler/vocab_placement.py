@@ -31,7 +31,7 @@ import torch
 
 from fxpipe.base.hardware import Collective
 from fxpipe.base.packing import packed_nbytes
-from fxpipe.costs.local import vocab_passes_here
+from fxpipe.costs.local import vocab_pass_shape, vocab_passes_here
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.pass_configs import PartitionConfig
 from fxpipe.ir.pass_results import VocabTiming
@@ -77,9 +77,7 @@ def vocab_timing(plan: PipelinePlan, config: ParallelConfig, pconfig: PartitionC
         # Measured stage times: S and T timed as the runtime runs them (a block's logits
         # and its several passes over them, which the captured head's nodes do not show),
         # the same numbers the layout search prices (``costs/local.vocab_passes_here``).
-        spec = plan.values[head.hidden].spec
-        s_pass, t_pass = vocab_passes_here(math.prod(spec.shape[:-1]), spec.shape[-1],
-                                           max(b - a for a, b in head.blocks), spec.dtype)
+        s_pass, t_pass = vocab_passes_here(*vocab_pass_shape(plan))
     durations = StageDurations(forward=forward, backward=backward, weight=tuple(b / 2 for b in backward),
                                vocab_forward=(s_pass,) * pp, vocab_backward=(t_pass,) * pp)
     latency, bandwidth = pconfig.link if pconfig.link is not None else (hw.p2p_latency, hw.p2p_bw)

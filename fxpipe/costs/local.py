@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from fxpipe.costs.measure import time_groups
 from fxpipe.costs.profile import CostProfile, device_name
 from fxpipe.ir.pass_configs import PartitionConfig
 from fxpipe.ir.program import Program
+from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.passes.assign_stages import build_problem_graph
 from fxpipe.passes.split import split_program
 from fxpipe.runtime.head_blocks import block_gradient, block_statistics
@@ -172,6 +174,16 @@ def node_times_for(program: Program, config: PartitionConfig, measured: LocalTim
             modelled = (fine.nodes[n]["fwd"] * measured.scale[0], fine.nodes[n]["bwd"] * measured.scale[1])
             out[n] = known.get(n) or modelled
     return out
+
+
+def vocab_pass_shape(plan: PipelinePlan) -> tuple[int, int, int, torch.dtype]:
+    """(tokens, hidden, block width, dtype) of one vocabulary pass of ``plan``'s head: its
+    input's tokens and width, the widest rank's block of rows — what
+    ``vocab_passes_here`` times."""
+    head = plan.vocab_head
+    assert head is not None, "the plan has no vocabulary head"
+    spec = plan.values[head.hidden].spec
+    return math.prod(spec.shape[:-1]), spec.shape[-1], max(b - a for a, b in head.blocks), spec.dtype
 
 
 def vocab_passes_here(tokens: int, hidden: int, width: int, dtype: torch.dtype = torch.float32) -> tuple[float, float]:

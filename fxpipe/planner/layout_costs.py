@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Callable, Iterator
 
 import networkx as nx
@@ -18,7 +17,7 @@ import torch.nn as nn
 
 from fxpipe.compiler.context import CompileContext, CompileHooks
 from fxpipe.compiler.pipeline import batch_captures, compile_program, pipeline_names
-from fxpipe.costs.local import LocalTimes, measure_locally, node_times_for, time_lookup_part, vocab_passes_here
+from fxpipe.costs.local import LocalTimes, measure_locally, node_times_for, time_lookup_part, vocab_pass_shape, vocab_passes_here
 from fxpipe.ir.artifact import CompiledPipeline
 from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.ir.pass_configs import PartitionConfig
@@ -59,7 +58,6 @@ class CaptureCosts:
         self.captures = batch_captures(model, batch, base, loss_fn)  # one export for every b > 1
         self.programs: dict[int, Program] = {}
         self.timed: dict[tuple[int, bool, int], LocalTimes | None] = {}
-        self.passes: dict[tuple, tuple[float, float]] = {}
         self.canonicals: dict[int, Program] = {}
         self.prefixes: dict[tuple, Program | Exception] = {}
         self.works: dict[tuple, ShapeWork | Exception] = {}
@@ -212,12 +210,8 @@ class CaptureCosts:
         head = compiled.plan.vocab_head if compiled.plan is not None else None
         if not self.measure or head is None or compiled.vocab_timing is None:
             return None
-        spec = compiled.plan.values[head.hidden].spec
-        key = (math.prod(spec.shape[:-1]), spec.shape[-1], max(b - a for a, b in head.blocks), spec.dtype)
-        if key not in self.passes:
-            with self._threads():
-                self.passes[key] = vocab_passes_here(*key)
-        return self.passes[key]
+        with self._threads():  # timed once per shape and thread count (vocab_passes_here)
+            return vocab_passes_here(*vocab_pass_shape(compiled.plan))
 
     def lookups(self, compiled: CompiledPipeline) -> tuple[LookupWork, ...]:
         """The row-split embedding lookups the runtime will run for this layout
