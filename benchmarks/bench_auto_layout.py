@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.rank_stats import kendall_tau_b, median_relative_error, spearman  # noqa: E402
 from fxpipe.ir.parallel_config import ParallelConfig  # noqa: E402
+from fxpipe.job.optimizer import param_groups  # noqa: E402
 from fxpipe.models.registry import build_workload  # noqa: E402
 from fxpipe.models.workload import Workload  # noqa: E402
 from fxpipe.planner.auto_layout import search_layout  # noqa: E402
@@ -85,7 +86,9 @@ def _worker(rank: int, world: int, args, layouts: list[dict]) -> list[float] | N
         pm = fxpipe.parallelize(model, example_inputs=w.example_inputs, loss_fn=w.loss_fn, costs="measure",
                                 partition="dp", **fields)
         # The step the price prices, as `fxpipe run` takes it: the schedule and the optimizer.
-        opt = torch.optim.AdamW([t for _, t in pm.named_parameters()], lr=1e-4)
+        # As `fxpipe run` builds it: parameter groups, which may be empty (a pipeline rank
+        # whose stages compute only parameter-free ops holds none; a flat empty list is refused).
+        opt = torch.optim.AdamW(param_groups(pm.named_parameters(), 0.0), lr=1e-4)
         pm.train_step(w.example_inputs)  # warm-up: first-step allocations, the optimizer's state
         opt.step()
         models.append((pm, opt))
