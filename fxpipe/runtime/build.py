@@ -14,6 +14,7 @@ lowered or solved again; the mesh's process groups are the only other input.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -107,8 +108,26 @@ def build_runtime(compiled: CompiledPipeline, mesh: RankMesh, shards: ShardBuild
                                lookup_final=lookups.final_points(compiled.actions.actions[groups.pp_rank])
                                if lookups is not None else None)
     executor.reduction = grad_sync.overlap  # armed around the actions that finish gradients
-    return ParallelModel(compiled, RankParts(groups, state, executor, grad_sync, device, specs, master=master,
-                                             compiled_stages=compiled_stages, tp_rng=tp_rng, experts=experts))
+    pm = ParallelModel(compiled, RankParts(groups, state, executor, grad_sync, device, specs, master=master,
+                                           compiled_stages=compiled_stages, tp_rng=tp_rng, experts=experts))
+    _warn_without_parameters(pm, my_stages, zero is not None)
+    return pm
+
+
+def _warn_without_parameters(pm: ParallelModel, stages: Any, zero: bool) -> None:
+    """Said on a rank that holds no trainable tensor — a pipeline rank whose stages compute
+    only parameter-free ops (a time-balanced cut of a small model can give one such a
+    stage), or a ZeRO-1 replica that owns none. Legal, and it trains, but torch's
+    optimizers refuse an empty list: ``torch.optim.AdamW(pm.parameters())`` would fail on
+    this rank alone, so the warning gives the form that works on every rank."""
+    if next(pm.named_parameters(), None) is not None:
+        return
+    why = f"its stages {sorted(stages)} compute only parameter-free ops" + (
+        ", or its ZeRO-1 replica owns none of their tensors" if zero else "")
+    warnings.warn(f"fxpipe: rank {dist.get_rank()} holds no trainable parameter at this layout ({why}); torch's "
+                  f"optimizers refuse an empty list: build the optimizer from parameter groups, which may be "
+                  f"empty, e.g. torch.optim.AdamW([{{'params': list(pm.parameters())}}], lr=...) (as fxpipe run "
+                  f"does), or give fewer pipeline stages", stacklevel=3)
 
 
 def _meta_parameters(program: Program) -> Program:
