@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import statistics
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -47,7 +48,10 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
     w, source = build_job(config)
     # Every rank passes the same global batch as the example (train_step's contract).
     first = w.batch_from_tokens(DataStream(source.train, config.batch, seed=seed).next_batch())
-    pm = parallelize(w.model, layout, example_inputs=first, loss_fn=w.loss_fn, weights=weights_dir(config))
+    with warnings.catch_warnings():  # its optimizer is built from parameter groups below: a rank
+        # holding no parameter needs no advice on building one (runtime/build.py)
+        warnings.filterwarnings("ignore", message=r"fxpipe: rank \d+ holds no trainable parameter")
+        pm = parallelize(w.model, layout, example_inputs=first, loss_fn=w.loss_fn, weights=weights_dir(config))
     rank = dist.get_rank()
     stream = DataStream(source.train, config.batch, dp=layout.dp, dp_rank=pm.groups.dp_rank, seed=seed)
     opt = torch.optim.AdamW(param_groups(pm.named_parameters(), config.weight_decay), lr=config.lr,
