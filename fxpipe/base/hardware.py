@@ -113,14 +113,6 @@ class Hardware:
     it sends or receives, between its computations; NCCL only enqueues it (µs). ``fxpipe
     calibrate`` measures its mean inside a tiny pipeline (``machine_speeds.pipeline_posts``);
     the layout search adds it to the actions that send or receive."""
-    wakeup_s: float = 0.0
-    """Seconds a rank waits for a core when its message arrives while every core runs
-    another rank: only where more ranks run than cores (the layout search's
-    ``concurrent``), paid by each pipeline hand-off and each collective on top of the link
-    (a rank blocked in a receive gives its core away and queues for one when woken).
-    ``fxpipe calibrate`` measures it with four ranks on a machine of fewer cores
-    (``machine_speeds.measure_wakeup``; ~1 ms on the 2-core VM); 0 where ranks have cores
-    of their own."""
     source: str = ""
     """Where the numbers come from."""
 
@@ -133,7 +125,7 @@ class Hardware:
             raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
         # A profile is a file from disk: an overhead that is negative, NaN or absurd would
         # silently reorder every layout the search prices.
-        for f in ("action_overhead_s", "optimizer_tensor_s", "transfer_cpu_s", "wakeup_s"):
+        for f in ("action_overhead_s", "optimizer_tensor_s", "transfer_cpu_s"):
             if not 0 <= getattr(self, f) < 1:
                 raise ValueError(f"Hardware.{f} must be in [0, 1) seconds, got {getattr(self, f)}")
 

@@ -255,10 +255,6 @@ def price(compiled: CompiledPipeline, hardware: Hardware | None = None, *,
         counts = transfer_counts(program, compiled.schedule.stage_to_rank, len(durations.forward))
         durations = with_transfers(durations, counts, compiled.schedule.stage_ranks, lookups, lookup_parts or {}, hw)
     durations = with_action_overhead(durations, hw.action_overhead_s, compiled.schedule.splits_backward)
-    if concurrent is not None and concurrent < config.tp * config.pp * config.replicas:
-        # More ranks than cores: a rank woken by a hand-off or a collective queues for a core.
-        p2p += hw.wakeup_s
-        collective = tuple(c + hw.wakeup_s for c in collective) if collective is not None else None
     sim = simulate(compiled.schedule, durations, p2p_latency=p2p, collective_latency=collective)
     # Every tp rank and replica runs the pipeline's compute: with fewer cores than ranks
     # the machine does all of it before any rank is done.

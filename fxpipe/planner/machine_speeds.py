@@ -52,7 +52,6 @@ from fxpipe.params.rank_state import ShardBuilder
 from fxpipe.planner.compute_speeds import best_rate, measure_compute
 from fxpipe.planner.layout_price import price
 from fxpipe.planner.options import CandidateLayout, PlannerOptions
-from fxpipe.planner.oversubscription import RANKS, measure_wakeup
 from fxpipe.planner.predict import predict
 from fxpipe.planner.shapes import TransformerShape
 from fxpipe.runtime.api import ParallelModel
@@ -360,10 +359,5 @@ def calibrate(*, name: str = "cpu-measured", threads: int = 1, distributed: bool
     hw, optimizer = _refine(hw, measurements, "optimizer", measure_optimizer_tensor, "optimizer_tensor_s")
     log(f"optimizer AdamW over {optimizer['tensors']} small tensors {optimizer['adamw_step_s'] * 1e3:.2f} ms: "
         f"{hw.optimizer_tensor_s * 1e6:.0f} us per tensor")
-    if distributed:
-        hw, wake = _refine(hw, measurements, "wakeup", lambda _: measure_wakeup(), "wakeup_s")
-        log(f"wake-up  a hand-off with {RANKS} ranks on {wake['cores']} cores waits {hw.wakeup_s * 1e6:.0f} us for "
-            f"a core beyond sharing them" if wake["cores"] < RANKS else
-            f"wake-up  {RANKS} ranks have cores of their own: no wait for one")
     log(f"calibrated in {time.perf_counter() - start:.1f} s")
     return hw, measurements

@@ -128,29 +128,6 @@ def test_the_search_is_the_fastest_of_every_layout_priced_one_by_one(tiny):
         assert p.step_s == pytest.approx(brute[key(p.config)], rel=1e-9)
 
 
-def test_a_hand_off_waits_for_a_core_only_where_ranks_outnumber_cores(tiny):
-    """Hardware.wakeup_s: paid by each pipeline hand-off in the simulated step when more
-    ranks run than cores (concurrent < world), never when each rank has its core."""
-    from fxpipe.base.hardware import get_hardware
-
-    config = ParallelConfig(pp=2, microbatches=2, schedule="gpipe", partition="dp", costs="model")
-    program = capture_for(tiny.model, tuple(t[:4] for t in tiny.example_inputs), config, tiny.loss_fn)
-    compiled = compile_program(program, config)
-    hw = compiled.program.partition_config.hardware
-    woken = dataclasses.replace(hw, wakeup_s=0.01)
-    own = price(compiled, hw)
-    assert price(compiled, woken).step_s == own.step_s  # ranks with cores of their own
-    shared, shared_woken = price(compiled, hw, concurrent=1), price(compiled, woken, concurrent=1)
-    # GPipe over two ranks: the last microbatch's forward and the first backward each cross
-    # the boundary on the critical path, so the simulated step pays at least two waits
-    # (the cores' floor, every rank's compute in turn, may exceed the unwoken step).
-    assert shared_woken.step_s >= own.step_s + 2 * 0.01 - 1e-9 and shared_woken.step_s > shared.step_s, \
-        (own.step_s, shared.step_s, shared_woken.step_s)
-    with pytest.raises(ValueError, match="wakeup_s"):
-        dataclasses.replace(hw, wakeup_s=-1e-3)
-    assert get_hardware("cpu").wakeup_s == 0.0  # presets: a rank has a device (or core) of its own
-
-
 def test_the_search_on_measured_costs_times_each_shape_once(tiny):
     found = search_layout(tiny.model, tiny.example_inputs, 2, loss_fn=tiny.loss_fn, base=ParallelConfig(),
                           threads=1)
