@@ -32,6 +32,7 @@ from fxpipe.job.run_report import bubble_share, progress_bar, recomputed_flops, 
 from fxpipe.job.stop_signal import StopSignal
 from fxpipe.parallel import parallelize
 from fxpipe.runtime.balance import BalanceMeter
+from fxpipe.runtime.build import NoParametersWarning
 from fxpipe.runtime.grad_norm import clip_grad_norm, global_grad_norm
 from fxpipe.runtime.launch import threads_per_rank
 
@@ -50,7 +51,7 @@ def worker(config: TrainConfig, stop: "StopSignal | None" = None) -> dict[str, A
     first = w.batch_from_tokens(DataStream(source.train, config.batch, seed=seed).next_batch())
     with warnings.catch_warnings():  # its optimizer is built from parameter groups below: a rank
         # holding no parameter needs no advice on building one (runtime/build.py)
-        warnings.filterwarnings("ignore", message=r"fxpipe: rank \d+ holds no trainable parameter")
+        warnings.simplefilter("ignore", NoParametersWarning)
         pm = parallelize(w.model, layout, example_inputs=first, loss_fn=w.loss_fn, weights=weights_dir(config))
     rank = dist.get_rank()
     stream = DataStream(source.train, config.batch, dp=layout.dp, dp_rank=pm.groups.dp_rank, seed=seed)

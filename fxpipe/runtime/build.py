@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -114,7 +114,12 @@ def build_runtime(compiled: CompiledPipeline, mesh: RankMesh, shards: ShardBuild
     return pm
 
 
-def _warn_without_parameters(pm: ParallelModel, stages: Any, zero: bool) -> None:
+class NoParametersWarning(UserWarning):
+    """This rank holds no trainable tensor (``_warn_without_parameters``); a caller that
+    builds its optimizer from parameter groups filters it by this category."""
+
+
+def _warn_without_parameters(pm: ParallelModel, stages: Sequence[int], zero: bool) -> None:
     """Said on a rank that holds no trainable tensor — a pipeline rank whose stages compute
     only parameter-free ops (a time-balanced cut of a small model can give one such a
     stage), or a ZeRO-1 replica that owns none. Legal, and it trains, but torch's
@@ -127,7 +132,7 @@ def _warn_without_parameters(pm: ParallelModel, stages: Any, zero: bool) -> None
     warnings.warn(f"fxpipe: rank {dist.get_rank()} holds no trainable parameter at this layout ({why}); torch's "
                   f"optimizers refuse an empty list: build the optimizer from parameter groups, which may be "
                   f"empty, e.g. torch.optim.AdamW([{{'params': list(pm.parameters())}}], lr=...) (as fxpipe run "
-                  f"does), or give fewer pipeline stages", stacklevel=3)
+                  f"does), or give fewer pipeline stages", NoParametersWarning, stacklevel=3)
 
 
 def _meta_parameters(program: Program) -> Program:
