@@ -25,6 +25,7 @@ from typing import Mapping
 
 import torch
 import torch.fx as fx
+from torch.fx import _lazy_graph_module
 
 from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.program import ParamKind, Program, TensorSpec
@@ -264,7 +265,11 @@ def _build_stage(program: Program, k: int, mine: list[fx.Node], side: set[str],
         results.append(env[loss_node.name])
     g.output(tuple(results))
     g.eliminate_dead_code()
-    gm = fx.GraphModule(program.graph_module, g)
+    # Its Python code is generated when the stage first runs (or is printed): the layout
+    # search compiles many layouts only to price them, and code generation is a tenth
+    # of a compile.
+    with _lazy_graph_module._use_lazy_graph_module(True):
+        gm = _lazy_graph_module._make_graph_module(program.graph_module, g)
     stage = Stage(index=k, graph_module=gm, params=tuple(params), batch_inputs=tuple(batch),
                   inputs=tuple(v.name for v in received), outputs=tuple(sent),
                   is_last=loss_node is not None, num_nodes=len(mine),

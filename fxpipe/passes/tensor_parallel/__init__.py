@@ -27,7 +27,8 @@ step  module              what it does
 7     ``coverage``        what stayed whole and each rank's share (``strict_tp`` refuses)
 8     ``sequence``        with sp: sequence shards between blocks (Korthikanti et al. 2022)
 9     ``rewrite``         the new graph, identical on every rank, with its collectives
-                          (autocast regions closed again)
+                          (autocast regions closed again); ``shapes`` propagates its
+                          values, nodes unchanged from the capture keeping theirs
 ====  ==================  ==============================================================
 
 Op families with rules on both sides (provenance and plan) keep them in one module

@@ -5,7 +5,7 @@ the local shard; conversion ops are inserted on the edges the plan names (one
 per producer and kind, shared by its consumers: one f per block input, as in
 Megatron); row-parallel projections lose their bias, which is added after the
 reduction; vocabulary lookups, the loss and dropout become their TP ops. Shapes
-(``meta["val"]``) are recomputed afterwards by FakeTensor propagation.
+(``meta["val"]``) are propagated again afterwards (``shapes.py``).
 """
 from __future__ import annotations
 
@@ -15,10 +15,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxpipe.ir.program import Program
 from fxpipe.ir.tp_result import CollectiveKind, CollectiveSite
@@ -27,6 +23,7 @@ from fxpipe.passes.tensor_parallel.graph_ops import arg
 from fxpipe.passes.tensor_parallel.layout import is_sharded
 from fxpipe.passes.tensor_parallel.plan_record import Conversion, TPPlan
 from fxpipe.passes.tensor_parallel.regions import MODE, close_regions, refresh as refresh_regions
+from fxpipe.passes.tensor_parallel.shapes import refresh_shapes
 from fxpipe.tp.ops import OPS
 
 _OP = {
@@ -296,23 +293,6 @@ def rewrite(program: Program, plan: TPPlan, reduce_kind: dict[str, Conversion],
                                       program.layers.get(name), "vocab-parallel cross-entropy"))
     gm = fx.GraphModule(program.graph_module, b.graph)
     close_regions(gm, b.paths, b.layers)  # autocast blocks opened for the analysis (regions.py)
-    _refresh_shapes(gm, local_params)
+    refresh_shapes(gm, local_params, program.graph)
     refresh_regions(gm)
     return Rewritten(gm, b.sites, b.paths, b.layers)
-
-
-def _refresh_shapes(gm: fx.GraphModule, local_params: dict[str, tuple[int, ...]]) -> None:
-    # Ops whose output size the data decides (nonzero, where) need the capture's shape
-    # environment: their symbols are bound again to the capture's (fxpipe/ir/sizes.py).
-    old = [n.meta.get("val") for n in gm.graph.nodes]
-    mode = detect_fake_mode([v for v in old if isinstance(v, torch.Tensor)])
-    if mode is None or mode.shape_env is None:
-        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-    args = []
-    with mode:
-        for node in gm.graph.nodes:
-            if node.op == "placeholder":
-                old = node.meta["val"]
-                shape = local_params.get(node.name, tuple(old.shape))
-                args.append(torch.empty(shape, dtype=old.dtype, device=old.device))
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
