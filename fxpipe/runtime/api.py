@@ -23,6 +23,7 @@ from fxpipe.runtime.experts import ExpertGroups, gather_experts, tokens_per_expe
 from fxpipe.runtime.grad_sync import GradSync
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.mixed_precision import MasterWeights
+from fxpipe.runtime.param_waits import ParamWaits
 from fxpipe.runtime.zero import ZeroPartition
 from fxpipe.tp import DropoutRNG
 
@@ -78,6 +79,9 @@ class RankParts:
     """The tensor-parallel dropout streams (Megatron's RNG tracker), saved in checkpoints."""
     experts: ExpertGroups | None = None
     """Expert parallelism (``runtime/experts.py``): groups, expert parameters, token counts."""
+    param_waits: ParamWaits | None = None
+    """ZeRO-1: the stages wait for each broadcast parameter before its first reader
+    (``runtime/param_waits.py``); None: for all of them before the first forward."""
 
 
 class ParallelModel:
@@ -98,6 +102,7 @@ class ParallelModel:
         self.master, self.compiled_stages = parts.master, parts.compiled_stages
         self.tp_rng, self.experts = parts.tp_rng, parts.experts
         self.zero: ZeroPartition | None = parts.grad_sync.zero
+        self.param_waits = parts.param_waits
         """ZeRO-1: which data-parallel replica owns (steps) each trainable tensor."""
         self.last_step_skipped = False
         """fp16: the last step was dropped for an overflow."""
@@ -241,15 +246,24 @@ class ParallelModel:
             t.grad = None
         if self.master is not None:
             self.master.refresh()
-        # ZeRO-1: the owners' parameters, waited for only before the first forward computes.
-        gather = self.zero.start_broadcast({n: self.state[n] for n in self.zero.owner}) \
+        # ZeRO-1: the owners' parameters, each waited for before the first op that reads it
+        # (or all of them before the first forward computes: runtime/param_waits.py).
+        waits = self.param_waits
+        gather = self.zero.start_broadcast({n: self.state[n] for n in self.zero.owner},
+                                           waits.order if waits is not None else ()) \
             if self.zero is not None else None
-        self.executor.before_forward = gather.wait if gather is not None else None
+        if waits is not None:
+            waits.pending = gather
+        self.executor.before_forward = gather.wait if gather is not None and waits is None else None
         self.grad_sync.start_step()
         if self.master is not None:
             for runner in self.executor.runners.values():
                 runner.loss_scale = self.master.loss_scale / self.num_microbatches
         self.executor.run(self._microbatches(batch))
+        if gather is not None:  # the rest, and the owners' sends, before the optimizer changes them
+            gather.wait()
+            if waits is not None:
+                waits.pending = None
         # After the schedule, whose transfers name a peer that does not answer; before the
         # gradients are synchronised, so a refused step changes nothing but .grad.
         loss = self._check_batch_and_sum_loss(batch)

@@ -38,6 +38,7 @@ from fxpipe.runtime.mixed_precision import LossScaler, MasterWeights, Precision
 from fxpipe.runtime.rank_mesh import RankMesh
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport
+from fxpipe.runtime.param_waits import ParamWaits, first_read_order, with_param_waits
 from fxpipe.runtime.zero import ZeroPartition
 from fxpipe.schedules.actions import ActionKind
 from fxpipe.schedules.schedule import Schedule
@@ -94,6 +95,18 @@ def build_runtime(compiled: CompiledPipeline, mesh: RankMesh, shards: ShardBuild
     transport = Transport(device=device, timeout=timeout, value_ids=value_ids, num_values=max(1, len(value_ids)),
                           scatter_gather=tp_group if config.scatter_gather else None)
     lookups = VocabLookups(plan, compiled.actions, groups, state, device, transport) if plan.lookups else None
+    param_waits = None
+    if zero is not None and not config.inductor and plan.vocab_head is None:
+        # ZeRO-1's broadcast behind the first forward (runtime/param_waits.py): the tables
+        # this rank looks rows up in first (their parts are looked up ahead), then the
+        # tensors in the order the stages read them.
+        tables = [lk.table for lk in plan.lookups]
+        param_waits = ParamWaits(tables + first_read_order([plan.stages[s] for s in sorted(my_stages)], plan.canonical))
+        for runner in runners.values():
+            runner.stage = dataclasses.replace(runner.stage, graph_module=with_param_waits(
+                runner.stage, plan.canonical, set(zero.owner), param_waits))
+        if lookups is not None:
+            lookups.param_ready = param_waits.wait_for
     vocab = None
     if plan.vocab_head is not None:  # this rank's block of the LM head (runtime/head_blocks.py)
         last = runners.get(plan.num_stages - 1)
@@ -109,7 +122,8 @@ def build_runtime(compiled: CompiledPipeline, mesh: RankMesh, shards: ShardBuild
                                if lookups is not None else None)
     executor.reduction = grad_sync.overlap  # armed around the actions that finish gradients
     pm = ParallelModel(compiled, RankParts(groups, state, executor, grad_sync, device, specs, master=master,
-                                           compiled_stages=compiled_stages, tp_rng=tp_rng, experts=experts))
+                                           compiled_stages=compiled_stages, tp_rng=tp_rng, experts=experts,
+                                           param_waits=param_waits))
     _warn_without_parameters(pm, my_stages, zero is not None)
     return pm
 

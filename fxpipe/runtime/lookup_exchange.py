@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -83,6 +83,8 @@ class VocabLookups:
     def __init__(self, plan: PipelinePlan, actions: Schedule, groups: MeshGroups,
                  state: dict[str, torch.Tensor], device: torch.device, transport: Transport) -> None:
         self.groups, self.state, self.device, self.transport = groups, state, device, transport
+        self.param_ready: Callable[[str], None] | None = None
+        """ZeRO-1: called with a table's name before its rows are read (``runtime/param_waits.py``)."""
         me = groups.pp_rank
         self.lookups: list[_Lookup] = []
         for lk in plan.lookups:
@@ -174,6 +176,8 @@ class VocabLookups:
         if lk.plan.vocab_parallel:  # the TP rank's rows: token t is its row t - tp_rank·rows
             ids, pad = ids - self.groups.tp_rank * rows, pad - self.groups.tp_rank * rows
         pad = int(lk.owned[pad]) if lk.plan.padding_idx >= 0 and 0 <= pad < rows else -1
+        if self.param_ready is not None:
+            self.param_ready(lk.plan.table)
         out = owned_lookup(self.state[lk.plan.table], lk.owned, ids, pad)
         lk.parts[j] = out
         self.peak_parts = max(self.peak_parts, sum(len(x.parts) for x in self.lookups))

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -103,23 +103,26 @@ class ZeroPartition:
         self.start_broadcast(tensors).wait()
 
     @torch.no_grad()
-    def start_broadcast(self, tensors: Mapping[str, torch.Tensor]) -> "PendingBroadcast":
-        """``broadcast_parameters`` started asynchronously: ``wait()`` before reading them
-        (``train_step`` waits just before the step's first forward computes, so on a
-        pipeline rank after the first the broadcast runs while it waits for its input)."""
-        pending = []
+    def start_broadcast(self, tensors: Mapping[str, torch.Tensor], order: Sequence[str] = ()) -> "PendingBroadcast":
+        """``broadcast_parameters`` started asynchronously: ``wait()`` before reading them,
+        or ``wait_for(name)`` before reading one (``runtime/param_waits.py``). The small
+        tensors' buffers go first, then the others in ``order`` (the order this rank's
+        forward reads them; names not in it after, by name): identical on every replica."""
+        pending: list = []
+        by_name: dict[str, int] = {}
         group = self.groups.dp_group
+        direct: list[tuple[str, int, torch.Tensor]] = []
         for rank, names in self._by_owner(tensors):
             src, mine = self._global(rank), rank == self.groups.dp_rank
-            parts = [tensors[n] for n in names]
-            direct: list[torch.Tensor] = []
-            small: dict[tuple, list[torch.Tensor]] = {}
-            for t in parts:
+            small: dict[tuple, list[str]] = {}
+            for n in names:
+                t = tensors[n]
                 if t.is_contiguous() and t.numel() * t.element_size() >= DIRECT_BYTES:
-                    direct.append(t)
+                    direct.append((n, src, t))
                 else:
-                    small.setdefault((t.dtype, t.device), []).append(t)
-            for (dtype, device), ts in small.items():
+                    small.setdefault((t.dtype, t.device), []).append(n)
+            for (dtype, device), group_names in small.items():
+                ts = [tensors[n] for n in group_names]
                 key = (rank, dtype, device, sum(t.numel() for t in ts))
                 if key not in self._coalesced:
                     self._coalesced[key] = torch.empty(key[3], dtype=dtype, device=device)
@@ -127,26 +130,48 @@ class ZeroPartition:
                 views = list(_unflatten_dense_tensors(flat, ts))  # views into the buffer
                 if mine:
                     torch._foreach_copy_(views, ts)
-                work = dist.broadcast(flat, src=src, group=group, async_op=True)
-                pending.append((work, [] if mine else ts, views))
-            for t in direct:  # in place: the owner's tensor is the source, the others' the destination
-                pending.append((dist.broadcast(t.detach(), src=src, group=group, async_op=True), [], []))
-        return PendingBroadcast(pending)
+                else:
+                    by_name.update((n, len(pending)) for n in group_names)
+                pending.append((dist.broadcast(flat, src=src, group=group, async_op=True), [] if mine else ts, views))
+        rank_of = {n: i for i, n in enumerate(order)}
+        direct.sort(key=lambda d: (rank_of.get(d[0], len(rank_of)), d[0]))
+        for name, src, t in direct:  # in place: the owner's tensor is the source, the others' the destination
+            if src != self._global(self.groups.dp_rank):
+                by_name[name] = len(pending)
+            pending.append((dist.broadcast(t.detach(), src=src, group=group, async_op=True), [], []))
+        return PendingBroadcast(pending, by_name)
 
 
 @dataclass
 class PendingBroadcast:
     pending: list
     """(work, the tensors to overwrite — none on the owner or when received in place —, their
-    views in the received buffer) per collective."""
+    views in the received buffer) per collective; None once waited for."""
+    by_name: dict[str, int] = field(default_factory=dict)
+    """Each tensor this rank receives -> the index of its collective in ``pending``."""
     waited_s: float = 0.0
 
-    @torch.no_grad()
+    def wait_for(self, name: str) -> None:
+        """Block until tensor ``name`` has arrived (nothing to wait for on its owner)."""
+        index = self.by_name.pop(name, None)
+        if index is not None:
+            self._wait(index)
+
     def wait(self) -> None:
+        """Every collective done: the owners' tensors may change again (the optimizer)."""
+        for index in range(len(self.pending)):
+            self._wait(index)
+        self.by_name.clear()
+
+    @torch.no_grad()
+    def _wait(self, index: int) -> None:
+        entry = self.pending[index]
+        if entry is None:
+            return
         start = time.perf_counter()
-        for work, parts, views in self.pending:
-            work.wait()  # the dp group's timeout bounds it
-            if parts:
-                torch._foreach_copy_(parts, views)
-        self.pending = []
+        work, parts, views = entry
+        work.wait()  # the dp group's timeout bounds it
+        if parts:
+            torch._foreach_copy_(parts, views)
+        self.pending[index] = None
         self.waited_s += time.perf_counter() - start

@@ -13,7 +13,10 @@ STEP_RANGE = range(STEPS)
 
 def _run(zero: int, *, pp: int, dp: int, tp: int = 1, precision: str = "fp32", bucket_mb: float = 25.0) -> dict:
     pm, w, opt, sched = build("gpt-tiny", pp=pp, dp=dp, tp=tp, zero=zero, precision=precision, bucket_mb=bucket_mb)
+    waits = _record_param_waits(pm) if zero else None
     losses = train(pm, w, opt, sched, STEP_RANGE)
+    waits = list(waits) if zero else None  # the last step's (sync_parameters below broadcasts again)
+    forwards = [(e[1], e[2]) for e in pm.last_stats.events if e[0].kind.name == "F"]
     overlap = pm.grad_sync.overlap
     last = max((e for e in pm.last_stats.events if e[0].kind.name in ("B", "W")), key=lambda e: e[2])
     buckets = dict(launched=list(overlap.launched_at), last_backward=(last[1], last[2]))
@@ -26,7 +29,31 @@ def _run(zero: int, *, pp: int, dp: int, tp: int = 1, precision: str = "fp32", b
     return dict(losses=losses, params=params, masters=masters, state_elems=state_elems, clip=clip,
                 replicas=(pm.groups.pp_rank, pm.groups.tp_rank),
                 owned=sorted(n for n, _ in pm.named_parameters()),
-                trainable=sorted(n for n, t in pm.state.items() if t.requires_grad), buckets=buckets)
+                trainable=sorted(n for n, t in pm.state.items() if t.requires_grad), buckets=buckets,
+                waits=waits, forwards=forwards)
+
+
+def _record_param_waits(pm) -> list:
+    """Each ``wait_for`` of the ZeRO-1 broadcast during the last step: (name, its
+    collective's index or None on the owner, collectives not yet waited for, time)."""
+    import time
+
+    calls: list = []
+    start = pm.zero.start_broadcast
+
+    def recording(*args, **kwargs):
+        pending = start(*args, **kwargs)
+        calls.clear()
+        wait_for = pending.wait_for
+
+        def recorded(name):
+            calls.append((name, pending.by_name.get(name), sum(e is not None for e in pending.pending),
+                          time.perf_counter()))
+            wait_for(name)
+        pending.wait_for = recorded
+        return pending
+    pm.zero.start_broadcast = recording
+    return calls
 
 
 @reusing_captures

@@ -94,3 +94,27 @@ def test_reduction_starts_during_the_last_backward(world4, layout, zero):
         launched_in_last_backward(buckets)
         if layout != "tp2dp2":  # ~10 KB buckets: several per rank
             assert len(buckets["launched"]) > 2, buckets
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp2pp2", "tp2dp2", "bf16"])
+def test_each_parameter_is_waited_for_inside_the_first_forward(world4, layout):
+    """ZeRO-1's broadcast behind the forward (runtime/param_waits.py): the broadcast
+    tensors a stage reads are waited for by that stage's graph during the step's first
+    forward, one collective at a time while later ones are still in flight, not all of
+    them before the forward starts."""
+    for rank_results in world4:
+        r = rank_results[(layout, 1)]
+        received = [c for c in r["waits"] if c[1] is not None]
+        assert received, "this replica receives the tensors it does not own"
+        # Waited for by the end of the first forward (a table this rank looks rows up in
+        # for another stage just before it), and from inside it.
+        first_start, first_end = r["forwards"][0]
+        assert all(c[3] <= first_end for c in received)
+        assert any(first_start <= c[3] for c in received)
+        # At the first tensor received, more collectives than its own were still pending.
+        assert received[0][2] > 1
+        # In the order the forward reads them: the collectives' indices never go back
+        # (the coalesced small tensors' buffers first, one collective for many names).
+        indices = [c[1] for c in received]
+        assert indices == sorted(indices)
