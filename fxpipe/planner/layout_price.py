@@ -126,15 +126,17 @@ def ep_collective_times(program: Program, hw: Hardware, num_stages: int, stride:
     return fwd, bwd
 
 
-def gradient_sync_s(compiled: CompiledPipeline, hw: Hardware,
-                    backward_s: Sequence[float] | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def gradient_sync_s(compiled: CompiledPipeline, hw: Hardware, backward_s: Sequence[float] | None = None,
+                    forward_s: Sequence[float] | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per pipeline rank, (its data-parallel gradient synchronisation, its optimizer step)
     in seconds (``step_price.dp_sync_s``, ``optimizer_step_s``), fp32 gradients: every
     replica sums the gradients of what it holds; under expert parallelism an expert's
     gradient only over the dp/ep replicas that hold that expert. ``backward_s``: each
-    rank's last backward, behind which the dense buckets run (None: after it). ZeRO-1's
-    gather of the updated weights is counted whole: with the reduce it replaces the
-    all-reduce's bytes, which the search's bound (``layout_bound.py``) takes."""
+    rank's last backward, behind which the dense buckets run (None: after it).
+    ``forward_s``: each rank's first forward, behind which ZeRO-1's gather of the updated
+    weights runs where the runtime waits for each weight at its first reader
+    (``runtime/param_waits.py``; None: the gather is counted whole, as the search's bound,
+    ``layout_bound.py``, takes it)."""
     config, program = compiled.config, compiled.program
     stages = program.partition.stages
     params = [sum(c.params for c in stages if c.rank == r) for r in range(config.pp)]
@@ -153,15 +155,17 @@ def gradient_sync_s(compiled: CompiledPipeline, hw: Hardware,
     weight = config.precision.dtype.itemsize
     traffic = ADAM_FP32_BYTES if weight == 4 else PlannerOptions.optimizer_bytes_per_param
     hidden = backward_s if backward_s is not None and members > 1 else [None] * config.pp
+    behind = forward_s if forward_s is not None and zero else [0.0] * config.pp
     group = members // config.ep
     sync, step = [], []
-    for r, (p, e, b) in enumerate(zip(params, experts, hidden)):
+    for r, (p, e, b, f) in enumerate(zip(params, experts, hidden, behind)):
         # A tied copy leaves the dp buckets: its pipeline sum and dp average are one
         # all-reduce over its ranks × the replicas (runtime/grad_sync.py), whose first
         # rank's copy — the embedding — is final only when that rank's backward ends: exposed.
         dense = dp_sync_s(hw, grad_bytes=max(0.0, 4 * (p - e) - tied[r]), weight_bytes=weight * (p - e), dp=members,
                           per_node=hw.members_per_node(members, config.tp), zero=zero,
-                          backward_s=b or 0.0, bucket_mb=config.bucket_mb if b is not None else 0.0)
+                          backward_s=b or 0.0, bucket_mb=config.bucket_mb if b is not None else 0.0,
+                          gather_hidden_s=f)
         # Expert stacks ride in the same buckets, on the replicas of the same experts.
         held = dp_sync_s(hw, grad_bytes=4 * e, weight_bytes=weight * e, dp=group,
                          per_node=hw.members_per_node(group, config.tp * config.ep), zero=False,
@@ -261,8 +265,13 @@ def price(compiled: CompiledPipeline, hardware: Hardware | None = None, *,
     floor = shared_cores_floor(sim.busy, config.tp * config.replicas, config.tp * config.pp * config.replicas,
                                concurrent)
     ranks = compiled.schedule.stage_ranks  # each rank's last backward hides its buckets
+    # ZeRO-1's gather waits at each weight's first reader, behind the rank's first forward,
+    # except where the vocabulary passes' head blocks or Inductor read the weights first
+    # (runtime/param_waits.py).
+    first_forward = [durations.forward[ranks.index(rank)] if rank in ranks else 0.0 for rank in range(config.pp)] \
+        if not config.inductor and not config.vocab_passes else None
     sync, optimizer = gradient_sync_s(compiled, hw, [sum(b for b, r in zip(durations.backward, ranks) if r == rank)
-                                                     for rank in range(config.pp)])
+                                                     for rank in range(config.pp)], first_forward)
     step, critical = step_s(rank_finish(sim, floor), sync, optimizer)
     world = config.tp * config.pp * config.replicas
     step += step_collectives_s(hw, world=world, pp=config.pp, dp=config.replicas,

@@ -18,9 +18,11 @@ Per step, with ``dp`` replicas of a stage:
   state: the user's optimizer class, unchanged);
 - before the next forward, owners broadcast their updated parameters (in the compute
   precision) to the other replicas — the all-gather of parameters — started at the
-  step's start and waited for just before its first forward computes: behind the wait
-  for the first activation on every pipeline rank but the first (docs/ARCHITECTURE.md,
-  "Communication behind compute", says why not behind the forward itself).
+  step's start in the order the forward reads them, each waited for just before the
+  first op that reads it (``runtime/param_waits.py``): behind the first forward's
+  compute, Megatron's overlap-param-gather. Under vocabulary passes or Inductor all of
+  them are waited for before the first forward computes (behind the wait for the first
+  activation on every pipeline rank but the first).
 Gradients are reduced in the data-parallel buckets (``grad_buckets.py``: each owner's run
 of a bucket reduced onto it). Parameters travel without copies where they can: a tensor
 of ``DIRECT_BYTES`` or more is broadcast in place (the owner's from it, the others' into

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fxpipe.base.hardware import get_hardware
+from fxpipe.base.hardware import Collective, get_hardware
 from fxpipe.compiler.context import CompileContext
 from fxpipe.compiler.pipeline import capture_for, compile_program
 from fxpipe.costs.local import measure_locally, node_times_for, time_vocab_passes
@@ -196,11 +196,14 @@ def test_zero_1_is_tried_where_a_data_parallel_layout_does_not_fit(tiny):
     # The reduce onto owners and the gather move the all-reduce's bytes (one bucket: all of
     # it after the backward); each owner steps half the parameters: 28 bytes of fp32 Adam
     # traffic each at the profile's memory bandwidth, and half the tensors, each at the
-    # optimizer's fixed cost per tensor.
+    # optimizer's fixed cost per tensor. The gather runs behind the next step's first
+    # forward (runtime/param_waits.py): up to all of it is hidden.
     count = sum(p.numel() for p in tiny.model.parameters())
     hw = get_hardware("cpu")
     saved = count / 2 * 28 / hw.memory_bw + len(list(tiny.model.parameters())) / 2 * hw.optimizer_tensor_s
-    assert params > 0 and sharded.step_s == pytest.approx(plain.step_s - saved)
+    gather = hw.collective_s(Collective.ALL_GATHER, 4 * count, 2, hw.members_per_node(2, 1))
+    hidden = plain.step_s - saved - sharded.step_s
+    assert params > 0 and 0 < hidden <= gather * (1 + 1e-9)
     assert any(name == "tp=1 pp=1 dp=2 m=1" and "over the limit" in why for name, why in capped.refused)
 
 
