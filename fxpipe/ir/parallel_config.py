@@ -139,6 +139,15 @@ class ParallelConfig:
         """Whether the partition optimises stage times (ILP, chain DP) rather than counts."""
         return self.num_stages > 1 and self.partition in (Method.ILP, Method.DP)
 
+    @property
+    def gathers_behind_forward(self) -> bool:
+        """ZeRO-1's updated weights each waited for at its first reader inside the stage
+        graphs (``runtime/param_waits.py``), so their gather runs behind the first forward;
+        not where the vocabulary passes' head blocks read the LM head outside the graphs,
+        nor where Inductor compiles the stages (opaque graphs). The runtime and the price
+        (``planner/layout_price.py``) both read it."""
+        return bool(self.zero) and not self.inductor and not self.vocab_passes
+
     def schedule_ir(self):
         """The compute-only schedule (``fxpipe/schedules``) of this layout; under vocabulary
         passes with them at unit times, what the partition is solved for (the compiler

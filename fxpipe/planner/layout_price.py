@@ -155,7 +155,7 @@ def gradient_sync_s(compiled: CompiledPipeline, hw: Hardware, backward_s: Sequen
     weight = config.precision.dtype.itemsize
     traffic = ADAM_FP32_BYTES if weight == 4 else PlannerOptions.optimizer_bytes_per_param
     hidden = backward_s if backward_s is not None and members > 1 else [None] * config.pp
-    behind = forward_s if forward_s is not None and zero else [0.0] * config.pp
+    behind = forward_s if forward_s is not None else [0.0] * config.pp
     group = members // config.ep
     sync, step = [], []
     for r, (p, e, b, f) in enumerate(zip(params, experts, hidden, behind)):
@@ -265,11 +265,9 @@ def price(compiled: CompiledPipeline, hardware: Hardware | None = None, *,
     floor = shared_cores_floor(sim.busy, config.tp * config.replicas, config.tp * config.pp * config.replicas,
                                concurrent)
     ranks = compiled.schedule.stage_ranks  # each rank's last backward hides its buckets
-    # ZeRO-1's gather waits at each weight's first reader, behind the rank's first forward,
-    # except where the vocabulary passes' head blocks or Inductor read the weights first
-    # (runtime/param_waits.py).
+    # ZeRO-1's gather waits at each weight's first reader, behind the rank's first forward.
     first_forward = [durations.forward[ranks.index(rank)] if rank in ranks else 0.0 for rank in range(config.pp)] \
-        if not config.inductor and not config.vocab_passes else None
+        if config.gathers_behind_forward else None
     sync, optimizer = gradient_sync_s(compiled, hw, [sum(b for b, r in zip(durations.backward, ranks) if r == rank)
                                                      for rank in range(config.pp)], first_forward)
     step, critical = step_s(rank_finish(sim, floor), sync, optimizer)

@@ -96,7 +96,7 @@ def build_runtime(compiled: CompiledPipeline, mesh: RankMesh, shards: ShardBuild
                           scatter_gather=tp_group if config.scatter_gather else None)
     lookups = VocabLookups(plan, compiled.actions, groups, state, device, transport) if plan.lookups else None
     param_waits = None
-    if zero is not None and not config.inductor and plan.vocab_head is None:
+    if zero is not None and config.gathers_behind_forward:
         # ZeRO-1's broadcast behind the first forward (runtime/param_waits.py): the tables
         # this rank looks rows up in first (their parts are looked up ahead), then the
         # tensors in the order the stages read them.

@@ -54,13 +54,10 @@ def with_param_waits(stage: Stage, canonical: Mapping[str, str], broadcast: set[
     of each parameter in ``broadcast`` (canonical names)."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(stage.graph_module.graph, {}))
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    placeholders = list(graph.find_nodes(op="placeholder"))[:len(stage.params)]
-    for node, param in zip(placeholders, stage.params):
+    for node, param, first, _ in _first_readers(graph, stage.params):
         name = canonical[param]
-        if name not in broadcast or not node.users:
+        if name not in broadcast or first is None:
             continue
-        first = min(node.users, key=position.__getitem__)
         with graph.inserting_before(first):
             waited = graph.call_function(waits.ready, (node, name))
         node.replace_all_uses_with(waited, delete_user_cb=lambda user, w=waited: user is not w)
@@ -73,11 +70,18 @@ def first_read_order(stages: Sequence[Stage], canonical: Mapping[str, str]) -> l
     by the position of each parameter's first reader in its graph."""
     order: dict[str, None] = {}
     for stage in stages:
-        nodes = list(stage.graph_module.graph.nodes)
-        position = {n: i for i, n in enumerate(nodes)}
-        placeholders = [n for n in nodes if n.op == "placeholder"][:len(stage.params)]
-        first = sorted((min((position[u] for u in node.users), default=len(nodes)), i)
-                       for i, node in enumerate(placeholders))
-        for _, i in first:
-            order.setdefault(canonical[stage.params[i]], None)
+        for _, param, _, at in sorted(_first_readers(stage.graph_module.graph, stage.params), key=lambda r: r[3]):
+            order.setdefault(canonical[param], None)
     return list(order)
+
+
+def _first_readers(graph: fx.Graph, params: Sequence[str]) -> list[tuple[fx.Node, str, fx.Node | None, int]]:
+    """(placeholder, parameter, its first reader in graph order or None, that reader's
+    position: past the last node for None) for the graph's leading placeholders, which
+    are the stage's parameters in ``params`` order."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    out = []
+    for node, param in zip(list(graph.find_nodes(op="placeholder"))[:len(params)], params):
+        first = min(node.users, key=position.__getitem__) if node.users else None
+        out.append((node, param, first, position[first] if first is not None else len(position)))
+    return out

@@ -113,14 +113,14 @@ class ZeroPartition:
         pending: list = []
         by_name: dict[str, int] = {}
         group = self.groups.dp_group
-        direct: list[tuple[str, int, torch.Tensor]] = []
+        direct: list[tuple[str, int, bool, torch.Tensor]] = []
         for rank, names in self._by_owner(tensors):
             src, mine = self._global(rank), rank == self.groups.dp_rank
             small: dict[tuple, list[str]] = {}
             for n in names:
                 t = tensors[n]
                 if t.is_contiguous() and t.numel() * t.element_size() >= DIRECT_BYTES:
-                    direct.append((n, src, t))
+                    direct.append((n, src, mine, t))
                 else:
                     small.setdefault((t.dtype, t.device), []).append(n)
             for (dtype, device), group_names in small.items():
@@ -137,8 +137,8 @@ class ZeroPartition:
                 pending.append((dist.broadcast(flat, src=src, group=group, async_op=True), [] if mine else ts, views))
         rank_of = {n: i for i, n in enumerate(order)}
         direct.sort(key=lambda d: (rank_of.get(d[0], len(rank_of)), d[0]))
-        for name, src, t in direct:  # in place: the owner's tensor is the source, the others' the destination
-            if src != self._global(self.groups.dp_rank):
+        for name, src, mine, t in direct:  # in place: the owner's tensor is the source, the others' the destination
+            if not mine:
                 by_name[name] = len(pending)
             pending.append((dist.broadcast(t.detach(), src=src, group=group, async_op=True), [], []))
         return PendingBroadcast(pending, by_name)

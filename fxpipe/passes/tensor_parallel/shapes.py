@@ -34,8 +34,7 @@ def refresh_shapes(gm: fx.GraphModule, local_params: dict[str, tuple[int, ...]],
     their own names), whose unchanged nodes keep their values (module docstring)."""
     # Ops whose output size the data decides (nonzero, where) need the capture's shape
     # environment: their symbols are bound again to the capture's (fxpipe/ir/sizes.py).
-    old = {n.name: n.meta.get("val") for n in gm.graph.nodes}
-    mode = detect_fake_mode([v for v in old.values() if isinstance(v, torch.Tensor)])
+    mode = detect_fake_mode([v for n in gm.graph.nodes if isinstance(v := n.meta.get("val"), torch.Tensor)])
     if mode is None or mode.shape_env is None:
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         captured = None  # values of another mode cannot be mixed with this one's
@@ -47,23 +46,25 @@ def refresh_shapes(gm: fx.GraphModule, local_params: dict[str, tuple[int, ...]],
                 shape = local_params.get(node.name, tuple(val.shape))
                 args.append(torch.empty(shape, dtype=val.dtype, device=val.device))
     originals = {n.name: n for n in captured.nodes} if captured is not None else {}
-    _Propagation(gm, mode, old, originals).propagate_dont_convert_inputs(*args)
+    _Propagation(gm, mode, originals).propagate_dont_convert_inputs(*args)
 
 
 class _Propagation(FakeTensorProp):
-    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, old: dict[str, Any],
-                 originals: dict[str, fx.Node]) -> None:
+    """A node's ``meta["val"]`` is still the captured one (copied with the node) until
+    the propagation reaches it: kept where ``_unchanged``, replaced otherwise."""
+
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, originals: dict[str, fx.Node]) -> None:
         super().__init__(gm, mode)
-        self.old, self.originals = old, originals
+        self.originals = originals
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "call_function" and self._unchanged(n):
-            return self.old[n.name]
+            return n.meta["val"]
         return super().run_node(n)
 
     def _unchanged(self, n: fx.Node) -> bool:
         source = self.originals.get(n.name)
-        if source is None or source.target is not n.target or self.old[n.name] is None:
+        if source is None or source.target is not n.target or n.meta.get("val") is None:
             return False
         pairs: list[tuple[fx.Node, fx.Node]] = []  # (captured input, this graph's input)
         if not (_same_call(source.args, n.args, pairs) and _same_call(source.kwargs, n.kwargs, pairs)):
@@ -72,7 +73,7 @@ class _Propagation(FakeTensorProp):
         before = [a.meta.get("val") for a, _ in pairs]
         if any(v is None for v in before):
             return False
-        if _aliases_an_input(self.old[n.name], before):
+        if _aliases_an_input(n.meta["val"], before):
             return all(self.env[b] is v for (_, b), v in zip(pairs, before))
         return all(_same_metadata(self.env[b], v) for (_, b), v in zip(pairs, before))
 
