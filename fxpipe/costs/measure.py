@@ -135,11 +135,15 @@ def time_groups(plan: PipelinePlan, groups: range, state: Mapping[str, torch.Ten
                 batch: Sequence[torch.Tensor], device: torch.device, *, repeats: int = 3,
                 warmup: int = 1, context: Callable = None, enough_s: float | None = None,
                 progress: Callable[[str], None] | None = None,
-                cpu_time: bool = False) -> dict[int, tuple[float, float, float, float]]:
+                cpu_time: bool = False, steady: float | None = None) -> dict[int, tuple[float, float, float, float]]:
     """(fwd, bwd, input, weight) median seconds of each stage in ``groups`` of ``plan``
     (a plan with one stage per probe group); ``state`` holds their parameters.
     ``enough_s``: stop repeating once the recorded repeats took that long (at least one):
     a large shape's timing is long enough to be steady, and the layout search times many.
+    ``steady``: stop repeating once two recorded rounds in a row took times within that
+    fraction of each other (the median of two such is their mean; a round slowed by the
+    machine's other work is out of line with the next, so a third is timed and the median
+    leaves the outlier out).
     Each time is net of ``runner_fixed_cost`` (module docstring). ``cpu_time``: time by
     this thread's CPU seconds (``_Clock``; only where the groups wait for no peer and the
     CPU rank runs one thread)."""
@@ -185,7 +189,7 @@ def time_groups(plan: PipelinePlan, groups: range, state: Mapping[str, torch.Ten
             if record:
                 samples[g]["weight"].append(clock() - t)
 
-    recorded = 0.0
+    recorded, rounds = 0.0, []
     for i in range(warmup + repeats):
         record = i >= warmup
         start = clock()
@@ -194,8 +198,12 @@ def time_groups(plan: PipelinePlan, groups: range, state: Mapping[str, torch.Ten
             backward_all(record, split)
         if progress is not None and record:
             progress(f"costs: timed {len(groups)} groups, repeat {i - warmup + 1}/{repeats}")
-        recorded += clock() - start if record else 0.0
+        if record:
+            rounds.append(clock() - start)
+            recorded += rounds[-1]
         if enough_s is not None and recorded >= enough_s:
+            break
+        if steady is not None and len(rounds) >= 2 and abs(rounds[-1] - rounds[-2]) <= steady * min(rounds[-2:]):
             break
     for t in state.values():
         t.grad = None

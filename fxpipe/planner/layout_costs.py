@@ -43,6 +43,10 @@ _BEFORE_TP = pipeline_names()[pipeline_names().index(PER_TP) - 1]
 ENOUGH_S = 0.5
 """Seconds of recorded timing after which a shape is not timed again (``time_groups``'s
 ``enough_s``): the search times a dozen shapes, and the large ones are steady in one repeat."""
+STEADY = 0.05
+"""Two recorded repeats of a shape this close to each other end its timing (``time_groups``'s
+``steady``): on a quiet machine a shape's rounds agree within a few percent, and the third
+repeat was a tenth of the default job's cold search."""
 
 
 class CaptureCosts:
@@ -264,7 +268,7 @@ class CaptureCosts:
             with self._threads():
                 pconfig = program.partition_config or CompileContext.of(config).partition
                 return measure_locally(program, pconfig, tuple(t[:rows] for t in self.batch), shards.tensors,
-                                       tp=config.tp, enough_s=ENOUGH_S, fine=self._fine(program, pconfig))
+                                       tp=config.tp, enough_s=ENOUGH_S, steady=STEADY, fine=self._fine(program, pconfig))
         except Exception as exc:  # noqa: BLE001 - a graph that cannot run alone keeps the cost model
             self.notes.append(f"tp={config.tp}{' sp' if config.sp else ''} b={rows}: timing failed ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0][:120] if str(exc) else ''}), cost model used")
