@@ -67,11 +67,11 @@ class LocalTimes:
 def measure_locally(program: Program, config: PartitionConfig, batch: Sequence[torch.Tensor],
                     state_for: Callable[[Sequence[str]], Mapping[str, torch.Tensor]], *, tp: int,
                     device: torch.device = torch.device("cpu"), repeats: int = 3,
-                    enough_s: float | None = None, steady: float | None = None,
+                    enough_s: float | None = None, steady: float | None = None, warmup: int = 1,
                     fine: nx.DiGraph | None = None) -> LocalTimes:
     """Time ``program`` (after the tensor-parallel and cost passes, before any pipeline
     split) group by group in this process; ``state_for(names)`` gives tp rank 0's shards;
-    ``repeats``, ``enough_s``, ``steady``: as ``time_groups``; ``fine``: as ``probe_groups``."""
+    ``repeats``, ``enough_s``, ``steady``, ``warmup``: as ``time_groups``; ``fine``: as ``probe_groups``."""
     keep_freed_blocks()  # as every CPU rank runs (base/cpu_memory.py)
     fine, probe = probe_groups(program, config, fine)
     n = len(probe.members)
@@ -95,7 +95,7 @@ def measure_locally(program: Program, config: PartitionConfig, batch: Sequence[t
     # No peer is waited for here (the tp group only returns shapes), so a one-thread CPU
     # rank is timed by its thread's CPU seconds: what the machine's other work takes from
     # it at that moment is not the graph's cost.
-    rows = time_groups(plan, mine, state_for(names), batch, device, repeats=repeats, context=context,
+    rows = time_groups(plan, mine, state_for(names), batch, device, repeats=repeats, warmup=warmup, context=context,
                        enough_s=enough_s, steady=steady, cpu_time=torch.get_num_threads() == 1)
     rows = {g: rows[stage_of[same[g]]] for g in range(n)}
     profile = CostProfile(key="", device=device_name(device), groups=tuple(rows[g] for g in range(n)),

@@ -46,7 +46,9 @@ ENOUGH_S = 0.5
 STEADY = 0.05
 """Two recorded repeats of a shape this close to each other end its timing (``time_groups``'s
 ``steady``): on a quiet machine a shape's rounds agree within a few percent, and the third
-repeat was a tenth of the default job's cold search."""
+repeat was a tenth of the default job's cold search. With it the search times no warm-up
+round: a first round slowed by first calls (a stage graph's code generated when first run)
+is out of line with the next, so a third is timed and the median leaves it out."""
 
 
 class CaptureCosts:
@@ -268,7 +270,8 @@ class CaptureCosts:
             with self._threads():
                 pconfig = program.partition_config or CompileContext.of(config).partition
                 return measure_locally(program, pconfig, tuple(t[:rows] for t in self.batch), shards.tensors,
-                                       tp=config.tp, enough_s=ENOUGH_S, steady=STEADY, fine=self._fine(program, pconfig))
+                                       tp=config.tp, enough_s=ENOUGH_S, steady=STEADY, warmup=0,
+                                       fine=self._fine(program, pconfig))
         except Exception as exc:  # noqa: BLE001 - a graph that cannot run alone keeps the cost model
             self.notes.append(f"tp={config.tp}{' sp' if config.sp else ''} b={rows}: timing failed ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0][:120] if str(exc) else ''}), cost model used")
