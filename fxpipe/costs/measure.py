@@ -143,7 +143,9 @@ def time_groups(plan: PipelinePlan, groups: range, state: Mapping[str, torch.Ten
     ``steady``: stop repeating once two recorded rounds in a row took times within that
     fraction of each other (the median of two such is their mean; a round slowed by the
     machine's other work is out of line with the next, so a third is timed and the median
-    leaves the outlier out).
+    leaves the outlier out). With ``steady`` and no ``warmup``, a first round slower than
+    the second by more than ``steady`` is dropped as the warm-up it was, and ``enough_s``
+    never ends the timing on the first round.
     Each time is net of ``runner_fixed_cost`` (module docstring). ``cpu_time``: time by
     this thread's CPU seconds (``_Clock``; only where the groups wait for no peer and the
     CPU rank runs one thread)."""
@@ -189,7 +191,7 @@ def time_groups(plan: PipelinePlan, groups: range, state: Mapping[str, torch.Ten
             if record:
                 samples[g]["weight"].append(clock() - t)
 
-    recorded, rounds = 0.0, []
+    recorded, rounds, first = 0.0, [], {}
     for i in range(warmup + repeats):
         record = i >= warmup
         start = clock()
@@ -201,10 +203,18 @@ def time_groups(plan: PipelinePlan, groups: range, state: Mapping[str, torch.Ten
         if record:
             rounds.append(clock() - start)
             recorded += rounds[-1]
-        if enough_s is not None and recorded >= enough_s:
+            if len(rounds) == 1:
+                first = {g: {p: len(samples[g][p]) for p in PHASES} for g in groups}
+        if enough_s is not None and recorded >= enough_s and (warmup or len(rounds) >= 2):
             break
         if steady is not None and len(rounds) >= 2 and abs(rounds[-1] - rounds[-2]) <= steady * min(rounds[-2:]):
             break
+    if not warmup and steady is not None and len(rounds) >= 2 and rounds[0] > (1 + steady) * rounds[1]:
+        # No warm-up was timed, and the first round was slower than the next by more than
+        # ``steady`` (first calls, first touches of memory): it was the warm-up.
+        for g in groups:
+            for p in PHASES:
+                del samples[g][p][:first[g][p]]
     for t in state.values():
         t.grad = None
     fixed = runner_fixed_cost(plan, device, ctx, cpu_time=cpu_time)
