@@ -102,8 +102,9 @@ class ParallelModel:
         self.master, self.compiled_stages = parts.master, parts.compiled_stages
         self.tp_rng, self.experts = parts.tp_rng, parts.experts
         self.zero: ZeroPartition | None = parts.grad_sync.zero
-        self.param_waits = parts.param_waits
         """ZeRO-1: which data-parallel replica owns (steps) each trainable tensor."""
+        self.param_waits = parts.param_waits
+        """ZeRO-1: the stages' waits for each broadcast parameter (None: all before the first forward)."""
         self.last_step_skipped = False
         """fp16: the last step was dropped for an overflow."""
         self.closed = False

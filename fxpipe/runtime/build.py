@@ -35,10 +35,10 @@ from fxpipe.runtime.head_blocks import HeadBlock
 from fxpipe.runtime.lookup_exchange import VocabLookups, wire_name
 from fxpipe.runtime.mesh import MeshGroups
 from fxpipe.runtime.mixed_precision import LossScaler, MasterWeights, Precision
+from fxpipe.runtime.param_waits import ParamWaits, first_read_order, with_param_waits
 from fxpipe.runtime.rank_mesh import RankMesh
 from fxpipe.runtime.stage_runner import StageRunner
 from fxpipe.runtime.transport import Transport
-from fxpipe.runtime.param_waits import ParamWaits, first_read_order, with_param_waits
 from fxpipe.runtime.zero import ZeroPartition
 from fxpipe.schedules.actions import ActionKind
 from fxpipe.schedules.schedule import Schedule
