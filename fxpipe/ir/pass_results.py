@@ -24,9 +24,11 @@ class ModelStats:
 
 @dataclass(frozen=True)
 class MatmulBlock:
-    """Output features [start, end) of a split matmul."""
+    """One block of a split matmul's output features."""
     start: int
+    """First output feature of the block."""
     end: int
+    """One past its last output feature."""
     output: str
     """The block's matmul node."""
     nodes: tuple[str, ...]
@@ -39,8 +41,11 @@ class MatmulSplit:
     target: Any
     """aten.linear / aten.addmm / aten.mm."""
     x: str
+    """The matmul's input node."""
     weight: str
+    """The weight's node, sliced along ``weight_dim`` per block."""
     bias: str | None
+    """The bias's node; None without one."""
     weight_dim: int
     """The weight's output-feature dim: 0 for linear ([out, in]), 1 for addmm / mm ([in, out])."""
     kwargs: tuple[tuple[str, Any], ...]
@@ -77,12 +82,15 @@ class RecomputeRegion:
     name: str
     """Name of its submodule and of the call node that replaced it."""
     layer: int
+    """The layer index its nodes carry from capture."""
     mode: RecomputeMode
+    """What its backward re-runs (``RecomputeMode``)."""
     nodes: tuple[str, ...]
     """Original node names, in graph order (they keep these names inside the body)."""
     inputs: tuple[str, ...]
     """Values the forward keeps for backward (parameters among them cost nothing)."""
     outputs: tuple[str, ...]
+    """Values its body returns to the rest of the graph."""
 
 
 @dataclass(frozen=True)

@@ -48,9 +48,13 @@ class InitError(ValueError):
 
 @dataclass(frozen=True)
 class InitOp:
+    """One in-place init call recorded on a parameter, replayed block by block."""
     op: str
+    """The in-place tensor method (``normal_``, ``fill_``, ...)."""
     args: tuple
+    """Its arguments after the tensor itself (numbers only: a tensor argument is refused)."""
     kwargs: tuple
+    """Sorted (name, value) pairs, the generator left out (each block gets its own)."""
     view: tuple | None = None
     """(storage offset, shape, stride) relative to the tensor when applied to a view."""
 
