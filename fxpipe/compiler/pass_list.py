@@ -20,6 +20,7 @@ from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
 from fxpipe.passes.cost import cost_pass
 from fxpipe.passes.device import device_pass
 from fxpipe.passes.expert_parallel import expert_parallel_pass
+from fxpipe.passes.grouped_attention import grouped_attention_pass
 from fxpipe.passes.measure_costs import measure_costs_pass
 from fxpipe.passes.model_stats import model_stats_pass
 from fxpipe.passes.partition import partition_pass
@@ -55,6 +56,10 @@ PIPELINE: tuple[PassSpec, ...] = (
     PassSpec("expert_parallel", expert_parallel_pass,
              "config.ep > 1: each grouped MoE's experts owned by ep data-parallel ranks, tokens dispatched "
              "and combined by all-to-all; before cost, so the experts are costed at their local count"),
+    PassSpec("grouped_attention", grouped_attention_pass,
+             "keys and values repeated for grouped-query attention read by SDPA itself (enable_gqa, "
+             "where the device's kernels take it); after TP, on the heads each rank holds, before "
+             "cost, so the price and the timing see the graph that runs"),
     PassSpec("cost", cost_pass,
              "FLOPs and bytes per node from shapes; after every rewrite of the whole graph, so it "
              "prices the graph as rewritten"),
@@ -90,7 +95,7 @@ PIPELINE: tuple[PassSpec, ...] = (
 )
 
 
-GRAPH_PASSES = ("canonicalize", "tensor_parallel", "cost")
+GRAPH_PASSES = ("canonicalize", "tensor_parallel", "grouped_attention", "cost")
 """The graph passes every layout needs, by name: what ``run_passes`` runs by default."""
 DEFAULT_PASSES: tuple[PassSpec, ...] = tuple(p for p in PIPELINE if p.name in GRAPH_PASSES)
 

@@ -16,6 +16,7 @@ batch's token ids against the vocabulary, before anything is measured).
     model_stats             whole-model FLOPs, parameter count, token inputs (before TP shards them)
     tensor_parallel         Megatron column/row blocks, vocabulary-parallel embedding and loss
     expert_parallel         grouped MoEs' experts owned by ep data-parallel ranks, all-to-all around them
+    grouped_attention       repeated keys/values of grouped-query attention read by SDPA itself (cpu)
     cost                    FLOPs and bytes per node, per tp rank
     device                  retarget device constants to the device stages run on
     split_matmul            cut ops heavier than half a stage's share into blocks
