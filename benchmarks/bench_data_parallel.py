@@ -2,6 +2,7 @@
 exposed communication.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_data_parallel.py [--rounds 3] [--steps 1] [--no-world4]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_data_parallel.py --world1-only --rounds 10
 
 World 2 (gloo, one thread per process): on a compute-bound Llama-style model (V=8192,
 width 256, 6 layers, global batch 16×128) and a gradient-bound one (V=32000, width 512,
@@ -11,7 +12,7 @@ width 256, 6 layers, global batch 16×128) and a gradient-bound one (V=32000, wi
   ``no_sync`` on all but the last microbatch);
 - fxpipe ZeRO-1 against DDP with ``ZeroRedundancyOptimizer``.
 Systems run in interleaved rounds, the order rotated each round; medians over every
-timed step. World 4 (on however many cores there are: reported, not tuned): tp=2 × dp=2
+timed step, each ratio also as the median of the steps' ratios round by round (paired). World 4 (on however many cores there are: reported, not tuned): tp=2 × dp=2
 and pp=2 × dp=2 with the overlap (bucket_mb=25) and without (bucket_mb=0).
 Writes benchmarks/results/bench_data_parallel.txt.
 """
@@ -103,8 +104,9 @@ class _null:
         return False
 
 
-def _timed(systems: dict, rounds: int, steps: int) -> dict[str, tuple[float, float]]:
-    """Median step time and exposed communication of each system, interleaved rounds."""
+def _timed(systems: dict, rounds: int, steps: int) -> dict[str, tuple[float, float, list[float]]]:
+    """Median step time and exposed communication of each system, interleaved rounds, and
+    every timed step (the slowest rank's) in order, for ratios of steps taken side by side."""
     names = list(systems)
     for s in systems.values():  # warm-up: allocations, first collectives
         s.step()
@@ -126,8 +128,14 @@ def _timed(systems: dict, rounds: int, steps: int) -> dict[str, tuple[float, flo
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         e = torch.tensor(exposed[n], dtype=torch.float64)
         dist.all_reduce(e, op=dist.ReduceOp.MAX)
-        out[n] = (statistics.median(t.tolist()), statistics.median(e.tolist()))
+        out[n] = (statistics.median(t.tolist()), statistics.median(e.tolist()), t.tolist())
     return out
+
+
+def _paired(r: dict, a: str, b: str) -> float:
+    """Median over the rounds of a's step / b's step taken in the same round: a drift of the
+    machine between rounds moves both, where a ratio of the two medians carries it."""
+    return statistics.median(x / y for x, y in zip(r[a][2], r[b][2]))
 
 
 def _world2(rank: int, world: int, outdir: str, rounds: int, steps: int) -> None:
@@ -163,6 +171,46 @@ def _world4(rank: int, world: int, outdir: str, rounds: int, steps: int) -> None
     dist.destroy_process_group()
 
 
+def _world1(rounds: int) -> list[str]:
+    """fxpipe's own forward and backward against the model's eager loop, one process, one
+    rank's share of the global batch at dp=2: what is left when no communication is."""
+    from fxpipe.models.losses import causal_lm_loss
+    from fxpipe.parallel import parallelize
+
+    torch.set_num_threads(1)
+    lines = ["| model | m | eager forward+backward | fxpipe forward+backward | ratio (paired) |", "|---|---|---|---|---|"]
+    for name in MODELS:
+        for m in (1, 4):
+            model, batch = _model(name)
+            half = tuple(t[: t.shape[0] // 2] for t in batch)
+            pm = parallelize(model, microbatches=m, example_inputs=half, loss_fn=causal_lm_loss,
+                             partition="uniform", costs="model")
+            eager, _ = _model(name)
+            pairs = list(zip(half[0].chunk(m), half[1].chunk(m)))
+
+            def run_fxpipe() -> None:
+                pm.train_step(half)
+
+            def run_eager() -> None:
+                eager.zero_grad(set_to_none=True)
+                for x, y in pairs:
+                    (causal_lm_loss(eager(x), y) / m).backward()
+            systems = {"eager": run_eager, "fxpipe": run_fxpipe}
+            times: dict[str, list[float]] = {k: [] for k in systems}
+            for fn in systems.values():
+                fn()
+            for r in range(rounds):
+                for k in (("eager", "fxpipe") if r % 2 == 0 else ("fxpipe", "eager")):
+                    t0 = time.perf_counter()
+                    systems[k]()
+                    times[k].append(time.perf_counter() - t0)
+            e, f = (statistics.median(times[k]) for k in ("eager", "fxpipe"))
+            paired = statistics.median(a / b for a, b in zip(times["fxpipe"], times["eager"]))
+            lines.append(f"| {name} | {m} | {1e3 * e:.0f} | {1e3 * f:.0f} | {f / e:.3f} ({paired:.3f}) |")
+            pm.close()
+    return lines
+
+
 def _launch(fn, world: int, outdir: str, rounds: int, steps: int) -> None:
     run_local_world(world, fn, outdir, rounds, steps, timeout=timedelta(seconds=900), threads=1)
 
@@ -172,23 +220,33 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=1, help="timed steps per system per round")
     ap.add_argument("--no-world4", action="store_true")
+    ap.add_argument("--world1-only", action="store_true",
+                    help="only fxpipe's forward and backward against the eager loop in one process (printed, "
+                         "not written)")
     args = ap.parse_args()
+    if args.world1_only:
+        print(f"# world 1: one thread, {args.rounds} alternating rounds, medians (ms)\n")
+        print("\n".join(_world1(args.rounds)))
+        return
     lines = [f"# bench_data_parallel: world 2 gloo, 1 thread per process, {os.cpu_count()} cores, "
              f"{args.rounds} rounds x {args.steps} steps, order rotated; medians (ms)", ""]
     with tempfile.TemporaryDirectory() as outdir:
         start = time.time()
         _launch(_world2, 2, outdir, args.rounds, args.steps)
         rows = torch.load(Path(outdir) / "world2.pt")
-        lines.append("| model | m | DDP | fxpipe | ratio | fxpipe no overlap | ratio | exposed fxpipe | exposed no "
-                     "overlap | DDP+ZeroRedundancyOptimizer | fxpipe ZeRO-1 | ratio | exposed ZeRO-1 |")
+        lines.append("| model | m | DDP | fxpipe | ratio (paired) | fxpipe no overlap | ratio (paired) | exposed "
+                     "fxpipe | exposed no overlap | DDP+ZeroRedundancyOptimizer | fxpipe ZeRO-1 | ratio (paired) | "
+                     "exposed ZeRO-1 |")
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, m, r in rows:
-            ms = {k: (1e3 * t, 1e3 * e) for k, (t, e) in r.items()}
-            lines.append(f"| {name} | {m} | {ms['ddp'][0]:.0f} | {ms['fxpipe'][0]:.0f} | "
-                         f"{ms['fxpipe'][0] / ms['ddp'][0]:.3f} | {ms['fxpipe-nooverlap'][0]:.0f} | "
-                         f"{ms['fxpipe-nooverlap'][0] / ms['ddp'][0]:.3f} | {ms['fxpipe'][1]:.0f} | "
+            ms = {k: (1e3 * t, 1e3 * e) for k, (t, e, _) in r.items()}
+
+            def ratio(a: str, b: str) -> str:
+                return f"{ms[a][0] / ms[b][0]:.3f} ({_paired(r, a, b):.3f})"
+            lines.append(f"| {name} | {m} | {ms['ddp'][0]:.0f} | {ms['fxpipe'][0]:.0f} | {ratio('fxpipe', 'ddp')} | "
+                         f"{ms['fxpipe-nooverlap'][0]:.0f} | {ratio('fxpipe-nooverlap', 'ddp')} | {ms['fxpipe'][1]:.0f} | "
                          f"{ms['fxpipe-nooverlap'][1]:.0f} | {ms['ddp-zero'][0]:.0f} | {ms['fxpipe-zero1'][0]:.0f} | "
-                         f"{ms['fxpipe-zero1'][0] / ms['ddp-zero'][0]:.3f} | {ms['fxpipe-zero1'][1]:.0f} |")
+                         f"{ratio('fxpipe-zero1', 'ddp-zero')} | {ms['fxpipe-zero1'][1]:.0f} |")
         lines.append(f"\nworld 2: {time.time() - start:.0f} s")
         if not args.no_world4:
             start = time.time()
@@ -198,7 +256,7 @@ def main() -> None:
                       "| layout | step, overlap | step, bucket_mb=0 | ratio | exposed, overlap | exposed, "
                       "bucket_mb=0 |", "|---|---|---|---|---|---|"]
             for layout, r in torch.load(Path(outdir) / "world4.pt"):
-                (a, ea), (b, eb) = r["bucket_mb=25"], r["bucket_mb=0"]
+                (a, ea, _), (b, eb, _) = r["bucket_mb=25"], r["bucket_mb=0"]
                 what = "tp=2 x dp=2" if layout.get("tp") else "pp=2 x dp=2 (1F1B)"
                 lines.append(f"| {what} | {1e3 * a:.0f} | {1e3 * b:.0f} | {a / b:.3f} | {1e3 * ea:.0f} | "
                              f"{1e3 * eb:.0f} |")
