@@ -16,6 +16,7 @@ from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.program import Program
 from fxpipe.ir.stage_plan import PipelinePlan
 from fxpipe.passes.canonicalize import canonicalize_pass
+from fxpipe.passes.causal_mask import causal_mask_pass
 from fxpipe.passes.coalesce_blocks import coalesce_blocks_pass
 from fxpipe.passes.cost import cost_pass
 from fxpipe.passes.device import device_pass
@@ -48,6 +49,10 @@ class PassSpec:
 PIPELINE: tuple[PassSpec, ...] = (
     PassSpec("canonicalize", canonicalize_pass,
              "drop export's runtime asserts and dead values so later passes see computation only"),
+    PassSpec("causal_mask", causal_mask_pass,
+             "an attention mask computed from constants that is exactly the causal pattern becomes "
+             "SDPA's is_causal (the kernel's fast path, no mask in memory); before TP, whose rules then "
+             "see no mask"),
     PassSpec("model_stats", model_stats_pass,
              "count the whole model's FLOPs and parameters and find token inputs before TP shards them"),
     PassSpec("tensor_parallel", tensor_parallel_pass,
@@ -95,7 +100,7 @@ PIPELINE: tuple[PassSpec, ...] = (
 )
 
 
-GRAPH_PASSES = ("canonicalize", "tensor_parallel", "grouped_attention", "cost")
+GRAPH_PASSES = ("canonicalize", "causal_mask", "tensor_parallel", "grouped_attention", "cost")
 """The graph passes every layout needs, by name: what ``run_passes`` runs by default."""
 DEFAULT_PASSES: tuple[PassSpec, ...] = tuple(p for p in PIPELINE if p.name in GRAPH_PASSES)
 

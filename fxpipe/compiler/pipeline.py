@@ -13,6 +13,7 @@ batch's token ids against the vocabulary, before anything is measured).
 
     capture                 torch.export -> Program (fxpipe/compiler/capture.py)
     canonicalize            drop asserts and dead values
+    causal_mask             a constant mask that is exactly the causal pattern -> SDPA's is_causal
     model_stats             whole-model FLOPs, parameter count, token inputs (before TP shards them)
     tensor_parallel         Megatron column/row blocks, vocabulary-parallel embedding and loss
     expert_parallel         grouped MoEs' experts owned by ep data-parallel ranks, all-to-all around them

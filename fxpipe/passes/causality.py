@@ -38,8 +38,9 @@ def _mask(node: fx.Node) -> tuple[object, bool]:
     return mask, bool(causal)
 
 
-def _evaluate(program: Program, mask: fx.Node) -> torch.Tensor | None:
-    """``mask``'s value with every input zero, on the CPU (None: too costly to build)."""
+def mask_value(program: Program, mask: fx.Node) -> torch.Tensor | None:
+    """``mask``'s value with every input zero, on the CPU (None: too costly to build); exact
+    when the mask reads no input (``causal_mask``'s rewrite)."""
     gm = copy.deepcopy(program.graph_module)
     graph = gm.graph
     target = next(n for n in graph.nodes if n.name == mask.name)
@@ -86,7 +87,7 @@ def attention_is_causal(program: Program) -> bool | None:
             verdicts.append(False)
             continue
         try:
-            value = _evaluate(program, mask)
+            value = mask_value(program, mask)
         except Exception:  # noqa: BLE001 - a mask that cannot run alone is not judged
             value = None
         if value is None:

@@ -39,3 +39,17 @@ class GraphEdit:
         self.gm.recompile()
         return cost_pass(program.replace(graph_module=self.gm, module_paths=self.paths, layers=self.layers,
                                          costs={}, **records))
+
+    def pruned(self, program: Program) -> Program:
+        """``program`` with the edited graph less what nothing reads any more (the nodes a
+        rewrite bypassed) and their entries in the maps; costed again if ``program`` was
+        (a pass before the cost pass leaves that to it)."""
+        self.gm.graph.eliminate_dead_code()
+        live = {n.name for n in self.gm.graph.nodes}
+        self.paths = {k: p for k, p in self.paths.items() if k in live}
+        self.layers = {k: i for k, i in self.layers.items() if k in live}
+        if program.costs:
+            return self.recosted(program)
+        self.gm.graph.lint()
+        self.gm.recompile()
+        return program.replace(graph_module=self.gm, module_paths=self.paths, layers=self.layers)

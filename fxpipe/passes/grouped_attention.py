@@ -103,12 +103,4 @@ def grouped_attention_pass(program: Program, ctx: CompileContext | None = None) 
     changed = sum(_rewrite(n) for n in list(edit.gm.graph.nodes) if n.op == "call_function" and n.target is SDPA)
     if not changed:
         return program
-    edit.gm.graph.eliminate_dead_code()  # the repeats, unless something else reads them
-    live = {n.name for n in edit.gm.graph.nodes}
-    edit.paths = {k: p for k, p in edit.paths.items() if k in live}
-    edit.layers = {k: i for k, i in edit.layers.items() if k in live}
-    if program.costs:
-        return edit.recosted(program)
-    edit.gm.graph.lint()
-    edit.gm.recompile()
-    return program.replace(graph_module=edit.gm, module_paths=edit.paths, layers=edit.layers)
+    return edit.pruned(program)  # the repeats, unless something else reads them

@@ -29,7 +29,7 @@ def test_skip_by_name(program):
 
 
 def test_unknown_skip_lists_valid_names(program):
-    with pytest.raises(ValueError, match="canonicalize, tensor_parallel, grouped_attention, cost"):
+    with pytest.raises(ValueError, match="canonicalize, causal_mask, tensor_parallel, grouped_attention, cost"):
         run_passes(program[0], skip=["nope"])
 
 

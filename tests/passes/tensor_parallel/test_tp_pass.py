@@ -9,8 +9,8 @@ from fxpipe.passes.tensor_parallel import TPConfig, TPResult, tensor_parallel_pa
 from fxpipe.tp.ops import OPS
 from tests.passes.tensor_parallel._tp_helpers import captured, reference
 
-PASSES = DEFAULT_PASSES  # canonicalize -> tensor_parallel -> grouped_attention -> cost
-assert [p.name for p in PASSES] == ["canonicalize", "tensor_parallel", "grouped_attention", "cost"]
+PASSES = DEFAULT_PASSES  # canonicalize -> causal_mask -> tensor_parallel -> grouped_attention -> cost
+assert [p.name for p in PASSES] == ["canonicalize", "causal_mask", "tensor_parallel", "grouped_attention", "cost"]
 
 
 def test_in_the_driver_with_lint():
