@@ -64,6 +64,9 @@ class Link:
                 raise ValueError(f"Link.{f} must be > 0 bytes/s, got {getattr(self, f)}")
 
 
+BACKENDS = ("nccl", "gloo")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Hardware:
     name: str
@@ -113,10 +116,16 @@ class Hardware:
     it sends or receives, between its computations; NCCL only enqueues it (µs). ``fxpipe
     calibrate`` measures its mean inside a tiny pipeline (``machine_speeds.pipeline_posts``);
     the layout search adds it to the actions that send or receive."""
+    backend: str = "nccl"
+    """The collective library the runtime uses on this hardware: ``nccl`` (GPUs) or ``gloo``
+    (CPUs). Under gloo ZeRO-1's gradient reduction is an all-reduce, not a reduce-scatter
+    (``runtime/grad_buckets.py``: gloo has no ring reduce), and is priced so."""
     source: str = ""
     """Where the numbers come from."""
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"Hardware.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         for f in ("matmul_efficiency", "memory_efficiency", "attention_efficiency", "usable_memory_fraction"):
             v = getattr(self, f)
             if not 0 < v <= 1:

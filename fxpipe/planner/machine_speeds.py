@@ -345,6 +345,7 @@ def calibrate(*, name: str = "cpu-measured", threads: int = 1, distributed: bool
         gpus_per_node=os.cpu_count() or 1, intra_node=link, inter_node=link,
         op_overhead_s=compute["op_overhead_s"],
         transfer_cpu_s=measurements["gloo"]["transfer_cpu_s"] if distributed else CPU.transfer_cpu_s,
+        backend="gloo",
         source=f"fxpipe calibrate, {platform.node()} {platform.machine()} "
                f"{datetime.date.today().isoformat()}, {threads} thread(s), torch {torch.__version__}"
                + (", compute measured by 2 processes at once" if distributed else ""))

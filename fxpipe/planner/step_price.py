@@ -93,12 +93,13 @@ def dp_sync_s(hw: Hardware, *, grad_bytes: float, weight_bytes: float, dp: int, 
     replicas (``per_node`` of them on one node), as the runtime runs it
     (``runtime/grad_buckets.py``, ``runtime/zero.py``): ``grad_bytes`` of gradients in
     buckets of ``bucket_mb`` behind the last backward of ``backward_s`` (0: after it) —
-    all-reduced, or under ZeRO-1 reduced onto their owners (a reduce-scatter's bytes) and the
-    owners' ``weight_bytes`` of updated weights gathered back before the next forward, of
-    which ``gather_hidden_s`` hides behind waiting for the first activation."""
+    all-reduced, or under ZeRO-1 reduced onto their owners (a reduce-scatter's bytes; on gloo
+    an all-reduce, ``Hardware.backend``) and the owners' ``weight_bytes`` of updated weights
+    gathered back before the next forward, of which ``gather_hidden_s`` hides behind waiting
+    for the first activation."""
     if dp <= 1:
         return 0.0
-    kind = Collective.REDUCE_SCATTER if zero else Collective.ALL_REDUCE
+    kind = Collective.REDUCE_SCATTER if zero and hw.backend == "nccl" else Collective.ALL_REDUCE
     sync = exposed_reduction_s(grad_bytes, backward_s, lambda n: hw.collective_s(kind, n, dp, per_node), bucket_mb)
     if zero:
         sync += max(0.0, hw.collective_s(Collective.ALL_GATHER, weight_bytes, dp, per_node) - gather_hidden_s)

@@ -268,4 +268,5 @@ def _overlapped(sync: GradSync, plan: PipelinePlan, schedule: Schedule, actions:
                            bucket_mb * 2**20, owner, segments, mergeable)
     return OverlappedReduction(buckets, sync.state, sync.like, groups.dp_group, mesh.dp, groups.dp_rank, timeout,
                                lambda d: mesh.rank(pp=groups.pp_rank, dp=d, tp=groups.tp_rank), owner, others,
-                               frozenset(tables))
+                               frozenset(tables),
+                               reduce_onto_owner=owner is None or dist.get_backend(groups.dp_group) != "gloo")

@@ -19,7 +19,8 @@ def _run(zero: int, *, pp: int, dp: int, tp: int = 1, precision: str = "fp32", b
     forwards = [(e[1], e[2]) for e in pm.last_stats.events if e[0].kind.name == "F"]
     overlap = pm.grad_sync.overlap
     last = max((e for e in pm.last_stats.events if e[0].kind.name in ("B", "W")), key=lambda e: e[2])
-    buckets = dict(launched=list(overlap.launched_at), last_backward=(last[1], last[2]))
+    buckets = dict(launched=list(overlap.launched_at), last_backward=(last[1], last[2]),
+                   onto_owner=overlap.reduce_onto_owner)
     pm.sync_parameters()
     params = pm.full_state_dict() if pm.master is None else None
     masters = {n: t.detach().clone() for n, t in pm.named_parameters()}

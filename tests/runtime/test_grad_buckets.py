@@ -91,6 +91,35 @@ def test_a_gradient_the_last_action_did_not_reach_is_final_when_it_returns(monke
     assert torch.equal(w.grad, torch.zeros(2))
 
 
+@pytest.mark.parametrize("onto_owner", [True, False], ids=["nccl-reduce", "gloo-all-reduce"])
+def test_zero1_bucket_reduced_onto_owners_or_all_reduced_whole(monkeypatch, onto_owner):
+    """ZeRO-1: each owner's run of a bucket is reduced onto it (NCCL's reduce-scatter bytes);
+    on gloo, whose reduce is slower than its all-reduce, the bucket is all-reduced whole in
+    one call and the runs others own are dropped. Either way the owner's gradient is the
+    mean over the replicas (here: this replica's own, the collective faked)."""
+    calls = []
+    monkeypatch.setattr(grad_buckets.dist, "all_reduce",
+                        lambda t, group, async_op: calls.append(("all_reduce", t.numel())) or _Done())
+    monkeypatch.setattr(grad_buckets.dist, "reduce",
+                        lambda t, dst, group, async_op: calls.append(("reduce", t.numel(), dst)) or _Done())
+    w = {n: torch.ones(k, requires_grad=True) for n, k in (("a", 3), ("b", 2), ("c", 4))}
+    plan = plan_buckets(dict.fromkeys(w, 0), dict.fromkeys(w, 0), {n: t.numel() for n, t in w.items()},
+                        dict.fromkeys(w, torch.float32), bucket_bytes=1e6, owner={"a": 0, "b": 1, "c": 0})
+    red = OverlappedReduction(plan, w, w, None, 2, 0, timedelta(seconds=5), lambda d: 10 + d,
+                              owner={"a": 0, "b": 1, "c": 0}, reduce_onto_owner=onto_owner)
+    red.start_step()
+    red.before_action(0)
+    sum((t * (i + 1)).sum() for i, t in enumerate(w.values())).backward()
+    red.after_action(0)
+    red.finish()
+    if onto_owner:
+        assert sorted(calls) == [("reduce", 2, 11), ("reduce", 7, 10)]
+    else:
+        assert calls == [("all_reduce", 9)]
+    assert torch.equal(w["a"].grad, torch.full((3,), 0.5)) and torch.equal(w["c"].grad, torch.full((4,), 1.5))
+    assert w["b"].grad is None  # owned by replica 1
+
+
 @pytest.mark.parametrize("bad", [-1.0, "25"])
 def test_bucket_mb_must_be_a_size(bad):
     from fxpipe.ir.parallel_config import ParallelConfig

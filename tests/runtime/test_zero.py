@@ -87,11 +87,13 @@ def test_clipping_over_shards_equals_one_process(world4):
 @pytest.mark.parametrize("layout", ["dp2pp2", "tp2dp2", "bf16"])
 @pytest.mark.parametrize("zero", [0, 1])
 def test_reduction_starts_during_the_last_backward(world4, layout, zero):
-    """runtime/grad_buckets.py: the buckets' all-reduce (plain) or reduce onto owners
-    (ZeRO-1) — of the fp32 masters under bf16 — start inside the last B of the step."""
+    """runtime/grad_buckets.py: the buckets' all-reduce (plain; ZeRO-1 too on gloo, whose
+    reduce onto one rank is slower) — of the fp32 masters under bf16 — start inside the
+    last B of the step."""
     for rank_results in world4:
         buckets = rank_results[(layout, zero)]["buckets"]
         launched_in_last_backward(buckets)
+        assert buckets["onto_owner"] is (zero == 0)  # ZeRO-1 on gloo: all-reduced whole
         if layout != "tp2dp2":  # ~10 KB buckets: several per rank
             assert len(buckets["launched"]) > 2, buckets
 
