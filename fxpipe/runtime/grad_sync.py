@@ -10,7 +10,8 @@
    head rows of a later one) over exactly the ranks holding it; rows one rank holds
    alone need nothing (Yeung et al., MLSys 2025, arXiv 2411.05288).
 2. Data parallel: every gradient averaged over the dp group (gloo has no AVG op:
-   sum, then divide); with ZeRO-1, reduced onto its owner only (``zero.py``).
+   sum, then divide); with ZeRO-1, reduced onto its owner only (``zero.py``; on gloo
+   all-reduced in the buckets, ``grad_buckets.py``).
    Expert-parallel stacks (``runtime/experts.py``) are summed over the ranks holding
    the same experts only, and divided by dp.
 

@@ -12,7 +12,8 @@ tensor bounds the balance.
 
 Per step, with ``dp`` replicas of a stage:
 - after the backward, each gradient is *reduced* (sum, then ÷dp) onto its owner —
-  the bytes of a reduce-scatter — instead of all-reduced; other replicas drop it;
+  the bytes of a reduce-scatter — instead of all-reduced; other replicas drop it (on gloo
+  the buckets are all-reduced whole: ``grad_buckets.py``);
 - the owner's optimizer steps only what it owns (``ParallelModel.parameters()`` yields
   only those, so ``torch.optim.AdamW(pm.parameters())`` holds a 1/dp share of the
   state: the user's optimizer class, unchanged);
