@@ -31,6 +31,24 @@ def test_dp_sync_without_overlap_is_the_collectives_themselves(hw):
     assert dp_sync_s(hw, grad_bytes=nbytes, weight_bytes=nbytes, dp=1, per_node=1, zero=True, backward_s=0.0) == 0
 
 
+def test_zero1_on_gloo_is_priced_as_the_all_reduce_the_runtime_runs():
+    """runtime/grad_buckets.py all-reduces ZeRO-1's buckets on gloo (its reduce onto one
+    rank is slower): the cpu preset says gloo, and its ZeRO-1 reduction costs what plain
+    dp's does; a profile naming another backend is refused (profiles are untrusted)."""
+    import dataclasses
+
+    from fxpipe.base.hardware import Hardware
+
+    cpu = get_hardware("cpu")
+    assert cpu.backend == "gloo" and get_hardware("h100").backend == "nccl"
+    kw = dict(grad_bytes=1e8, weight_bytes=0.0, dp=2, per_node=2, backward_s=0.0, bucket_mb=0.0, gather_hidden_s=1e9)
+    assert dp_sync_s(cpu, zero=True, **kw) == pytest.approx(dp_sync_s(cpu, zero=False, **kw))
+    nccl = dataclasses.replace(cpu, backend="nccl")
+    assert dp_sync_s(nccl, zero=True, **kw) == pytest.approx(dp_sync_s(nccl, zero=False, **kw) / 2)
+    with pytest.raises(ValueError, match="backend must be one of nccl, gloo"):
+        Hardware.from_dict({**cpu.to_dict(), "backend": "mpi"})
+
+
 def test_dp_sync_behind_the_backward_exposes_at_least_the_last_bucket(hw):
     nbytes, dp, bucket = 4e9, 8, 25.0
     full = hw.collective_s(Collective.ALL_REDUCE, nbytes, dp, 8)
