@@ -26,9 +26,8 @@ from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.program import Program
 from fxpipe.passes.causality import mask_value
 from fxpipe.passes.graph_edit import GraphEdit
+from fxpipe.passes.tensor_parallel.graph_ops import SDPA
 
-aten = torch.ops.aten
-SDPA = aten.scaled_dot_product_attention.default
 MAX_MASK_ELEMENTS = 1 << 26
 """A mask of more elements is not evaluated (64 MB as booleans)."""
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
@@ -36,9 +35,7 @@ _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 
 def _arguments(node: fx.Node) -> dict[str, object]:
     """The call's arguments by name (positional or keyword)."""
-    named = dict(zip(_ARGS, node.args))
-    named.update({k: v for k, v in node.kwargs.items()})
-    return named
+    return {**dict(zip(_ARGS, node.args)), **node.kwargs}
 
 
 def _constant(node: fx.Node) -> bool:

@@ -29,9 +29,9 @@ import torch.fx as fx
 from fxpipe.ir.compile_context import CompileContext
 from fxpipe.ir.program import Program
 from fxpipe.passes.graph_edit import GraphEdit
+from fxpipe.passes.tensor_parallel.graph_ops import SDPA
 
 aten = torch.ops.aten
-SDPA = aten.scaled_dot_product_attention.default
 _RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 _GQA_DEVICES = ("cpu",)
 """Device types whose SDPA kernels take ``enable_gqa`` with any mask (module docstring)."""

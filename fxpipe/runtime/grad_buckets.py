@@ -173,7 +173,7 @@ class OverlappedReduction:
     taken at one point: ``lookup_exchange.py``), so the first hook is not the last."""
     reduce_onto_owner: bool = True
     """ZeRO-1: each owner's run reduced onto it (NCCL); False: the bucket all-reduced whole,
-    the runs others own then dropped (gloo, module docstring)."""
+    the runs others own then dropped (gloo: ``ZeroPartition.reduces_onto_owner``)."""
     launched_at: list[float] = field(default_factory=list)
     """perf_counter of each bucket's launch in the last step (tests check it falls
     inside the backward)."""
@@ -282,11 +282,11 @@ class OverlappedReduction:
                 self._works.append(dist.all_reduce(buf.narrow(0, start, length), group=self.groups[key],
                                                    async_op=True))
         runs = bucket.runs if self.dp > 1 else ()  # one replica: nothing to reduce
-        if not self.reduce_onto_owner and runs:  # adjacent runs: one all-reduce of their span
+        if not self.reduce_onto_owner:  # adjacent owners' runs: one all-reduce of their span
             runs = _spans(runs)
         for who, start, length in runs:
             part = buf.narrow(0, start, length)
-            if who < 0 or not self.reduce_onto_owner:
+            if who < 0:
                 self._works.append(dist.all_reduce(part, group=self.group, async_op=True))
             else:
                 self._works.append(dist.reduce(part, dst=self.global_rank(who), group=self.group, async_op=True))
@@ -326,7 +326,7 @@ class OverlappedReduction:
 def _spans(runs: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     """``runs`` with every adjacent pair merged: (-1, start, length) of each contiguous span."""
     spans: list[list[int]] = []
-    for _, start, length in sorted(runs, key=lambda r: r[1]):
+    for _, start, length in runs:  # in buffer order, as plan_buckets lays them out
         if spans and spans[-1][1] + spans[-1][2] == start:
             spans[-1][2] += length
         else:

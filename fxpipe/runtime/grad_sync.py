@@ -11,7 +11,7 @@
    alone need nothing (Yeung et al., MLSys 2025, arXiv 2411.05288).
 2. Data parallel: every gradient averaged over the dp group (gloo has no AVG op:
    sum, then divide); with ZeRO-1, reduced onto its owner only (``zero.py``; on gloo
-   all-reduced in the buckets, ``grad_buckets.py``).
+   all-reduced, the others dropping it: ``ZeroPartition.reduces_onto_owner``).
    Expert-parallel stacks (``runtime/experts.py``) are summed over the ranks holding
    the same experts only, and divided by dp.
 
@@ -270,4 +270,4 @@ def _overlapped(sync: GradSync, plan: PipelinePlan, schedule: Schedule, actions:
     return OverlappedReduction(buckets, sync.state, sync.like, groups.dp_group, mesh.dp, groups.dp_rank, timeout,
                                lambda d: mesh.rank(pp=groups.pp_rank, dp=d, tp=groups.tp_rank), owner, others,
                                frozenset(tables),
-                               reduce_onto_owner=owner is None or dist.get_backend(groups.dp_group) != "gloo")
+                               reduce_onto_owner=sync.zero is None or sync.zero.reduces_onto_owner)

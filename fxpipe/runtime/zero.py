@@ -13,7 +13,7 @@ tensor bounds the balance.
 Per step, with ``dp`` replicas of a stage:
 - after the backward, each gradient is *reduced* (sum, then ÷dp) onto its owner —
   the bytes of a reduce-scatter — instead of all-reduced; other replicas drop it (on gloo
-  the buckets are all-reduced whole: ``grad_buckets.py``);
+  all-reduced, ``reduces_onto_owner``);
 - the owner's optimizer steps only what it owns (``ParallelModel.parameters()`` yields
   only those, so ``torch.optim.AdamW(pm.parameters())`` holds a 1/dp share of the
   state: the user's optimizer class, unchanged);
@@ -75,6 +75,13 @@ class ZeroPartition:
     def owns(self, name: str) -> bool:
         return self.owner[name] == self.groups.dp_rank
 
+    @property
+    def reduces_onto_owner(self) -> bool:
+        """Whether a gradient is reduced onto its owner (NCCL: a reduce-scatter's bytes) or,
+        on gloo, all-reduced and dropped by the others: gloo has no ring reduce, and its
+        reduce onto one rank is slower than its all-reduce (``grad_buckets.py``)."""
+        return dist.get_backend(self.groups.dp_group) != "gloo"
+
     def _global(self, dp_rank: int) -> int:
         g = self.groups
         return g.mesh.rank(pp=g.pp_rank, dp=dp_rank, tp=g.tp_rank)
@@ -94,7 +101,10 @@ class ZeroPartition:
         for rank, names in self._by_owner(like):
             tensors = [grads[n] if grads.get(n) is not None else torch.zeros_like(like[n]) for n in names]
             flat = _flatten_dense_tensors(tensors)
-            dist.reduce(flat, dst=self._global(rank), group=self.groups.dp_group)
+            if self.reduces_onto_owner:
+                dist.reduce(flat, dst=self._global(rank), group=self.groups.dp_group)
+            else:
+                dist.all_reduce(flat, group=self.groups.dp_group)
             if rank == self.groups.dp_rank:
                 flat.mul_(1.0 / dp)
                 owned.update(zip(names, _unflatten_dense_tensors(flat, tensors)))
