@@ -71,7 +71,7 @@ def test_one_definition_per_concept():
     from fxpipe.planner import ScheduleKind as planner_kind
     from fxpipe.schedules import ScheduleKind
     assert layout_kind is planner_kind is ScheduleKind
-    # The partition method's name is checked in one function, Method.parse (through parse_enum).
+    # The partition method's name is checked in one function, Method.parse (NamedEnum.parse).
     checks = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
               if '"partition method"' in p.read_text() or "unknown partition method" in p.read_text()]
     assert checks == ["partition/result.py"]

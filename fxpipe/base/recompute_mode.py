@@ -2,18 +2,14 @@
 the recompute pass (``passes/recompute.py``) applies them to stage graphs."""
 from __future__ import annotations
 
-import enum
 
-from fxpipe.base.enums import parse_enum
+from fxpipe.base.enums import NamedEnum
 
 
-class RecomputeMode(enum.Enum):
+class RecomputeMode(NamedEnum, what="recompute mode"):
     NONE = "none"
     SELECTIVE = "selective"
     """Attention core only (Korthikanti et al. 2022 §4.1)."""
     FULL = "full"
     """Whole transformer layer; only its input is kept."""
 
-    @classmethod
-    def parse(cls, name: "str | RecomputeMode") -> "RecomputeMode":
-        return parse_enum(cls, name, "recompute mode")

@@ -15,7 +15,6 @@ is found in bounded chunks (``max_token``).
 """
 from __future__ import annotations
 
-import enum
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,20 +22,16 @@ from typing import Protocol
 
 import numpy as np
 
-from fxpipe.base.enums import parse_enum
+from fxpipe.base.enums import NamedEnum
 from fxpipe.base.safe_io import check_regular
 
 
-class TokenDtype(enum.Enum):
+class TokenDtype(NamedEnum, what="--data-dtype"):
     """Element type of a ``.bin`` token file (the file does not say)."""
     UINT16 = "uint16"
     """Vocabularies up to 65,536 (GPT-2's 50,257): nanoGPT's choice."""
     UINT32 = "uint32"
     """Larger vocabularies (Llama 3's 128,256)."""
-
-    @classmethod
-    def parse(cls, name: "str | TokenDtype") -> "TokenDtype":
-        return parse_enum(cls, name, "--data-dtype")
 
     @classmethod
     def fitting(cls, vocab_size: int) -> "TokenDtype":

@@ -81,12 +81,12 @@ class RecomputeRegion:
     """One outlined region: what it holds and what crosses its boundary."""
     name: str
     """Name of its submodule and of the call node that replaced it."""
+    nodes: tuple[str, ...]
+    """Original node names, in graph order (they keep these names inside the body)."""
     layer: int
     """The layer index its nodes carry from capture."""
     mode: RecomputeMode
     """What its backward re-runs (``RecomputeMode``)."""
-    nodes: tuple[str, ...]
-    """Original node names, in graph order (they keep these names inside the body)."""
     inputs: tuple[str, ...]
     """Values the forward keeps for backward (parameters among them cost nothing)."""
     outputs: tuple[str, ...]

@@ -3,15 +3,14 @@ and what only a training job has (model, data, optimizer, evaluation, checkpoint
 reports). Imports nothing of the job, so every part of the job can read it."""
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
-from fxpipe.base.enums import parse_enum
+from fxpipe.base.enums import NamedEnum
 from fxpipe.data.tokens import TokenDtype
 from fxpipe.ir.parallel_config import ParallelConfig
 
 
-class LRSchedule(enum.Enum):
+class LRSchedule(NamedEnum, what="--lr-schedule"):
     """What the learning rate does after the linear warm-up."""
     CONSTANT = "constant"
     COSINE = "cosine"
@@ -19,10 +18,6 @@ class LRSchedule(enum.Enum):
     Hutter 2017, SGDR, without restarts; nanoGPT's and Megatron's default)."""
     LINEAR = "linear"
     """A straight line from --lr to --min-lr at the last step."""
-
-    @classmethod
-    def parse(cls, name: "str | LRSchedule") -> "LRSchedule":
-        return parse_enum(cls, name, "--lr-schedule")
 
 
 def _default_layout() -> "ParallelConfig":

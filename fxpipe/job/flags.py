@@ -18,6 +18,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 
+class Kind(enum.Enum):
+    """How a flag takes its value."""
+    VALUE = "value"
+    """``--name VALUE`` parsed by ``type``."""
+    SWITCH = "switch"
+    """``--name`` sets the field True (a bool field defaulting to False)."""
+    NEGATED = "negated"
+    """``--no-name`` sets the field False (a field whose default is True or derived)."""
+
+
 def _number(text: str, cast: Callable[[str], Any], ok: Callable[[Any], bool], expected: str, must: str) -> Any:
     """``text`` parsed by ``cast`` and checked by ``ok``; argparse's error says what was
     expected (not a number) or what it must be (out of range)."""
@@ -53,16 +63,6 @@ def fraction(text: str) -> float:
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0 (0: off)."""
     return _number(text, int, lambda v: v >= 0, "an integer >= 0", ">= 0")
-
-
-class Kind(enum.Enum):
-    """How a flag takes its value."""
-    VALUE = "value"
-    """``--name VALUE`` parsed by ``type``."""
-    SWITCH = "switch"
-    """``--name`` sets the field True (a bool field defaulting to False)."""
-    NEGATED = "negated"
-    """``--no-name`` sets the field False (a field whose default is True or derived)."""
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
-from fxpipe.base.enums import parse_enum
+from fxpipe.base.enums import NamedEnum
 from fxpipe.partition.problem import Node, PartitionProblem
 from fxpipe.partition.stage_cost import StageCost, evaluate
 
 
-class Method(str, enum.Enum):
+class Method(str, NamedEnum, what="partition method", valid="valid methods"):
     """Partitioning methods, by the names ``fxpipe compile --partition`` accepts."""
 
     ILP = "ilp"
@@ -22,12 +22,6 @@ class Method(str, enum.Enum):
     """DeepSpeed's ``partition_method='parameters'``: balance parameter counts."""
     DP = "dp"
     """Optimal contiguous split of one topological order (chain dynamic program)."""
-
-    @classmethod
-    def parse(cls, name: "str | Method") -> "Method":
-        """The one check of a method's name (``ParallelConfig``, ``PartitionConfig`` and
-        ``partition`` all parse through it)."""
-        return parse_enum(cls, name, "partition method", "valid methods")
 
 
 class SolveStatus(enum.Enum):

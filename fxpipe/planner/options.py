@@ -14,62 +14,6 @@ PLANNED: tuple[ScheduleKind, ...] = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTE
 in fxpipe but have no per-layer memory model here."""
 
 
-def planned_schedule(name: "str | ScheduleKind") -> ScheduleKind:
-    """A schedule the planner prices, or a ValueError listing them."""
-    kind = ScheduleKind.parse(name)
-    if kind not in PLANNED:
-        raise ValueError(f"schedule {kind.value!r} is not priced by the planner; valid: "
-                         f"{', '.join(k.value for k in PLANNED)}")
-    return kind
-
-
-class LayerBalance(enum.Enum):
-    """How the l layers are dealt to the p·v stages."""
-    MEGATRON = "megatron"
-    """l/(p·v) layers per stage; l must divide (Megatron's rule). The embedding sits on the
-    first stage and the LM head on the last, on top of their layers."""
-    FXPIPE = "fxpipe"
-    """Whole layers, any l: each layer goes to the stage whose predicted time is least so
-    far (optimal for identical layers), so the stages holding the embedding or the LM head
-    get fewer layers. fxpipe's ILP partitioner balances the captured graph the same way
-    (it may even cut inside a layer, which this model does not)."""
-
-
-class DPOverlap(enum.Enum):
-    """When the data-parallel gradient all-reduce runs."""
-    NONE = "none"
-    """After the rank's last backward (``bucket_mb=0``; Megatron's ``DDP=local``)."""
-    BACKWARD = "backward"
-    """Bucketed during the last microbatch's backward (fxpipe's runtime by default, torch
-    DDP; Megatron's ``DDP=torch``): only what outlasts that backward is exposed
-    (``dp_overlap.py``)."""
-
-
-class GradAccumulation(enum.Enum):
-    """How each microbatch's weight gradient joins the gradient the step reduces."""
-    FUSED = "fused"
-    """The weight-gradient GEMM accumulates into the gradient buffer itself (Megatron's
-    ``--gradient-accumulation-fusion``, on by default since 2022, Megatron-Core): no pass
-    of its own."""
-    SEPARATE = "separate"
-    """The GEMM writes a fresh gradient and an element-wise pass adds it to the
-    accumulator, every microbatch, on every parameter the rank holds: Megatron 2021's
-    ``main_grad.add_(grad)`` hook (``DDP=local``), autograd's ``AccumulateGrad``. It reads
-    the new gradient (compute dtype) and reads and writes the accumulator (``grad_bytes``)."""
-
-
-class VocabPasses(enum.Enum):
-    """Which layouts run the LM head as vocabulary passes (Yeung et al., MLSys 2025;
-    ``ParallelConfig(vocab_passes=True)``): every pipeline rank owns V/(t·p) rows of the
-    head and the tied embedding and runs its block's S and T per microbatch."""
-    OFF = "off"
-    """The head on the last stage, the embedding on the first (SC21's layout)."""
-    ON = "on"
-    """Every layout runs them; layouts with p = 1 (nothing to split over) are not searched."""
-    SEARCH = "search"
-    """Both variants of every layout with p >= 2 are candidates."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class CandidateLayout:
     """One point of the search space: a full training layout."""
@@ -148,6 +92,53 @@ class LayoutPins:
 
     def admits(self, cfg: "CandidateLayout") -> bool:
         return all(want is None or getattr(cfg, f) == want for f, want in vars(self).items())
+
+
+class LayerBalance(enum.Enum):
+    """How the l layers are dealt to the p·v stages."""
+    MEGATRON = "megatron"
+    """l/(p·v) layers per stage; l must divide (Megatron's rule). The embedding sits on the
+    first stage and the LM head on the last, on top of their layers."""
+    FXPIPE = "fxpipe"
+    """Whole layers, any l: each layer goes to the stage whose predicted time is least so
+    far (optimal for identical layers), so the stages holding the embedding or the LM head
+    get fewer layers. fxpipe's ILP partitioner balances the captured graph the same way
+    (it may even cut inside a layer, which this model does not)."""
+
+
+class DPOverlap(enum.Enum):
+    """When the data-parallel gradient all-reduce runs."""
+    NONE = "none"
+    """After the rank's last backward (``bucket_mb=0``; Megatron's ``DDP=local``)."""
+    BACKWARD = "backward"
+    """Bucketed during the last microbatch's backward (fxpipe's runtime by default, torch
+    DDP; Megatron's ``DDP=torch``): only what outlasts that backward is exposed
+    (``dp_overlap.py``)."""
+
+
+class GradAccumulation(enum.Enum):
+    """How each microbatch's weight gradient joins the gradient the step reduces."""
+    FUSED = "fused"
+    """The weight-gradient GEMM accumulates into the gradient buffer itself (Megatron's
+    ``--gradient-accumulation-fusion``, on by default since 2022, Megatron-Core): no pass
+    of its own."""
+    SEPARATE = "separate"
+    """The GEMM writes a fresh gradient and an element-wise pass adds it to the
+    accumulator, every microbatch, on every parameter the rank holds: Megatron 2021's
+    ``main_grad.add_(grad)`` hook (``DDP=local``), autograd's ``AccumulateGrad``. It reads
+    the new gradient (compute dtype) and reads and writes the accumulator (``grad_bytes``)."""
+
+
+class VocabPasses(enum.Enum):
+    """Which layouts run the LM head as vocabulary passes (Yeung et al., MLSys 2025;
+    ``ParallelConfig(vocab_passes=True)``): every pipeline rank owns V/(t·p) rows of the
+    head and the tied embedding and runs its block's S and T per microbatch."""
+    OFF = "off"
+    """The head on the last stage, the embedding on the first (SC21's layout)."""
+    ON = "on"
+    """Every layout runs them; layouts with p = 1 (nothing to split over) are not searched."""
+    SEARCH = "search"
+    """Both variants of every layout with p >= 2 are candidates."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,3 +225,12 @@ class PlannerOptions:
         if self.max_chunks < 1 or self.max_micro_batch < 1:
             raise ValueError(f"max_chunks and max_micro_batch must be >= 1, got "
                              f"{self.max_chunks}, {self.max_micro_batch}")
+
+
+def planned_schedule(name: "str | ScheduleKind") -> ScheduleKind:
+    """A schedule the planner prices, or a ValueError listing them."""
+    kind = ScheduleKind.parse(name)
+    if kind not in PLANNED:
+        raise ValueError(f"schedule {kind.value!r} is not priced by the planner; valid: "
+                         f"{', '.join(k.value for k in PLANNED)}")
+    return kind

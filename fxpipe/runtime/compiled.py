@@ -71,12 +71,12 @@ class StageCompile:
     compiled: bool
     seconds: float
     """Wall time of the compile attempt (forward and backward)."""
-    reason: str | None = None
-    """Why the stage runs eagerly (``compiled`` False)."""
     split: bool = False
     """Its backward is compiled as separate I and W graphs (zero-bubble schedules)."""
     split_reason: str | None = None
     """Why a compiled stage's backward is compiled whole (W then re-runs it, ~2 B)."""
+    reason: str | None = None
+    """Why the stage runs eagerly (``compiled`` False)."""
 
     def line(self) -> str:
         if not self.compiled:
@@ -268,7 +268,7 @@ def compile_stages(stages: dict[int, tuple[fx.GraphModule, Sequence[torch.Tensor
         seconds[index] = time.perf_counter() - start
         if log is not None and reasons[index] is None:
             did, why = _split_of(fns[index])
-            log(f"fxpipe compile: {StageCompile(index, True, seconds[index], None, did, why).line()}")
+            log(f"fxpipe compile: {StageCompile(index, True, seconds[index], did, why).line()}")
     # Split or whole must agree too ("all split" and "all whole" both false: mixed).
     agreed = agree({**{i: r is None for i, r in reasons.items()},
                     **{("split", i): _split_of(fns[i])[0] for i in stages},
@@ -281,7 +281,7 @@ def compile_stages(stages: dict[int, tuple[fx.GraphModule, Sequence[torch.Tensor
             # Structural, so never expected; but a split I on one TP rank against a whole
             # backward on another would order their collectives differently.
             fns[index], reason = gm, "another rank running it split its backward differently"
-        record = StageCompile(index, reason is None, seconds[index], reason, *_split_of(fns[index]))
+        record = StageCompile(index, reason is None, seconds[index], *_split_of(fns[index]), reason=reason)
         if reason is not None:
             warnings.warn(CompileFallbackWarning(f"fxpipe compile: {record.line()}; running it eagerly"),
                           stacklevel=2)

@@ -1,16 +1,15 @@
 """Schedule generators by name."""
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Callable
 
-from fxpipe.base.enums import parse_enum
+from fxpipe.base.enums import NamedEnum
 from fxpipe.schedules.generators import gpipe, interleaved, one_f_one_b, zb_h1, zb_v
 from fxpipe.schedules.schedule import Schedule
 
 
-class ScheduleKind(enum.Enum):
+class ScheduleKind(NamedEnum, what="schedule", valid="valid names are"):
     """The pipeline schedules, by their registered names (``SCHEDULES`` generates each).
     The one schedule enum: the layout (``ParallelConfig``), the runtime and the planner
     (which prices a subset, ``planner.config.PLANNED``) all use it."""
@@ -19,10 +18,6 @@ class ScheduleKind(enum.Enum):
     INTERLEAVED = "interleaved"
     ZB_H1 = "zb-h1"
     ZB_V = "zb-v"
-
-    @classmethod
-    def parse(cls, name: "str | ScheduleKind") -> "ScheduleKind":
-        return parse_enum(cls, name, "schedule", "valid names are")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -95,4 +95,4 @@ def test_registry_rejects_unknown_names_and_stray_options():
     with pytest.raises(TypeError, match="takes no options"):
         partition(p, "dp", time_limit_s=1.0)
     assert partition(p, Method.DP).method is Method.DP
-    assert Method.parse("ILP") is Method.ILP  # any case, as every enum parsed by base/enums.parse_enum
+    assert Method.parse("ILP") is Method.ILP  # any case, as every base.enums.NamedEnum

@@ -297,8 +297,10 @@ def _pointwise(plan: TPPlan, prov: Provenance, node: fx.Node, lay: Any, grad: fr
 
 RULES: dict[Any, Rule] = G.op_table(
     (G.GETITEM, _same_op),
+    (G.NEW_EMPTY, _same_op),
     ((G.aten.view.default, G.aten._unsafe_view.default, G.aten.reshape.default, G.aten.expand.default), _view),
     (G.SHAPED_AS, _shaped_as),
+    (G.TYPE_AS, _type_as),
     (G.aten.unflatten.int, _unflatten),
     (G.SPLITS, plan_ops.split_rule),
     (G.aten.slice.Tensor, plan_ops.slice_rule),
@@ -319,11 +321,9 @@ RULES: dict[Any, Rule] = G.op_table(
     (G.SELECT, _input_dim_whole(lambda n: n.args[1], "selects one index of a sharded dim")),
     (G.UNBIND, _input_dim_whole(lambda n: arg(n, 1, "dim", 0), "unbinds a sharded dim")),
     (G.PADS, _pad),
-    (G.NEW_EMPTY, _same_op),
     (G.SLICE_SCATTER, _slice_scatter),
     (G.INDEX, _index),
     (G.INDEX_ADD, _index_add),
-    (G.TYPE_AS, _type_as),
     (writes.INDEX_PUT, plan_ops.index_put_rule),
 )
 """ATen op -> its plan rule; in the order the rules were written, an op in two groups
