@@ -201,6 +201,7 @@ def main() -> None:
                         "first, one thread per process, as the ranks run; written beside --output), a preset "
                         "or a profile's path")
     args = p.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     if args.hardware == "calibrate":
         # The price's links (gloo's p2p and all-reduce) and the runtime's cost per action are
         # this machine's, measured as `fxpipe calibrate` measures them, not the CPU preset's guesses.
@@ -235,7 +236,6 @@ def main() -> None:
     if skipped:
         tail.append(f"skipped (--max-minutes {args.max_minutes:g}): {', '.join(skipped)}")
     print("\n".join(tail), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
         f.write("\n".join(lines + tail) + "\n")
 

@@ -48,6 +48,12 @@ def cache_dir() -> Path:
     return Path(root) / "layouts"
 
 
+PRICE_REVISION = 2
+"""Raised whenever the price of a layout changes for the same graph, batch and hardware
+(2: each shape's group times add up to its graph timed whole, ``costs.measure.fit_to_whole``):
+a search remembered under the old price is searched again."""
+
+
 def search_key(program: Program, batch_specs: list, world: int, base: ParallelConfig,
                pinned: Mapping[str, Any], threads: int | None, concurrent: int | None) -> dict[str, Any]:
     """What the search's answer depends on (module docstring), as plain JSON values."""
@@ -60,7 +66,7 @@ def search_key(program: Program, batch_specs: list, world: int, base: ParallelCo
     key = {"graph": _digest([graph, params]), "batch": [[list(s), d] for s, d in batch_specs],
             "world": world, "hardware": hardware, "base": repr(base),
             "pinned": sorted((k, repr(v)) for k, v in pinned.items()), "threads": threads,
-            "concurrent": concurrent, "fxpipe": fxpipe.__version__}
+            "concurrent": concurrent, "fxpipe": fxpipe.__version__, "price": PRICE_REVISION}
     return json.loads(json.dumps(key))  # as it reads back: tuples are lists in JSON
 
 

@@ -65,3 +65,41 @@ def test_the_fixed_cost_is_a_null_stage_run_as_groups_are(tiny):
     costs = measure.runner_fixed_cost(plan, torch.device("cpu"), repeats=3)
     assert len(costs) == len(measure.PHASES)
     assert all(math.isfinite(c) and c > 0 for c in costs), costs
+
+
+def test_group_times_are_shifted_to_sum_to_the_graph_run_whole():
+    """Closed form: one shift per phase, the same for every group, floored at MIN_GROUP_S,
+    and the sum equal to the whole graph's time."""
+    rows = {0: (4e-4, 9e-4), 1: (1e-4, 2e-4), 2: (3e-5, 5e-4)}
+    whole = (3.5e-4, 1.3e-3)
+    fitted = measure.fit_to_whole(rows, whole)
+    for p, w in enumerate(whole):
+        assert math.isclose(sum(r[p] for r in fitted.values()), w, rel_tol=1e-9)
+    # Forward: the 30 us group is floored; the other two give up the rest equally.
+    d = (4e-4 + 1e-4 - (3.5e-4 - measure.MIN_GROUP_S)) / 2
+    assert fitted[2][0] == measure.MIN_GROUP_S
+    assert math.isclose(fitted[0][0], 4e-4 - d) and math.isclose(fitted[1][0], 1e-4 - d)
+    # Backward: no group floored, each less the same (sum - whole) / 3.
+    d = (9e-4 + 2e-4 + 5e-4 - 1.3e-3) / 3
+    assert all(math.isclose(fitted[g][1], rows[g][1] - d) for g in rows)
+    # A graph that costs more whole than its groups: each group takes an equal share more.
+    up = measure.fit_to_whole({0: (1e-4,), 1: (2e-4,)}, (5e-4,))
+    assert math.isclose(up[0][0], 2e-4) and math.isclose(up[1][0], 3e-4)
+
+
+def test_local_timing_adds_up_to_the_graph_run_whole(tiny, monkeypatch):
+    """measure_locally times the graph once more as one stage and its groups sum to that:
+    with a clock where every timed call takes 1 ms, the groups' forward times sum to one
+    call's 1 ms less the fixed cost, not to 1 ms per group."""
+    from fxpipe.costs.local import measure_locally
+
+    w, program = tiny
+    fixed = (2e-4, 3e-4, 1e-4, 5e-5)
+    monkeypatch.setattr(measure, "_Clock", _Ticks)
+    monkeypatch.setattr(measure, "runner_fixed_cost", lambda *a, **k: fixed)
+    state_for = lambda names: {n: program.state[n].detach().clone().requires_grad_(program.state[n].requires_grad)  # noqa: E731
+                               for n in names}
+    times = measure_locally(program, CONFIG, w.example_inputs, state_for, tp=1, repeats=1)
+    for phase in (0, 1):
+        total = sum(t[phase] for t in times.fused.values())
+        assert math.isclose(total, 1e-3 - fixed[phase], rel_tol=1e-6), (phase, total)
