@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from fxpipe.base.cpu_memory import keep_freed_blocks
 from fxpipe.costs import probe_groups
-from fxpipe.costs.measure import fit_to_whole, time_groups
+from fxpipe.costs.measure import fit_to_whole, runner_fixed_cost, time_groups
 from fxpipe.costs.profile import CostProfile, device_name
 from fxpipe.ir.pass_configs import PartitionConfig
 from fxpipe.ir.program import Program
@@ -99,12 +99,15 @@ def measure_locally(program: Program, config: PartitionConfig, batch: Sequence[t
                   cpu_time=torch.get_num_threads() == 1)
     rows = time_groups(plan, mine, state_for(names), batch, device, **timing)
     rows = {g: rows[stage_of[same[g]]] for g in range(n)}
-    # The graph run whole, as one stage: what the groups' times must add up to
-    # (``fit_to_whole``; a graph of many small groups was priced at 0.7 of what it runs in).
-    one = program.replace(stages=probe.expand([0] * n))
-    whole_plan = split_program(one, dict(one.stages), num_stages=1)
-    whole = time_groups(whole_plan, range(1), state_for(whole_plan.stage_params(0)), batch, device, **timing)[0]
-    rows = fit_to_whole(rows, whole)
+    if _calls_matter(rows, runner_fixed_cost(plan, device, context, cpu_time=timing["cpu_time"])):
+        # The graph run whole, as one stage: what the groups' times must add up to
+        # (``fit_to_whole``; a graph of many small groups was priced at 0.7 of what it
+        # runs in). Once: the groups were just timed at these shapes, so it runs warm.
+        one = program.replace(stages=probe.expand([0] * n))
+        whole_plan = split_program(one, dict(one.stages), num_stages=1)
+        once = dict(timing, repeats=1, warmup=0, enough_s=None, steady=None)
+        whole = time_groups(whole_plan, range(1), state_for(whole_plan.stage_params(0)), batch, device, **once)[0]
+        rows = fit_to_whole(rows, whole)
     profile = CostProfile(key="", device=device_name(device), groups=tuple(rows[g] for g in range(n)),
                           latency_s=0.0, bandwidth_bytes_per_s=float("inf"))
     fused, split = profile.node_times(fine, probe, False), profile.node_times(fine, probe, True)
@@ -117,6 +120,19 @@ def measure_locally(program: Program, config: PartitionConfig, batch: Sequence[t
         if at is not None and len(node.args) > at and hasattr(node.args[at], "name"):
             matmuls.setdefault(node.args[at].name, node.name)
     return LocalTimes(fused=fused, split=split, scale=scale, matmuls=matmuls, device=profile.device)
+
+
+CALLS_MATTER = 0.1
+"""The share of a shape's timed forward + backward that calling its groups one by one may
+take (the null stage's cost per group) before the shape is timed whole as well: below it,
+fitting to the whole moves the price by less than the search can tell apart, and timing
+a large shape whole again costs seconds (gpt-small, 16 rows of 128 tokens: 1.9 s)."""
+
+
+def _calls_matter(rows: Mapping[int, tuple[float, ...]], fixed: Sequence[float]) -> bool:
+    """Whether the per-group calls are a visible share of the shape (``CALLS_MATTER``)."""
+    work = sum(r[0] + r[1] for r in rows.values())
+    return len(rows) * (fixed[0] + fixed[1]) > CALLS_MATTER * work
 
 
 def _spec(value: object) -> object:

@@ -103,3 +103,17 @@ def test_local_timing_adds_up_to_the_graph_run_whole(tiny, monkeypatch):
     for phase in (0, 1):
         total = sum(t[phase] for t in times.fused.values())
         assert math.isclose(total, 1e-3 - fixed[phase], rel_tol=1e-6), (phase, total)
+
+
+def test_a_shape_is_timed_whole_only_where_its_calls_are_a_visible_share():
+    """The whole graph is timed again only where the groups' calls (the null stage's cost
+    each) exceed CALLS_MATTER of the shape's forward + backward."""
+    from fxpipe.costs.local import CALLS_MATTER, _calls_matter
+
+    fixed = (3e-5, 4e-5, 0.0, 0.0)
+    small = {g: (2e-5, 3e-5, 0.0, 0.0) for g in range(50)}  # calls 3.5 ms, work 2.5 ms
+    large = {g: (8e-3, 1.6e-2, 0.0, 0.0) for g in range(50)}  # calls 3.5 ms, work 1.2 s
+    assert _calls_matter(small, fixed) and not _calls_matter(large, fixed)
+    edge = 50 * 7e-5 / CALLS_MATTER / 50  # per-group work at which the share is exactly CALLS_MATTER
+    assert not _calls_matter({g: (edge / 1.98, edge / 1.98, 0.0, 0.0) for g in range(50)}, fixed)
+    assert _calls_matter({g: (edge / 2.2, edge / 2.2, 0.0, 0.0) for g in range(50)}, fixed)
