@@ -74,6 +74,9 @@ class BlockwiseLoss:
     target: str
     blocks: tuple[LossBlock, ...]
     """In block order; the last block's ``acc`` feeds the loss."""
+    replaced: tuple[str, ...] = ()
+    """The captured nodes the blocks stand in for (the logits' cat, the chain, the loss):
+    a timing of the capture prices the blocks by theirs (``costs.local.node_times_for``)."""
 
 
 @dataclass(frozen=True)

@@ -169,12 +169,13 @@ def _rewrite(gm: fx.GraphModule, split: MatmulSplit, m: LossMatch, paths: dict, 
         if m.loss.name in layers:
             layers[n.name] = layers[m.loss.name]
     m.loss.replace_all_uses_with(loss)
+    replaced = tuple(n.name for n in m.removed)
     for n in reversed(m.removed):
         assert not n.users, n
         graph.erase_node(n)
         paths.pop(n.name, None)
         layers.pop(n.name, None)
-    return BlockwiseLoss(chain=m.chain, target=m.target.name, blocks=tuple(blocks))
+    return BlockwiseLoss(chain=m.chain, target=m.target.name, blocks=tuple(blocks), replaced=replaced)
 
 
 def split_loss_pass(program: Program, ctx: CompileContext) -> Program:

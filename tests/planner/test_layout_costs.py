@@ -238,3 +238,32 @@ def test_under_torchrun_rank_0_chooses_the_runs_layout_for_every_rank():
     parallel, rows, batch = ranks[0]
     assert parallel.pp == 2 and parallel.tp * parallel.pp * parallel.dp == 2 and batch == 16
     assert rows * parallel.num_microbatches * parallel.dp == 16
+
+
+def test_a_blockwise_loss_shares_the_timed_cost_of_the_loss_it_replaces():
+    """The cross-entropy cut into blocks is priced by what the captured loss took when timed,
+    shared over the blocks (by the cost model there were 19 small ops a block, many times
+    the timed loss)."""
+    from fxpipe.models.gpt import GPT, GPTConfig
+    from fxpipe.models.workload import Workload
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=4096, block_size=16, n_layer=2, n_head=4, n_embd=32))
+    ids = torch.randint(0, 4096, (2, 17))
+    w = Workload(model, (ids[:, :-1].contiguous(), ids[:, 1:].contiguous()), None, None, vocab_size=4096)
+    config = ParallelConfig(pp=2, microbatches=1, schedule="1f1b", partition="dp", costs="model", split_loss=True)
+    program = capture_for(w.model, w.example_inputs, config, w.loss_fn)
+    costed = compile_program(program, config, until="cost").program
+    shards = ShardBuilder(costed, costed.tp_specs, w.model, tp_rank=0, device=torch.device("cpu"))
+    pconfig = CompileContext.of(config).partition
+    timed = measure_locally(costed, pconfig, w.example_inputs, shards.tensors, tp=1, repeats=1)
+    full = compile_program(program, config, until="split_loss").program
+    assert full.loss_splits and len(full.loss_splits[0].blocks) > 1
+    loss = full.loss_splits[0]
+    assert loss.replaced and all(n in timed.fused for n in loss.replaced if n in costed.costs)
+    times = node_times_for(full, pconfig, timed, split_backward=False)
+    blocks = [n for b in loss.blocks for n in b.nodes if n in times]
+    for i in (0, 1):
+        want = sum(timed.fused[n][i] for n in loss.replaced if n in timed.fused)
+        assert want > 0
+        assert sum(times[n][i] for n in blocks) == pytest.approx(want, rel=1e-9)
