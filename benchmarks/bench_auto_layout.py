@@ -146,7 +146,12 @@ def bench(args) -> tuple[list[str], dict]:
                                                                                                len(rest))))
     layouts = [{f: getattr(ranked[i].config, f) for f in SEARCHED} for i in picked]
     layouts = [dict(f, microbatches=f.pop("num_microbatches")) for f in layouts]
-    measured = run_local_world(args.world, _worker, args, layouts, timeout=timedelta(seconds=600), threads=1)[0]
+    try:
+        measured = run_local_world(args.world, _worker, args, layouts, timeout=timedelta(seconds=600), threads=1)[0]
+    except Exception as exc:  # noqa: BLE001 - one pair's failure is reported, the others still run
+        why = next((ln.strip() for ln in reversed(str(exc).splitlines()) if ln.strip()), type(exc).__name__)
+        return [f"## {args.model} / {args.workload}: failed while measuring: {why[:300]}",
+                "layouts: " + "; ".join(ranked[i].describe() for i in picked)], {}
     predicted = [ranked[i].step_s for i in picked]
     best = min(range(len(measured)), key=measured.__getitem__)
     stats = dict(ratio=measured[0] / measured[best], error=median_relative_error(predicted, measured),

@@ -10,8 +10,12 @@ the compute is timed at shard shapes and the communication is left to be priced 
 links. ``node_times_for`` then gives any later compile of the same capture (another
 pipeline split, another schedule) its per-node times: nodes of the timed graph keep
 theirs; the blocks a split matmul cut share their op's time in proportion to the cost
-model; a node the timed graph did not have takes the cost model's time scaled by what
+model, and the blocks of a blockwise cross-entropy the time of the loss they replace; a
+node the timed graph did not have takes the cost model's time scaled by what
 measurement found for the rest (measured / modelled).
+
+Where calling the groups one by one is a visible share of a shape's work, the shape is
+also timed whole, once, and its groups' times fitted to that (``measure.fit_to_whole``).
 
 Groups that repeat — a transformer's layers are the same ops on the same shapes — are
 timed once (``repeated_groups``): each copy takes its representative's times, as the
@@ -102,11 +106,11 @@ def measure_locally(program: Program, config: PartitionConfig, batch: Sequence[t
     if _calls_matter(rows, runner_fixed_cost(plan, device, context, cpu_time=timing["cpu_time"])):
         # The graph run whole, as one stage: what the groups' times must add up to
         # (``fit_to_whole``; a graph of many small groups was priced at 0.7 of what it
-        # runs in). Once: the groups were just timed at these shapes, so it runs warm.
+        # runs in). Timed as the groups are: its first round (the stage's first call) is
+        # slower than the rest, and timed once it priced deep-narrow 1.5x.
         one = program.replace(stages=probe.expand([0] * n))
         whole_plan = split_program(one, dict(one.stages), num_stages=1)
-        once = dict(timing, repeats=1, warmup=0, enough_s=None, steady=None)
-        whole = time_groups(whole_plan, range(1), state_for(whole_plan.stage_params(0)), batch, device, **once)[0]
+        whole = time_groups(whole_plan, range(1), state_for(whole_plan.stage_params(0)), batch, device, **timing)[0]
         rows = fit_to_whole(rows, whole)
     profile = CostProfile(key="", device=device_name(device), groups=tuple(rows[g] for g in range(n)),
                           latency_s=0.0, bandwidth_bytes_per_s=float("inf"))
@@ -122,7 +126,7 @@ def measure_locally(program: Program, config: PartitionConfig, batch: Sequence[t
     return LocalTimes(fused=fused, split=split, scale=scale, matmuls=matmuls, device=profile.device)
 
 
-CALLS_MATTER = 0.1
+CALLS_MATTER = 0.15
 """The share of a shape's timed forward + backward that calling its groups one by one may
 take (the null stage's cost per group) before the shape is timed whole as well: below it,
 fitting to the whole moves the price by less than the search can tell apart, and timing
