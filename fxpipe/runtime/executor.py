@@ -70,7 +70,7 @@ class PipelineExecutor:
         self.to_send: dict[tuple[K, int, int], list[tuple[str, int, torch.Tensor]]] = {}
         self.posted: dict[tuple[K, int, int], list[tuple[Any, str, torch.Tensor]]] = {}
         self.events = []
-        self.transport.waited_s = self.transport.posted_s = 0.0
+        self.transport.waited_s = self.transport.posted_s = self.transport.posted_cpu_s = 0.0
         self.transport.posts = 0
         handlers = {K.F: self._forward, K.B: self._backward, K.I: self._backward,
                     K.W: self._weight, K.SEND_F: self._send, K.SEND_B: self._send,

@@ -79,6 +79,9 @@ class Transport:
     which its transport thread holds while it reads a message, and on a CPU whose cores
     all compute that thread waits for a core — a post then blocks for milliseconds
     (``benchmarks/bench_transfer_posts.py``). ``fxpipe calibrate`` prices its mean."""
+    posted_cpu_s: float = 0.0
+    """The posting thread's own CPU time in those posts (``time.thread_time``): the part of
+    ``posted_s`` not spent blocked behind the transport thread or waiting for a core."""
     posts: int = 0
     """Sends and receives posted since the last reset."""
 
@@ -100,11 +103,12 @@ class Transport:
         return self._post(dist.isend, t, dst=dst, tag=tag, group=self.group)
 
     def _post(self, post, *args, **kwargs) -> Any:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return post(*args, **kwargs)
         finally:
             self.posted_s += time.perf_counter() - start
+            self.posted_cpu_s += time.thread_time() - cpu
             self.posts += 1
 
     def recv(self, value: StageValue, src: int, tag: int) -> tuple[Pending, torch.Tensor]:

@@ -34,7 +34,7 @@ def test_dp_mismatch_is_a_clear_error():
         resolve_dp(6, 2, 2, None)
 
 
-def _posts_counted_and_made(rank: int, world: int) -> tuple[int, int, float]:
+def _posts_counted_and_made(rank: int, world: int) -> tuple[int, int, dict]:
     """(posts the runtime counted, sends and receives it actually made, seconds counted)
     over two steps of calibration's tiny pipeline, every ``isend``/``irecv`` counted apart."""
     import torch.distributed as dist
@@ -53,11 +53,11 @@ def _posts_counted_and_made(rank: int, world: int) -> tuple[int, int, float]:
     for name in real:
         setattr(dist, name, counting(name))
     try:
-        posted_s, posts = pipeline_posts(steps=2, warmup=0)
+        costs = pipeline_posts(steps=2, warmup=0)
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
-    return posts, made[0], posted_s
+    return costs["posts"], made[0], costs
 
 
 @pytest.mark.slow
@@ -66,7 +66,20 @@ def test_every_send_and_receive_the_runtime_posts_is_counted_with_its_time():
     by) see every post: the activations' and gradients' and the tied table's lookups."""
     from tests.runtime._dist import run_world
 
-    for counted, made, posted_s in run_world(2, _posts_counted_and_made):
+    from fxpipe.planner.machine_speeds import transfer_end_s
+
+    results = run_world(2, _posts_counted_and_made)
+    for counted, made, costs in results:
         # 8 microbatches × 2 steps: at least an activation each way, and the lookups.
         assert counted == made and made >= 2 * 8 * 2, (counted, made)
-        assert posted_s > 0
+        assert costs["posted_s"] > 0 and 0 < costs["posted_cpu_s"] <= costs["posted_s"] * 1.05 + 1e-3
+        if costs["transport_s"] is not None:  # Linux: gloo's transport threads ran for the messages
+            assert costs["transport_s"] > 0
+    # One transfer end's own time: posting CPU plus the transport threads', per post.
+    every = [c for _, _, c in results]
+    posts = sum(c["posts"] for c in every)
+    if all(c["transport_s"] is not None for c in every):
+        want = sum(c["posted_cpu_s"] + c["transport_s"] for c in every) / posts
+    else:
+        want = sum(c["posted_s"] for c in every) / posts
+    assert transfer_end_s(every) == pytest.approx(want)
