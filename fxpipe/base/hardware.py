@@ -114,7 +114,7 @@ class Hardware:
     on a core of the 2-core VM, and now and then milliseconds inside a pipeline, behind
     its transport thread), so a pipeline rank pays it for every activation and gradient
     it sends or receives, between its computations; NCCL only enqueues it (µs). ``fxpipe
-    calibrate`` measures its mean inside a tiny pipeline (``machine_speeds.pipeline_posts``);
+    calibrate`` measures its mean inside a tiny pipeline (``transfer_speeds.pipeline_posts``);
     the layout search adds it to the actions that send or receive."""
     backend: str = "nccl"
     """The collective library the runtime uses on this hardware: ``nccl`` (GPUs) or ``gloo``

@@ -36,7 +36,7 @@ import platform
 import statistics
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -44,20 +44,15 @@ import torch
 from fxpipe.base.hardware import CPU, Hardware, Link
 from fxpipe.compiler.capture import capture
 from fxpipe.compiler.driver import run_passes
-from fxpipe.compiler.pipeline import compile_pipeline
-from fxpipe.ir.artifact import CompiledPipeline
-from fxpipe.ir.parallel_config import ParallelConfig
 from fxpipe.models.gpt import GPT, GPTConfig
-from fxpipe.params.rank_state import ShardBuilder
 from fxpipe.planner.compute_speeds import best_rate, measure_compute
 from fxpipe.planner.layout_price import price
 from fxpipe.planner.options import CandidateLayout, PlannerOptions
 from fxpipe.planner.predict import predict
 from fxpipe.planner.shapes import TransformerShape
-from fxpipe.runtime.api import ParallelModel
-from fxpipe.runtime.build import build_runtime
+from fxpipe.planner.tiny_runtime import tiny_batch, tiny_runtime
+from fxpipe.planner.transfer_speeds import _end_parts, pipeline_posts, transfer_end_s
 from fxpipe.runtime.local_world import free_port, join_local_world
-from fxpipe.runtime.rank_mesh import RankMesh
 
 SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
 """Message sizes in bytes for the gloo measurements."""
@@ -93,25 +88,6 @@ def measure_framework_overhead(hw: Hardware) -> dict[str, float]:
     return dict(tiny_step_s=measured, op_overhead_s=max(hw.op_overhead_s, (measured - base) / slope))
 
 
-def _tiny_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """8 rows of 8 tokens and their targets, vocabulary 32 (from torch's current seed)."""
-    return torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8))
-
-
-def _tiny_runtime(layers: int, batch: tuple[torch.Tensor, ...],
-                  **layout: Any) -> tuple[CompiledPipeline, ParallelModel]:
-    """(compiled, ParallelModel) of a tiny GPT (h=16, ``layers`` layers, tied head) laid out
-    by ``layout`` on the CPU preset's cost model, built by the real runtime in this
-    process's world (a world of one is made when there is none)."""
-    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=layers, n_head=2, n_embd=16))
-    config = ParallelConfig(costs="model", partition="uniform", hardware="cpu", **layout)
-    mesh = RankMesh.join(config, torch.device("cpu"))
-    rows = batch[0].shape[0] // config.num_microbatches
-    compiled = compile_pipeline(model, tuple(t[:rows] for t in batch), mesh.config, device="cpu")
-    shards = ShardBuilder(compiled.program, {}, model, tp_rank=0, device=torch.device("cpu"))
-    return compiled, build_runtime(compiled, mesh, shards, model=model)
-
-
 def measure_action_overhead(hw: Hardware, steps: int = 15, trials: int = 1) -> dict[str, float]:
     """The runtime's fixed cost per compute action (``Hardware.action_overhead_s``): a tiny
     GPT (h=16, one layer, 8 rows of 8 tokens) trained by the real runtime in a world of one
@@ -128,7 +104,7 @@ def measure_action_overhead(hw: Hardware, steps: int = 15, trials: int = 1) -> d
     import torch.distributed as dist  # a process group of one, only while measuring
 
     torch.manual_seed(0)
-    batch = _tiny_batch()
+    batch = tiny_batch()
     ours = not dist.is_initialized()
     predicted, models = {}, {}
     # A world of one waits for no peer: with one thread its step takes exactly its
@@ -136,7 +112,7 @@ def measure_action_overhead(hw: Hardware, steps: int = 15, trials: int = 1) -> d
     now = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     try:
         for m in (1, 8):
-            compiled, models[m] = _tiny_runtime(1, batch, microbatches=m)
+            compiled, models[m] = tiny_runtime(1, batch, microbatches=m)
             predicted[m] = price(compiled, hw).step_s
             models[m].train_step(batch)
         windows: dict[int, list[float]] = {1: [], 8: []}
@@ -236,86 +212,6 @@ def _gloo_worker(rank: int, port: int, out: str, threads: int) -> None:
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump(dict(compute=compute, p2p=p2p, all_reduce=ar, posts=pipeline_posts()), f)
     dist.destroy_process_group()
-
-
-def pipeline_posts(steps: int = 10, warmup: int = 3) -> dict[str, Any]:
-    """What this rank's sends and receives cost it over ``steps`` steps (after ``warmup``)
-    of a tiny GPT (h=16, two layers, tied head) run by the runtime as a 2-stage 1F1B
-    pipeline of 8 microbatches, in the world of two the caller joined: ``posts``, the
-    wall time in them (``posted_s``, ``Transport.posted_s``), the posting thread's CPU in
-    them (``posted_cpu_s``) and the CPU gloo's transport threads ran meanwhile
-    (``transport_s``; None where the system does not say, ``transport_threads_s``).
-
-    Their sum per post is each transfer end's own cost (``Hardware.transfer_cpu_s``): a
-    post takes the calling thread's time, and gloo's transport thread reads and writes
-    the message on a thread of its own, which on a CPU whose cores all compute runs on
-    the rank's core (130–225 µs a post in a 2-stage GPipe of gpt-tiny, beside 150–240 µs
-    in the posts; the compute thread waited as long for its core). A post alone, both
-    ranks idle, takes ~0.1 ms every time; inside a pipeline it blocks now and then for
-    milliseconds (``benchmarks/bench_transfer_posts.py``), so it is measured where it
-    happens and taken by its mean: the price sums the posts of a step."""
-    torch.manual_seed(0)
-    batch = _tiny_batch()
-    _, pm = _tiny_runtime(2, batch, pp=2, microbatches=8, schedule="1f1b")
-    out: dict[str, Any] = dict(posted_s=0.0, posted_cpu_s=0.0, posts=0, transport_s=None)
-    try:
-        for _ in range(warmup):
-            pm.train_step(batch)
-        before = transport_threads_s()
-        for _ in range(steps):
-            pm.train_step(batch)
-            t = pm.executor.transport
-            out["posted_s"] += t.posted_s
-            out["posted_cpu_s"] += t.posted_cpu_s
-            out["posts"] += t.posts
-        after = transport_threads_s()
-        if before is not None and after is not None:
-            out["transport_s"] = after - before
-    finally:
-        pm.close()
-    return out
-
-
-def transfer_end_s(costs: Sequence[dict[str, Any]]) -> float:
-    """One transfer end's own time from ``pipeline_posts`` of every rank: the posting
-    thread's CPU and the transport threads' per post where the system says what the
-    transport threads ran, else the wall time in the posts."""
-    posts = max(1, sum(c["posts"] for c in costs))
-    if all(c.get("transport_s") is not None for c in costs):
-        return sum(c["posted_cpu_s"] + c["transport_s"] for c in costs) / posts
-    return sum(c["posted_s"] for c in costs) / posts
-
-
-def _end_parts(costs: Sequence[dict[str, Any]]) -> str:
-    """How a transfer end's own time divides, for the calibration's line."""
-    posts = max(1, sum(c["posts"] for c in costs))
-    if any(c.get("transport_s") is None for c in costs):
-        return " (the wall time in its posts)"
-    posting = sum(c["posted_cpu_s"] for c in costs) / posts
-    transport = sum(c["transport_s"] for c in costs) / posts
-    return f" (posting {posting * 1e6:.0f} us + gloo's transport threads {transport * 1e6:.0f} us)"
-
-
-def transport_threads_s() -> float | None:
-    """CPU seconds gloo's transport threads of this process have run so far (Linux: each
-    thread's ``schedstat``; the threads gloo names ``gloo_*``), None where the system does
-    not say."""
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return None
-    total, found = 0.0, False
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if not f.read(64).startswith("gloo"):
-                    continue
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                total += int(f.read(256).split()[0]) / 1e9
-            found = True
-        except (OSError, ValueError, IndexError):
-            continue  # a thread that ended meanwhile, or no schedstat
-    return total if found else None
 
 
 def measure_gloo(threads: int) -> dict[str, Any]:

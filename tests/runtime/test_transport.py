@@ -39,7 +39,7 @@ def _posts_counted_and_made(rank: int, world: int) -> tuple[int, int, dict]:
     over two steps of calibration's tiny pipeline, every ``isend``/``irecv`` counted apart."""
     import torch.distributed as dist
 
-    from fxpipe.planner.machine_speeds import pipeline_posts
+    from fxpipe.planner.transfer_speeds import pipeline_posts
 
     made = [0]
     real = {name: getattr(dist, name) for name in ("isend", "irecv")}
@@ -66,7 +66,7 @@ def test_every_send_and_receive_the_runtime_posts_is_counted_with_its_time():
     by) see every post: the activations' and gradients' and the tied table's lookups."""
     from tests.runtime._dist import run_world
 
-    from fxpipe.planner.machine_speeds import transfer_end_s
+    from fxpipe.planner.transfer_speeds import transfer_end_s
 
     results = run_world(2, _posts_counted_and_made)
     for counted, made, costs in results:
