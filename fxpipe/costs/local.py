@@ -15,7 +15,8 @@ node the timed graph did not have takes the cost model's time scaled by what
 measurement found for the rest (measured / modelled).
 
 Where calling the groups one by one is a visible share of a shape's work, the shape is
-also timed whole, once, and its groups' times fitted to that (``measure.fit_to_whole``).
+also timed whole, as its groups are, and their times fitted to that
+(``measure.fit_to_whole``).
 
 Groups that repeat — a transformer's layers are the same ops on the same shapes — are
 timed once (``repeated_groups``): each copy takes its representative's times, as the
@@ -130,7 +131,8 @@ CALLS_MATTER = 0.15
 """The share of a shape's timed forward + backward that calling its groups one by one may
 take (the null stage's cost per group) before the shape is timed whole as well: below it,
 fitting to the whole moves the price by less than the search can tell apart, and timing
-a large shape whole again costs seconds (gpt-small, 16 rows of 128 tokens: 1.9 s)."""
+a large shape whole again costs seconds (gpt-small, 16 rows of 128 tokens: 1.9 s for one
+round)."""
 
 
 def _calls_matter(rows: Mapping[int, tuple[float, ...]], fixed: Sequence[float]) -> bool:
