@@ -2,7 +2,6 @@
 the recompute pass (``passes/recompute.py``) applies them to stage graphs."""
 from __future__ import annotations
 
-
 from fxpipe.base.enums import NamedEnum
 
 
@@ -12,4 +11,3 @@ class RecomputeMode(NamedEnum, what="recompute mode"):
     """Attention core only (Korthikanti et al. 2022 §4.1)."""
     FULL = "full"
     """Whole transformer layer; only its input is kept."""
-

@@ -127,4 +127,3 @@ def compile_pipeline(model: nn.Module, microbatch: Sequence[torch.Tensor], confi
     captured = time.perf_counter() - start
     return dataclasses.replace(compile_program(program, config, **kwargs), capture_s=captured,
                                layout_search=layout_search)
-

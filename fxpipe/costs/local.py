@@ -38,8 +38,8 @@ import torch
 import torch.fx as fx
 
 from fxpipe.base.cpu_memory import keep_freed_blocks
-from fxpipe.costs import probe_groups
-from fxpipe.costs.measure import fit_to_whole, runner_fixed_cost, time_groups
+from fxpipe.costs import measure, probe_groups
+from fxpipe.costs.measure import fit_to_whole, time_groups
 from fxpipe.costs.profile import CostProfile, device_name
 from fxpipe.ir.pass_configs import PartitionConfig
 from fxpipe.ir.program import Program
@@ -100,11 +100,14 @@ def measure_locally(program: Program, config: PartitionConfig, batch: Sequence[t
     # No peer is waited for here (the tp group only returns shapes), so a one-thread CPU
     # rank is timed by its thread's CPU seconds: what the machine's other work takes from
     # it at that moment is not the graph's cost.
+    cpu_time = torch.get_num_threads() == 1
+    # The null stage timed once, for the groups, the check below and the whole graph alike.
+    fixed = measure.runner_fixed_cost(plan, device, context, cpu_time=cpu_time)
     timing = dict(repeats=repeats, warmup=warmup, context=context, enough_s=enough_s, steady=steady,
-                  cpu_time=torch.get_num_threads() == 1)
+                  cpu_time=cpu_time, fixed=fixed)
     rows = time_groups(plan, mine, state_for(names), batch, device, **timing)
     rows = {g: rows[stage_of[same[g]]] for g in range(n)}
-    if _calls_matter(rows, runner_fixed_cost(plan, device, context, cpu_time=timing["cpu_time"])):
+    if _calls_matter(rows, fixed):
         # The graph run whole, as one stage: what the groups' times must add up to
         # (``fit_to_whole``; a graph of many small groups was priced at 0.7 of what it
         # runs in). Timed as the groups are: its first round (the stage's first call) is

@@ -135,7 +135,8 @@ def time_groups(plan: PipelinePlan, groups: range, state: Mapping[str, torch.Ten
                 batch: Sequence[torch.Tensor], device: torch.device, *, repeats: int = 3,
                 warmup: int = 1, context: Callable = None, enough_s: float | None = None,
                 progress: Callable[[str], None] | None = None,
-                cpu_time: bool = False, steady: float | None = None) -> dict[int, tuple[float, float, float, float]]:
+                cpu_time: bool = False, steady: float | None = None,
+                fixed: Sequence[float] | None = None) -> dict[int, tuple[float, float, float, float]]:
     """(fwd, bwd, input, weight) median seconds of each stage in ``groups`` of ``plan``
     (a plan with one stage per probe group); ``state`` holds their parameters.
     ``enough_s``: stop repeating once the recorded repeats took that long (at least one):
@@ -146,9 +147,10 @@ def time_groups(plan: PipelinePlan, groups: range, state: Mapping[str, torch.Ten
     leaves the outlier out). With ``steady`` and no ``warmup``, a first round slower than
     the second by more than ``steady`` is dropped as the warm-up it was, and ``enough_s``
     never ends the timing on the first round.
-    Each time is net of ``runner_fixed_cost`` (module docstring). ``cpu_time``: time by
-    this thread's CPU seconds (``_Clock``; only where the groups wait for no peer and the
-    CPU rank runs one thread)."""
+    Each time is net of ``runner_fixed_cost`` (module docstring; ``fixed``: that cost as
+    already timed for this runner, context and clock). ``cpu_time``: time by this thread's
+    CPU seconds (``_Clock``; only where the groups wait for no peer and the CPU rank runs
+    one thread)."""
     import contextlib
     ctx = context or contextlib.nullcontext
     runners = {g: StageRunner(plan, plan.stages[g], state, loss_scale=1.0, context=ctx) for g in groups}
@@ -217,7 +219,8 @@ def time_groups(plan: PipelinePlan, groups: range, state: Mapping[str, torch.Ten
                 del samples[g][p][:first[g][p]]
     for t in state.values():
         t.grad = None
-    fixed = runner_fixed_cost(plan, device, ctx, cpu_time=cpu_time)
+    if fixed is None:
+        fixed = runner_fixed_cost(plan, device, ctx, cpu_time=cpu_time)
     # A group whose ops cost less than the clock tells apart from the fixed cost keeps
     # MIN_GROUP_S: ops are never free, and a time of zero would say they are.
     return {g: tuple(max(MIN_GROUP_S, statistics.median(samples[g][p]) - f) for p, f in zip(PHASES, fixed))

@@ -51,7 +51,7 @@ from fxpipe.planner.options import CandidateLayout, PlannerOptions
 from fxpipe.planner.predict import predict
 from fxpipe.planner.shapes import TransformerShape
 from fxpipe.planner.tiny_runtime import tiny_batch, tiny_runtime
-from fxpipe.planner.transfer_speeds import _end_parts, pipeline_posts, transfer_end_s
+from fxpipe.planner.transfer_speeds import describe_end, pipeline_posts, transfer_end_s
 from fxpipe.runtime.local_world import free_port, join_local_world
 
 SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
@@ -286,7 +286,7 @@ def calibrate(*, name: str = "cpu-measured", threads: int = 1, distributed: bool
     if distributed:
         log(f"gloo     p2p {link.p2p_bw / 1e9:.2f} GB/s + {link.p2p_latency * 1e6:.0f} us; all-reduce "
             f"busbw {link.collective_bw / 1e9:.2f} GB/s + {link.collective_latency * 1e6:.0f} us per step; "
-            f"{gloo['transfer_cpu_s'] * 1e6:.0f} us of a rank's own time per transfer end{_end_parts(gloo['posts'])}")
+            f"{gloo['transfer_cpu_s'] * 1e6:.0f} us of a rank's own time per transfer end{describe_end(gloo['posts'])}")
     hw = Hardware(
         name=name, peak_flops=compute["peak_flops"], matmul_efficiency=compute["matmul_efficiency"],
         peak_memory_bw=compute["peak_memory_bw"], memory_efficiency=compute["memory_efficiency"],

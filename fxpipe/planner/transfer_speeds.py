@@ -60,7 +60,7 @@ def transfer_end_s(costs: Sequence[dict[str, Any]]) -> float:
     return sum(c["posted_s"] for c in costs) / posts
 
 
-def _end_parts(costs: Sequence[dict[str, Any]]) -> str:
+def describe_end(costs: Sequence[dict[str, Any]]) -> str:
     """How a transfer end's own time divides, for the calibration's line."""
     posts = max(1, sum(c["posts"] for c in costs))
     if any(c.get("transport_s") is None for c in costs):
